@@ -1,0 +1,51 @@
+"""Backends: how the bytes move. ``select_backend`` picks one for a process group.
+
+- ``torch_dist``: torch.distributed collectives (gloo on CPU, NCCL on GPU); the reference.
+- ``nvlink``: Triton kernels over symmetric memory on one NVLink node (CUDA only).
+
+``EPCOMM_BACKEND=torch_dist|nvlink`` overrides the automatic choice.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import EPError
+from .base import Backend
+
+BACKENDS = ("torch_dist", "nvlink")
+
+
+def default_backend_name(group: dist.ProcessGroup) -> str:
+    """The backend a Buffer on ``group`` would use (the ``EPCOMM_BACKEND`` override included)."""
+    override = os.environ.get("EPCOMM_BACKEND")
+    if override:
+        if override not in BACKENDS:
+            raise EPError(f"EPCOMM_BACKEND={override!r} is not one of {BACKENDS}")
+        return override
+    if dist.get_backend(group) == "gloo" or not torch.cuda.is_available():
+        return "torch_dist"
+    from .nvlink import nvlink_usable
+    return "nvlink" if nvlink_usable(group) else "torch_dist"
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a group's tensors live: CPU for gloo, the current CUDA device otherwise."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
+                   low_latency_mode: bool) -> Backend:
+    if name == "torch_dist":
+        from .torch_dist import TorchDistBackend
+        return TorchDistBackend(group, device)
+    if name == "nvlink":
+        if device.type != "cuda":
+            raise EPError("the nvlink backend needs a CUDA (NCCL) process group")
+        from .nvlink import NVLinkBackend
+        return NVLinkBackend(group, device, num_nvl_bytes, low_latency_mode)
+    raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

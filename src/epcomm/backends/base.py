@@ -1,0 +1,105 @@
+"""The protocol every backend implements.
+
+The public :class:`epcomm.Buffer` validates arguments, computes layouts and manages streams; a
+backend only moves bytes. Every backend must produce exactly what the ``torch_dist`` reference
+produces (bitwise for dispatch, within float32 reduction-order rounding for combine).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..handle import DispatchHandle, LowLatencyHandle
+
+# bf16 tensor, or FP8 (e4m3 values, float32 scales) pair
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DispatchArgs:
+    """A validated normal-mode dispatch. In cached mode ``handle`` is set and the routing fields are None."""
+
+    x: Payload
+    handle: Optional[DispatchHandle]
+    num_tokens_per_rank: Optional[torch.Tensor]
+    is_token_in_rank: Optional[torch.Tensor]
+    num_tokens_per_expert: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+    expert_alignment: int
+    num_worst_tokens: int
+    config: Config
+
+
+@dataclass
+class DispatchResult:
+    recv_x: Payload
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert_list: Optional[List[int]]
+    handle: DispatchHandle
+
+
+@dataclass
+class LowLatencyDispatchArgs:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    cumulative_local_expert_recv_stats: Optional[torch.Tensor]
+    dispatch_wait_recv_cost_stats: Optional[torch.Tensor]
+    return_recv_hook: bool
+    rank_mask: torch.Tensor  # [R] int32, nonzero = rank is masked out
+
+
+@dataclass
+class LowLatencyCombineArgs:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: LowLatencyHandle
+    out: Optional[torch.Tensor]
+    combine_wait_recv_cost_stats: Optional[torch.Tensor]
+    return_recv_hook: bool
+    rank_mask: torch.Tensor
+
+
+class Backend(abc.ABC):
+    """Moves dispatch/combine payloads between the ranks of ``group``."""
+
+    name: str = "?"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+
+    @abc.abstractmethod
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """Normal-mode dispatch (full, or cached when ``args.handle`` is given)."""
+
+    @abc.abstractmethod
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: Tuple[torch.Tensor, ...], config: Config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Normal-mode combine: plain float32 sum over the ranks that received each token, plus biases."""
+
+    @abc.abstractmethod
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs
+                             ) -> Tuple[Payload, torch.Tensor, LowLatencyHandle, Optional[Callable[[], None]]]:
+        """Returns ``(recv_x, recv_count, handle, hook)``; ``hook`` is set iff ``return_recv_hook``."""
+
+    @abc.abstractmethod
+    def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
+        """Returns ``(combined_x, hook)``; ``hook`` is set iff ``return_recv_hook``."""
+
+    def destroy(self) -> None:
+        """Free backend resources (symmetric memory, streams)."""

@@ -1,0 +1,287 @@
+"""Reference backend: torch.distributed collectives only (gloo on CPU, NCCL on GPU).
+
+It is the oracle every other backend is tested against, so it favours obvious correctness over
+speed: one count exchange (``all_gather``), one payload ``all_to_all_single`` of packed byte rows,
+and deterministic float32 reductions in rank order. Split sizes of the collectives must be
+Python ints, so this backend synchronises with the host even when ``num_worst_tokens`` is set.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8
+from ..errors import EPError
+from ..handle import DispatchHandle, LowLatencyHandle
+from ..layout import align_up, local_expert_ids, rank_prefix_matrix
+from .base import Backend, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .rows import pack_rows, spec_of, unpack_rows
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0) - counts
+
+
+class TorchDistBackend(Backend):
+    name = "torch_dist"
+
+    # ---------------------------------------------------------------- collectives
+    def _all_gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64 per rank → ``[R, n]``."""
+        gathered = [torch.empty_like(values) for _ in range(self.num_ranks)]
+        dist.all_gather(gathered, values, group=self.group)
+        return torch.stack(gathered)
+
+    def _all_to_all_rows(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+                         async_op: bool = False):
+        recv = torch.empty(sum(recv_counts), *send.shape[1:], dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
+                                      group=self.group, async_op=async_op)
+        return recv, work
+
+    # ---------------------------------------------------------------- normal mode
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        R, rank = self.num_ranks, self.rank
+        cached = args.handle is not None
+        is_fp8 = isinstance(args.x, tuple)
+        x, scales = (args.x[0], args.x[1].contiguous()) if is_fp8 else (args.x, None)
+
+        if cached:
+            handle = args.handle
+            is_token_in_rank = handle.is_token_in_rank
+            prefix = handle.rank_prefix_matrix
+        else:
+            is_token_in_rank = args.is_token_in_rank
+            # Count exchange: every rank learns the whole [src, dst] token matrix (for the prefix
+            # matrix) and the per-expert counts of all ranks (to count its own experts).
+            local = torch.cat([args.num_tokens_per_rank.to(torch.int64),
+                               args.num_tokens_per_expert.to(torch.int64)]).cpu()
+            gathered = self._all_gather(local)
+            prefix = rank_prefix_matrix(gathered[:, :R]).to(self.device)
+            num_local_experts = args.num_tokens_per_expert.numel() // R
+            per_expert = gathered[:, R + rank * num_local_experts: R + (rank + 1) * num_local_experts].sum(0)
+
+        column = prefix[:, rank].to(torch.int64).cpu()
+        recv_counts = (column - torch.cat([column.new_zeros(1), column[:-1]])).tolist()
+        # Send order: grouped by destination rank, tokens in ascending order within a destination.
+        dst_rank, src_token = is_token_in_rank.t().nonzero(as_tuple=True)
+        send_counts = torch.bincount(dst_rank, minlength=R).tolist()
+
+        parts = [x.index_select(0, src_token)]
+        if is_fp8:
+            parts.append(scales.index_select(0, src_token))
+        with_topk = (not cached) and args.topk_idx is not None
+        if with_topk:
+            parts += [args.topk_idx.index_select(0, src_token), args.topk_weights.index_select(0, src_token)]
+        parts.append(src_token.to(torch.int32))
+        specs = [spec_of(p) for p in parts]
+        recv_packed, _ = self._all_to_all_rows(pack_rows(parts), send_counts, recv_counts)
+        received = unpack_rows(recv_packed, specs)
+
+        num_recv = sum(recv_counts)
+        num_rows = args.num_worst_tokens if args.num_worst_tokens > 0 else num_recv
+        if cached:
+            num_rows = handle.num_recv_rows
+        if num_recv > num_rows:
+            raise EPError(f"rank {rank} received {num_recv} tokens, more than num_worst_tokens={num_rows}")
+
+        def padded(t: torch.Tensor, fill) -> torch.Tensor:
+            if num_rows == num_recv:
+                return t
+            out = torch.full((num_rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device) if fill is not None \
+                else torch.zeros((num_rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out[:num_recv] = t
+            return out
+
+        recv_x = padded(received[0], None)
+        if is_fp8:
+            recv_x = (recv_x, padded(received[1], None))
+        recv_src_idx = padded(received[-1], -1)
+
+        recv_topk_idx = recv_topk_weights = None
+        if with_topk:
+            num_local_experts = args.num_tokens_per_expert.numel() // R
+            recv_topk_idx = local_expert_ids(received[-3], rank, num_local_experts)
+            recv_topk_weights = torch.where(recv_topk_idx >= 0, received[-2], torch.zeros_like(received[-2]))
+            recv_topk_idx, recv_topk_weights = padded(recv_topk_idx, -1), padded(recv_topk_weights, None)
+
+        if cached:
+            return DispatchResult(recv_x, None, None, None, handle)
+        counts_list: Optional[List[int]] = None
+        if args.num_worst_tokens == 0:
+            counts_list = [align_up(int(c), args.expert_alignment) for c in per_expert.tolist()]
+        else:
+            counts_list = []
+        handle = DispatchHandle(prefix, recv_src_idx, is_token_in_rank, num_recv, num_rows, None)
+        return DispatchResult(recv_x, recv_topk_idx, recv_topk_weights, counts_list, handle)
+
+    def combine(self, x, handle, topk_weights, bias, config):
+        R, rank = self.num_ranks, self.rank
+        num_recv = handle.num_recv_tokens
+        column = handle.rank_prefix_matrix[:, rank].to(torch.int64).cpu()
+        # Rows go back to where they came from: the sizes of dispatch, with send and recv swapped.
+        back_counts = (column - torch.cat([column.new_zeros(1), column[:-1]])).tolist()
+        dst_rank, home_token = handle.is_token_in_rank.t().nonzero(as_tuple=True)
+        home_counts = torch.bincount(dst_rank, minlength=R).tolist()
+
+        parts = [x[:num_recv]]
+        if topk_weights is not None:
+            parts.append(topk_weights[:num_recv])
+        specs = [spec_of(p) for p in parts]
+        recv_packed, _ = self._all_to_all_rows(pack_rows(parts), back_counts, home_counts)
+        received = unpack_rows(recv_packed, specs)
+
+        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+        # float32 sum; rows arrive in rank order, so on CPU the order of additions is fixed.
+        combined = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        combined.index_add_(0, home_token, received[0].float())
+        for b in bias:
+            combined += b.float()
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = torch.zeros(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=x.device)
+            combined_weights.index_add_(0, home_token, received[1].float())
+        return combined.to(torch.bfloat16), combined_weights
+
+    # ---------------------------------------------------------------- low-latency mode
+    def _ll_messages(self, topk_idx: torch.Tensor, num_experts: int, rank_mask: torch.Tensor):
+        """The (token, expert) messages this rank sends, ordered by (expert, token, k).
+
+        Messages to masked ranks are dropped. Returns ``(token, expert)`` index tensors.
+        """
+        num_tokens, num_topk = topk_idx.shape
+        experts = topk_idx.reshape(-1)
+        num_local_experts = num_experts // self.num_ranks
+        keep = experts >= 0
+        keep &= rank_mask.to(experts.device)[experts.clamp_min(0) // num_local_experts] == 0
+        flat = keep.nonzero(as_tuple=True)[0]
+        order = torch.sort(experts[flat], stable=True).indices
+        flat = flat[order]
+        return flat // num_topk, experts[flat]
+
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
+        R, rank = self.num_ranks, self.rank
+        x = args.x
+        num_tokens, hidden = x.shape
+        M = args.num_max_dispatch_tokens_per_rank
+        num_local_experts = args.num_experts // R
+        token, expert = self._ll_messages(args.topk_idx, args.num_experts, args.rank_mask)
+
+        # Count exchange (the reference has no fixed slots, so it needs the sizes up front).
+        pair_counts = torch.bincount(expert, minlength=args.num_experts).view(R, num_local_experts)
+        recv_pair_counts = torch.empty_like(pair_counts)
+        dist.all_to_all_single(recv_pair_counts, pair_counts, group=self.group)
+        # Messages from masked ranks are ignored by the receiver.
+        recv_pair_counts_host = recv_pair_counts.cpu()
+        send_counts = pair_counts.sum(1).tolist()
+        recv_counts = recv_pair_counts_host.sum(1).tolist()
+
+        if args.use_fp8:
+            x_fp8, scales = fp8.per_token_cast_to_fp8(x, round_scale=args.round_scale)
+            parts = [x_fp8.index_select(0, token), scales.index_select(0, token)]
+        else:
+            parts = [x.index_select(0, token)]
+        parts.append(token.to(torch.int32))
+        specs = [spec_of(p) for p in parts]
+        started = time.perf_counter_ns()
+        recv_packed, work = self._all_to_all_rows(pack_rows(parts), send_counts, recv_counts,
+                                                  async_op=args.return_recv_hook)
+
+        # Outputs have fixed shapes, so they can be handed out before the data lands (hook mode).
+        dev = x.device
+        slots = R * M
+        recv_count = torch.where(args.rank_mask.cpu() == 0, recv_pair_counts_host.t(),
+                                 torch.zeros_like(recv_pair_counts_host.t())).sum(1).to(torch.int32).to(dev)
+        if args.use_fp8:
+            recv_x_data = torch.empty(num_local_experts, slots, hidden, dtype=fp8.FP8_DTYPE, device=dev)
+            groups = hidden // fp8.GROUP // (4 if args.use_ue8m0 else 1)
+            scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
+            # Column-major in the last two dims, as DeepEP returns them.
+            recv_scales = torch.empty(num_local_experts, groups, slots, dtype=scale_dtype, device=dev).transpose(1, 2)
+            recv_x = (recv_x_data, recv_scales)
+        else:
+            recv_x_data = torch.empty(num_local_experts, slots, hidden, dtype=torch.bfloat16, device=dev)
+            recv_x = recv_x_data
+        recv_src_info = torch.full((num_local_experts, slots), -1, dtype=torch.int32, device=dev)
+
+        # Where each (source, local expert) block lands: sources in rank order within an expert.
+        live = (args.rank_mask.cpu() == 0).to(torch.int64).unsqueeze(1)
+        block_counts = recv_pair_counts_host * live  # [src, local expert]
+        block_offsets = block_counts.cumsum(0) - block_counts
+        recv_layout_range = ((block_offsets << 32) | block_counts).t().contiguous().to(dev)
+
+        def receive() -> None:
+            if work is not None:
+                work.wait()
+            if args.dispatch_wait_recv_cost_stats is not None:
+                args.dispatch_wait_recv_cost_stats += time.perf_counter_ns() - started
+            received = unpack_rows(recv_packed, specs)
+            # Received rows come ordered by (source, local expert, token).
+            flat_counts = recv_pair_counts_host.reshape(-1)
+            block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
+            keep = live.squeeze(1).repeat_interleave(num_local_experts)[block_ids] > 0
+            position = torch.arange(block_ids.numel()) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
+            src, local_expert = block_ids // num_local_experts, block_ids % num_local_experts
+            row = block_offsets[src, local_expert] + position
+            local_expert, row = local_expert[keep].to(dev), row[keep].to(dev)
+            keep_dev = keep.to(dev)
+            recv_x_data[local_expert, row] = received[0][keep_dev]
+            if args.use_fp8:
+                scales_rows = received[1][keep_dev]
+                if args.use_ue8m0:
+                    scales_rows = fp8.pack_ue8m0(scales_rows)
+                recv_scales[local_expert, row] = scales_rows
+            recv_src_info[local_expert, row] = received[-1][keep_dev]
+
+        if args.cumulative_local_expert_recv_stats is not None:
+            args.cumulative_local_expert_recv_stats += recv_count
+        handle = LowLatencyHandle(recv_src_info, recv_layout_range, M, hidden, args.num_experts)
+        if args.return_recv_hook:
+            return recv_x, recv_count, handle, receive
+        receive()
+        return recv_x, recv_count, handle, None
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs):
+        R = self.num_ranks
+        x, handle = args.x, args.handle
+        num_local_experts = x.shape[0]
+        dev = x.device
+        # Expert side: send each packed row back to its source, blocks ordered (source, expert).
+        layout = handle.recv_layout_range.cpu()
+        block_offsets, block_counts = (layout >> 32).t(), (layout & 0xFFFFFFFF).t()  # [src, local expert]
+        flat_counts = block_counts.reshape(-1)
+        block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
+        position = torch.arange(block_ids.numel()) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
+        src, local_expert = block_ids // num_local_experts, block_ids % num_local_experts
+        row = block_offsets.reshape(-1)[block_ids] + position
+        send = x[local_expert.to(dev), row.to(dev)]
+        send_counts = block_counts.sum(1).tolist()
+
+        # Home side: rows come back in the order this rank sent them in dispatch.
+        token, expert = self._ll_messages(args.topk_idx, handle.num_experts, args.rank_mask)
+        recv_counts = torch.bincount(expert // num_local_experts, minlength=R).tolist()
+        started = time.perf_counter_ns()
+        recv, work = self._all_to_all_rows(send, send_counts, recv_counts, async_op=args.return_recv_hook)
+
+        num_tokens = args.topk_idx.shape[0]
+        out = args.out if args.out is not None else torch.empty(num_tokens, handle.hidden, dtype=torch.bfloat16, device=dev)
+        # weight of each message: topk_weights at its (token, k)
+        k_of = (args.topk_idx[token] == expert.unsqueeze(1)).int().argmax(1)
+        weights = args.topk_weights[token, k_of].float()
+
+        def receive() -> None:
+            if work is not None:
+                work.wait()
+            if args.combine_wait_recv_cost_stats is not None:
+                args.combine_wait_recv_cost_stats += time.perf_counter_ns() - started
+            combined = torch.zeros(num_tokens, handle.hidden, dtype=torch.float32, device=dev)
+            combined.index_add_(0, token, recv.float() * weights.unsqueeze(1))
+            out.copy_(combined)
+
+        if args.return_recv_hook:
+            return out, receive
+        receive()
+        return out, None

@@ -1,0 +1,441 @@
+"""The public, DeepEP V1-compatible ``Buffer``.
+
+The buffer validates every argument (raising :class:`EPInputError` before any communication),
+computes routing layouts, runs the work on its communication stream, and hands the byte moving to
+a backend (see :mod:`epcomm.backends`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import checks, config as config_mod
+from .backends import create_backend, default_backend_name, group_device
+from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .config import Config
+from .errors import EPError, EPInputError
+from .events import EventOverlap, StreamScope, capture_event
+from .handle import DispatchHandle, LowLatencyHandle
+from .layout import dispatch_layout
+
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class Buffer:
+    """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``Buffer`` API).
+
+    Args:
+        group: the process group of the expert-parallel ranks (gloo → CPU tensors, NCCL → CUDA).
+        num_nvl_bytes: bytes of intra-node communication memory, fixed for the buffer's life.
+        num_rdma_bytes: bytes of inter-node (or low-latency) communication memory.
+        low_latency_mode: enable the low-latency (decode) kernels.
+        num_qps_per_rank: RDMA queue pairs per peer (inter-node only; accepted for compatibility).
+        allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node.
+        allow_mnnvl: allow multi-node NVLink (accepted for compatibility).
+        explicitly_destroy: if True, :meth:`destroy` must be called to free resources.
+
+    The backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node)
+    unless ``EPCOMM_BACKEND`` names one; ``buffer.backend_name`` tells which.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False):
+        if group is None or not isinstance(group, dist.ProcessGroup):
+            raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        checks.check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        checks.check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
+        self.device = group_device(group)
+        self.backend_name = default_backend_name(group)
+        self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, self.low_latency_mode)
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Low-latency state: rank mask, and the two buffer halves used alternately.
+        self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
+        self._ll_phase = 0
+        self._ll_combine_staging: List[Optional[torch.Tensor]] = [None, None]
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ static helpers
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the FP8 paths are available (they need no compiled extension here)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count used by default configs (must be even)."""
+        config_mod.set_default_num_sms(new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current CUDA stream, to pass as ``previous_event`` (done event on CPU)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return capture_event(device)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Tuned dispatch :class:`Config` for ``num_ranks`` ranks."""
+        return config_mod.dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Tuned combine :class:`Config` for ``num_ranks`` ranks."""
+        return config_mod.combine_config(num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` low-latency mode needs: two halves, each holding a send
+        area of ``M`` messages and a receive area of ``E * M`` messages plus signalling words."""
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            checks.check_int(name, value, minimum=1)
+        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)
+        combine_msg = 16 + hidden * 2
+        msg = max(dispatch_msg, combine_msg)
+        half = num_max_dispatch_tokens_per_rank * msg + num_experts * num_max_dispatch_tokens_per_rank * msg \
+            + num_experts * 4 * 2
+        half = (half + 127) // 128 * 128
+        return 2 * half
+
+    # ------------------------------------------------------------------ state
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise EPError("this Buffer was destroyed")
+
+    def _check_low_latency(self) -> None:
+        self._check_alive()
+        if not self.low_latency_mode:
+            raise EPError("low-latency calls need a Buffer constructed with low_latency_mode=True")
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        """The stream communication runs on (``None`` on CPU)."""
+        return self._comm_stream
+
+    def destroy(self) -> None:
+        """Free the buffer's resources; required when constructed with ``explicitly_destroy=True``."""
+        if self._destroyed:
+            return
+        self._backend.destroy()
+        self._destroyed = True
+
+    def __del__(self):
+        try:
+            if not self.explicitly_destroy:
+                self.destroy()
+        except Exception:
+            pass
+
+    def _stream_scope(self, previous_event, async_finish, inputs=()) -> StreamScope:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise EPInputError("previous_event", f"must be an EventOverlap, got {type(previous_event).__name__}")
+        return StreamScope(self._comm_stream, previous_event, bool(async_finish), inputs)
+
+    def _resolve_config(self, config, default: Callable[[int], Config]) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise EPInputError("config", f"must be an epcomm.Config, got {type(config).__name__}")
+        return config
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Count tokens per rank and per expert from the router's choice.
+
+        Args:
+            topk_idx: ``[T, K]`` int64 expert ids, ``-1`` = no expert.
+            num_experts: global expert count ``E`` (a multiple of the group size).
+
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [N] int32 | None,
+            num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+        """
+        self._check_alive()
+        checks.check_num_experts(num_experts, self.group_size)
+        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+        with self._stream_scope(previous_event, async_finish, (topk_idx,)) as scope:
+            per_rank, per_rdma_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+            scope.keep(per_rank, per_rdma_rank, per_expert, in_rank)
+        return per_rank, per_rdma_rank, per_expert, in_rank, scope.event_overlap()
+
+    def dispatch(self, x: Payload, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank that hosts at least one of its experts.
+
+        Args:
+            x: bf16 ``[T, H]``, or FP8 ``(e4m3 [T, H], float32 scales [T, H/128])`` (scales row- or
+                column-major).
+            handle: a handle from an earlier dispatch: cached mode (no top-k arguments, no count
+                exchange, no host synchronisation).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
+                the outputs of :meth:`get_dispatch_layout`.
+            topk_idx: ``[T, K]`` int64 global expert ids (``-1`` = none); topk_weights: ``[T, K]`` float32.
+            expert_alignment: round each per-expert receive count up to a multiple of this.
+            num_worst_tokens: if > 0, pad outputs to exactly this many rows and skip the host sync.
+
+        Returns:
+            ``(recv_x, recv_topk_idx [Trecv, K] | None, recv_topk_weights [Trecv, K] | None,
+            num_recv_tokens_per_expert_list, handle, event)``. Rows are grouped by source rank in rank
+            order, each source's tokens in its own order; ``handle[0]`` is ``rank_prefix_matrix``.
+            ``recv_topk_idx`` holds local expert ids (``-1`` elsewhere; weights 0 there).
+            In cached mode the top-k outputs and the list are ``None``.
+        """
+        self._check_alive()
+        R = self.group_size
+        num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
+        config = self._resolve_config(config, Buffer.get_dispatch_config)
+        checks.check_int("expert_alignment", expert_alignment, minimum=1)
+        checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle):
+                raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                if value is not None:
+                    raise EPInputError(name, "must be None in cached mode (a handle was given)")
+            if handle.is_token_in_rank.shape[0] != num_tokens:
+                raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+        else:
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
+            checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
+            checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
+            checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
+            num_experts = num_tokens_per_expert.numel()
+            if num_experts == 0 or num_experts % R:
+                raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
+            if (topk_idx is None) != (topk_weights is None):
+                raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
+                                   "topk_idx and topk_weights must be given together")
+            if topk_idx is not None:
+                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+                checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
+        inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
+        args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                            topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
+                            num_worst_tokens=num_worst_tokens, config=config)
+        with self._stream_scope(previous_event, async_finish, inputs) as scope:
+            result = self._backend.dispatch(args)
+            scope.keep(result.recv_x, result.recv_topk_idx, result.recv_topk_weights)
+        return (result.recv_x, result.recv_topk_idx, result.recv_topk_weights,
+                result.num_recv_tokens_per_expert_list, result.handle, scope.event_overlap())
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send rows back to their home ranks and sum them there (plain sum, float32 accumulation).
+
+        Args:
+            x: bf16 ``[Trecv, H]``, rows in the order dispatch returned them.
+            handle: the handle of that dispatch.
+            topk_weights: optional float32 ``[Trecv, K]``, summed the same way.
+            bias: ``None``, a bf16 ``[T, H]`` tensor, or a pair of them, added to the result.
+
+        Returns:
+            ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
+        """
+        self._check_alive()
+        if not isinstance(handle, DispatchHandle):
+            raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+        num_rows = handle.num_recv_rows
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_rows, None), device=self.device)
+        if topk_weights is not None:
+            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=self.device)
+        num_tokens = handle.is_token_in_rank.shape[0]
+        if bias is None:
+            biases: Tuple[torch.Tensor, ...] = ()
+        elif isinstance(bias, torch.Tensor):
+            biases = (bias,)
+        elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
+            biases = tuple(b for b in bias if b is not None)
+        else:
+            raise EPInputError("bias", "must be None, a tensor, or a pair of tensors")
+        for i, b in enumerate(biases):
+            checks.check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]), device=self.device)
+        config = self._resolve_config(config, Buffer.get_combine_config)
+        with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
+            combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
+            scope.keep(combined_x, combined_weights)
+        return combined_x, combined_weights, scope.event_overlap()
+
+    # ------------------------------------------------------------------ low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset low-latency buffer state (needed after switching from normal mode on shared memory)."""
+        self._check_low_latency()
+        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        checks.check_int("hidden", hidden, minimum=1)
+        checks.check_num_experts(num_experts, self.group_size)
+        self._ll_phase = 0
+        self._ll_combine_staging = [None, None]
+        dist.barrier(group=self.group)
+
+    def _next_phase(self) -> int:
+        phase = self._ll_phase
+        self._ll_phase ^= 1
+        return phase
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Low-latency dispatch: one message per (token, expert) into fixed per-(expert, source) slots.
+
+        Args:
+            x: bf16 ``[T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` (``M``).
+            topk_idx: ``[T, K]`` int64 global expert ids, ``-1`` = none.
+            cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the counts.
+            dispatch_wait_recv_cost_stats: optional int64 ``[R]``, incremented by wait time (ns).
+            use_fp8: send e4m3 with per-128-channel float32 scales; round_scale: power-of-two scales;
+                use_ue8m0: pack those scales as UE8M0 bytes, 4 per int32 (needs round_scale).
+            return_recv_hook: only send now; ``hook()`` receives.
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
+            an FP8 pair whose scales ``[E_local, R*M, H/128]`` (int32 ``H/512`` with UE8M0) are
+            column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
+        """
+        self._check_low_latency()
+        R = self.group_size
+        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        checks.check_num_experts(num_experts, R)
+        checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
+        num_tokens, hidden = x.shape
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                                    f"{num_max_dispatch_tokens_per_rank}")
+        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+        if use_fp8 and hidden % 128:
+            raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and hidden % 512:
+            raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
+        num_local_experts = num_experts // R
+        if cumulative_local_expert_recv_stats is not None:
+            checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                dtype=torch.int32, shape=(num_local_experts,), device=self.device)
+        if dispatch_wait_recv_cost_stats is not None:
+            checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                dtype=torch.int64, shape=(R,), device=self.device)
+        self._next_phase()
+        args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                      round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
+        with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
+            recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
+            scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
+        return recv_x, recv_count, handle, scope.event_overlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The bf16 ``[E_local, R*M, H]`` tensor the next ``low_latency_combine(zero_copy=True)`` reads.
+
+        Write expert outputs into it directly to save the copy.
+        """
+        self._check_low_latency()
+        if not isinstance(handle, LowLatencyHandle):
+            raise EPInputError("handle", f"must be a LowLatencyHandle, got {type(handle).__name__}")
+        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        staging = self._ll_combine_staging[self._ll_phase]
+        if staging is None or tuple(staging.shape) != shape:
+            staging = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+            self._ll_combine_staging[self._ll_phase] = staging
+        return staging
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Low-latency combine: ``combined[t] = Σ_k topk_weights[t, k] · expert_output(t, k)`` in float32.
+
+        Args:
+            x: bf16 ``[E_local, R*M, H]`` expert outputs in dispatch's layout.
+            topk_idx, topk_weights: ``[T, K]`` int64 / float32, as given to the dispatch.
+            handle: the dispatch's handle.
+            use_logfmt: accepted for compatibility; the payload stays bf16 (no lossy compression).
+            zero_copy: read the expert outputs from :meth:`get_next_low_latency_combine_buffer`.
+            out: optional bf16 ``[T, H]`` to write the result into.
+
+        Returns:
+            ``(combined_x [T, H] bf16, event, hook)``.
+        """
+        self._check_low_latency()
+        if not isinstance(handle, LowLatencyHandle):
+            raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
+        R = self.group_size
+        num_local_experts = handle.num_experts // R
+        slots = R * handle.num_max_dispatch_tokens_per_rank
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
+        checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device)
+        num_tokens = topk_idx.shape[0]
+        if num_tokens > handle.num_max_dispatch_tokens_per_rank:
+            raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
+                                           f"{handle.num_max_dispatch_tokens_per_rank}")
+        checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
+        if out is not None:
+            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
+        if combine_wait_recv_cost_stats is not None:
+            checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                dtype=torch.int64, shape=(R,), device=self.device)
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        self._next_phase()
+        args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                                     return_recv_hook, self._rank_mask)
+        with self._stream_scope(None, async_finish, (x, topk_idx, topk_weights)) as scope:
+            combined_x, hook = self._backend.low_latency_combine(args)
+            scope.keep(combined_x)
+        return combined_x, scope.event_overlap(), hook
+
+    # ------------------------------------------------------------------ rank masking
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mark ``rank_to_mask`` as dead (``mask=True``) or alive again; masked ranks are skipped."""
+        self._check_low_latency()
+        checks.check_int("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise EPInputError("rank_to_mask", f"must be < {self.group_size}, got {rank_to_mask}")
+        self._rank_mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask (``[R]`` int32, 1 = masked) into ``mask_status``."""
+        self._check_low_latency()
+        checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,), device=self.device)
+        mask_status.copy_(self._rank_mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._check_low_latency()
+        self._rank_mask.zero_()

@@ -1,0 +1,108 @@
+"""Argument validation for the public API.
+
+Each check raises :class:`EPInputError` naming the argument. Checks run before any communication,
+on every rank, so an invalid call fails the same way everywhere and the buffer stays usable.
+Value checks that need the tensor's contents (``topk_idx`` ranges) read device memory; on CUDA
+they run only when ``EPCOMM_CHECK_VALUES=1``, because they force a host synchronisation.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import EPInputError
+
+
+def value_checks_enabled(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    return os.environ.get("EPCOMM_CHECK_VALUES", "0") == "1"
+
+
+def check_int(name: str, value, minimum: Optional[int] = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EPInputError(name, f"must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise EPInputError(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def check_tensor(name: str, t, *, dtype=None, dtypes: Sequence[torch.dtype] = (), ndim: Optional[int] = None,
+                 shape: Optional[Sequence[Optional[int]]] = None, device: Optional[torch.device] = None,
+                 contiguous: bool = True) -> torch.Tensor:
+    """Type, dtype, rank, shape (``None`` = any size), device and contiguity of one tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise EPInputError(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    allowed = tuple(dtypes) + ((dtype,) if dtype is not None else ())
+    if allowed and t.dtype not in allowed:
+        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        raise EPInputError(name, f"must have dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise EPInputError(name, f"must be {ndim}-dimensional, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise EPInputError(name, f"must have shape {expected}, got {tuple(t.shape)} (dim {axis})")
+    if device is not None and not _same_device(t.device, device):
+        raise EPInputError(name, f"must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise EPInputError(name, "must be contiguous")
+    return t
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        return (a.index if a.index is not None else torch.cuda.current_device()) == \
+               (b.index if b.index is not None else torch.cuda.current_device())
+    return True
+
+
+def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: torch.device,
+                   num_tokens: Optional[int] = None) -> torch.Tensor:
+    from . import topk_idx_t
+    check_tensor(name, topk_idx, dtype=topk_idx_t, shape=(num_tokens, None), device=device)
+    if value_checks_enabled(topk_idx.device) and topk_idx.numel():
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        if low < -1 or high >= num_experts:
+            raise EPInputError(name, f"values must lie in [-1, {num_experts}), got range [{low}, {high}]")
+    return topk_idx
+
+
+def check_topk_weights(name: str, topk_weights: torch.Tensor, shape, device: torch.device) -> torch.Tensor:
+    return check_tensor(name, topk_weights, dtype=torch.float32, shape=shape, device=device)
+
+
+def check_num_experts(num_experts, num_ranks: int) -> int:
+    check_int("num_experts", num_experts, minimum=1)
+    if num_experts % num_ranks:
+        raise EPInputError("num_experts", f"{num_experts} is not divisible by the group size {num_ranks}")
+    return num_experts
+
+
+def check_payload(name: str, x, device: torch.device, num_tokens: Optional[int] = None):
+    """``x`` is bf16 ``[T, H]`` or an FP8 tuple ``(e4m3 [T, H], float32 [T, H/128])``.
+
+    FP8 scales may be row-major or column-major (strides ``(1, T)``). Returns ``(T, H, is_fp8)``.
+    """
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise EPInputError(name, f"an FP8 input must be a (values, scales) pair, got {len(x)} items")
+        values, scales = x
+        check_tensor(f"{name}[0]", values, dtype=torch.float8_e4m3fn, shape=(num_tokens, None), device=device)
+        num_tokens, hidden = values.shape
+        if hidden % 128:
+            raise EPInputError(f"{name}[0]", f"hidden size {hidden} must be a multiple of 128 for FP8")
+        check_tensor(f"{name}[1]", scales, dtype=torch.float32, shape=(num_tokens, hidden // 128),
+                     device=device, contiguous=False)
+        if not (scales.is_contiguous() or scales.t().is_contiguous()):
+            raise EPInputError(f"{name}[1]", "scales must be row-major or column-major")
+        return num_tokens, hidden, True
+    check_tensor(name, x, dtype=torch.bfloat16, shape=(num_tokens, None), device=device)
+    return x.shape[0], x.shape[1], False

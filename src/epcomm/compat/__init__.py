@@ -1,0 +1,1 @@
+"""Drop-in shims for code written against other EP libraries."""

@@ -1,0 +1,34 @@
+"""Exceptions raised by epcomm.
+
+Every error that epcomm raises on purpose derives from :class:`EPError`, so callers can catch the
+library's failures in one place while still telling bad input apart from a failed exchange.
+"""
+
+
+class EPError(RuntimeError):
+    """A dispatch/combine could not be carried out (wrong buffer state, backend failure)."""
+
+
+class EPInputError(EPError, ValueError):
+    """An argument of a public call is invalid.
+
+    Raised before any communication starts, so the buffer stays usable. The message names the
+    argument (``argument`` holds it as well).
+    """
+
+    def __init__(self, argument: str, message: str):
+        self.argument = argument
+        super().__init__(f"{argument}: {message}")
+
+
+class EPTimeoutError(EPError, TimeoutError):
+    """A wait for peers exceeded the configured timeout.
+
+    ``peers`` lists the ranks that had not answered when the wait gave up.
+    """
+
+    def __init__(self, message: str, peers=()):
+        self.peers = sorted(int(p) for p in peers)
+        if self.peers:
+            message = f"{message} (waited for ranks {self.peers})"
+        super().__init__(message)

@@ -1,0 +1,170 @@
+"""Run a function on N ranks (one process each), from scripts or pytest.
+
+``run_distributed(fn, world_size, *args)`` starts the ranks, runs ``fn(*args)`` on each, and returns
+the per-rank results. A :class:`WorkerPool` keeps the ranks (and their process group) alive across
+many calls, which makes test suites fast. Any exception on any rank stops the pool and is raised in
+the caller as :class:`RankFailure` with that rank's traceback; a call that exceeds its timeout
+stops the pool and raises :class:`epcomm.EPTimeoutError` naming the ranks that had not finished.
+
+``fn`` must be importable by name (a module-level function), since ranks are started with
+``spawn``. Inside ``fn``, the default process group is initialised; ``torch.distributed.get_rank()``
+tells the rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch.multiprocessing as mp
+
+from ..errors import EPError, EPTimeoutError
+
+
+class RankFailure(EPError):
+    """A rank raised; ``rank`` and ``remote_traceback`` say where and what."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, jobs, results, group_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=group_timeout_s), **kwargs)
+    except Exception:
+        results.put((None, rank, "error", traceback.format_exc()))
+        return
+    results.put((None, rank, "ready", None))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        try:
+            value = fn(*args, **kwargs)
+            results.put((job_id, rank, "ok", value))
+        except BaseException:
+            results.put((job_id, rank, "error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerPool:
+    """``world_size`` long-lived ranks that run functions on request.
+
+    Args:
+        world_size: number of ranks (processes).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        group_timeout_s: the process group's own timeout for a stuck collective.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", group_timeout_s: float = 120.0,
+                 start_timeout_s: float = 180.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self._ctx = mp.get_context("spawn")
+        self._results = self._ctx.Queue()
+        self._jobs = [self._ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self._procs = [self._ctx.Process(target=_worker_main, daemon=True,
+                                         args=(r, world_size, port, backend, self._jobs[r], self._results, group_timeout_s))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self._next_job = 0
+        self._closed = False
+        self._collect(None, start_timeout_s, "start")
+
+    def _collect(self, job_id, timeout_s: float, what: str) -> List[Any]:
+        values: List[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close(force=True)
+                raise EPTimeoutError(f"{what} did not finish within {timeout_s:.0f} s", peers=pending)
+            try:
+                got_job, rank, status, value = self._results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead:
+                    self.close(force=True)
+                    raise RankFailure(dead[0], f"process exited with code {self._procs[dead[0]].exitcode} during {what}")
+                continue
+            if got_job != job_id:
+                continue
+            if status == "error":
+                self.close(force=True)
+                raise RankFailure(rank, value)
+            values[rank] = value
+            pending.discard(rank)
+        return values
+
+    def run(self, fn: Callable, *args, timeout_s: float = 300.0, **kwargs) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the list of per-rank return values."""
+        if self._closed:
+            raise EPError("this WorkerPool is closed (a previous call failed or close() was called)")
+        job_id = self._next_job
+        self._next_job += 1
+        for q in self._jobs:
+            q.put((job_id, fn, args, kwargs))
+        return self._collect(job_id, timeout_s, getattr(fn, "__name__", "job"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
+                    **kwargs) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` once on ``world_size`` fresh ranks and return their results."""
+    with WorkerPool(world_size, backend=backend) as pool:
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
