@@ -150,13 +150,16 @@ class TorchDistBackend(Backend):
     def _ll_messages(self, topk_idx: torch.Tensor, num_experts: int, rank_mask: torch.Tensor):
         """The (token, expert) messages this rank sends, ordered by (expert, token, k).
 
-        Messages to masked ranks are dropped. Returns ``(token, expert)`` index tensors.
+        Messages to masked ranks, and all messages of a masked rank, are dropped. Returns ``(token, expert)`` index tensors.
         """
         num_tokens, num_topk = topk_idx.shape
         experts = topk_idx.reshape(-1)
         num_local_experts = num_experts // self.num_ranks
         keep = experts >= 0
-        keep &= rank_mask.to(experts.device)[experts.clamp_min(0) // num_local_experts] == 0
+        mask = rank_mask.to(experts.device)
+        keep &= mask[experts.clamp_min(0) // num_local_experts] == 0
+        if bool(mask[self.rank]):
+            keep &= False  # a masked rank takes no part: it sends nothing and is sent nothing
         flat = keep.nonzero(as_tuple=True)[0]
         order = torch.sort(experts[flat], stable=True).indices
         flat = flat[order]
