@@ -1,0 +1,19 @@
+# Sourced by the other scripts: find or make a Python with torch, and put epcomm on its path.
+# GPU machine (torch with CUDA already installed): use that Python as it is.
+# Otherwise: a local .venv with the CPU build of torch 2.13.0 (never a multi-GB CUDA build).
+set -euo pipefail
+EPCOMM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$EPCOMM_ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  PY=python3
+else
+  if [ ! -x "$EPCOMM_ROOT/.venv/bin/python" ]; then
+    echo "epcomm: creating $EPCOMM_ROOT/.venv with torch==2.13.0 (CPU build)" >&2
+    python3 -m venv "$EPCOMM_ROOT/.venv"
+  fi
+  PY="$EPCOMM_ROOT/.venv/bin/python"
+  if ! "$PY" -c 'import torch, pytest' 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0 'pytest>=7'
+  fi
+fi
+export PY

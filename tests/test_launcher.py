@@ -1,0 +1,27 @@
+"""The multi-process launcher: results, failure reporting, timeouts."""
+import pytest
+
+import ep_cases
+import epcomm
+from epcomm.testing import RankFailure, WorkerPool, run_distributed
+
+
+def test_results_in_rank_order():
+    assert run_distributed(ep_cases.echo_rank, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_failure_names_rank_and_traceback():
+    with WorkerPool(2) as pool:
+        with pytest.raises(RankFailure) as info:
+            pool.run(ep_cases.raise_on_rank, 1)
+        assert info.value.rank == 1 and "planted failure on rank 1" in str(info.value)
+        assert pool.closed
+        with pytest.raises(epcomm.EPError, match="closed"):
+            pool.run(ep_cases.echo_rank)
+
+
+def test_timeout_names_ranks():
+    with WorkerPool(2) as pool:
+        with pytest.raises(epcomm.EPTimeoutError) as info:
+            pool.run(ep_cases.sleep_forever, timeout_s=2)
+        assert info.value.peers == [0, 1]

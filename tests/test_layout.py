@@ -1,0 +1,57 @@
+"""Routing → layout against hand-counted loops."""
+import torch
+
+import epcomm
+from epcomm import layout
+from epcomm.testing import skewed_topk, uniform_topk, with_holes
+
+
+def _loop_layout(topk_idx, num_experts, num_ranks):
+    per = num_experts // num_ranks
+    in_rank = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32)
+    for t, row in enumerate(topk_idx.tolist()):
+        for e in row:
+            if e >= 0:
+                in_rank[t, e // per] = True
+                per_expert[e] += 1
+    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+
+
+def test_layout_matches_loops():
+    g = torch.Generator().manual_seed(0)
+    for num_ranks in (1, 2, 4, 8):
+        for maker in (uniform_topk, skewed_topk):
+            topk = with_holes(maker(50, 16 * num_ranks, 6, generator=g), 0.2, generator=g)
+            per_rank, per_rdma, per_expert, in_rank = layout.dispatch_layout(topk, 16 * num_ranks, num_ranks)
+            want = _loop_layout(topk, 16 * num_ranks, num_ranks)
+            assert per_rdma is None
+            assert torch.equal(per_rank, want[0]) and torch.equal(per_expert, want[1]) and torch.equal(in_rank, want[2])
+            assert per_rank.dtype == per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
+
+
+def test_tokens_per_rdma_rank_counts_nodes():
+    topk = torch.tensor([[0, 5], [2, 3], [-1, -1], [7, 6]])
+    _, per_node, _, _ = layout.dispatch_layout(topk, 8, 4, num_ranks_per_node=2)
+    assert per_node.tolist() == [2, 2]
+
+
+def test_empty_and_all_holes():
+    per_rank, _, per_expert, in_rank = layout.dispatch_layout(torch.empty(0, 4, dtype=torch.int64), 8, 2)
+    assert per_rank.tolist() == [0, 0] and per_expert.sum() == 0 and in_rank.shape == (0, 2)
+    per_rank, _, _, _ = layout.dispatch_layout(torch.full((3, 2), -1), 8, 2)
+    assert per_rank.tolist() == [0, 0]
+
+
+def test_rank_prefix_matrix_and_local_ids():
+    counts = torch.tensor([[1, 2], [3, 4]])
+    assert layout.rank_prefix_matrix(counts).tolist() == [[1, 2], [4, 6]]
+    topk = torch.tensor([[0, 3, 4, -1]])
+    assert layout.local_expert_ids(topk, rank=1, num_local_experts=2).tolist() == [[-1, 1, -1, -1]]
+    assert layout.align_up(5, 4) == 8 and layout.align_up(8, 4) == 8
+
+
+def test_public_names():
+    assert epcomm.topk_idx_t is torch.int64
+    from epcomm.compat import deep_ep
+    assert deep_ep.Buffer is epcomm.Buffer and deep_ep.Config is epcomm.Config
