@@ -485,3 +485,99 @@ def worst_tokens_overflow():
     except epcomm.EPError as err:
         return "num_worst_tokens" in str(err)
     return False
+
+
+# ---------------------------------------------------------------- GPU: nvlink against torch_dist (NCCL)
+def _buffers_on_gpu(num_nvl_bytes: int):
+    import os
+    os.environ.pop("EPCOMM_BACKEND", None)
+    fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
+    os.environ["EPCOMM_BACKEND"] = "torch_dist"
+    try:
+        reference = epcomm.Buffer(dist.group.WORLD)
+    finally:
+        os.environ.pop("EPCOMM_BACKEND")
+    assert fast.backend_name == "nvlink" and reference.backend_name == "torch_dist"
+    return fast, reference
+
+
+def _valid_rows(payload, n):
+    if isinstance(payload, tuple):
+        return payload[0][:n].view(torch.uint8), payload[1][:n]
+    return payload[:n]
+
+
+def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats: int = 1):
+    """For each (scenario, tokens, hidden, use_fp8, num_worst) config: nvlink == torch_dist on the
+    same inputs — bitwise for dispatch (full and cached), float tolerance for combine."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fast, reference = _buffers_on_gpu(num_nvl_bytes)
+    checked = 0
+    for index, (scenario, max_tokens, hidden, use_fp8, worst) in enumerate(configs * repeats):
+        seed = 10_000 + index
+        num_experts, k = 8 * R, min(8, 8 * R)
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        x = xs[rank].to(dev)
+        x_in = to_fp8_input(x, column_major=index % 2 == 0) if use_fp8 else x
+        topk, w = topks[rank].to(dev), weights[rank].to(dev)
+        outs = {}
+        for name, buffer in (("fast", fast), ("ref", reference)):
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+            kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w)
+            if worst:
+                kwargs["num_worst_tokens"] = sum(t.shape[0] for t in xs)
+            recv = buffer.dispatch(x_in, **kwargs)
+            cached = buffer.dispatch(x_in, handle=recv[4])
+            values = fp8.per_token_cast_back(recv[0][0], recv[0][1]) if use_fp8 else recv[0]
+            expert_out = (values.float() * (rank + 1) * 0.5).to(torch.bfloat16)
+            combined = buffer.combine(expert_out, recv[4], topk_weights=recv[2])
+            torch.cuda.synchronize()
+            outs[name] = (recv, cached, combined)
+        (f_recv, f_cached, f_comb), (r_recv, r_cached, r_comb) = outs["fast"], outs["ref"]
+        n = int(r_recv[4].num_recv_tokens)
+        what = f"config {index} {scenario} T<={max_tokens} H={hidden} fp8={use_fp8} worst={worst}"
+        for got, want, label in ((f_recv[0], r_recv[0], "recv_x"), (f_cached[0], r_cached[0], "cached recv_x")):
+            g, wv = _valid_rows(got, n), _valid_rows(want, n)
+            if use_fp8:
+                assert torch.equal(g[0], wv[0]) and torch.equal(g[1], wv[1]), f"{what}: {label}"
+            else:
+                assert torch.equal(g, wv), f"{what}: {label}"
+        assert torch.equal(f_recv[1][:n], r_recv[1][:n]), f"{what}: recv_topk_idx"
+        assert torch.equal(f_recv[2][:n], r_recv[2][:n]), f"{what}: recv_topk_weights"
+        if worst:
+            assert (f_recv[1][n:] == -1).all(), f"{what}: padding rows"
+        assert f_recv[3] == r_recv[3], f"{what}: per-expert counts"
+        assert torch.equal(f_recv[4][0], r_recv[4][0]), f"{what}: rank_prefix_matrix"
+        assert torch.equal(f_recv[4].recv_src_idx[:n], r_recv[4].recv_src_idx[:n]), f"{what}: recv_src_idx"
+        torch.testing.assert_close(f_comb[0], r_comb[0], rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: combine {m}")
+        torch.testing.assert_close(f_comb[1], r_comb[1], rtol=1e-5, atol=1e-5)
+        checked += 1
+    fast.destroy()
+    return checked
+
+
+def gpu_timeout_names_peer():
+    """A rank that stops taking part makes the others raise EPTimeoutError naming it (no hang)."""
+    import os
+    os.environ["EPCOMM_TIMEOUT_S"] = "3"
+    try:
+        R, rank = world()
+        dev = torch.device("cuda", torch.cuda.current_device())
+        fast, _ = _buffers_on_gpu(1 << 26)
+    finally:
+        os.environ.pop("EPCOMM_TIMEOUT_S")
+    absent = R - 1
+    if rank == absent:
+        return "absent"
+    xs, topks, weights = make_routing(1, "uniform", R, 8 * R, 4, 16, 256)
+    topk = topks[rank].to(dev)
+    per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(topk, 8 * R)
+    try:
+        fast.dispatch(xs[rank].to(dev), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert)
+    except epcomm.EPTimeoutError as err:
+        assert absent in err.peers, err.peers
+        return "raised"
+    return "no error"

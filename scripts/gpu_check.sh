@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: environment info, the GPU test suite, then the benchmark (table last).
+# Logs and JSON/PNG go to $OUT (default ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
+python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+python3 -m epcomm bench normal --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,0 +1,135 @@
+"""Triton kernels of the NVLink backend.
+
+Three kernels, each parametrised rather than copied per use:
+
+- ``barrier_kernel``: a bounded, graph-safe barrier among the ranks (optionally first copying a
+  small row of counts into every peer — the "notify" step).
+- ``copy_rows_kernel``: moves rows between local memory and peers' symmetric memory. Either side
+  may be "indexed" (address = a per-rank base from a table + row index · stride) or "linear" (row
+  ``r`` of a local tensor). Dispatch pulls (indexed source, linear destination); combine pushes
+  (linear source, indexed destination).
+- ``reduce_slots_kernel``: the home rank's float32 sum over the per-rank slots of each token.
+
+Addresses of peers' memory are plain int64 byte addresses (``buffer_ptrs`` of symmetric memory)
+turned into typed pointers inside the kernels.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _now_ns():
+    # %globaltimer: a nanosecond clock shared by all SMs, used only to bound waits.
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def barrier_kernel(flag_bases_ptr,  # [R] int64: address of each rank's int64 flag array [R]
+                   sent_ptr,  # [R] int64, local: barriers this rank has signalled to each peer
+                   error_ptr,  # [R] int32, local: set to 1 when a wait for that peer timed out
+                   count_row_ptr,  # [ROW] int32, local: counts to publish (notify), unused if ROW_LEN == 0
+                   count_bases_ptr,  # [R] int64: address of each rank's count matrix [R, row_len]
+                   row_len, rank, timeout_ns,
+                   ROW_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per peer. Program p: (1) optionally writes this rank's count row into peer p's
+    # count matrix at row `rank`; (2) release-stores the barrier epoch into peer p's flag[rank];
+    # (3) acquire-polls its own flag[p] until peer p has arrived at the same epoch.
+    peer = tl.program_id(0)
+    if ROW_LEN > 0:
+        dst = tl.load(count_bases_ptr + peer).to(tl.pointer_type(tl.int32)) + rank * row_len
+        for start in range(0, row_len, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(dst + offs, tl.load(count_row_ptr + offs, mask=offs < row_len), mask=offs < row_len)
+        # All threads' row stores happen-before the single-thread release below (CTA barrier,
+        # then the release is cumulative).
+        tl.debug_barrier()
+    # Epoch = number of barriers so far, counted per peer in device memory (graph-replay safe).
+    epoch = tl.load(sent_ptr + peer) + 1
+    tl.store(sent_ptr + peer, epoch)
+    # RELEASE (sys scope): the count row above, and every store of earlier kernels on this stream
+    # (staged payload, pushed rows), become visible to peer p before it sees the epoch.
+    peer_flags = tl.load(flag_bases_ptr + peer).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flags + rank, epoch, sem="release", scope="sys")
+    # ACQUIRE (sys scope), pairs with peer p's release above: after this, p's writes are visible.
+    my_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int64))
+    deadline = _now_ns() + timeout_ns
+    # A peer may already be one barrier ahead, hence >= rather than ==.
+    seen = tl.atomic_add(my_flags + peer, 0, sem="acquire", scope="sys")
+    while (seen < epoch) & (_now_ns() < deadline):
+        seen = tl.atomic_add(my_flags + peer, 0, sem="acquire", scope="sys")
+    if seen < epoch:
+        tl.store(error_ptr + peer, 1)
+
+
+@triton.jit
+def copy_rows_kernel(src_bases_ptr, src_rank_ptr, src_row_ptr, src_stride,
+                     dst_bases_ptr, dst_rank_ptr, dst_row_ptr, dst_stride,
+                     num_rows_ptr, max_rows, row_words, filter_lo, filter_hi,
+                     WORD: tl.constexpr, WORD_TY: tl.constexpr, SRC_INDEXED: tl.constexpr,
+                     DST_INDEXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Row r (r < *num_rows) moves from src to dst. An indexed side addresses row r at
+    # bases[rank[r]] + (row[r] - filter_lo) * stride, and only rows with row[r] in
+    # [filter_lo, filter_hi) move (one round of a batch larger than the buffer). A linear side
+    # addresses bases[0] + r * stride. Strides and row_words count WORD-byte words.
+    # WORD_TY is the integer type of WORD bytes. No ordering is done here: the caller's barriers
+    # bracket the kernel.
+    num_rows = tl.load(num_rows_ptr)
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_C)
+    for block in range(pid, tl.cdiv(max_rows, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < num_rows
+        if SRC_INDEXED:
+            src_row = tl.load(src_row_ptr + rows, mask=live, other=-1).to(tl.int64)
+            live &= (src_row >= filter_lo) & (src_row < filter_hi)
+            src_base = tl.load(src_bases_ptr + tl.load(src_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
+            src_addr = src_base + (src_row - filter_lo) * src_stride * WORD
+        else:
+            src_addr = tl.load(src_bases_ptr) + rows.to(tl.int64) * src_stride * WORD
+        if DST_INDEXED:
+            dst_row = tl.load(dst_row_ptr + rows, mask=live, other=-1).to(tl.int64)
+            live &= (dst_row >= filter_lo) & (dst_row < filter_hi)
+            dst_base = tl.load(dst_bases_ptr + tl.load(dst_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
+            dst_addr = dst_base + (dst_row - filter_lo) * dst_stride * WORD
+        else:
+            dst_addr = tl.load(dst_bases_ptr) + rows.to(tl.int64) * dst_stride * WORD
+        src = src_addr.to(tl.pointer_type(WORD_TY))
+        dst = dst_addr.to(tl.pointer_type(WORD_TY))
+        for start in range(0, row_words, BLOCK_C):
+            c = start + cols
+            mask = live[:, None] & (c < row_words)[None, :]
+            values = tl.load(src[:, None] + c[None, :], mask=mask)
+            tl.store(dst[:, None] + c[None, :], values, mask=mask)
+
+
+@triton.jit
+def reduce_slots_kernel(slots_ptr,  # [chunk tokens, R, width] slot rows written by the ranks
+                        in_rank_ptr,  # [T, R] bool: which slots hold data
+                        out_ptr,  # [T, width]
+                        bias0_ptr, bias1_ptr,  # [T, width] bf16 or unused
+                        token_lo, token_hi, width, num_ranks,
+                        NUM_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # out[t] = Σ_j slots[t, j] over ranks j holding token t, in rank order, in float32 (+ biases).
+    # Reads only local memory; the barrier before this kernel acquired the pushers' stores.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_C)
+    for token in range(token_lo + pid, token_hi, num_programs):
+        t64 = token.to(tl.int64)
+        slot_base = (t64 - token_lo) * num_ranks
+        for start in range(0, width, BLOCK_C):
+            c = start + cols
+            cmask = c < width
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for j in range(0, num_ranks):
+                present = tl.load(in_rank_ptr + t64 * num_ranks + j)
+                values = tl.load(slots_ptr + (slot_base + j) * width + c, mask=cmask & present, other=0.0)
+                acc += values.to(tl.float32)
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + t64 * width + c, mask=cmask, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + t64 * width + c, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64 * width + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)

@@ -1,0 +1,57 @@
+"""GPU tests: the nvlink backend against the torch_dist reference (NCCL) on the same inputs.
+
+Skipped without CUDA. Run on a GPU machine with ``scripts/gpu_check.sh`` (or ``pytest -m gpu``).
+"""
+import pytest
+import torch
+
+import ep_cases
+from epcomm.testing import WorkerPool
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs at least 2 CUDA GPUs")]
+
+WORLD_SIZES = [n for n in (2, 4, 8) if torch.cuda.is_available() and n <= torch.cuda.device_count()]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def gpu_pool(request):
+    pool = WorkerPool(request.param, backend="nccl")
+    yield pool
+    pool.close()
+
+
+SCENARIO_CONFIGS = [(scenario, tokens, hidden, False, False)
+                    for scenario in ep_cases.SCENARIOS for tokens, hidden in ((0, 2048), (300, 4096), (1000, 7168))]
+EDGE_CONFIGS = [("uniform", 4096, 7168, True, False), ("skewed", 2048, 7168, True, False),
+                ("uniform", 1500, 2048, False, True), ("holes", 700, 4096, True, True),
+                ("uniform", 16384, 7168, False, False)]
+
+
+def test_routings_and_sizes(gpu_pool):
+    n = gpu_pool.run(ep_cases.gpu_normal_against_reference, SCENARIO_CONFIGS, timeout_s=600)
+    assert n == [len(SCENARIO_CONFIGS)] * gpu_pool.world_size
+
+
+def test_fp8_worst_tokens_and_large_batches(gpu_pool):
+    n = gpu_pool.run(ep_cases.gpu_normal_against_reference, EDGE_CONFIGS, timeout_s=600)
+    assert n == [len(EDGE_CONFIGS)] * gpu_pool.world_size
+
+
+def test_rounds_when_batch_exceeds_buffer(gpu_pool):
+    # 8 MB of payload: a 2000-token batch of 7168-wide rows needs several rounds.
+    configs = [("uniform", 2000, 7168, False, False), ("skewed", 1200, 4096, True, False)]
+    n = gpu_pool.run(ep_cases.gpu_normal_against_reference, configs, 8 << 20, timeout_s=600)
+    assert n == [2] * gpu_pool.world_size
+
+
+def test_repeated_calls(gpu_pool):
+    configs = [("uniform", 512, 2048, False, False), ("holes", 256, 2048, True, False)]
+    n = gpu_pool.run(ep_cases.gpu_normal_against_reference, configs, 1 << 28, 10, timeout_s=600)
+    assert n == [20] * gpu_pool.world_size
+
+
+def test_timeout_raises_naming_the_peer():
+    with WorkerPool(2, backend="nccl") as pool:
+        assert pool.run(ep_cases.gpu_timeout_names_peer, timeout_s=120) == ["raised", "absent"]
