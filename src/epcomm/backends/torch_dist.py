@@ -58,8 +58,8 @@ class TorchDistBackend(Backend):
             # Count exchange: every rank learns the whole [src, dst] token matrix (for the prefix
             # matrix) and the per-expert counts of all ranks (to count its own experts).
             local = torch.cat([args.num_tokens_per_rank.to(torch.int64),
-                               args.num_tokens_per_expert.to(torch.int64)]).cpu()
-            gathered = self._all_gather(local)
+                               args.num_tokens_per_expert.to(torch.int64)])
+            gathered = self._all_gather(local).cpu()  # NCCL gathers on the device; the splits are host ints
             prefix = rank_prefix_matrix(gathered[:, :R]).to(self.device)
             num_local_experts = args.num_tokens_per_expert.numel() // R
             per_expert = gathered[:, R + rank * num_local_experts: R + (rank + 1) * num_local_experts].sum(0)

@@ -57,12 +57,19 @@ def _word_bytes(row_bytes: int) -> int:
     raise EPError(f"rows of {row_bytes} bytes are not supported (need a multiple of 2)")
 
 
+# Words a copy program moves per step: remote loads take microseconds, so each program keeps
+# many bytes in flight (tunable for measurements: EPCOMM_COPY_TILE_WORDS, EPCOMM_COPY_WARPS).
+COPY_TILE_WORDS = int(os.environ.get("EPCOMM_COPY_TILE_WORDS", 8192))
+COPY_WARPS = int(os.environ.get("EPCOMM_COPY_WARPS", 16))
+
+
 def _block_shape(row_words: int):
-    """(BLOCK_R, BLOCK_C, num_warps): about 16 KB in flight per program for wide rows."""
-    if row_words >= 512:
-        return 2, 1024, 16
-    block_c = max(triton.next_power_of_2(row_words), 1)
-    return max(4096 // block_c, 1), block_c, 4
+    """(BLOCK_R, BLOCK_C, num_warps) for rows of ``row_words`` words: whole rows per step when
+    they fit the tile, otherwise the tile's width of one row."""
+    block_c = min(triton.next_power_of_2(max(row_words, 1)), COPY_TILE_WORDS)
+    block_r = max(COPY_TILE_WORDS // block_c, 1)
+    warps = COPY_WARPS if block_r * block_c >= 2048 else 4
+    return block_r, block_c, warps
 
 
 class NVLinkBackend(Backend):
@@ -76,7 +83,6 @@ class NVLinkBackend(Backend):
         self.timeout_ns = int(float(os.environ.get("EPCOMM_TIMEOUT_S", DEFAULT_TIMEOUT_S)) * 1e9)
         self.reference = TorchDistBackend(group, device)  # low-latency path for now
         self._dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        self._linear_rank = torch.zeros(1, dtype=torch.int32, device=device)
 
     # ------------------------------------------------------------------ synchronisation
     def _barrier(self, count_row: Optional[torch.Tensor] = None) -> None:
@@ -95,9 +101,11 @@ class NVLinkBackend(Backend):
             raise EPTimeoutError(f"rank {self.rank}: a wait for peers exceeded {self.timeout_ns / 1e9:.0f} s", peers)
 
     # ------------------------------------------------------------------ row moves
-    def _copy_rows(self, num_sms: int, num_rows_dev, max_rows: int, row_bytes: int, *, src_bases, dst_bases,
+    def _copy_rows(self, num_sms: int, num_rows_dev, max_rows: int, row_bytes: int, *, src, dst,
                    src_rank=None, src_row=None, src_stride_bytes=None, dst_rank=None, dst_row=None,
                    dst_stride_bytes=None, lo: int = 0, hi: int = 2 ** 62) -> None:
+        """Copy ``row_bytes``-byte rows; a side given ``*_rank``/``*_row`` is indexed through the
+        address table ``src``/``dst``, the other is the tensor itself (see copy_rows_kernel)."""
         if max_rows == 0 or row_bytes == 0:
             return
         word = _word_bytes(row_bytes)
@@ -105,17 +113,13 @@ class NVLinkBackend(Backend):
         block_r, block_c, warps = _block_shape(row_words)
         src_indexed, dst_indexed = src_rank is not None, dst_rank is not None
         kernels.copy_rows_kernel[(max(1, min(num_sms, triton.cdiv(max_rows, block_r))),)](
-            src_bases, src_rank if src_indexed else self._linear_rank, src_row if src_indexed else self._dummy,
+            src, src_rank if src_indexed else self._dummy, src_row if src_indexed else self._dummy,
             (src_stride_bytes or row_bytes) // word,
-            dst_bases, dst_rank if dst_indexed else self._linear_rank, dst_row if dst_indexed else self._dummy,
+            dst, dst_rank if dst_indexed else self._dummy, dst_row if dst_indexed else self._dummy,
             (dst_stride_bytes or row_bytes) // word,
             num_rows_dev, max_rows, row_words, lo, hi,
-            WORD=word, WORD_TY=_WORD_TYPES[word], SRC_INDEXED=src_indexed, DST_INDEXED=dst_indexed, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=warps)
-
-    @staticmethod
-    def _addr(t: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device)
+            WORD=word, WORD_TY=_WORD_TYPES[word], SRC_INDEXED=src_indexed, DST_INDEXED=dst_indexed,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
     # ------------------------------------------------------------------ dispatch
     def _staging_layout(self, row_bytes_list):
@@ -139,6 +143,14 @@ class NVLinkBackend(Backend):
         num_sms = args.config.num_sms
         with_topk = (not cached) and args.topk_idx is not None
 
+        parts = [_as_bytes(x)]
+        if is_fp8:
+            parts.append(_as_bytes(scales))
+        if with_topk:
+            parts += [_as_bytes(args.topk_idx), _as_bytes(args.topk_weights)]
+        row_bytes = [p.shape[1] for p in parts]
+        offsets, round_tokens = self._staging_layout(row_bytes)
+
         if cached:
             handle = args.handle
             state: PullState = handle.backend_state
@@ -152,8 +164,18 @@ class NVLinkBackend(Backend):
             count_row = torch.cat([args.num_tokens_per_rank.to(torch.int32), args.num_tokens_per_expert.to(torch.int32),
                                    torch.full((1,), num_tokens, dtype=torch.int32, device=dev)])
             counts_view = self.ws.counts_view(row_len)
-            self._barrier(count_row)  # notify: counts into every peer's matrix, then wait for all
+            # notify: counts into every peer's matrix, then wait for all. Passing this barrier also
+            # means every peer is done reading the previous staging, so staging may start.
+            self._barrier(count_row)
             counts = counts_view.clone()
+            self._publish_token_lists(args.is_token_in_rank)
+        max_tokens = state.max_tokens if cached else None
+        if max_tokens is None or max_tokens < 0:
+            max_tokens = None
+        # Round 0's staging is enqueued before the host waits for the counts, so it overlaps.
+        self._stage(parts, offsets, row_bytes, 0, round_tokens)
+
+        if not cached:
             prefix = rank_prefix_matrix(counts[:, :R])
             if args.num_worst_tokens == 0:
                 # The one host synchronisation of a full dispatch: receive sizes (+ timeout flags).
@@ -168,40 +190,16 @@ class NVLinkBackend(Backend):
             else:
                 num_rows = args.num_worst_tokens
                 num_recv = None
-                max_tokens = None  # unknown without a sync: the batch must fit in one round
                 counts_list = []
-            num_recv_dev = counts[:, rank].sum().to(torch.int32).reshape(1)
-            ends = prefix[:, rank].to(torch.int64)
-            rows = torch.arange(num_rows, device=dev)
-            recv_src_rank = torch.searchsorted(ends, rows, right=True).clamp_max(R - 1).to(torch.int32)
-            state = PullState(recv_src_rank, num_recv_dev, max_tokens if max_tokens is not None else -1)
-
-        # ---- stage (local copies) and publish token lists
-        parts = [_as_bytes(x)]
-        if is_fp8:
-            parts.append(_as_bytes(scales))
-        if with_topk:
-            parts += [_as_bytes(args.topk_idx), _as_bytes(args.topk_weights)]
-        row_bytes = [p.shape[1] for p in parts]
-        offsets, round_tokens = self._staging_layout(row_bytes)
-        max_tokens = state.max_tokens
-        if max_tokens < 0:
+            ends = prefix[:, rank].contiguous()
+            num_recv_dev = ends[R - 1:].clone()
+            state = PullState(None, num_recv_dev, max_tokens if max_tokens is not None else -1)
+        if max_tokens is None:  # no host sync allowed: the batch must fit one round
             if num_tokens > round_tokens:
                 raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
                               f"tokens > {round_tokens}; raise num_nvl_bytes")
             max_tokens = round_tokens
         num_rounds = max(1, -(-max_tokens // round_tokens))
-
-        if not cached:
-            if num_tokens > self.ws.list_cap:
-                raise EPError(f"{num_tokens} tokens exceed the token-list capacity {self.ws.list_cap}")
-            in_rank = args.is_token_in_rank
-            position = in_rank.to(torch.int32).cumsum(0) - 1  # [T, R] position among tokens sent to j
-            sink = R * self.ws.list_cap
-            flat = torch.arange(R, device=dev, dtype=torch.int64) * self.ws.list_cap + position.to(torch.int64)
-            flat = torch.where(in_rank, flat, torch.full_like(flat, sink))
-            token_ids = torch.arange(num_tokens, device=dev, dtype=torch.int32).unsqueeze(1).expand(-1, R)
-            self.ws.lists_view().scatter_(0, flat.flatten(), token_ids.flatten())
 
         recv_x = torch.empty(num_rows, hidden, dtype=x.dtype, device=dev)
         outputs = [_as_bytes(recv_x)]
@@ -214,44 +212,62 @@ class NVLinkBackend(Backend):
             recv_weights = torch.empty(num_rows, K, dtype=torch.float32, device=dev)
             outputs += [_as_bytes(recv_topk_global), _as_bytes(recv_weights)]
 
-        if cached:
-            recv_src_idx = handle.recv_src_idx
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:
                 self._barrier()  # peers finished pulling the previous round
-            for part, offset, nbytes in zip(parts, offsets, row_bytes):
-                chunk = part[lo:hi]
-                if chunk.shape[0]:
-                    self.ws.local(offset, chunk.shape[0] * nbytes, torch.uint8, (chunk.shape[0], nbytes)).copy_(chunk)
-            self._barrier()  # RELEASE staged rows + lists / ACQUIRE peers' staged rows
+                self._stage(parts, offsets, row_bytes, lo, hi)
+            self._barrier()  # RELEASE staged rows + token lists / ACQUIRE the peers' ones
             if round_idx == 0 and not cached:
-                # Token ids: entry (row - start of its source) of the source's list for this rank.
-                starts = (prefix[:, rank] - counts[:, rank]).to(torch.int64)
-                position = (torch.arange(num_rows, device=dev) - starts[state.recv_src_rank.long()]).to(torch.int32)
-                recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32, device=dev)
-                self._copy_rows(num_sms, state.num_recv_dev, num_rows, 4,
-                                src_bases=self.ws.lists_bases_for(rank), src_rank=state.recv_src_rank, src_row=position,
-                                src_stride_bytes=4, dst_bases=self._addr(recv_src_idx), lo=0, hi=2 ** 31 - 1)
+                recv_src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
+                recv_src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
+                if num_rows:
+                    kernels.recv_index_kernel[(triton.cdiv(num_rows, 1024),)](
+                        ends, self.ws.lists_bases_for(rank), recv_src_rank, recv_src_idx, num_rows, R,
+                        BLOCK=1024, num_warps=4)
+                state.recv_src_rank = recv_src_rank
+            elif round_idx == 0:
+                recv_src_idx = handle.recv_src_idx
             for out, offset, nbytes in zip(outputs, offsets, row_bytes):
                 self._copy_rows(num_sms, state.num_recv_dev, num_rows, nbytes,
-                                src_bases=self.ws.region_bases(offset), src_rank=state.recv_src_rank,
-                                src_row=recv_src_idx, dst_bases=self._addr(out), lo=lo, hi=hi)
+                                src=self.ws.region_bases(offset), src_rank=state.recv_src_rank,
+                                src_row=recv_src_idx, dst=out, lo=lo, hi=hi)
 
         if is_fp8:
             recv_x = (recv_x, recv_scales)
+        if cached:
+            return DispatchResult(recv_x, None, None, None, handle)
         recv_topk_idx = recv_topk_weights = None
         if with_topk:
             valid = (torch.arange(num_rows, device=dev) < state.num_recv_dev).unsqueeze(1)
-            recv_topk_idx = local_expert_ids(recv_topk_global, rank, num_local)
-            recv_topk_idx = torch.where(valid, recv_topk_idx, torch.full_like(recv_topk_idx, -1))
+            recv_topk_idx = torch.where(valid, local_expert_ids(recv_topk_global, rank, num_local),
+                                        torch.full_like(recv_topk_global, -1))
             recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_weights, torch.zeros_like(recv_weights))
-        if cached:
-            return DispatchResult(recv_x, None, None, None, handle)
         if num_recv is None:
             num_recv = state.num_recv_dev
         handle = DispatchHandle(prefix, recv_src_idx, args.is_token_in_rank, num_recv, num_rows, state)
         return DispatchResult(recv_x, recv_topk_idx, recv_topk_weights, counts_list, handle)
+
+    def _stage(self, parts, offsets, row_bytes, lo: int, hi: int) -> None:
+        """Copy tokens [lo, hi) of each part into this rank's staging area (local, HBM speed)."""
+        for part, offset, nbytes in zip(parts, offsets, row_bytes):
+            chunk = part[lo:hi]
+            if chunk.shape[0]:
+                self.ws.local(offset, chunk.shape[0] * nbytes, torch.uint8, (chunk.shape[0], nbytes)).copy_(chunk)
+
+    def _publish_token_lists(self, is_token_in_rank: torch.Tensor) -> None:
+        """Write, for each destination j, the ascending token ids sent to j into this rank's list
+        area (no host sync: positions come from a cumsum; non-members go to a sink entry)."""
+        R = self.num_ranks
+        num_tokens = is_token_in_rank.shape[0]
+        if num_tokens > self.ws.list_cap:
+            raise EPError(f"{num_tokens} tokens exceed the token-list capacity {self.ws.list_cap}")
+        member = is_token_in_rank.t()  # [R, T]
+        position = member.to(torch.int32).cumsum(1) - 1  # inner-dim scan: fast
+        flat = torch.arange(R, device=self.device, dtype=torch.int64).unsqueeze(1) * self.ws.list_cap + position
+        flat = torch.where(member, flat, torch.full_like(flat, R * self.ws.list_cap))
+        token_ids = torch.arange(num_tokens, device=self.device, dtype=torch.int32).expand(R, -1)
+        self.ws.lists_view().scatter_(0, flat.flatten(), token_ids.flatten())
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, config):
@@ -288,22 +304,25 @@ class NVLinkBackend(Backend):
             for (src, nbytes), slot_offset in zip(parts, slot_offsets):
                 # slot (t - lo, this rank) of home rank i: base + rank·row, stride R·row
                 self._copy_rows(config.num_sms, state.num_recv_dev, num_rows, nbytes,
-                                src_bases=self._addr(src), dst_bases=self.ws.region_bases(slot_offset + rank * nbytes),
+                                src=src, dst=self.ws.region_bases(slot_offset + rank * nbytes),
                                 dst_rank=state.recv_src_rank, dst_row=handle.recv_src_idx,
                                 dst_stride_bytes=R * nbytes, lo=lo, hi=hi)
             self._barrier()  # RELEASE pushed rows / ACQUIRE rows pushed to this rank
             token_hi = min(hi, num_tokens)
             if token_hi <= lo:
                 continue
+            in_rank = handle.is_token_in_rank.view(torch.uint8)
+            r_p2 = triton.next_power_of_2(R)
             for (src, nbytes), slot_offset, out in zip(parts, slot_offsets, outs):
                 width = out.shape[1]
                 slots = self.ws.local(slot_offset, round_tokens * R * nbytes, src.dtype, (-1,))
                 is_x = out is combined
+                block_c = min(triton.next_power_of_2(width), max(16384 // r_p2, 16))
                 kernels.reduce_slots_kernel[(max(1, min(config.num_sms * 4, token_hi - lo)),)](
-                    slots, handle.is_token_in_rank, out,
+                    slots, in_rank, out,
                     bias[0] if is_x and num_bias >= 1 else out, bias[1] if is_x and num_bias >= 2 else out,
-                    lo, token_hi, width, R, NUM_BIAS=num_bias if is_x else 0,
-                    BLOCK_C=min(2048, triton.next_power_of_2(width)), num_warps=8 if width >= 1024 else 2)
+                    lo, token_hi, width, R, NUM_BIAS=num_bias if is_x else 0, R_P2=r_p2,
+                    BLOCK_C=block_c, num_warps=16 if r_p2 * block_c >= 8192 else 4)
         return combined, combined_w
 
     # ------------------------------------------------------------------ low-latency (reference path)

@@ -8,6 +8,7 @@ Three kernels, each parametrised rather than copied per use:
   may be "indexed" (address = a per-rank base from a table + row index · stride) or "linear" (row
   ``r`` of a local tensor). Dispatch pulls (indexed source, linear destination); combine pushes
   (linear source, indexed destination).
+- ``recv_index_kernel``: for each received row, its source rank and source token (dispatch).
 - ``reduce_slots_kernel``: the home rank's float32 sum over the per-rank slots of each token.
 
 Addresses of peers' memory are plain int64 byte addresses (``buffer_ptrs`` of symmetric memory)
@@ -64,17 +65,17 @@ def barrier_kernel(flag_bases_ptr,  # [R] int64: address of each rank's int64 fl
 
 
 @triton.jit
-def copy_rows_kernel(src_bases_ptr, src_rank_ptr, src_row_ptr, src_stride,
-                     dst_bases_ptr, dst_rank_ptr, dst_row_ptr, dst_stride,
+def copy_rows_kernel(src_ptr, src_rank_ptr, src_row_ptr, src_stride,
+                     dst_ptr, dst_rank_ptr, dst_row_ptr, dst_stride,
                      num_rows_ptr, max_rows, row_words, filter_lo, filter_hi,
                      WORD: tl.constexpr, WORD_TY: tl.constexpr, SRC_INDEXED: tl.constexpr,
                      DST_INDEXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Row r (r < *num_rows) moves from src to dst. An indexed side addresses row r at
-    # bases[rank[r]] + (row[r] - filter_lo) * stride, and only rows with row[r] in
-    # [filter_lo, filter_hi) move (one round of a batch larger than the buffer). A linear side
-    # addresses bases[0] + r * stride. Strides and row_words count WORD-byte words.
-    # WORD_TY is the integer type of WORD bytes. No ordering is done here: the caller's barriers
-    # bracket the kernel.
+    # Row r (r < *num_rows) moves from src to dst. An indexed side's ``ptr`` is a table of int64
+    # byte addresses, one per rank: row r lives at table[rank[r]] + (row[r] - filter_lo) * stride,
+    # and only rows with row[r] in [filter_lo, filter_hi) move (one round of a batch larger than
+    # the buffer). A linear side's ``ptr`` is the tensor itself and row r lives at r * stride.
+    # Strides and row_words count WORD-byte words; WORD_TY is the integer type of that size.
+    # No ordering is done here: the caller's barriers bracket the kernel.
     num_rows = tl.load(num_rows_ptr)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -85,19 +86,17 @@ def copy_rows_kernel(src_bases_ptr, src_rank_ptr, src_row_ptr, src_stride,
         if SRC_INDEXED:
             src_row = tl.load(src_row_ptr + rows, mask=live, other=-1).to(tl.int64)
             live &= (src_row >= filter_lo) & (src_row < filter_hi)
-            src_base = tl.load(src_bases_ptr + tl.load(src_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
-            src_addr = src_base + (src_row - filter_lo) * src_stride * WORD
+            src_base = tl.load(src_ptr + tl.load(src_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
+            src = (src_base + (src_row - filter_lo) * src_stride * WORD).to(tl.pointer_type(WORD_TY))
         else:
-            src_addr = tl.load(src_bases_ptr) + rows.to(tl.int64) * src_stride * WORD
+            src = src_ptr.to(tl.pointer_type(WORD_TY)) + rows.to(tl.int64) * src_stride
         if DST_INDEXED:
             dst_row = tl.load(dst_row_ptr + rows, mask=live, other=-1).to(tl.int64)
             live &= (dst_row >= filter_lo) & (dst_row < filter_hi)
-            dst_base = tl.load(dst_bases_ptr + tl.load(dst_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
-            dst_addr = dst_base + (dst_row - filter_lo) * dst_stride * WORD
+            dst_base = tl.load(dst_ptr + tl.load(dst_rank_ptr + rows, mask=live, other=0), mask=live, other=0)
+            dst = (dst_base + (dst_row - filter_lo) * dst_stride * WORD).to(tl.pointer_type(WORD_TY))
         else:
-            dst_addr = tl.load(dst_bases_ptr) + rows.to(tl.int64) * dst_stride * WORD
-        src = src_addr.to(tl.pointer_type(WORD_TY))
-        dst = dst_addr.to(tl.pointer_type(WORD_TY))
+            dst = dst_ptr.to(tl.pointer_type(WORD_TY)) + rows.to(tl.int64) * dst_stride
         for start in range(0, row_words, BLOCK_C):
             c = start + cols
             mask = live[:, None] & (c < row_words)[None, :]
@@ -106,28 +105,52 @@ def copy_rows_kernel(src_bases_ptr, src_rank_ptr, src_row_ptr, src_stride,
 
 
 @triton.jit
+def recv_index_kernel(ends_ptr,  # [R] int32: end row of each source's rows in recv_x
+                      list_bases_ptr,  # [R] int64: address of each source's token list for this rank
+                      src_rank_out, src_idx_out,  # [max_rows] int32 each
+                      max_rows, num_ranks, BLOCK: tl.constexpr):
+    # For each received row: its source rank (rows are grouped by source in rank order) and the
+    # token index on that source, read from the source's token list (remote load; the staging
+    # barrier before this kernel acquired the list). Rows past the total get -1.
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = rows < max_rows
+    total = tl.load(ends_ptr + num_ranks - 1)
+    src = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, num_ranks):
+        src += (tl.load(ends_ptr + i) <= rows).to(tl.int32)
+    live = rows < total
+    src = tl.minimum(src, num_ranks - 1)
+    start = tl.load(ends_ptr + src - 1, mask=live & (src > 0), other=0)
+    base = tl.load(list_bases_ptr + src, mask=live, other=0)
+    token = tl.load((base + (rows - start).to(tl.int64) * 4).to(tl.pointer_type(tl.int32)), mask=live, other=-1)
+    tl.store(src_rank_out + rows, src, mask=in_range)
+    tl.store(src_idx_out + rows, token, mask=in_range)
+
+
+@triton.jit
 def reduce_slots_kernel(slots_ptr,  # [chunk tokens, R, width] slot rows written by the ranks
                         in_rank_ptr,  # [T, R] bool: which slots hold data
                         out_ptr,  # [T, width]
                         bias0_ptr, bias1_ptr,  # [T, width] bf16 or unused
                         token_lo, token_hi, width, num_ranks,
-                        NUM_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
-    # out[t] = Σ_j slots[t, j] over ranks j holding token t, in rank order, in float32 (+ biases).
-    # Reads only local memory; the barrier before this kernel acquired the pushers' stores.
+                        NUM_BIAS: tl.constexpr, R_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    # out[t] = Σ_j slots[t, j] over the ranks j holding token t, in float32 (+ biases). All R slot
+    # rows of a column block load at once to keep many bytes in flight. Reads only local memory;
+    # the barrier before this kernel acquired the pushers' stores.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_C)
+    ranks = tl.arange(0, R_P2)
     for token in range(token_lo + pid, token_hi, num_programs):
         t64 = token.to(tl.int64)
-        slot_base = (t64 - token_lo) * num_ranks
+        present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0
+        slot_rows = (t64 - token_lo) * num_ranks + ranks
         for start in range(0, width, BLOCK_C):
             c = start + cols
             cmask = c < width
-            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for j in range(0, num_ranks):
-                present = tl.load(in_rank_ptr + t64 * num_ranks + j)
-                values = tl.load(slots_ptr + (slot_base + j) * width + c, mask=cmask & present, other=0.0)
-                acc += values.to(tl.float32)
+            values = tl.load(slots_ptr + slot_rows[:, None] * width + c[None, :],
+                             mask=present[:, None] & cmask[None, :], other=0.0)
+            acc = tl.sum(values.to(tl.float32), axis=0)
             if NUM_BIAS >= 1:
                 acc += tl.load(bias0_ptr + t64 * width + c, mask=cmask, other=0.0).to(tl.float32)
             if NUM_BIAS >= 2:
