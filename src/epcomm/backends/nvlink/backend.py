@@ -24,7 +24,7 @@ import triton
 
 from ...errors import EPError, EPTimeoutError
 from ...handle import DispatchHandle
-from ...layout import align_up, local_expert_ids, rank_prefix_matrix
+from ...layout import align_up, rank_prefix_matrix
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..torch_dist import TorchDistBackend
 from . import kernels
@@ -59,7 +59,7 @@ def _word_bytes(row_bytes: int) -> int:
 
 # Words a copy program moves per step: remote loads take microseconds, so each program keeps
 # many bytes in flight (tunable for measurements: EPCOMM_COPY_TILE_WORDS, EPCOMM_COPY_WARPS).
-COPY_TILE_WORDS = int(os.environ.get("EPCOMM_COPY_TILE_WORDS", 8192))
+COPY_TILE_WORDS = int(os.environ.get("EPCOMM_COPY_TILE_WORDS", 16384))
 COPY_WARPS = int(os.environ.get("EPCOMM_COPY_WARPS", 16))
 
 
@@ -239,10 +239,11 @@ class NVLinkBackend(Backend):
             return DispatchResult(recv_x, None, None, None, handle)
         recv_topk_idx = recv_topk_weights = None
         if with_topk:
-            valid = (torch.arange(num_rows, device=dev) < state.num_recv_dev).unsqueeze(1)
-            recv_topk_idx = torch.where(valid, local_expert_ids(recv_topk_global, rank, num_local),
-                                        torch.full_like(recv_topk_global, -1))
-            recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_weights, torch.zeros_like(recv_weights))
+            recv_topk_idx, recv_topk_weights = recv_topk_global, recv_weights
+            if num_rows:
+                kernels.localize_topk_kernel[(triton.cdiv(num_rows * K, 1024),)](
+                    recv_topk_idx, recv_topk_weights, state.num_recv_dev, num_rows, K, rank * num_local, num_local,
+                    BLOCK=1024, num_warps=4)
         if num_recv is None:
             num_recv = state.num_recv_dev
         handle = DispatchHandle(prefix, recv_src_idx, args.is_token_in_rank, num_recv, num_rows, state)
@@ -257,17 +258,14 @@ class NVLinkBackend(Backend):
 
     def _publish_token_lists(self, is_token_in_rank: torch.Tensor) -> None:
         """Write, for each destination j, the ascending token ids sent to j into this rank's list
-        area (no host sync: positions come from a cumsum; non-members go to a sink entry)."""
-        R = self.num_ranks
+        area (one program per destination; no host sync)."""
         num_tokens = is_token_in_rank.shape[0]
         if num_tokens > self.ws.list_cap:
             raise EPError(f"{num_tokens} tokens exceed the token-list capacity {self.ws.list_cap}")
-        member = is_token_in_rank.t()  # [R, T]
-        position = member.to(torch.int32).cumsum(1) - 1  # inner-dim scan: fast
-        flat = torch.arange(R, device=self.device, dtype=torch.int64).unsqueeze(1) * self.ws.list_cap + position
-        flat = torch.where(member, flat, torch.full_like(flat, R * self.ws.list_cap))
-        token_ids = torch.arange(num_tokens, device=self.device, dtype=torch.int32).expand(R, -1)
-        self.ws.lists_view().scatter_(0, flat.flatten(), token_ids.flatten())
+        if num_tokens:
+            kernels.token_lists_kernel[(self.num_ranks,)](
+                is_token_in_rank.view(torch.uint8), self.ws.lists_view(), num_tokens, self.num_ranks,
+                self.ws.list_cap, BLOCK=1024, num_warps=4)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, config):

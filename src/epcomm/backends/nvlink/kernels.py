@@ -156,3 +156,36 @@ def reduce_slots_kernel(slots_ptr,  # [chunk tokens, R, width] slot rows written
             if NUM_BIAS >= 2:
                 acc += tl.load(bias1_ptr + t64 * width + c, mask=cmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + t64 * width + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def token_lists_kernel(in_rank_ptr,  # [T, R] uint8: token t goes to rank j
+                       lists_ptr,  # [R, list_cap] int32, local: ascending tokens sent to each rank
+                       num_tokens, num_ranks, list_cap, BLOCK: tl.constexpr):
+    # Program j writes the ascending list of tokens sent to rank j (a running prefix sum over
+    # token blocks). Local writes only; the staging barrier publishes them to the peers.
+    dest = tl.program_id(0)
+    running = 0
+    for start in range(0, num_tokens, BLOCK):
+        tokens = start + tl.arange(0, BLOCK)
+        member = tl.load(in_rank_ptr + tokens.to(tl.int64) * num_ranks + dest, mask=tokens < num_tokens, other=0) != 0
+        member_i = member.to(tl.int32)
+        position = running + tl.cumsum(member_i, axis=0) - 1
+        tl.store(lists_ptr + dest.to(tl.int64) * list_cap + position, tokens, mask=member)
+        running += tl.sum(member_i, axis=0)
+
+
+@triton.jit
+def localize_topk_kernel(topk_ptr,  # [N, K] int64: global expert ids in, local ids (or -1) out
+                         weights_ptr,  # [N, K] float32: zeroed where the local id is -1
+                         num_rows_ptr, max_rows, num_topk, expert_lo, num_local, BLOCK: tl.constexpr):
+    # In place: ids of experts on this rank become local ids, all others (and padding rows) -1.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < max_rows * num_topk
+    live = offs < tl.load(num_rows_ptr) * num_topk
+    expert = tl.load(topk_ptr + offs, mask=in_range & live, other=-1)
+    local = expert - expert_lo
+    mine = live & (expert >= 0) & (local >= 0) & (local < num_local)
+    tl.store(topk_ptr + offs, tl.where(mine, local, -1), mask=in_range)
+    weight = tl.load(weights_ptr + offs, mask=in_range & mine, other=0.0)
+    tl.store(weights_ptr + offs, tl.where(mine, weight, 0.0), mask=in_range)
