@@ -52,7 +52,7 @@ def profile_rank(tokens: int, hidden: int):
     return report
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and os.environ.get("EPCOMM_HOST_PROFILE") != "1":
     from epcomm.testing import run_distributed
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     hidden = int(sys.argv[2]) if len(sys.argv) > 2 else 7168
@@ -61,3 +61,56 @@ if __name__ == "__main__":
         print(f"== {name}: wall {wall * 1e6:.0f} us (rank 0)")
         for device_us, count, key in rows:
             print(f"   {device_us:9.1f} us  x{count:<3} {key}")
+
+
+def host_rank(tokens: int, hidden: int):
+    """Host-side cost: launch time of a cached dispatch / combine (no sync inside), and the
+    Python functions that take it (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+    import epcomm
+    R, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
+    x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    topk = (torch.randn(tokens, 256, device=dev).abs() + 1).topk(8, dim=-1).indices
+    w = torch.rand(tokens, 8, device=dev)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 256)
+    cfg = epcomm.Config(24, 8, 256)
+    full = lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,  # noqa: E731
+                                   num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg)
+    recv = full()
+    out = {}
+    for name, fn in (("full", full), ("cached", lambda: buffer.dispatch(x, handle=recv[4], config=cfg)),
+                     ("combine", lambda: buffer.combine(recv[0], recv[4], config=cfg))):
+        for _ in range(3):
+            fn()
+        launch, total = [], []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            launch.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        out[name] = (sorted(launch)[5], sorted(total)[5], s.getvalue())
+    return out
+
+
+if __name__ == "__main__" and os.environ.get("EPCOMM_HOST_PROFILE") == "1":
+    from epcomm.testing import run_distributed
+    result = run_distributed(host_rank, torch.cuda.device_count(), 4096, 7168, backend="nccl")[0]
+    for name, (launch, total, stats) in result.items():
+        print(f"== {name}: host {launch * 1e6:.0f} us, host+device {total * 1e6:.0f} us")
+        print("\n".join(line[:150] for line in stats.splitlines()[4:24]))

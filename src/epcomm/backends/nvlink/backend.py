@@ -50,6 +50,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
+def _pack_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` int64 ids and float32 weights as one byte row per token (ids first, rows padded
+    to 8 bytes) so that one pull moves both."""
+    parts = [_as_bytes(topk_idx), _as_bytes(topk_weights)]
+    if topk_weights.shape[1] % 2:
+        parts.append(torch.zeros(topk_idx.shape[0], 4, dtype=torch.uint8, device=topk_idx.device))
+    return torch.cat(parts, dim=1)
+
+
 def _word_bytes(row_bytes: int) -> int:
     for word in (8, 4, 2):
         if row_bytes % word == 0:
@@ -147,7 +156,8 @@ class NVLinkBackend(Backend):
         if is_fp8:
             parts.append(_as_bytes(scales))
         if with_topk:
-            parts += [_as_bytes(args.topk_idx), _as_bytes(args.topk_weights)]
+            K = args.topk_idx.shape[1]
+            parts.append(_pack_topk(args.topk_idx, args.topk_weights))
         row_bytes = [p.shape[1] for p in parts]
         offsets, round_tokens = self._staging_layout(row_bytes)
 
@@ -156,7 +166,11 @@ class NVLinkBackend(Backend):
             state: PullState = handle.backend_state
             prefix = handle.rank_prefix_matrix
             num_rows = handle.num_recv_rows
+            recv_src_idx = handle.recv_src_idx
             self._barrier()  # peers are done reading the previous staging
+            self._stage(parts, offsets, row_bytes, 0, round_tokens)
+            self._barrier()  # RELEASE staged rows / ACQUIRE the peers' staged rows
+            max_tokens = state.max_tokens
         else:
             num_experts = args.num_tokens_per_expert.numel()
             num_local = num_experts // R
@@ -168,15 +182,18 @@ class NVLinkBackend(Backend):
             # means every peer is done reading the previous staging, so staging may start.
             self._barrier(count_row)
             counts = counts_view.clone()
-            self._publish_token_lists(args.is_token_in_rank)
-        max_tokens = state.max_tokens if cached else None
-        if max_tokens is None or max_tokens < 0:
-            max_tokens = None
-        # Round 0's staging is enqueued before the host waits for the counts, so it overlaps.
-        self._stage(parts, offsets, row_bytes, 0, round_tokens)
-
-        if not cached:
             prefix = rank_prefix_matrix(counts[:, :R])
+            ends = prefix[:, rank].contiguous()
+            self._publish_token_lists(args.is_token_in_rank)
+            self._stage(parts, offsets, row_bytes, 0, round_tokens)
+            self._barrier()  # RELEASE staged rows + token lists / ACQUIRE the peers' ones
+            # Everything up to here, and the receive index below, is enqueued before the host
+            # waits for the counts: the index arrays are sized for the most rows that can arrive.
+            capacity = R * self.ws.list_cap
+            index_rank = torch.empty(capacity, dtype=torch.int32, device=dev)
+            index_token = torch.empty(capacity, dtype=torch.int32, device=dev)
+            kernels.recv_index_kernel[(triton.cdiv(capacity, 1024),)](
+                ends, self.ws.lists_bases_for(rank), index_rank, index_token, capacity, R, BLOCK=1024, num_warps=4)
             if args.num_worst_tokens == 0:
                 # The one host synchronisation of a full dispatch: receive sizes (+ timeout flags).
                 host = torch.cat([counts.flatten(), self.errors]).cpu()
@@ -190,11 +207,15 @@ class NVLinkBackend(Backend):
             else:
                 num_rows = args.num_worst_tokens
                 num_recv = None
+                max_tokens = -1
                 counts_list = []
-            ends = prefix[:, rank].contiguous()
-            num_recv_dev = ends[R - 1:].clone()
-            state = PullState(None, num_recv_dev, max_tokens if max_tokens is not None else -1)
-        if max_tokens is None:  # no host sync allowed: the batch must fit one round
+            if num_rows > capacity:
+                raise EPError(f"num_worst_tokens={num_rows} exceeds the receive capacity {capacity}")
+            recv_src_idx = index_token[:num_rows]
+            if num_recv is None:  # padded to num_worst_tokens: rows past the device-side total are padding
+                recv_src_idx = torch.where(torch.arange(num_rows, device=dev) < ends[R - 1], recv_src_idx, -1)
+            state = PullState(index_rank[:num_rows], ends[R - 1:].clone(), max_tokens)
+        if max_tokens < 0:  # no host sync allowed: the batch must fit one round
             if num_tokens > round_tokens:
                 raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
                               f"tokens > {round_tokens}; raise num_nvl_bytes")
@@ -207,27 +228,15 @@ class NVLinkBackend(Backend):
             recv_scales = torch.empty(num_rows, scales.shape[1], dtype=torch.float32, device=dev)
             outputs.append(_as_bytes(recv_scales))
         if with_topk:
-            K = args.topk_idx.shape[1]
-            recv_topk_global = torch.empty(num_rows, K, dtype=torch.int64, device=dev)
-            recv_weights = torch.empty(num_rows, K, dtype=torch.float32, device=dev)
-            outputs += [_as_bytes(recv_topk_global), _as_bytes(recv_weights)]
+            recv_topk_packed = torch.empty(num_rows, row_bytes[-1], dtype=torch.uint8, device=dev)
+            outputs.append(recv_topk_packed)
 
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:
                 self._barrier()  # peers finished pulling the previous round
                 self._stage(parts, offsets, row_bytes, lo, hi)
-            self._barrier()  # RELEASE staged rows + token lists / ACQUIRE the peers' ones
-            if round_idx == 0 and not cached:
-                recv_src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
-                recv_src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
-                if num_rows:
-                    kernels.recv_index_kernel[(triton.cdiv(num_rows, 1024),)](
-                        ends, self.ws.lists_bases_for(rank), recv_src_rank, recv_src_idx, num_rows, R,
-                        BLOCK=1024, num_warps=4)
-                state.recv_src_rank = recv_src_rank
-            elif round_idx == 0:
-                recv_src_idx = handle.recv_src_idx
+                self._barrier()  # RELEASE this round's staged rows / ACQUIRE the peers' ones
             for out, offset, nbytes in zip(outputs, offsets, row_bytes):
                 self._copy_rows(num_sms, state.num_recv_dev, num_rows, nbytes,
                                 src=self.ws.region_bases(offset), src_rank=state.recv_src_rank,
@@ -239,11 +248,12 @@ class NVLinkBackend(Backend):
             return DispatchResult(recv_x, None, None, None, handle)
         recv_topk_idx = recv_topk_weights = None
         if with_topk:
-            recv_topk_idx, recv_topk_weights = recv_topk_global, recv_weights
+            recv_topk_idx = torch.empty(num_rows, K, dtype=torch.int64, device=dev)
+            recv_topk_weights = torch.empty(num_rows, K, dtype=torch.float32, device=dev)
             if num_rows:
                 kernels.localize_topk_kernel[(triton.cdiv(num_rows * K, 1024),)](
-                    recv_topk_idx, recv_topk_weights, state.num_recv_dev, num_rows, K, rank * num_local, num_local,
-                    BLOCK=1024, num_warps=4)
+                    recv_topk_packed, recv_topk_idx, recv_topk_weights, state.num_recv_dev, num_rows, K,
+                    row_bytes[-1], rank * num_local, num_local, BLOCK=1024, num_warps=4)
         if num_recv is None:
             num_recv = state.num_recv_dev
         handle = DispatchHandle(prefix, recv_src_idx, args.is_token_in_rank, num_recv, num_rows, state)

@@ -112,9 +112,11 @@ def recv_index_kernel(ends_ptr,  # [R] int32: end row of each source's rows in r
     # For each received row: its source rank (rows are grouped by source in rank order) and the
     # token index on that source, read from the source's token list (remote load; the staging
     # barrier before this kernel acquired the list). Rows past the total get -1.
+    total = tl.load(ends_ptr + num_ranks - 1)
+    if tl.program_id(0) * BLOCK >= total:
+        return  # the grid covers the capacity; only the first `total` rows exist
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < max_rows
-    total = tl.load(ends_ptr + num_ranks - 1)
     src = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(0, num_ranks):
         src += (tl.load(ends_ptr + i) <= rows).to(tl.int32)
@@ -176,16 +178,21 @@ def token_lists_kernel(in_rank_ptr,  # [T, R] uint8: token t goes to rank j
 
 
 @triton.jit
-def localize_topk_kernel(topk_ptr,  # [N, K] int64: global expert ids in, local ids (or -1) out
-                         weights_ptr,  # [N, K] float32: zeroed where the local id is -1
-                         num_rows_ptr, max_rows, num_topk, expert_lo, num_local, BLOCK: tl.constexpr):
-    # In place: ids of experts on this rank become local ids, all others (and padding rows) -1.
+def localize_topk_kernel(packed_ptr,  # [N, row_bytes] uint8: K int64 global ids, then K float32 weights
+                         topk_out, weights_out,  # [N, K] int64 / float32
+                         num_rows_ptr, max_rows, num_topk, row_bytes, expert_lo, num_local, BLOCK: tl.constexpr):
+    # Ids of experts on this rank become local ids; all others, and padding rows, become -1 with
+    # weight 0. Local memory only.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < max_rows * num_topk
     live = offs < tl.load(num_rows_ptr) * num_topk
-    expert = tl.load(topk_ptr + offs, mask=in_range & live, other=-1)
+    row = (offs // num_topk).to(tl.int64)
+    k = offs % num_topk
+    id_ptr = (packed_ptr + row * row_bytes + k * 8).to(tl.pointer_type(tl.int64), bitcast=True)
+    weight_ptr = (packed_ptr + row * row_bytes + num_topk * 8 + k * 4).to(tl.pointer_type(tl.float32), bitcast=True)
+    expert = tl.load(id_ptr, mask=in_range & live, other=-1)
     local = expert - expert_lo
     mine = live & (expert >= 0) & (local >= 0) & (local < num_local)
-    tl.store(topk_ptr + offs, tl.where(mine, local, -1), mask=in_range)
-    weight = tl.load(weights_ptr + offs, mask=in_range & mine, other=0.0)
-    tl.store(weights_ptr + offs, tl.where(mine, weight, 0.0), mask=in_range)
+    tl.store(topk_out + offs, tl.where(mine, local, -1), mask=in_range)
+    weight = tl.load(weight_ptr, mask=in_range & mine, other=0.0)
+    tl.store(weights_out + offs, tl.where(mine, weight, 0.0), mask=in_range)

@@ -37,6 +37,7 @@ class Workspace:
         self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self._tables = {}
         self.row_cap = COUNTS_BYTES // (4 * self.num_ranks)
         self.list_cap = (LISTS_BYTES - 4) // (4 * self.num_ranks)
         self.payload_offset = META_BYTES
@@ -46,9 +47,14 @@ class Workspace:
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
-    # Per-rank address tables (int64 byte addresses), for the kernels.
+    # Per-rank address tables (int64 byte addresses), for the kernels; cached, as the same
+    # offsets recur every call and each new table would cost a kernel launch.
     def region_bases(self, offset: int) -> torch.Tensor:
-        return self.bases + offset
+        table = self._tables.get(offset)
+        if table is None:
+            table = self.bases + offset
+            self._tables[offset] = table
+        return table
 
     def local(self, offset: int, num_bytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
         """A typed view of this rank's own workspace."""
