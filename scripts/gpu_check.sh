@@ -12,5 +12,7 @@ python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m epcomm bench normal --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
 bench_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+python3 -m epcomm bench low-latency --out "$OUT" 2>"$OUT/bench_ll_progress.log" | tee "$OUT/bench_low_latency.txt"
+ll_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ]

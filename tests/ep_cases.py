@@ -202,10 +202,21 @@ def _ll_rows(recv_x, recv_count, handle, local_expert: int, use_fp8: bool):
     return rows, src_rank, handle.recv_src_info[local_expert, :n].to(torch.int64)
 
 
-def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_topk: int = 4, max_tokens: int = 24):
-    """Randomized low-latency dispatch + combine against the reference, all formats and call styles."""
+def _to_cpu(value):
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return value
+
+
+def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_topk: int = 4, max_tokens: int = 24,
+                      device: str = "cpu", num_rdma_bytes: int = 0):
+    """Randomized low-latency dispatch + combine against the reference, all formats and call styles.
+    On ``device="cuda"`` the group's GPU backend runs and results are compared on the CPU."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True)
     for case in range(num_cases):
         seed = seed0 + case
         rng = random.Random(seed)
@@ -220,15 +231,18 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
         use_ue8m0 = round_scale and case % 8 == 0
         use_hook = case % 3 == 0
         zero_copy = case % 5 == 1
-        stats = torch.zeros(num_local, dtype=torch.int32)
-        wait_stats = torch.zeros(R, dtype=torch.int64)
+        stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
+        wait_stats = torch.zeros(R, dtype=torch.int64, device=dev) if dev.type == "cpu" else None
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-            xs[rank], topks[rank], M, num_experts, cumulative_local_expert_recv_stats=stats,
+            xs[rank].to(dev), topks[rank].to(dev), M, num_experts, cumulative_local_expert_recv_stats=stats,
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale,
             use_ue8m0=use_ue8m0, return_recv_hook=use_hook)
         assert (hook is not None) == use_hook
         if hook is not None:
             hook()
+        gpu_handle = handle
+        recv_x, recv_count, stats, handle = _to_cpu(recv_x), recv_count.cpu(), stats.cpu(), handle._replace(
+            recv_src_info=handle.recv_src_info.cpu(), recv_layout_range=handle.recv_layout_range.cpu())
         if use_fp8:
             scales = recv_x[1]
             groups = hidden // (512 if use_ue8m0 else 128)
@@ -249,17 +263,18 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
             torch.testing.assert_close(rows[order], want["rows"], rtol=0, atol=0)
             global_e = torch.full((rows.shape[0],), rank * num_local + e)
             expert_out[e, :rows.shape[0]] = expert_fn(global_e, rows).to(torch.bfloat16)
-        out = torch.empty(xs[rank].shape, dtype=torch.bfloat16) if case % 4 == 3 else None
-        x_arg = expert_out
+        out = torch.empty(xs[rank].shape, dtype=torch.bfloat16, device=dev) if case % 4 == 3 else None
+        x_arg = expert_out.to(dev)
         if zero_copy:
-            buffer.get_next_low_latency_combine_buffer(handle).copy_(expert_out)
-            x_arg = torch.zeros_like(expert_out)  # ignored: zero_copy reads the buffer
-        combined, _, hook = buffer.low_latency_combine(x_arg, topks[rank], weights[rank], handle, zero_copy=zero_copy,
-                                                       return_recv_hook=use_hook, out=out)
+            buffer.get_next_low_latency_combine_buffer(gpu_handle).copy_(expert_out)
+            x_arg = torch.zeros_like(x_arg)  # ignored: zero_copy reads the buffer
+        combined, _, hook = buffer.low_latency_combine(x_arg, topks[rank].to(dev), weights[rank].to(dev), gpu_handle,
+                                                       zero_copy=zero_copy, return_recv_hook=use_hook, out=out)
         if hook is not None:
             hook()
         if out is not None:
             assert combined.data_ptr() == out.data_ptr()
+        combined = combined.cpu()
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8, round_scale)
         torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")
     return num_cases

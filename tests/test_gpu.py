@@ -55,3 +55,12 @@ def test_repeated_calls(gpu_pool):
 def test_timeout_raises_naming_the_peer():
     with WorkerPool(2, backend="nccl") as pool:
         assert pool.run(ep_cases.gpu_timeout_names_peer, timeout_s=120) == ["raised", "absent"]
+
+
+def test_low_latency_against_reference(gpu_pool):
+    # T in [0, M], H = 7168 and 2048, FP8 (plain, power-of-two, UE8M0) and BF16, hooks, zero-copy, out=.
+    from epcomm import Buffer
+    for hidden, cases in ((2048, 24), (7168, 8)):
+        size = Buffer.get_low_latency_rdma_size_hint(128, hidden, gpu_pool.world_size, 8 * gpu_pool.world_size)
+        n = gpu_pool.run(ep_cases.low_latency_sweep, cases, 300, hidden, 8, 128, "cuda", size, timeout_s=600)
+        assert n == [cases] * gpu_pool.world_size

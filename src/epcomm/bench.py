@@ -1,4 +1,4 @@
-"""``epcomm bench normal``: epcomm against the NCCL baseline, side by side, on the same data.
+"""``epcomm bench normal | low-latency``: epcomm against the NCCL baseline, side by side, on the same data.
 
 Settings and byte counting follow DESIGN section 4 (DeepEP's tests): T tokens per rank, hidden H,
 top-K of E experts, routing ``topk(|randn| + 1)``; bandwidth = ``recv_x`` bytes (BF16; FP8 counts
@@ -203,6 +203,121 @@ def _plot(result: Dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+@dataclass
+class LowLatencyBenchSettings:
+    tokens: int = 128
+    hidden: int = 7168
+    num_topk: int = 8
+    num_experts: int = 256
+    reps: int = 50
+    warmup: int = 10
+    seed: int = 0
+
+
+def bench_low_latency_rank(settings: LowLatencyBenchSettings):
+    """LL dispatch (FP8) / combine (BF16) / round trip, eager and CUDA-graph replayed, beside the
+    NCCL baseline and checked against the torch_dist reference backend on the same data."""
+    import epcomm
+    R, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, H, K, E = settings.tokens, settings.hidden, settings.num_topk, settings.num_experts
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    os.environ["EPCOMM_BACKEND"] = "torch_dist"
+    try:
+        reference = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    finally:
+        os.environ.pop("EPCOMM_BACKEND")
+    g = torch.Generator(device=dev).manual_seed(settings.seed * 7919 + rank)
+    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+    topk_idx = (torch.randn(T, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices.to(torch.int64)
+    topk_weights = torch.rand(T, K, device=dev, generator=g)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+
+    def round_trip(buf, expert_out=None):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+        y = expert_out if expert_out is not None else _ll_expert_out(recv, count)
+        return buf.low_latency_combine(y, topk_idx, topk_weights, handle)[0]
+
+    out = round_trip(buffer)
+    want = round_trip(reference)
+    error = float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+    ok_t = torch.tensor([1 if error < 1e-2 else 0], device=dev)
+    dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
+
+    recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    expert_out = _ll_expert_out(recv, count)
+    row = {"ok": bool(ok_t.item()), "rel_error": error}
+    row["dispatch_s"] = _timed(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
+                               settings.reps, settings.warmup, flush)
+    row["combine_s"] = _timed(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
+                              settings.reps, settings.warmup, flush)
+    row["round_trip_s"] = _timed(lambda: round_trip(buffer, expert_out), settings.reps, settings.warmup, flush)
+    # CUDA graph of dispatch + combine: replays measure device time without launch overhead.
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                round_trip(buffer, expert_out)
+        torch.cuda.current_stream().wait_stream(stream)
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = round_trip(buffer, expert_out)
+        dist.barrier()
+        row["graph_round_trip_s"] = _timed(graph.replay, settings.reps, settings.warmup, flush)
+        graph.replay()
+        torch.cuda.synchronize()
+        row["graph_ok"] = bool(torch.allclose(graph_out.float(), out.float(), rtol=1e-2, atol=1e-2))
+    except Exception as exc:  # reported, not hidden
+        row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    in_rank = torch.zeros(T, R, dtype=torch.bool, device=dev)
+    in_rank.scatter_(1, topk_idx // (E // R), True)
+    baseline = NCCLBaseline(x, in_rank)
+    base_recv = baseline.dispatch()
+    row["nccl_dispatch_s"] = _timed(baseline.dispatch, settings.reps, settings.warmup, flush)
+    row["nccl_combine_s"] = _timed(lambda: baseline.combine(base_recv), settings.reps, settings.warmup, flush)
+    selections = float((topk_idx >= 0).sum())
+    row["dispatch_bytes"] = selections * (H + H / 128 * 4 + 16)
+    row["combine_bytes"] = selections * H * 2
+    keys = [k for k in row if k.endswith("_s") or k.endswith("_bytes")]
+    values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=dev)
+    dist.all_reduce(values)
+    for k, v in zip(keys, (values / R).tolist()):
+        row[k] = v
+    return {"world": R, "backend": buffer.backend_name, "device": torch.cuda.get_device_name(dev),
+            "settings": asdict(settings), "row": row}
+
+
+def _ll_expert_out(recv, count):
+    """Stand-in expert: the dequantised input, as bf16 [E_local, R*M, H]."""
+    from .fp8 import per_token_cast_back
+    values, scales = recv
+    return per_token_cast_back(values, scales)
+
+
+def _ll_table(result: Dict) -> str:
+    r = result["row"]
+    s = result["settings"]
+    lines = [f"# epcomm bench low-latency: {result['world']} x {result['device']}, backend {result['backend']}, "
+             f"T={s['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} (FP8 dispatch, BF16 combine)",
+             f"{'what':<34} {'time us':>9} {'GB/s':>7}"]
+    for key, label, bytes_key in (("dispatch_s", "epcomm dispatch", "dispatch_bytes"),
+                                  ("combine_s", "epcomm combine", "combine_bytes"),
+                                  ("round_trip_s", "epcomm round trip (eager)", None),
+                                  ("graph_round_trip_s", "epcomm round trip (CUDA graph)", None),
+                                  ("nccl_dispatch_s", "NCCL baseline dispatch (bf16)", None),
+                                  ("nccl_combine_s", "NCCL baseline combine", None)):
+        if key in r:
+            gbps = f"{r[bytes_key] / r[key] / 1e9:7.0f}" if bytes_key else f"{'':>7}"
+            lines.append(f"{label:<34} {r[key] * 1e6:>9.1f} {gbps}")
+    lines.append(f"correct vs torch_dist reference: {'OK' if r['ok'] else 'BAD'} (rel. error {r['rel_error']:.1e})"
+                 + (f"; graph replay {'OK' if r.get('graph_ok') else 'BAD'}" if "graph_ok" in r else "")
+                 + (f"; graph capture failed: {r['graph_error']}" if "graph_error" in r else ""))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="epcomm bench")
     parser.add_argument("mode", choices=["normal", "low-latency"])
@@ -217,16 +332,21 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("epcomm bench needs at least 2 CUDA GPUs", file=sys.stderr)
         return 2
-    if args.mode != "normal":
-        print("epcomm bench low-latency is not implemented yet", file=sys.stderr)
-        return 2
     from .testing import run_distributed
+    world = args.ranks or torch.cuda.device_count()
+    os.makedirs(args.out, exist_ok=True)
+    if args.mode == "low-latency":
+        settings = LowLatencyBenchSettings(tokens=args.tokens if args.tokens != 4096 else 128, hidden=args.hidden,
+                                           reps=max(args.reps, 20))
+        result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
+        with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(_ll_table(result))
+        return 0 if result["row"]["ok"] and result["row"].get("graph_ok", False) else 1
     settings = NormalBenchSettings(tokens=args.tokens, hidden=args.hidden, reps=args.reps,
                                    sms=[int(s) for s in args.sms.split(",")],
                                    token_sweep=[int(t) for t in args.token_sweep.split(",") if t])
-    world = args.ranks or torch.cuda.device_count()
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot(result, os.path.join(args.out, "bench_normal.png"))

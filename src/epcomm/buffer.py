@@ -64,7 +64,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.device = group_device(group)
         self.backend_name = default_backend_name(group)
-        self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, self.low_latency_mode)
+        self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
+                                       self.low_latency_mode)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)

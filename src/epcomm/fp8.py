@@ -35,9 +35,18 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[t
     amax = groups.abs().amax(-1).clamp_min(_MIN_AMAX)
     scales = amax / FP8_MAX
     if round_scale:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+        scales = round_up_to_power_of_two(scales)
     x_fp8 = (groups / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_fp8.view(num_tokens, hidden), scales.contiguous()
+
+
+def round_up_to_power_of_two(scales: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= each positive float32 scale, computed exactly on the bits
+    (a float log2 can round a value just above 2**n down to n)."""
+    bits = scales.float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -41,6 +41,7 @@ class LowLatencyHandle(NamedTuple):
         num_max_dispatch_tokens_per_rank: ``M``.
         hidden: ``H``.
         num_experts: ``E`` (global).
+        backend_state: backend-private data (``None`` for ``torch_dist``), after DeepEP's fields.
     """
 
     recv_src_info: torch.Tensor
@@ -48,3 +49,4 @@ class LowLatencyHandle(NamedTuple):
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+    backend_state: Optional[Any] = None

@@ -10,7 +10,13 @@ Dispatch ("stage and pull"):
 Combine ("push and reduce"): each rank stores every received row into the home rank's slot
 ``(token, own rank)``; barrier; the home sums its slots in rank order in float32.
 A batch larger than the workspace runs in rounds of tokens; each round is bracketed by barriers.
-Low-latency mode runs on the torch_dist reference path for now (same results; NCCL speed).
+
+Low-latency mode: the sender writes one message per (token, expert) into the receiver's
+``[E_local][R][M]`` slots (slot from an atomic counter, FP8 cast fused), then publishes its
+per-expert counts with a release (signal); the receiver acquires them (wait), and packs rows into
+``recv_x``. Combine pushes each row into the home's ``(token, k)`` slot, signals, and the home
+takes the weighted top-k sum. Signal and wait are separate launches so ``return_recv_hook`` can
+split them; epochs live in device memory, so the calls can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -23,14 +29,22 @@ import torch.distributed as dist
 import triton
 
 from ...errors import EPError, EPTimeoutError
-from ...handle import DispatchHandle
+from ...handle import DispatchHandle, LowLatencyHandle
 from ...layout import align_up, rank_prefix_matrix
 from ..base import Backend, DispatchArgs, DispatchResult
-from ..torch_dist import TorchDistBackend
 from . import kernels
 from .workspace import ALIGN, Workspace, align
 
 DEFAULT_TIMEOUT_S = 100.0
+
+
+@dataclass
+class LowLatencyState:
+    """What the NVLink backend keeps in ``LowLatencyHandle.backend_state``."""
+
+    recv_src_rank: torch.Tensor  # [E_local, R*M] int32: home rank of each packed row
+    recv_slot: torch.Tensor  # [E_local, R*M] int32: token * K + k at the home rank, -1 if unused
+    num_topk: int
 
 
 @dataclass
@@ -84,23 +98,32 @@ def _block_shape(row_words: int):
 class NVLinkBackend(Backend):
     name = "nvlink"
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, low_latency_mode: bool):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0):
         super().__init__(group, device)
-        self.ws = Workspace(group, device, num_nvl_bytes)
-        self.sent = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
+        self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes)
+        # Per flag set (normal, LL dispatch, LL combine): signals sent to each peer so far.
+        self.sent = torch.zeros(3, self.num_ranks, dtype=torch.int64, device=device)
         self.errors = torch.zeros(self.num_ranks, dtype=torch.int32, device=device)
+        self.no_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=device)
         self.timeout_ns = int(float(os.environ.get("EPCOMM_TIMEOUT_S", DEFAULT_TIMEOUT_S)) * 1e9)
-        self.reference = TorchDistBackend(group, device)  # low-latency path for now
         self._dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        self._ll_calls = [0, 0]  # dispatch, combine: which half the next call uses
+        self._ll_counters = {}
 
     # ------------------------------------------------------------------ synchronisation
-    def _barrier(self, count_row: Optional[torch.Tensor] = None) -> None:
+    def _barrier(self, count_row: Optional[torch.Tensor] = None, *, flag_set: int = 0, count_bases=None,
+                 mask: Optional[torch.Tensor] = None, signal: bool = True, wait: bool = True) -> None:
+        """Barrier among the ranks (optionally publishing ``count_row`` first); ``signal``/``wait``
+        split it in two launches. Low-latency sets skip masked peers and mask a peer on timeout."""
         R = self.num_ranks
         row_len = 0 if count_row is None else count_row.numel()
         kernels.barrier_kernel[(R,)](
-            self.ws.flags_bases(), self.sent, self.errors,
-            count_row if count_row is not None else self._dummy, self.ws.counts_bases(),
-            row_len, self.rank, self.timeout_ns, ROW_LEN=row_len, BLOCK=1024, num_warps=4)
+            self.ws.flags_bases(flag_set), self.sent[flag_set], self.errors,
+            mask if mask is not None else self.no_mask,
+            count_row if count_row is not None else self._dummy,
+            count_bases if count_bases is not None else self.ws.counts_bases(),
+            row_len, self.rank, self.timeout_ns, ROW_LEN=row_len, SIGNAL=signal, WAIT=wait,
+            MASK_ON_TIMEOUT=mask is not None, BLOCK=1024, num_warps=4)
 
     def check_errors(self, errors_host: Optional[torch.Tensor] = None) -> None:
         """Raise EPTimeoutError if a wait in an earlier kernel gave up (syncs unless given host flags)."""
@@ -320,25 +343,165 @@ class NVLinkBackend(Backend):
             if token_hi <= lo:
                 continue
             in_rank = handle.is_token_in_rank.view(torch.uint8)
-            r_p2 = triton.next_power_of_2(R)
             for (src, nbytes), slot_offset, out in zip(parts, slot_offsets, outs):
                 width = out.shape[1]
                 slots = self.ws.local(slot_offset, round_tokens * R * nbytes, src.dtype, (-1,))
                 is_x = out is combined
-                block_c = min(triton.next_power_of_2(width), max(16384 // r_p2, 16))
-                kernels.reduce_slots_kernel[(max(1, min(config.num_sms * 4, token_hi - lo)),)](
-                    slots, in_rank, out,
-                    bias[0] if is_x and num_bias >= 1 else out, bias[1] if is_x and num_bias >= 2 else out,
-                    lo, token_hi, width, R, NUM_BIAS=num_bias if is_x else 0, R_P2=r_p2,
-                    BLOCK_C=block_c, num_warps=16 if r_p2 * block_c >= 8192 else 4)
+                self._reduce(config.num_sms * 4, slots, in_rank, None, out, bias if is_x else (), lo, token_hi, R)
         return combined, combined_w
 
-    # ------------------------------------------------------------------ low-latency (reference path)
+    def _reduce(self, num_programs, slots, presence, weights, out, bias, lo: int, hi: int, num_slots: int,
+                mask=None, num_local: int = 1) -> None:
+        """Weighted (low-latency) or plain (normal) float32 sum over per-token slots; see the kernel."""
+        if hi <= lo:
+            return
+        width = out.shape[1]
+        s_p2 = triton.next_power_of_2(num_slots)
+        block_c = min(triton.next_power_of_2(width), max(16384 // s_p2, 16))
+        kernels.reduce_slots_kernel[(max(1, min(num_programs, hi - lo)),)](
+            slots, presence, weights if weights is not None else out, mask if mask is not None else self._dummy,
+            out, bias[0] if len(bias) >= 1 else out, bias[1] if len(bias) >= 2 else out,
+            lo, hi, width, num_slots, num_local, NUM_BIAS=len(bias), WEIGHTED=weights is not None, S_P2=s_p2,
+            BLOCK_C=block_c, num_warps=16 if s_p2 * block_c >= 8192 else 4)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def _ll_layout(self, num_experts: int, max_tokens: int, hidden: int, num_topk: int, use_fp8: bool,
+                   use_ue8m0: bool):
+        """Byte layout of one half of the low-latency area for these call parameters."""
+        R = self.num_ranks
+        x_bytes = hidden if use_fp8 else hidden * 2
+        scale_words = 0 if not use_fp8 else (hidden // 512 if use_ue8m0 else hidden // 128)
+        msg_bytes = align_up(16 + x_bytes + scale_words * 4, 16)
+        counts_bytes = align(R * num_experts * 4)
+        recv_bytes = align(num_experts * max_tokens * msg_bytes)
+        combine_bytes = align(max_tokens * num_topk * hidden * 2)
+        need = counts_bytes + recv_bytes + combine_bytes
+        if need > self.ws.ll_half_bytes:
+            raise EPError(f"low-latency mode needs num_rdma_bytes >= {2 * (need + 256)} for M={max_tokens}, "
+                          f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * self.ws.ll_half_bytes})")
+        return dict(x_bytes=x_bytes, scale_words=scale_words, msg_bytes=msg_bytes, counts=0,
+                    recv=counts_bytes, combine=counts_bytes + recv_bytes)
+
+    def _ll_half(self, which: int) -> int:
+        half = self._ll_calls[which] % 2
+        self._ll_calls[which] += 1
+        return half
+
     def low_latency_dispatch(self, args):
-        return self.reference.low_latency_dispatch(args)
+        import triton.language as tl  # noqa: F401
+        R, rank, dev = self.num_ranks, self.rank, self.device
+        if args.dispatch_wait_recv_cost_stats is not None:
+            raise EPError("dispatch_wait_recv_cost_stats is not supported by the nvlink backend yet")
+        x, topk = args.x, args.topk_idx
+        num_tokens, hidden = x.shape
+        if hidden % 128:
+            raise EPError(f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
+        E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
+        num_local = E // R
+        layout = self._ll_layout(E, M, hidden, K, args.use_fp8, args.use_ue8m0)
+        half = self._ll_half(0)
+        base = self.ws.ll_offset + half * self.ws.ll_half_bytes
+        key = (half, E)
+        counters = self._ll_counters.get(key)
+        if counters is None:
+            counters = torch.zeros(E, dtype=torch.int32, device=dev)
+            self._ll_counters[key] = counters
+        mask = args.rank_mask
+        if num_tokens:
+            kernels.ll_send_kernel[(num_tokens,)](
+                x, topk, counters, mask, self.ws.region_bases(base + layout["recv"]),
+                hidden, K, num_local, M, R, rank, layout["msg_bytes"], layout["x_bytes"],
+                USE_FP8=args.use_fp8, ROUND_SCALE=args.round_scale, UE8M0=args.use_ue8m0,
+                BLOCK_H=triton.next_power_of_2(hidden), num_warps=8)
+        # RELEASE: the messages above, then this rank's per-expert counts, to every peer.
+        self._barrier(counters, flag_set=1, count_bases=self.ws.region_bases(base + layout["counts"]), mask=mask,
+                      wait=False)
+
+        slots = R * M
+        x_dtype = torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16
+        recv_x = torch.empty(num_local, slots, hidden, dtype=x_dtype, device=dev)
+        scale_words = layout["scale_words"]
+        scales_store = torch.empty(num_local, max(scale_words, 1), slots, device=dev,
+                                   dtype=torch.int32 if args.use_ue8m0 else torch.float32)
+        recv_src_info = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
+        recv_src_rank = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
+        recv_slot = torch.full((num_local, slots), -1, dtype=torch.int32, device=dev)
+        recv_layout = torch.empty(num_local, R, dtype=torch.int64, device=dev)
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        stats = args.cumulative_local_expert_recv_stats
+        region = self.ws.local(base + layout["recv"], 1, torch.uint8, (-1,))
+
+        def receive() -> None:
+            # ACQUIRE: every live peer's counts and messages for this call.
+            self._barrier(flag_set=1, mask=mask, signal=False)
+            kernels.ll_pack_kernel[(num_local, R)](
+                self.ws.local(base + layout["counts"], R * E * 4, torch.int32, (R, E)), counters, mask, region,
+                recv_x.view(torch.uint8), scales_store.view(torch.int32), recv_src_info, recv_src_rank, recv_slot,
+                recv_layout, recv_count, stats if stats is not None else recv_count,
+                E, num_local, R, rank, M, K, layout["msg_bytes"], layout["x_bytes"], scale_words,
+                HAS_STATS=stats is not None, BLOCK_X=1024, BLOCK_S=triton.next_power_of_2(max(scale_words, 1)),
+                num_warps=4)
+
+        if args.use_fp8:
+            recv = (recv_x, scales_store[:, :scale_words].transpose(1, 2))
+        else:
+            recv = recv_x
+        handle = LowLatencyHandle(recv_src_info, recv_layout, M, hidden, E,
+                                  LowLatencyState(recv_src_rank, recv_slot, K))
+        if args.return_recv_hook:
+            return recv, recv_count, handle, receive
+        receive()
+        return recv, recv_count, handle, None
 
     def low_latency_combine(self, args):
-        return self.reference.low_latency_combine(args)
+        R, dev = self.num_ranks, self.device
+        if args.combine_wait_recv_cost_stats is not None:
+            raise EPError("combine_wait_recv_cost_stats is not supported by the nvlink backend yet")
+        handle = args.handle
+        state = handle.backend_state
+        if not isinstance(state, LowLatencyState):
+            raise EPError("this handle was not made by the nvlink backend")
+        x = args.x
+        num_local, slots, hidden = x.shape
+        K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
+        if args.topk_idx.shape[1] != K:
+            raise EPError(f"topk_idx has {args.topk_idx.shape[1]} columns, the dispatch had {K}")
+        layout = self._ll_layout(handle.num_experts, M, hidden, K, False, False)
+        half = self._ll_half(1)
+        base = self.ws.ll_offset + half * self.ws.ll_half_bytes
+        num_rows = num_local * slots
+        rows = self._ll_rows(num_rows)
+        mask = args.rank_mask
+        # Expert side: row (l, i) goes to its home rank's slot (token, k); unused rows have slot -1.
+        self._copy_rows(max(num_local, 32), rows[1], num_rows, hidden * 2,
+                        src=torch.full((1,), x.data_ptr(), dtype=torch.int64, device=dev),
+                        src_rank=rows[2], src_row=rows[0],
+                        dst=self.ws.region_bases(base + layout["combine"]), dst_rank=state.recv_src_rank.view(-1),
+                        dst_row=state.recv_slot.view(-1))
+        self._barrier(flag_set=2, mask=mask, wait=False)  # RELEASE the pushed rows
+        num_tokens = args.topk_idx.shape[0]
+        out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
+        combine_slots = self.ws.local(base + layout["combine"], M * K * hidden * 2, torch.bfloat16, (-1,))
+
+        def receive() -> None:
+            self._barrier(flag_set=2, mask=mask, signal=False)  # ACQUIRE the rows pushed to this rank
+            self._reduce(132, combine_slots, args.topk_idx, args.topk_weights, out, (), 0, num_tokens, K,
+                         mask=mask, num_local=num_local)
+
+        if args.return_recv_hook:
+            return out, receive
+        receive()
+        return out, None
+
+    def _ll_rows(self, num_rows: int):
+        """Cached (row ids [N], count [1], zeros [N]) int32 tensors for the combine's row pushes."""
+        cached = self._ll_counters.get(("rows", num_rows))
+        if cached is None:
+            cached = (torch.arange(num_rows, dtype=torch.int32, device=self.device),
+                      torch.full((1,), num_rows, dtype=torch.int32, device=self.device),
+                      torch.zeros(num_rows, dtype=torch.int32, device=self.device))
+            self._ll_counters[("rows", num_rows)] = cached
+        return cached
 
     def destroy(self) -> None:
         self.ws = None

@@ -30,38 +30,48 @@ def _now_ns():
 def barrier_kernel(flag_bases_ptr,  # [R] int64: address of each rank's int64 flag array [R]
                    sent_ptr,  # [R] int64, local: barriers this rank has signalled to each peer
                    error_ptr,  # [R] int32, local: set to 1 when a wait for that peer timed out
-                   count_row_ptr,  # [ROW] int32, local: counts to publish (notify), unused if ROW_LEN == 0
+                   mask_ptr,  # [R] int32, local: masked peers are skipped; a timeout masks the peer
+                   count_row_ptr,  # [row_len] int32, local: counts to publish (notify), if ROW_LEN > 0
                    count_bases_ptr,  # [R] int64: address of each rank's count matrix [R, row_len]
                    row_len, rank, timeout_ns,
-                   ROW_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per peer. Program p: (1) optionally writes this rank's count row into peer p's
-    # count matrix at row `rank`; (2) release-stores the barrier epoch into peer p's flag[rank];
-    # (3) acquire-polls its own flag[p] until peer p has arrived at the same epoch.
+                   ROW_LEN: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
+                   MASK_ON_TIMEOUT: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per peer p. SIGNAL: optionally write this rank's count row into p's count matrix
+    # at row `rank`, then release-store the epoch into p's flag[rank]. WAIT: acquire-poll own
+    # flag[p] until p has signalled the same epoch. A barrier is SIGNAL+WAIT; low-latency hooks
+    # split them across two launches (the epoch counter is only advanced by SIGNAL).
     peer = tl.program_id(0)
-    if ROW_LEN > 0:
-        dst = tl.load(count_bases_ptr + peer).to(tl.pointer_type(tl.int32)) + rank * row_len
-        for start in range(0, row_len, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(dst + offs, tl.load(count_row_ptr + offs, mask=offs < row_len), mask=offs < row_len)
-        # All threads' row stores happen-before the single-thread release below (CTA barrier,
-        # then the release is cumulative).
-        tl.debug_barrier()
-    # Epoch = number of barriers so far, counted per peer in device memory (graph-replay safe).
-    epoch = tl.load(sent_ptr + peer) + 1
-    tl.store(sent_ptr + peer, epoch)
-    # RELEASE (sys scope): the count row above, and every store of earlier kernels on this stream
-    # (staged payload, pushed rows), become visible to peer p before it sees the epoch.
-    peer_flags = tl.load(flag_bases_ptr + peer).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(peer_flags + rank, epoch, sem="release", scope="sys")
-    # ACQUIRE (sys scope), pairs with peer p's release above: after this, p's writes are visible.
-    my_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int64))
-    deadline = _now_ns() + timeout_ns
-    # A peer may already be one barrier ahead, hence >= rather than ==.
-    seen = tl.atomic_add(my_flags + peer, 0, sem="acquire", scope="sys")
-    while (seen < epoch) & (_now_ns() < deadline):
+    if tl.load(mask_ptr + peer) != 0:
+        return
+    if SIGNAL:
+        if ROW_LEN > 0:
+            dst = tl.load(count_bases_ptr + peer).to(tl.pointer_type(tl.int32)) + rank * row_len
+            for start in range(0, row_len, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(dst + offs, tl.load(count_row_ptr + offs, mask=offs < row_len), mask=offs < row_len)
+            # All threads' row stores happen-before the single-thread release below (CTA barrier,
+            # then the release is cumulative).
+            tl.debug_barrier()
+        # Epoch = barriers so far, counted per peer in device memory (graph-replay safe).
+        epoch = tl.load(sent_ptr + peer) + 1
+        tl.store(sent_ptr + peer, epoch)
+        # RELEASE (sys scope): the count row above, and every store of earlier kernels on this
+        # stream (staged payload, pushed rows), become visible to peer p before it sees the epoch.
+        peer_flags = tl.load(flag_bases_ptr + peer).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(peer_flags + rank, epoch, sem="release", scope="sys")
+    if WAIT:
+        epoch = tl.load(sent_ptr + peer)
+        # ACQUIRE (sys scope), pairs with peer p's release: afterwards p's writes are visible.
+        my_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int64))
+        deadline = _now_ns() + timeout_ns
+        # A peer may already be one barrier ahead, hence >= rather than ==.
         seen = tl.atomic_add(my_flags + peer, 0, sem="acquire", scope="sys")
-    if seen < epoch:
-        tl.store(error_ptr + peer, 1)
+        while (seen < epoch) & (_now_ns() < deadline):
+            seen = tl.atomic_add(my_flags + peer, 0, sem="acquire", scope="sys")
+        if seen < epoch:
+            tl.store(error_ptr + peer, 1)
+            if MASK_ON_TIMEOUT:
+                tl.store(mask_ptr + peer, 1)
 
 
 @triton.jit
@@ -130,29 +140,43 @@ def recv_index_kernel(ends_ptr,  # [R] int32: end row of each source's rows in r
 
 
 @triton.jit
-def reduce_slots_kernel(slots_ptr,  # [chunk tokens, R, width] slot rows written by the ranks
-                        in_rank_ptr,  # [T, R] bool: which slots hold data
+def reduce_slots_kernel(slots_ptr,  # [chunk tokens, S, width]: slot rows written by the peers
+                        presence_ptr,  # [T, S] uint8 (normal mode) or [T, S] int64 expert ids (WEIGHTED)
+                        weights_ptr, mask_ptr,  # WEIGHTED only: [T, S] float32 weights, [R] int32 rank mask
                         out_ptr,  # [T, width]
-                        bias0_ptr, bias1_ptr,  # [T, width] bf16 or unused
-                        token_lo, token_hi, width, num_ranks,
-                        NUM_BIAS: tl.constexpr, R_P2: tl.constexpr, BLOCK_C: tl.constexpr):
-    # out[t] = Σ_j slots[t, j] over the ranks j holding token t, in float32 (+ biases). All R slot
-    # rows of a column block load at once to keep many bytes in flight. Reads only local memory;
-    # the barrier before this kernel acquired the pushers' stores.
+                        bias0_ptr, bias1_ptr,  # [T, width] or unused
+                        token_lo, token_hi, width, num_slots, num_local_experts,
+                        NUM_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, S_P2: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    # out[t] = Σ_s w[t, s] · slots[t, s] in float32 (+ biases), over the slots that hold data.
+    # Normal mode: slot s = rank s, present where is_token_in_rank, w = 1. Low-latency mode
+    # (WEIGHTED): slot s = top-k entry s, present where its expert id >= 0 and the expert's rank is
+    # not masked, w = topk_weights. All S slot rows of a column block load at once. Reads only
+    # local memory; the barrier before this kernel acquired the pushers' stores.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_C)
-    ranks = tl.arange(0, R_P2)
+    slot_ids = tl.arange(0, S_P2)
+    in_slots = slot_ids < num_slots
     for token in range(token_lo + pid, token_hi, num_programs):
         t64 = token.to(tl.int64)
-        present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0
-        slot_rows = (t64 - token_lo) * num_ranks + ranks
+        if WEIGHTED:
+            expert = tl.load(presence_ptr + t64 * num_slots + slot_ids, mask=in_slots, other=-1)
+            present = expert >= 0
+            masked = tl.load(mask_ptr + expert // num_local_experts, mask=present, other=1) != 0
+            present = present & (masked == 0)
+            weight = tl.load(weights_ptr + t64 * num_slots + slot_ids, mask=present, other=0.0)
+        else:
+            present = tl.load(presence_ptr + t64 * num_slots + slot_ids, mask=in_slots, other=0) != 0
+        slot_rows = (t64 - token_lo) * num_slots + slot_ids
         for start in range(0, width, BLOCK_C):
             c = start + cols
             cmask = c < width
             values = tl.load(slots_ptr + slot_rows[:, None] * width + c[None, :],
-                             mask=present[:, None] & cmask[None, :], other=0.0)
-            acc = tl.sum(values.to(tl.float32), axis=0)
+                             mask=present[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            if WEIGHTED:
+                values = values * weight[:, None]
+            acc = tl.sum(values, axis=0)
             if NUM_BIAS >= 1:
                 acc += tl.load(bias0_ptr + t64 * width + c, mask=cmask, other=0.0).to(tl.float32)
             if NUM_BIAS >= 2:
@@ -196,3 +220,125 @@ def localize_topk_kernel(packed_ptr,  # [N, row_bytes] uint8: K int64 global ids
     tl.store(topk_out + offs, tl.where(mine, local, -1), mask=in_range)
     weight = tl.load(weight_ptr, mask=in_range & mine, other=0.0)
     tl.store(weights_out + offs, tl.where(mine, weight, 0.0), mask=in_range)
+
+
+# ---------------------------------------------------------------------- low-latency mode
+@triton.jit
+def ll_send_kernel(x_ptr,  # [T, H] bf16
+                   topk_ptr,  # [T, K] int64 global expert ids
+                   counter_ptr,  # [E] int32, local, zero on entry: messages sent per expert (slot allocator)
+                   mask_ptr,  # [R] int32: masked ranks are not sent to
+                   recv_bases_ptr,  # [R] int64: each rank's receive area of this half, [E_local][R][M] messages
+                   hidden, num_topk, num_local, max_tokens, num_ranks, rank, msg_bytes, x_bytes,
+                   USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    # Program t sends token t once per selected expert (no dedup), the FP8 cast done once.
+    # Message: [t int32, k int32, 8 pad][payload: e4m3 H bytes or bf16 2H][scales: H/128 f32 or
+    # H/512 packed UE8M0 int32]. Slot = atomic counter per expert, so the receiver's region for
+    # (expert, this rank) fills densely. Only plain stores to peers here: the signal kernel that
+    # follows on the stream publishes the counts with a release.
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    in_h = cols < hidden
+    x = tl.load(x_ptr + t64 * hidden + cols, mask=in_h, other=0.0).to(tl.float32)
+    if USE_FP8:
+        groups = tl.reshape(x, (BLOCK_H // 128, 128))
+        amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+        scale = tl.math.div_rn(amax, 448.0)
+        if ROUND_SCALE:
+            bits = scale.to(tl.int32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
+        q = tl.math.div_rn(groups, scale[:, None])
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        q = tl.reshape(q, (BLOCK_H,))
+        group_ids = tl.arange(0, BLOCK_H // 128)
+        if UE8M0:
+            exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
+            shifts = tl.arange(0, 4) * 8
+            packed = tl.sum(exps << shifts[None, :], axis=1)
+            packed_ids = tl.arange(0, BLOCK_H // 512)
+    for k in range(0, num_topk):
+        expert = tl.load(topk_ptr + t64 * num_topk + k)
+        if expert >= 0:
+            dst = (expert // num_local).to(tl.int32)
+            if tl.load(mask_ptr + dst) == 0:
+                slot = tl.atomic_add(counter_ptr + expert, 1, sem="relaxed")
+                # (slot < M always holds for distinct experts per token; the guard keeps a
+                # malformed routing from writing past the region)
+                slot = tl.minimum(slot, max_tokens - 1)
+                local = expert % num_local
+                msg = tl.load(recv_bases_ptr + dst) + ((local * num_ranks + rank) * max_tokens + slot) * msg_bytes
+                header = tl.where(tl.arange(0, 2) == 0, t, k)
+                tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), header)
+                payload = msg + 16
+                if USE_FP8:
+                    tl.store(payload.to(tl.pointer_type(tl.float8e4nv)) + cols, q, mask=in_h)
+                    if UE8M0:
+                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + packed_ids, packed,
+                                 mask=packed_ids < hidden // 512)
+                    else:
+                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + group_ids, scale,
+                                 mask=group_ids < hidden // 128)
+                else:
+                    tl.store(payload.to(tl.pointer_type(tl.bfloat16)) + cols, x.to(tl.bfloat16), mask=in_h)
+
+
+@triton.jit
+def ll_pack_kernel(counts_ptr,  # [R, E] int32, local: row s = messages source s sent to each expert
+                   counter_ptr,  # [E] int32, local: this rank's send counters, zeroed here for the next call
+                   mask_ptr,  # [R] int32
+                   region_ptr,  # uint8*, local receive area of this half: [E_local][R][M] messages
+                   out_x_ptr,  # [E_local, R*M, x_bytes] uint8 view of recv_x
+                   out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
+                   src_info_ptr, src_rank_ptr, slot_ptr,  # [E_local, R*M] int32 each
+                   layout_ptr,  # [E_local, R] int64
+                   recv_count_ptr,  # [E_local] int32
+                   stats_ptr,  # [E_local] int32 cumulative counts, if HAS_STATS
+                   num_experts, num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes,
+                   scale_words, HAS_STATS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Program (l, s) packs the messages source s sent to local expert l into rows
+    # [offset, offset + n) of expert l, offset = messages of sources < s. The counts were acquired
+    # by the wait before this kernel (sources' releases), so reading them and the messages is safe.
+    l = tl.program_id(0)
+    s = tl.program_id(1)
+    expert = rank * num_local + l
+    offset = 0
+    for src in range(0, num_ranks):
+        n_src = tl.where(tl.load(mask_ptr + src) != 0, 0, tl.load(counts_ptr + src * num_experts + expert))
+        offset += tl.where(src < s, n_src, 0)
+    n = tl.where(tl.load(mask_ptr + s) != 0, 0, tl.load(counts_ptr + s * num_experts + expert))
+    row0 = offset
+    # The signal kernel already published this rank's send counters: reset one entry per program
+    # (the (l, s) grid covers all E) for the next call on this half.
+    tl.store(counter_ptr + s * num_local + l, 0)
+    tl.store(layout_ptr + l * num_ranks + s, (row0.to(tl.int64) << 32) | n.to(tl.int64))
+    if s == num_ranks - 1:
+        total = offset + n
+        tl.store(recv_count_ptr + l, total)
+        if HAS_STATS:
+            tl.atomic_add(stats_ptr + l, total, sem="relaxed")
+    slots_total = num_ranks * max_tokens
+    xcols = tl.arange(0, BLOCK_X)
+    scols = tl.arange(0, BLOCK_S)
+    for i in range(0, n):
+        msg = region_ptr + ((l * num_ranks + s) * max_tokens + i).to(tl.int64) * msg_bytes
+        row = (l * slots_total + row0 + i).to(tl.int64)
+        header = tl.load(msg.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, 2))
+        token = tl.sum(tl.where(tl.arange(0, 2) == 0, header, 0), axis=0)
+        k = tl.sum(tl.where(tl.arange(0, 2) == 1, header, 0), axis=0)
+        tl.store(src_info_ptr + row, token)
+        tl.store(src_rank_ptr + row, s)
+        tl.store(slot_ptr + row, token * num_topk + k)
+        words = (msg + 16).to(tl.pointer_type(tl.int64), bitcast=True)
+        out_words = (out_x_ptr + row * x_bytes).to(tl.pointer_type(tl.int64), bitcast=True)
+        for start in range(0, x_bytes // 8, BLOCK_X):
+            c = start + xcols
+            tl.store(out_words + c, tl.load(words + c, mask=c < x_bytes // 8), mask=c < x_bytes // 8)
+        if scale_words > 0:
+            scales = tl.load((msg + 16 + x_bytes).to(tl.pointer_type(tl.int32), bitcast=True) + scols,
+                             mask=scols < scale_words)
+            dst = out_scales_ptr + (l * scale_words).to(tl.int64) * slots_total + scols.to(tl.int64) * slots_total \
+                + row0 + i
+            tl.store(dst, scales, mask=scols < scale_words)

@@ -1,10 +1,11 @@
 """The symmetric-memory workspace of the NVLink backend: one allocation per rank, fixed for the
 Buffer's life, carved into regions at the same offsets on every rank.
 
-    [0, FLAGS)            int64 barrier flags [R]            (peers release-store epochs here)
+    [0, FLAGS)            int64 barrier flags [3][R]         (normal, LL dispatch, LL combine sets)
     [FLAGS, COUNTS)       int32 count matrix [R, row_cap]    (notify: row i written by rank i)
     [COUNTS, LISTS)       int32 token lists [R, list_cap]+1  (dispatch: tokens this rank sends to j)
-    [LISTS, size)         payload                            (dispatch staging / combine slots)
+    [LISTS, +nvl)         payload                            (dispatch staging / combine slots)
+    [+nvl, size)          low-latency area, two halves       (counts, receive slots, combine slots)
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def align(n: int) -> int:
 
 
 class Workspace:
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, num_ll_bytes: int = 0):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank = dist.get_rank(group)
@@ -33,6 +34,9 @@ class Workspace:
         if self.num_ranks * 8 > FLAGS_BYTES:
             raise EPError(f"the nvlink backend supports at most {FLAGS_BYTES // 8} ranks")
         size = align(max(num_bytes, 0)) + META_BYTES
+        self.ll_offset = size
+        self.ll_half_bytes = align(max(num_ll_bytes, 0) // 2 - ALIGN) if num_ll_bytes >= 4 * ALIGN else 0
+        size += 2 * self.ll_half_bytes
         self.size = size
         self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
@@ -41,7 +45,7 @@ class Workspace:
         self.row_cap = COUNTS_BYTES // (4 * self.num_ranks)
         self.list_cap = (LISTS_BYTES - 4) // (4 * self.num_ranks)
         self.payload_offset = META_BYTES
-        self.payload_bytes = size - META_BYTES
+        self.payload_bytes = self.ll_offset - META_BYTES
         # Flags start at zero everywhere before anyone signals; the barrier makes that so.
         self.buffer[:FLAGS_BYTES].zero_()
         torch.cuda.synchronize(device)
@@ -60,8 +64,9 @@ class Workspace:
         """A typed view of this rank's own workspace."""
         return self.buffer[offset:offset + num_bytes].view(dtype).view(shape)
 
-    def flags_bases(self) -> torch.Tensor:
-        return self.bases
+    def flags_bases(self, flag_set: int = 0) -> torch.Tensor:
+        """Flag arrays: set 0 for normal-mode barriers, 1 for LL dispatch, 2 for LL combine."""
+        return self.region_bases(flag_set * self.num_ranks * 8)
 
     def counts_view(self, row_len: int) -> torch.Tensor:
         if row_len > self.row_cap:
