@@ -104,18 +104,20 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Bytes of ``num_rdma_bytes`` low-latency mode needs: two halves, each holding a send
-        area of ``M`` messages and a receive area of ``E * M`` messages plus signalling words."""
+        """Bytes of ``num_rdma_bytes`` low-latency mode needs: two halves, each holding the count
+        matrix ``[R, E]``, the receive slots ``[E_local][R][M]`` of one message per (token, expert)
+        (BF16-sized, so FP8 fits too) and the combine slots ``[M][K]`` for up to 32 experts per token."""
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)
-        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)
-        combine_msg = 16 + hidden * 2
-        msg = max(dispatch_msg, combine_msg)
-        half = num_max_dispatch_tokens_per_rank * msg + num_experts * num_max_dispatch_tokens_per_rank * msg \
-            + num_experts * 4 * 2
-        half = (half + 127) // 128 * 128
-        return 2 * half
+
+        def align(n: int) -> int:
+            return (n + 255) // 256 * 256
+
+        M = num_max_dispatch_tokens_per_rank
+        message = (16 + hidden * 2 + 15) // 16 * 16
+        half = align(num_ranks * num_experts * 4) + align(num_experts * M * message) + align(M * 32 * hidden * 2)
+        return 2 * (half + 256)
 
     # ------------------------------------------------------------------ state
     def _check_alive(self) -> None:
