@@ -596,3 +596,87 @@ def gpu_timeout_names_peer():
         assert absent in err.peers, err.peers
         return "raised"
     return "no error"
+
+
+def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048):
+    """Dispatch + stand-in expert + combine captured in one CUDA graph; each replay on fresh inputs
+    (copied into the captured tensors) matches the reference."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, M, K = 8 * R, 64, 4
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    x = torch.zeros(M, hidden, dtype=torch.bfloat16, device=dev)
+    topk = torch.zeros(M, K, dtype=torch.int64, device=dev)
+    weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+
+    def step():
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=True)
+        rows = fp8.per_token_cast_back(recv[0], recv[1], torch.float32)
+        scale = ((rank * (num_experts // R) + torch.arange(num_experts // R, device=dev)).float() + 1) / 8
+        expert_out = (rows * scale[:, None, None]).to(torch.bfloat16)
+        return buffer.low_latency_combine(expert_out, topk, weights, handle)[0]
+
+    def load(seed):
+        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
+        x.copy_(xs[rank])
+        topk.copy_(topks[rank])
+        weights.copy_(ws[rank])
+        return xs, topks, ws
+
+    load(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for replay in range(replays):
+        xs, topks, ws = load(100 + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=True)
+        torch.testing.assert_close(out.cpu(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"replay {replay}: {m}")
+    return replays
+
+
+def gpu_low_latency_dead_rank(hidden: int = 2048):
+    """The last rank stops taking part: the others time out once, mask it themselves, and every
+    call (that one included) returns correct results for the live ranks; later calls do not wait."""
+    import os
+    import time
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, M, K = 4 * R, 32, 4
+    dead = R - 1
+    os.environ["EPCOMM_TIMEOUT_S"] = "2"
+    try:
+        size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
+        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    finally:
+        os.environ.pop("EPCOMM_TIMEOUT_S")
+    if rank == dead:
+        return "dead"
+    num_local = num_experts // R
+    elapsed = []
+    for call in range(3):
+        xs, topks, ws = make_routing(40 + call, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
+        started = time.perf_counter()
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M, num_experts,
+                                                                use_fp8=False)
+        scale = ((rank * num_local + torch.arange(num_local, device=dev)).float() + 1) / 8
+        expert_out = (recv.float() * scale[:, None, None]).to(torch.bfloat16)
+        out = buffer.low_latency_combine(expert_out, topks[rank].to(dev), ws[rank].to(dev), handle)[0].cpu()
+        elapsed.append(time.perf_counter() - started)
+        live_topk = topks[rank].clone()
+        live_topk[(live_topk // num_local) == dead] = -1
+        want = reference_low_latency_combine(xs[rank], live_topk, ws[rank], expert_fn, use_fp8=False)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"call {call}: {m}")
+    status = torch.zeros(R, dtype=torch.int32, device=dev)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [1 if r == dead else 0 for r in range(R)], status.tolist()
+    assert elapsed[-1] < 1.0, elapsed  # the masked rank is no longer waited for
+    return "masked"

@@ -64,3 +64,12 @@ def test_low_latency_against_reference(gpu_pool):
         size = Buffer.get_low_latency_rdma_size_hint(128, hidden, gpu_pool.world_size, 8 * gpu_pool.world_size)
         n = gpu_pool.run(ep_cases.low_latency_sweep, cases, 300, hidden, 8, 128, "cuda", size, timeout_s=600)
         assert n == [cases] * gpu_pool.world_size
+
+
+def test_low_latency_cuda_graph(gpu_pool):
+    assert gpu_pool.run(ep_cases.gpu_low_latency_graph, timeout_s=300) == [4] * gpu_pool.world_size
+
+
+def test_low_latency_dead_rank_is_masked():
+    with WorkerPool(2, backend="nccl") as pool:
+        assert pool.run(ep_cases.gpu_low_latency_dead_rank, timeout_s=120) == ["masked", "dead"]

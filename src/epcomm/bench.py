@@ -253,25 +253,44 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings):
     row["combine_s"] = _timed(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
                               settings.reps, settings.warmup, flush)
     row["round_trip_s"] = _timed(lambda: round_trip(buffer, expert_out), settings.reps, settings.warmup, flush)
-    # CUDA graph of dispatch + combine: replays measure device time without launch overhead.
+    # CUDA graphs: one of dispatch + stand-in expert + combine, checked against the eager result;
+    # one of dispatch + combine on fixed expert outputs, whose replays time the device work alone.
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                round_trip(buffer, expert_out)
-        torch.cuda.current_stream().wait_stream(stream)
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out = round_trip(buffer, expert_out)
-        dist.barrier()
-        row["graph_round_trip_s"] = _timed(graph.replay, settings.reps, settings.warmup, flush)
+        graphs = {}
+        for name, fn in (("checked", lambda: round_trip(buffer)), ("timed", lambda: round_trip(buffer, expert_out))):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_out = fn()
+            dist.barrier()
+            graphs[name] = (graph, graph_out)
+        graph, graph_out = graphs["checked"]
         graph.replay()
         torch.cuda.synchronize()
         row["graph_ok"] = bool(torch.allclose(graph_out.float(), out.float(), rtol=1e-2, atol=1e-2))
+        row["graph_round_trip_s"] = _timed(graphs["timed"][0].replay, settings.reps, settings.warmup, flush)
     except Exception as exc:  # reported, not hidden
         row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    # where the device time goes (rank 0 reports its kernels)
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            round_trip(buffer, expert_out)
+        torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+        if device_us > 0:
+            kernels.append((device_us / 5, evt.key[:60]))
+    kernels.sort(reverse=True)
     in_rank = torch.zeros(T, R, dtype=torch.bool, device=dev)
     in_rank.scatter_(1, topk_idx // (E // R), True)
     baseline = NCCLBaseline(x, in_rank)
@@ -287,7 +306,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings):
     for k, v in zip(keys, (values / R).tolist()):
         row[k] = v
     return {"world": R, "backend": buffer.backend_name, "device": torch.cuda.get_device_name(dev),
-            "settings": asdict(settings), "row": row}
+            "settings": asdict(settings), "row": row, "kernels_us_per_round_trip": kernels[:10]}
 
 
 def _ll_expert_out(recv, count):
@@ -315,6 +334,8 @@ def _ll_table(result: Dict) -> str:
     lines.append(f"correct vs torch_dist reference: {'OK' if r['ok'] else 'BAD'} (rel. error {r['rel_error']:.1e})"
                  + (f"; graph replay {'OK' if r.get('graph_ok') else 'BAD'}" if "graph_ok" in r else "")
                  + (f"; graph capture failed: {r['graph_error']}" if "graph_error" in r else ""))
+    lines.append("device time per eager round trip, by kernel (rank 0): " + ", ".join(
+        f"{name.split('(')[0]} {us:.1f}" for us, name in result.get("kernels_us_per_round_trip", [])[:6]))
     return "\n".join(lines)
 
 

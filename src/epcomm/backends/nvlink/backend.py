@@ -42,8 +42,10 @@ DEFAULT_TIMEOUT_S = 100.0
 class LowLatencyState:
     """What the NVLink backend keeps in ``LowLatencyHandle.backend_state``."""
 
-    recv_src_rank: torch.Tensor  # [E_local, R*M] int32: home rank of each packed row
-    recv_slot: torch.Tensor  # [E_local, R*M] int32: token * K + k at the home rank, -1 if unused
+    push_total: torch.Tensor  # [1] int32: rows received (entries of the lists below)
+    push_row: torch.Tensor  # [E_local*R*M] int32: flat row of recv_x / the combine input
+    push_rank: torch.Tensor  # home rank of that row
+    push_slot: torch.Tensor  # token * K + k at the home rank
     num_topk: int
 
 
@@ -424,8 +426,8 @@ class NVLinkBackend(Backend):
         scales_store = torch.empty(num_local, max(scale_words, 1), slots, device=dev,
                                    dtype=torch.int32 if args.use_ue8m0 else torch.float32)
         recv_src_info = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
-        recv_src_rank = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
-        recv_slot = torch.full((num_local, slots), -1, dtype=torch.int32, device=dev)
+        push_total = torch.zeros(1, dtype=torch.int32, device=dev)
+        push_row, push_rank, push_slot = torch.empty(3, num_local * slots, dtype=torch.int32, device=dev)
         recv_layout = torch.empty(num_local, R, dtype=torch.int64, device=dev)
         recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
         stats = args.cumulative_local_expert_recv_stats
@@ -436,8 +438,8 @@ class NVLinkBackend(Backend):
             self._barrier(flag_set=1, mask=mask, signal=False)
             kernels.ll_pack_kernel[(num_local, R)](
                 self.ws.local(base + layout["counts"], R * E * 4, torch.int32, (R, E)), counters, mask, region,
-                recv_x.view(torch.uint8), scales_store.view(torch.int32), recv_src_info, recv_src_rank, recv_slot,
-                recv_layout, recv_count, stats if stats is not None else recv_count,
+                recv_x.view(torch.uint8), scales_store.view(torch.int32), recv_src_info,
+                push_total, push_row, push_rank, push_slot, recv_layout, recv_count, stats if stats is not None else recv_count,
                 E, num_local, R, rank, M, K, layout["msg_bytes"], layout["x_bytes"], scale_words,
                 HAS_STATS=stats is not None, BLOCK_X=1024, BLOCK_S=triton.next_power_of_2(max(scale_words, 1)),
                 num_warps=4)
@@ -447,7 +449,7 @@ class NVLinkBackend(Backend):
         else:
             recv = recv_x
         handle = LowLatencyHandle(recv_src_info, recv_layout, M, hidden, E,
-                                  LowLatencyState(recv_src_rank, recv_slot, K))
+                                  LowLatencyState(push_total, push_row, push_rank, push_slot, K))
         if args.return_recv_hook:
             return recv, recv_count, handle, receive
         receive()
@@ -469,15 +471,12 @@ class NVLinkBackend(Backend):
         layout = self._ll_layout(handle.num_experts, M, hidden, K, False, False)
         half = self._ll_half(1)
         base = self.ws.ll_offset + half * self.ws.ll_half_bytes
-        num_rows = num_local * slots
-        rows = self._ll_rows(num_rows)
-        mask = args.rank_mask
-        # Expert side: row (l, i) goes to its home rank's slot (token, k); unused rows have slot -1.
-        self._copy_rows(max(num_local, 32), rows[1], num_rows, hidden * 2,
+        # Expert side: every received row goes to its home rank's slot (token, k).
+        self._copy_rows(132, state.push_total, num_local * slots, hidden * 2,
                         src=torch.full((1,), x.data_ptr(), dtype=torch.int64, device=dev),
-                        src_rank=rows[2], src_row=rows[0],
-                        dst=self.ws.region_bases(base + layout["combine"]), dst_rank=state.recv_src_rank.view(-1),
-                        dst_row=state.recv_slot.view(-1))
+                        src_rank=self._zeros(num_local * slots), src_row=state.push_row,
+                        dst=self.ws.region_bases(base + layout["combine"]), dst_rank=state.push_rank,
+                        dst_row=state.push_slot)
         self._barrier(flag_set=2, mask=mask, wait=False)  # RELEASE the pushed rows
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
@@ -493,15 +492,13 @@ class NVLinkBackend(Backend):
         receive()
         return out, None
 
-    def _ll_rows(self, num_rows: int):
-        """Cached (row ids [N], count [1], zeros [N]) int32 tensors for the combine's row pushes."""
-        cached = self._ll_counters.get(("rows", num_rows))
-        if cached is None:
-            cached = (torch.arange(num_rows, dtype=torch.int32, device=self.device),
-                      torch.full((1,), num_rows, dtype=torch.int32, device=self.device),
-                      torch.zeros(num_rows, dtype=torch.int32, device=self.device))
-            self._ll_counters[("rows", num_rows)] = cached
-        return cached
+    def _zeros(self, n: int) -> torch.Tensor:
+        """A cached int32 zero vector (rank 0 of a one-entry address table)."""
+        zeros = self._ll_counters.get(("zeros", n))
+        if zeros is None:
+            zeros = torch.zeros(n, dtype=torch.int32, device=self.device)
+            self._ll_counters[("zeros", n)] = zeros
+        return zeros
 
     def destroy(self) -> None:
         self.ws = None

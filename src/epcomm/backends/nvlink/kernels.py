@@ -90,7 +90,8 @@ def copy_rows_kernel(src_ptr, src_rank_ptr, src_row_ptr, src_stride,
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_C)
-    for block in range(pid, tl.cdiv(max_rows, BLOCK_R), num_programs):
+    # The loop stops at the device-side row count: no work for rows that cannot exist.
+    for block in range(pid, tl.cdiv(tl.minimum(num_rows, max_rows), BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < num_rows
         if SRC_INDEXED:
@@ -292,7 +293,9 @@ def ll_pack_kernel(counts_ptr,  # [R, E] int32, local: row s = messages source s
                    region_ptr,  # uint8*, local receive area of this half: [E_local][R][M] messages
                    out_x_ptr,  # [E_local, R*M, x_bytes] uint8 view of recv_x
                    out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
-                   src_info_ptr, src_rank_ptr, slot_ptr,  # [E_local, R*M] int32 each
+                   src_info_ptr,  # [E_local, R*M] int32: source token of each packed row
+                   push_total_ptr,  # [1] int32, zero on entry: rows listed for the combine's pushes
+                   push_row_ptr, push_rank_ptr, push_slot_ptr,  # [E_local*R*M] int32: flat row, home, token*K+k
                    layout_ptr,  # [E_local, R] int64
                    recv_count_ptr,  # [E_local] int32
                    stats_ptr,  # [E_local] int32 cumulative counts, if HAS_STATS
@@ -320,6 +323,8 @@ def ll_pack_kernel(counts_ptr,  # [R, E] int32, local: row s = messages source s
         if HAS_STATS:
             tl.atomic_add(stats_ptr + l, total, sem="relaxed")
     slots_total = num_ranks * max_tokens
+    # Reserve n entries of the compact list the combine walks (only rows that exist).
+    listed = tl.atomic_add(push_total_ptr, n, sem="relaxed")
     xcols = tl.arange(0, BLOCK_X)
     scols = tl.arange(0, BLOCK_S)
     for i in range(0, n):
@@ -329,8 +334,9 @@ def ll_pack_kernel(counts_ptr,  # [R, E] int32, local: row s = messages source s
         token = tl.sum(tl.where(tl.arange(0, 2) == 0, header, 0), axis=0)
         k = tl.sum(tl.where(tl.arange(0, 2) == 1, header, 0), axis=0)
         tl.store(src_info_ptr + row, token)
-        tl.store(src_rank_ptr + row, s)
-        tl.store(slot_ptr + row, token * num_topk + k)
+        tl.store(push_row_ptr + listed + i, row.to(tl.int32))
+        tl.store(push_rank_ptr + listed + i, s)
+        tl.store(push_slot_ptr + listed + i, token * num_topk + k)
         words = (msg + 16).to(tl.pointer_type(tl.int64), bitcast=True)
         out_words = (out_x_ptr + row * x_bytes).to(tl.pointer_type(tl.int64), bitcast=True)
         for start in range(0, x_bytes // 8, BLOCK_X):
