@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 def profile_rank(tokens: int, hidden: int):
     import epcomm
     from torch.profiler import ProfilerActivity, profile
-    R, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -70,7 +70,6 @@ def host_rank(tokens: int, hidden: int):
     import io
     import pstats
     import epcomm
-    R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
     x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)

@@ -6,7 +6,6 @@ a backend (see :mod:`epcomm.backends`).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch

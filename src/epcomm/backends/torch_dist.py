@@ -8,7 +8,7 @@ Python ints, so this backend synchronises with the host even when ``num_worst_to
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,7 +166,7 @@ class TorchDistBackend(Backend):
         return flat // num_topk, experts[flat]
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
-        R, rank = self.num_ranks, self.rank
+        R = self.num_ranks
         x = args.x
         num_tokens, hidden = x.shape
         M = args.num_max_dispatch_tokens_per_rank
@@ -258,7 +258,7 @@ class TorchDistBackend(Backend):
         flat_counts = block_counts.reshape(-1)
         block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
         position = torch.arange(block_ids.numel()) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
-        src, local_expert = block_ids // num_local_experts, block_ids % num_local_experts
+        local_expert = block_ids % num_local_experts
         row = block_offsets.reshape(-1)[block_ids] + position
         send = x[local_expert.to(dev), row.to(dev)]
         send_counts = block_counts.sum(1).tolist()

@@ -18,7 +18,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import torch.multiprocessing as mp
 

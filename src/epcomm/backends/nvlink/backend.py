@@ -330,7 +330,6 @@ class NVLinkBackend(Backend):
         combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.shape[1],
                                                                    dtype=torch.float32, device=dev)
         outs = [combined] + ([combined_w] if combined_w is not None else [])
-        num_bias = len(bias)
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             self._barrier()  # homes are done reducing the previous slots
@@ -346,7 +345,6 @@ class NVLinkBackend(Backend):
                 continue
             in_rank = handle.is_token_in_rank.view(torch.uint8)
             for (src, nbytes), slot_offset, out in zip(parts, slot_offsets, outs):
-                width = out.shape[1]
                 slots = self.ws.local(slot_offset, round_tokens * R * nbytes, src.dtype, (-1,))
                 is_x = out is combined
                 self._reduce(config.num_sms * 4, slots, in_rank, None, out, bias if is_x else (), lo, token_hi, R)
@@ -390,7 +388,6 @@ class NVLinkBackend(Backend):
         return half
 
     def low_latency_dispatch(self, args):
-        import triton.language as tl  # noqa: F401
         R, rank, dev = self.num_ranks, self.rank, self.device
         if args.dispatch_wait_recv_cost_stats is not None:
             raise EPError("dispatch_wait_recv_cost_stats is not supported by the nvlink backend yet")
@@ -456,7 +453,7 @@ class NVLinkBackend(Backend):
         return recv, recv_count, handle, None
 
     def low_latency_combine(self, args):
-        R, dev = self.num_ranks, self.device
+        dev = self.device
         if args.combine_wait_recv_cost_stats is not None:
             raise EPError("combine_wait_recv_cost_stats is not supported by the nvlink backend yet")
         handle = args.handle
@@ -471,6 +468,7 @@ class NVLinkBackend(Backend):
         layout = self._ll_layout(handle.num_experts, M, hidden, K, False, False)
         half = self._ll_half(1)
         base = self.ws.ll_offset + half * self.ws.ll_half_bytes
+        mask = args.rank_mask
         # Expert side: every received row goes to its home rank's slot (token, k).
         self._copy_rows(132, state.push_total, num_local * slots, hidden * 2,
                         src=torch.full((1,), x.data_ptr(), dtype=torch.int64, device=dev),
