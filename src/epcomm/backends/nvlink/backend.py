@@ -407,7 +407,7 @@ class NVLinkBackend(Backend):
             self._ll_counters[key] = counters
         mask = args.rank_mask
         if num_tokens:
-            kernels.ll_send_kernel[(num_tokens,)](
+            kernels.ll_send_kernel[(num_tokens, K)](
                 x, topk, counters, mask, self.ws.region_bases(base + layout["recv"]),
                 hidden, K, num_local, M, R, rank, layout["msg_bytes"], layout["x_bytes"],
                 USE_FP8=args.use_fp8, ROUND_SCALE=args.round_scale, UE8M0=args.use_ue8m0,

@@ -233,13 +233,21 @@ def ll_send_kernel(x_ptr,  # [T, H] bf16
                    hidden, num_topk, num_local, max_tokens, num_ranks, rank, msg_bytes, x_bytes,
                    USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    # Program t sends token t once per selected expert (no dedup), the FP8 cast done once.
+    # Program (t, k) sends token t to its k-th expert (no dedup); each program casts the row to FP8
+    # itself (cheap arithmetic on an L2-resident row) so all T*K messages go out in parallel.
     # Message: [t int32, k int32, 8 pad][payload: e4m3 H bytes or bf16 2H][scales: H/128 f32 or
     # H/512 packed UE8M0 int32]. Slot = atomic counter per expert, so the receiver's region for
     # (expert, this rank) fills densely. Only plain stores to peers here: the signal kernel that
     # follows on the stream publishes the counts with a release.
     t = tl.program_id(0)
+    k = tl.program_id(1)
     t64 = t.to(tl.int64)
+    expert = tl.load(topk_ptr + t64 * num_topk + k)
+    if expert < 0:
+        return
+    dst = (expert // num_local).to(tl.int32)
+    if tl.load(mask_ptr + dst) != 0:
+        return
     cols = tl.arange(0, BLOCK_H)
     in_h = cols < hidden
     x = tl.load(x_ptr + t64 * hidden + cols, mask=in_h, other=0.0).to(tl.float32)
@@ -260,30 +268,25 @@ def ll_send_kernel(x_ptr,  # [T, H] bf16
             shifts = tl.arange(0, 4) * 8
             packed = tl.sum(exps << shifts[None, :], axis=1)
             packed_ids = tl.arange(0, BLOCK_H // 512)
-    for k in range(0, num_topk):
-        expert = tl.load(topk_ptr + t64 * num_topk + k)
-        if expert >= 0:
-            dst = (expert // num_local).to(tl.int32)
-            if tl.load(mask_ptr + dst) == 0:
-                slot = tl.atomic_add(counter_ptr + expert, 1, sem="relaxed")
-                # (slot < M always holds for distinct experts per token; the guard keeps a
-                # malformed routing from writing past the region)
-                slot = tl.minimum(slot, max_tokens - 1)
-                local = expert % num_local
-                msg = tl.load(recv_bases_ptr + dst) + ((local * num_ranks + rank) * max_tokens + slot) * msg_bytes
-                header = tl.where(tl.arange(0, 2) == 0, t, k)
-                tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), header)
-                payload = msg + 16
-                if USE_FP8:
-                    tl.store(payload.to(tl.pointer_type(tl.float8e4nv)) + cols, q, mask=in_h)
-                    if UE8M0:
-                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + packed_ids, packed,
-                                 mask=packed_ids < hidden // 512)
-                    else:
-                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + group_ids, scale,
-                                 mask=group_ids < hidden // 128)
-                else:
-                    tl.store(payload.to(tl.pointer_type(tl.bfloat16)) + cols, x.to(tl.bfloat16), mask=in_h)
+    slot = tl.atomic_add(counter_ptr + expert, 1, sem="relaxed")
+    # (slot < M always holds for distinct experts per token; the guard keeps a malformed routing
+    # from writing past the region)
+    slot = tl.minimum(slot, max_tokens - 1)
+    local = expert % num_local
+    msg = tl.load(recv_bases_ptr + dst) + ((local * num_ranks + rank) * max_tokens + slot) * msg_bytes
+    header = tl.where(tl.arange(0, 2) == 0, t, k)
+    tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), header)
+    payload = msg + 16
+    if USE_FP8:
+        tl.store(payload.to(tl.pointer_type(tl.float8e4nv)) + cols, q, mask=in_h)
+        if UE8M0:
+            tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + packed_ids, packed,
+                     mask=packed_ids < hidden // 512)
+        else:
+            tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + group_ids, scale,
+                     mask=group_ids < hidden // 128)
+    else:
+        tl.store(payload.to(tl.pointer_type(tl.bfloat16)) + cols, x.to(tl.bfloat16), mask=in_h)
 
 
 @triton.jit
