@@ -225,6 +225,15 @@ def localize_topk_kernel(packed_ptr,  # [N, row_bytes] uint8: K int64 global ids
 
 # ---------------------------------------------------------------------- low-latency mode
 @triton.jit
+def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
+    """[N] int8 (PER_WORD=8) or int16 (PER_WORD=4) → [N / PER_WORD] int64, little-endian."""
+    bits = 64 // PER_WORD
+    lanes = tl.reshape(values.to(tl.int64) & ((1 << bits) - 1), (N // PER_WORD, PER_WORD))
+    shifts = (tl.arange(0, PER_WORD) * bits).to(tl.int64)
+    return tl.sum(lanes << shifts[None, :], axis=1)
+
+
+@triton.jit
 def ll_send_kernel(x_ptr,  # [T, H] bf16
                    topk_ptr,  # [T, K] int64 global expert ids
                    counter_ptr,  # [E] int32, local, zero on entry: messages sent per expert (slot allocator)
@@ -277,8 +286,12 @@ def ll_send_kernel(x_ptr,  # [T, H] bf16
     header = tl.where(tl.arange(0, 2) == 0, t, k)
     tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), header)
     payload = msg + 16
+    # Payload leaves as 8-byte words: the peer address comes from a table, so the compiler cannot
+    # prove wider alignment, and byte-wide remote stores would cost 8x the instructions.
+    words = tl.arange(0, BLOCK_H // 8)
     if USE_FP8:
-        tl.store(payload.to(tl.pointer_type(tl.float8e4nv)) + cols, q, mask=in_h)
+        tl.store(payload.to(tl.pointer_type(tl.int64)) + words, _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8),
+                 mask=words < x_bytes // 8)
         if UE8M0:
             tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + packed_ids, packed,
                      mask=packed_ids < hidden // 512)
@@ -286,7 +299,10 @@ def ll_send_kernel(x_ptr,  # [T, H] bf16
             tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + group_ids, scale,
                      mask=group_ids < hidden // 128)
     else:
-        tl.store(payload.to(tl.pointer_type(tl.bfloat16)) + cols, x.to(tl.bfloat16), mask=in_h)
+        halves = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        words4 = tl.arange(0, BLOCK_H // 4)
+        tl.store(payload.to(tl.pointer_type(tl.int64)) + words4, _pack_words(halves, BLOCK_H, 4),
+                 mask=words4 < x_bytes // 8)
 
 
 @triton.jit
