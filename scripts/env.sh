@@ -12,8 +12,8 @@ else
     python3 -m venv "$EPCOMM_ROOT/.venv"
   fi
   PY="$EPCOMM_ROOT/.venv/bin/python"
-  if ! "$PY" -c 'import torch, pytest' 2>/dev/null; then
-    "$PY" -m pip install -q torch==2.13.0 'pytest>=7'
+  if ! "$PY" -c 'import torch, pytest, numpy' 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0 'pytest>=7' numpy
   fi
 fi
 export PY

@@ -8,6 +8,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
+python3 -m epcomm demo 2>&1 | tee "$OUT/demo.log"
 python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m epcomm bench normal --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
