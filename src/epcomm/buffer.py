@@ -300,6 +300,9 @@ class Buffer:
         checks.check_num_experts(num_experts, self.group_size)
         self._ll_phase = 0
         self._ll_combine_staging = [None, None]
+        self._backend.clean_low_latency()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
     def _next_phase(self) -> int:

@@ -101,5 +101,8 @@ class Backend(abc.ABC):
     def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
         """Returns ``(combined_x, hook)``; ``hook`` is set iff ``return_recv_hook``."""
 
+    def clean_low_latency(self) -> None:
+        """Reset low-latency state (e.g. after a dispatch whose hook was never called)."""
+
     def destroy(self) -> None:
         """Free backend resources (symmetric memory, streams)."""
