@@ -86,6 +86,8 @@ def _word_bytes(row_bytes: int) -> int:
 # many bytes in flight (tunable for measurements: EPCOMM_COPY_TILE_WORDS, EPCOMM_COPY_WARPS).
 COPY_TILE_WORDS = int(os.environ.get("EPCOMM_COPY_TILE_WORDS", 16384))
 COPY_WARPS = int(os.environ.get("EPCOMM_COPY_WARPS", 16))
+# Full dispatch: start round 0's pull before the host sync (into the workspace receive area).
+PREFETCH = os.environ.get("EPCOMM_PREFETCH", "1") == "1"
 
 
 def _block_shape(row_words: int):
@@ -232,7 +234,7 @@ class NVLinkBackend(Backend):
                 ends, self.ws.lists_bases_for(rank), index_rank, index_token, capacity, R, BLOCK=1024, num_warps=4)
             num_recv_dev = ends[R - 1:]
             area_rows = 0
-            if args.num_worst_tokens == 0:
+            if args.num_worst_tokens == 0 and PREFETCH:
                 # Round 0's pull also starts before the host sync, into the receive area (second
                 # half of the payload), as far as it holds; after the sync a local copy moves it.
                 area_offsets, area_rows = self._payload_split(row_bytes, second_half=True)
