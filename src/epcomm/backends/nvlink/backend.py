@@ -86,8 +86,6 @@ def _word_bytes(row_bytes: int) -> int:
 # many bytes in flight (tunable for measurements: EPCOMM_COPY_TILE_WORDS, EPCOMM_COPY_WARPS).
 COPY_TILE_WORDS = int(os.environ.get("EPCOMM_COPY_TILE_WORDS", 16384))
 COPY_WARPS = int(os.environ.get("EPCOMM_COPY_WARPS", 16))
-# Full dispatch: start round 0's pull before the host sync (into the workspace receive area).
-PREFETCH = os.environ.get("EPCOMM_PREFETCH", "1") == "1"
 
 
 def _block_shape(row_words: int):
@@ -158,28 +156,17 @@ class NVLinkBackend(Backend):
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
     # ------------------------------------------------------------------ dispatch
-    def _payload_split(self, row_bytes_list, second_half: bool):
-        """Offsets of per-row parts in one half of the payload area, and how many rows fit."""
-        per_row = sum(row_bytes_list)
-        rows = (self.ws.payload_bytes // 2 - len(row_bytes_list) * ALIGN) // per_row
-        offsets, offset = [], self.ws.payload_offset + (align(self.ws.payload_bytes // 2) if second_half else 0)
+    def _staging_layout(self, row_bytes_list):
+        """Offsets of the staged parts of one token, and how many tokens fit per round."""
+        per_token = sum(row_bytes_list)
+        tokens = (self.ws.payload_bytes - len(row_bytes_list) * ALIGN) // per_token
+        if tokens <= 0:
+            raise EPError(f"num_nvl_bytes is too small to stage one token of {per_token} bytes")
+        offsets, offset = [], self.ws.payload_offset
         for row_bytes in row_bytes_list:
             offsets.append(offset)
-            offset += align(max(rows, 0) * row_bytes)
-        return offsets, max(rows, 0)
-
-    def _staging_layout(self, row_bytes_list):
-        """Dispatch staging (first half of the payload area): offsets, and tokens per round."""
-        offsets, tokens = self._payload_split(row_bytes_list, second_half=False)
-        if tokens <= 0:
-            raise EPError(f"num_nvl_bytes is too small to stage one token of {sum(row_bytes_list)} bytes")
+            offset += align(tokens * row_bytes)
         return offsets, tokens
-
-    def _pull(self, num_sms, outputs, offsets, row_bytes, src_rank, src_row, num_rows_dev, max_rows, lo, hi):
-        """Pull rows of every staged part from the sources' workspaces into ``outputs``."""
-        for out, offset, nbytes in zip(outputs, offsets, row_bytes):
-            self._copy_rows(num_sms, num_rows_dev, max_rows, nbytes, src=self.ws.region_bases(offset),
-                            src_rank=src_rank, src_row=src_row, dst=out, lo=lo, hi=hi)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         R, rank, dev = self.num_ranks, self.rank, self.device
@@ -232,16 +219,6 @@ class NVLinkBackend(Backend):
             index_token = torch.empty(capacity, dtype=torch.int32, device=dev)
             kernels.recv_index_kernel[(triton.cdiv(capacity, 1024),)](
                 ends, self.ws.lists_bases_for(rank), index_rank, index_token, capacity, R, BLOCK=1024, num_warps=4)
-            num_recv_dev = ends[R - 1:]
-            area_rows = 0
-            if args.num_worst_tokens == 0 and PREFETCH:
-                # Round 0's pull also starts before the host sync, into the receive area (second
-                # half of the payload), as far as it holds; after the sync a local copy moves it.
-                area_offsets, area_rows = self._payload_split(row_bytes, second_half=True)
-                area = [self.ws.local(off, area_rows * nbytes, torch.uint8, (area_rows, nbytes))
-                        for off, nbytes in zip(area_offsets, row_bytes)]
-                self._pull(num_sms, area, offsets, row_bytes, index_rank, index_token, num_recv_dev, area_rows,
-                           0, round_tokens)
             if args.num_worst_tokens == 0:
                 # The one host synchronisation of a full dispatch: receive sizes (+ timeout flags).
                 host = torch.cat([counts.flatten(), self.errors]).cpu()
@@ -262,7 +239,7 @@ class NVLinkBackend(Backend):
             recv_src_idx = index_token[:num_rows]
             if num_recv is None:  # padded to num_worst_tokens: rows past the device-side total are padding
                 recv_src_idx = torch.where(torch.arange(num_rows, device=dev) < ends[R - 1], recv_src_idx, -1)
-            state = PullState(index_rank[:num_rows], num_recv_dev, max_tokens)
+            state = PullState(index_rank[:num_rows], ends[R - 1:].clone(), max_tokens)
         if max_tokens < 0:  # no host sync allowed: the batch must fit one round
             if num_tokens > round_tokens:
                 raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
@@ -279,24 +256,16 @@ class NVLinkBackend(Backend):
             recv_topk_packed = torch.empty(num_rows, row_bytes[-1], dtype=torch.uint8, device=dev)
             outputs.append(recv_topk_packed)
 
-        prefetched = 0 if cached else min(area_rows, num_rows)
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:
                 self._barrier()  # peers finished pulling the previous round
                 self._stage(parts, offsets, row_bytes, lo, hi)
                 self._barrier()  # RELEASE this round's staged rows / ACQUIRE the peers' ones
-            if round_idx == 0 and prefetched:
-                for out, part in zip(outputs, area):
-                    out[:prefetched].copy_(part[:prefetched])
-                if num_rows > prefetched:  # the receive area was too small for all of round 0
-                    rest = torch.full((1,), num_rows - prefetched, dtype=torch.int32, device=dev)
-                    self._pull(num_sms, [o[prefetched:] for o in outputs], offsets, row_bytes,
-                               state.recv_src_rank[prefetched:], recv_src_idx[prefetched:], rest,
-                               num_rows - prefetched, lo, hi)
-                continue
-            self._pull(num_sms, outputs, offsets, row_bytes, state.recv_src_rank, recv_src_idx, state.num_recv_dev,
-                       num_rows, lo, hi)
+            for out, offset, nbytes in zip(outputs, offsets, row_bytes):
+                self._copy_rows(num_sms, state.num_recv_dev, num_rows, nbytes,
+                                src=self.ws.region_bases(offset), src_rank=state.recv_src_rank,
+                                src_row=recv_src_idx, dst=out, lo=lo, hi=hi)
 
         if is_fp8:
             recv_x = (recv_x, recv_scales)
