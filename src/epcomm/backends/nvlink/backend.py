@@ -1,4 +1,4 @@
-"""NVLink backend, normal mode: Triton kernels over symmetric memory on one node.
+"""NVLink backend: Triton kernels over symmetric memory on one node, normal and low-latency mode.
 
 Dispatch ("stage and pull"):
   1. notify: each rank copies its counts (tokens per rank, per expert, its token count) into every
@@ -8,7 +8,7 @@ Dispatch ("stage and pull"):
   3. pull: each receiver reads its rows straight from the sources' workspaces into ``recv_x``, at
      prefix-sum offsets (rows grouped by source, source token order).
 Combine ("push and reduce"): each rank stores every received row into the home rank's slot
-``(token, own rank)``; barrier; the home sums its slots in rank order in float32.
+``(token, own rank)``; barrier; the home sums the slots of each token in float32.
 A batch larger than the workspace runs in rounds of tokens; each round is bracketed by barriers.
 
 Low-latency mode: the sender writes one message per (token, expert) into the receiver's
