@@ -681,3 +681,17 @@ def gpu_low_latency_dead_rank(hidden: int = 2048):
     assert status.tolist() == [1 if r == dead else 0 for r in range(R)], status.tolist()
     assert elapsed[-1] < 1.0, elapsed  # the masked rank is no longer waited for
     return "masked"
+
+
+def low_latency_clean_buffer():
+    """clean_low_latency_buffer resets state; a later dispatch + combine still matches the reference."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    num_experts, M, hidden = 2 * R, 8, 128
+    xs, topks, weights = make_routing(9, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False, return_recv_hook=True)
+    buffer.clean_low_latency_buffer(M, hidden, num_experts)  # the hook above is never called
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
+    ref = reference_low_latency_dispatch(xs, topks, num_experts, use_fp8=False)[rank]
+    assert [int(c) for c in recv_count] == [r["rows"].shape[0] for r in ref]
+    return True

@@ -27,3 +27,11 @@ def test_cli_info_and_demo():
                           "--iters", "1"], capture_output=True, text=True, env=ENV, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "OK" in run.stdout
+
+
+def test_bench_needs_gpus(monkeypatch):
+    import torch
+    from epcomm import bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["normal"]) == 2
+    assert bench.main(["low-latency"]) == 2

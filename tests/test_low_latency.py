@@ -19,3 +19,7 @@ def test_two_results_held_at_once(pools):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_masking(pools, world_size):
     assert all(pools.get(world_size).run(ep_cases.low_latency_masking))
+
+
+def test_clean_low_latency_buffer(pools):
+    assert all(pools.get(2).run(ep_cases.low_latency_clean_buffer))
