@@ -35,3 +35,10 @@ def test_bench_needs_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["normal"]) == 2
     assert bench.main(["low-latency"]) == 2
+
+
+def test_cli_check_on_cpu_ranks():
+    run = subprocess.run([sys.executable, "-m", "epcomm", "check", "--ranks", "2", "--cases", "6"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "normal mode" in run.stdout and "low-latency" in run.stdout and "OK" in run.stdout

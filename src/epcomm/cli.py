@@ -1,4 +1,4 @@
-"""Command line: ``epcomm demo | info | bench | check``."""
+"""Command line: ``epcomm demo | info | check | bench``."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     demo.add_argument("--topk", type=int, default=4)
     demo.add_argument("--iters", type=int, default=5)
     sub.add_parser("info", help="versions, GPUs and links, the backend that would run")
+    check = sub.add_parser("check", help="randomized correctness checks of the backend that would run here")
+    check.add_argument("--ranks", type=int, default=0, help="number of ranks (default: all GPUs, else 4 CPU ranks)")
+    check.add_argument("--cases", type=int, default=24, help="randomized cases per mode")
     bench = sub.add_parser("bench", help="benchmark against the NCCL baseline (GPU)")
     bench.add_argument("mode", choices=["normal", "low-latency"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -66,6 +69,9 @@ def main(argv=None) -> int:
         settings = DemoSettings(tokens=args.tokens, hidden=args.hidden, experts_per_rank=args.experts_per_rank,
                                 topk=args.topk, iters=args.iters)
         return run_demo(args.ranks, settings)
+    if args.command == "check":
+        from .check import run_check
+        return run_check(args.ranks, args.cases)
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main([args.mode] + args.rest)

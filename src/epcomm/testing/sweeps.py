@@ -1,0 +1,295 @@
+"""Randomized correctness sweeps against the single-process reference, run on every rank.
+
+Every rank rebuilds every rank's inputs from the same seeds, so each can compare its own outputs
+with the reference without extra communication. Used by the test suite and by ``epcomm check``.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm import fp8
+from epcomm.testing.reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
+                                      reference_low_latency_dispatch)
+from epcomm.testing.routing import random_weights, single_rank_topk, skewed_topk, uniform_topk, with_holes
+
+
+SCENARIOS = ("uniform", "skewed", "holes", "one_rank", "empty_rank", "all_holes")
+
+
+def world():
+    return dist.get_world_size(), dist.get_rank()
+
+
+def make_routing(seed: int, scenario: str, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int,
+                 hidden: int, fixed_tokens=None):
+    """Per-rank ``(xs, topk_idxs, topk_weights)`` for one scenario, identical on every rank."""
+    rng = random.Random(seed)
+    xs, topks, weights = [], [], []
+    hot_rank = rng.randrange(num_ranks)
+    empty_rank = rng.randrange(num_ranks)
+    for i in range(num_ranks):
+        g = torch.Generator().manual_seed(seed * 1009 + i)
+        num_tokens = fixed_tokens if fixed_tokens is not None else rng.randint(0, max_tokens)
+        if scenario == "empty_rank" and i == empty_rank:
+            num_tokens = 0
+        if scenario == "skewed":
+            topk = skewed_topk(num_tokens, num_experts, num_topk, generator=g)
+        elif scenario == "one_rank":
+            topk = single_rank_topk(num_tokens, num_experts, num_topk, hot_rank, num_ranks, generator=g)
+        else:
+            topk = uniform_topk(num_tokens, num_experts, num_topk, generator=g)
+        if scenario == "holes":
+            topk = with_holes(topk, 0.3, generator=g)
+        elif scenario == "all_holes":
+            topk = torch.full_like(topk, -1)
+        xs.append((torch.randn(num_tokens, hidden, generator=g) * (1 + i)).to(torch.bfloat16))
+        topks.append(topk)
+        weights.append(random_weights(topk, generator=g))
+    return xs, topks, weights
+
+
+def rank_fn(j: int, rows: torch.Tensor) -> torch.Tensor:
+    """Stand-in for 'the experts on rank j': a per-rank scaling, rounded to bf16."""
+    return (rows.float() * (0.5 + j)).to(torch.bfloat16)
+
+
+def expert_fn(experts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Stand-in for expert e: scale by (e + 1) / 8."""
+    return rows.float() * ((experts.float() + 1) / 8).unsqueeze(1)
+
+
+def to_fp8_input(x: torch.Tensor, column_major: bool):
+    values, scales = fp8.per_token_cast_to_fp8(x)
+    if column_major:
+        scales = scales.t().contiguous().t()  # [T, H/128] with strides (1, T), as DeepEP's tests pass them
+    return values, scales
+
+
+def _equal_payload(got, want, what):
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple), f"{what}: expected an FP8 pair"
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), f"{what}: fp8 values differ"
+        assert torch.equal(got[1].contiguous(), want[1].contiguous()), f"{what}: scales differ"
+    else:
+        assert torch.equal(got, want), f"{what}: rows differ"
+
+
+def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_topk: int = 4, max_tokens: int = 40):
+    """Randomized normal-mode dispatch + combine (full and cached) against the reference."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    checked = 0
+    for case in range(num_cases):
+        seed = seed0 + case
+        rng = random.Random(seed)
+        scenario = SCENARIOS[case % len(SCENARIOS)]
+        num_experts = R * rng.choice((1, 2, 4, 8))
+        k = min(num_topk, num_experts)
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        use_fp8 = case % 3 == 1
+        column_major = case % 2 == 0
+        alignment = rng.choice((1, 1, 4, 128))
+        ins = [to_fp8_input(x, column_major) for x in xs] if use_fp8 else xs
+        ref = reference_dispatch(ins, topks, weights, num_experts, alignment)[rank]
+
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topks[rank], num_experts)
+        assert per_rdma is None
+        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+            ins[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topks[rank], topk_weights=weights[rank], expert_alignment=alignment)
+        _equal_payload(recv_x, ref["recv_x"], f"case {case} ({scenario}) recv_x")
+        assert torch.equal(recv_idx, ref["recv_topk_idx"]), f"case {case} recv_topk_idx"
+        assert torch.equal(recv_w, ref["recv_topk_weights"]), f"case {case} recv_topk_weights"
+        assert counts == ref["num_recv_tokens_per_expert_list"], f"case {case} counts {counts}"
+        assert torch.equal(handle[0], ref["rank_prefix_matrix"]), f"case {case} rank_prefix_matrix"
+        assert torch.equal(handle.recv_src_idx, ref["recv_src_idx"]), f"case {case} recv_src_idx"
+
+        # Cached mode reproduces recv_x without top-k outputs.
+        cached = buffer.dispatch(ins[rank], handle=handle)
+        _equal_payload(cached[0], ref["recv_x"], f"case {case} cached recv_x")
+        assert cached[1] is None and cached[2] is None and cached[3] is None
+
+        # Combine: plain sum of what each receiving rank sends back (+ optional biases).
+        values = recv_x[0] if use_fp8 else recv_x
+        if use_fp8:
+            values = fp8.per_token_cast_back(recv_x[0], recv_x[1])
+        expert_out = rank_fn(rank, values)
+        num_bias = case % 3
+        biases = [torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(seed + b)).to(torch.bfloat16)
+                  for b in range(num_bias)]
+        bias_arg = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
+        combined, combined_w, _ = buffer.combine(expert_out, handle, topk_weights=recv_w, bias=bias_arg)
+        home = xs[rank] if not use_fp8 else fp8.per_token_cast_back(*ins[rank])
+        want = reference_combine(home, topks[rank], num_experts, R, rank_fn, biases)
+        assert combined.dtype == torch.bfloat16 and combined.shape == xs[rank].shape
+        torch.testing.assert_close(combined, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"case {case}: {m}")
+        torch.testing.assert_close(combined_w, weights[rank], rtol=1e-6, atol=1e-6)
+        checked += 1
+    return checked
+
+def _ll_rows(recv_x, recv_count, handle, local_expert: int, use_fp8: bool):
+    """Valid rows of one local expert as float32, with (source rank, source token) per row."""
+    n = int(recv_count[local_expert])
+    if use_fp8:
+        values, scales = recv_x
+        rows = fp8.per_token_cast_back(values[local_expert, :n], scales[local_expert, :n], torch.float32)
+    else:
+        rows = recv_x[local_expert, :n].float()
+    layout = handle.recv_layout_range[local_expert]
+    src_rank = torch.empty(n, dtype=torch.int64)
+    for source, packed in enumerate(layout.tolist()):
+        offset, count = packed >> 32, packed & 0xFFFFFFFF
+        src_rank[offset:offset + count] = source
+    return rows, src_rank, handle.recv_src_info[local_expert, :n].to(torch.int64)
+
+
+def _to_cpu(value):
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return value
+
+
+def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_topk: int = 4, max_tokens: int = 24,
+                      device: str = "cpu", num_rdma_bytes: int = 0):
+    """Randomized low-latency dispatch + combine against the reference, all formats and call styles.
+    On ``device="cuda"`` the group's GPU backend runs and results are compared on the CPU."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True)
+    for case in range(num_cases):
+        seed = seed0 + case
+        rng = random.Random(seed)
+        scenario = SCENARIOS[case % len(SCENARIOS)]
+        num_experts = R * rng.choice((1, 2, 4))
+        num_local = num_experts // R
+        k = min(num_topk, num_experts)
+        M = max_tokens
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        use_fp8 = case % 2 == 0
+        round_scale = use_fp8 and case % 4 == 0
+        use_ue8m0 = round_scale and case % 8 == 0
+        use_hook = case % 3 == 0
+        zero_copy = case % 5 == 1
+        stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
+        wait_stats = torch.zeros(R, dtype=torch.int64, device=dev) if dev.type == "cpu" else None
+        recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            xs[rank].to(dev), topks[rank].to(dev), M, num_experts, cumulative_local_expert_recv_stats=stats,
+            dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0, return_recv_hook=use_hook)
+        assert (hook is not None) == use_hook
+        if hook is not None:
+            hook()
+        gpu_handle = handle
+        recv_x, recv_count, stats, handle = _to_cpu(recv_x), recv_count.cpu(), stats.cpu(), handle._replace(
+            recv_src_info=handle.recv_src_info.cpu(), recv_layout_range=handle.recv_layout_range.cpu())
+        if use_fp8:
+            scales = recv_x[1]
+            groups = hidden // (512 if use_ue8m0 else 128)
+            assert scales.shape == (num_local, R * M, groups) and scales.stride(1) == 1, "scales must be column-major"
+            assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+        else:
+            assert recv_x.shape == (num_local, R * M, hidden) and recv_x.dtype == torch.bfloat16
+        ref = reference_low_latency_dispatch(xs, topks, num_experts, use_fp8, round_scale)[rank]
+        assert torch.equal(stats, recv_count), "cumulative stats"
+        expert_out = torch.zeros(num_local, R * M, hidden, dtype=torch.bfloat16)
+        for e in range(num_local):
+            want = ref[e]
+            assert int(recv_count[e]) == want["rows"].shape[0], f"case {case} expert {e} count"
+            rows, src_rank, src_token = _ll_rows(recv_x, recv_count, handle, e, use_fp8)
+            # order within a source block is free on GPU backends: compare sorted by (source, token)
+            order = torch.argsort(src_rank * 1_000_000 + src_token)
+            assert torch.equal(src_rank[order], want["src_rank"]) and torch.equal(src_token[order], want["src_token"])
+            torch.testing.assert_close(rows[order], want["rows"], rtol=0, atol=0)
+            global_e = torch.full((rows.shape[0],), rank * num_local + e)
+            expert_out[e, :rows.shape[0]] = expert_fn(global_e, rows).to(torch.bfloat16)
+        out = torch.empty(xs[rank].shape, dtype=torch.bfloat16, device=dev) if case % 4 == 3 else None
+        x_arg = expert_out.to(dev)
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(gpu_handle).copy_(expert_out)
+            x_arg = torch.zeros_like(x_arg)  # ignored: zero_copy reads the buffer
+        combined, _, hook = buffer.low_latency_combine(x_arg, topks[rank].to(dev), weights[rank].to(dev), gpu_handle,
+                                                       zero_copy=zero_copy, return_recv_hook=use_hook, out=out)
+        if hook is not None:
+            hook()
+        if out is not None:
+            assert combined.data_ptr() == out.data_ptr()
+        combined = combined.cpu()
+        want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8, round_scale)
+        torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")
+    return num_cases
+
+
+def _buffers_on_gpu(num_nvl_bytes: int):
+    import os
+    os.environ.pop("EPCOMM_BACKEND", None)
+    fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
+    os.environ["EPCOMM_BACKEND"] = "torch_dist"
+    try:
+        reference = epcomm.Buffer(dist.group.WORLD)
+    finally:
+        os.environ.pop("EPCOMM_BACKEND")
+    assert fast.backend_name == "nvlink" and reference.backend_name == "torch_dist"
+    return fast, reference
+
+
+def _valid_rows(payload, n):
+    if isinstance(payload, tuple):
+        return payload[0][:n].view(torch.uint8), payload[1][:n]
+    return payload[:n]
+
+
+def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats: int = 1):
+    """For each (scenario, tokens, hidden, use_fp8, num_worst) config: nvlink == torch_dist on the
+    same inputs — bitwise for dispatch (full and cached), float tolerance for combine."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fast, reference = _buffers_on_gpu(num_nvl_bytes)
+    checked = 0
+    for index, (scenario, max_tokens, hidden, use_fp8, worst) in enumerate(configs * repeats):
+        seed = 10_000 + index
+        num_experts, k = 8 * R, min(8, 8 * R)
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        x = xs[rank].to(dev)
+        x_in = to_fp8_input(x, column_major=index % 2 == 0) if use_fp8 else x
+        topk, w = topks[rank].to(dev), weights[rank].to(dev)
+        outs = {}
+        for name, buffer in (("fast", fast), ("ref", reference)):
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+            kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w)
+            if worst:
+                kwargs["num_worst_tokens"] = sum(t.shape[0] for t in xs)
+            recv = buffer.dispatch(x_in, **kwargs)
+            cached = buffer.dispatch(x_in, handle=recv[4])
+            values = fp8.per_token_cast_back(recv[0][0], recv[0][1]) if use_fp8 else recv[0]
+            expert_out = (values.float() * (rank + 1) * 0.5).to(torch.bfloat16)
+            combined = buffer.combine(expert_out, recv[4], topk_weights=recv[2])
+            torch.cuda.synchronize()
+            outs[name] = (recv, cached, combined)
+        (f_recv, f_cached, f_comb), (r_recv, r_cached, r_comb) = outs["fast"], outs["ref"]
+        n = int(r_recv[4].num_recv_tokens)
+        what = f"config {index} {scenario} T<={max_tokens} H={hidden} fp8={use_fp8} worst={worst}"
+        for got, want, label in ((f_recv[0], r_recv[0], "recv_x"), (f_cached[0], r_cached[0], "cached recv_x")):
+            g, wv = _valid_rows(got, n), _valid_rows(want, n)
+            if use_fp8:
+                assert torch.equal(g[0], wv[0]) and torch.equal(g[1], wv[1]), f"{what}: {label}"
+            else:
+                assert torch.equal(g, wv), f"{what}: {label}"
+        assert torch.equal(f_recv[1][:n], r_recv[1][:n]), f"{what}: recv_topk_idx"
+        assert torch.equal(f_recv[2][:n], r_recv[2][:n]), f"{what}: recv_topk_weights"
+        if worst:
+            assert (f_recv[1][n:] == -1).all(), f"{what}: padding rows"
+        assert f_recv[3] == r_recv[3], f"{what}: per-expert counts"
+        assert torch.equal(f_recv[4][0], r_recv[4][0]), f"{what}: rank_prefix_matrix"
+        assert torch.equal(f_recv[4].recv_src_idx[:n], r_recv[4].recv_src_idx[:n]), f"{what}: recv_src_idx"
+        torch.testing.assert_close(f_comb[0], r_comb[0], rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: combine {m}")
+        torch.testing.assert_close(f_comb[1], r_comb[1], rtol=1e-5, atol=1e-5)
+        checked += 1
+    fast.destroy()
+    return checked
