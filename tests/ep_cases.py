@@ -417,3 +417,10 @@ def low_latency_clean_buffer():
     ref = reference_low_latency_dispatch(xs, topks, num_experts, use_fp8=False)[rank]
     assert [int(c) for c in recv_count] == [r["rows"].shape[0] for r in ref]
     return True
+
+
+def backend_choice():
+    """gloo groups get torch_dist; nvlink_usable is collective and False without CUDA/Triton."""
+    from epcomm.backends import default_backend_name
+    from epcomm.backends.nvlink import nvlink_usable
+    return default_backend_name(dist.group.WORLD), nvlink_usable(dist.group.WORLD)

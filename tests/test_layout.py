@@ -55,3 +55,8 @@ def test_public_names():
     assert epcomm.topk_idx_t is torch.int64
     from epcomm.compat import deep_ep
     assert deep_ep.Buffer is epcomm.Buffer and deep_ep.Config is epcomm.Config
+
+
+def test_backend_choice_on_cpu(pools):
+    import ep_cases
+    assert pools.get(2).run(ep_cases.backend_choice) == [("torch_dist", False)] * 2
