@@ -6,6 +6,7 @@ a backend (see :mod:`epcomm.backends`).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -18,9 +19,9 @@ from .config import Config
 from .errors import EPError, EPInputError
 from .events import EventOverlap, StreamScope, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .layout import dispatch_layout
 
 Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+DEFAULT_TIMEOUT_S = 100.0
 
 
 class Buffer:
@@ -35,6 +36,10 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node.
         allow_mnnvl: allow multi-node NVLink (accepted for compatibility).
         explicitly_destroy: if True, :meth:`destroy` must be called to free resources.
+        timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` (normal
+            mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
+        check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
+            host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
 
     The backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node)
     unless ``EPCOMM_BACKEND`` names one; ``buffer.backend_name`` tells which.
@@ -45,12 +50,17 @@ class Buffer:
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False):
+                 explicitly_destroy: bool = False, *, timeout: Optional[float] = None,
+                 check_values: Optional[bool] = None):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         checks.check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         checks.check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        if timeout is None:
+            timeout = float(os.environ.get("EPCOMM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise EPInputError("timeout", f"must be a positive number of seconds, got {timeout!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -61,10 +71,12 @@ class Buffer:
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
+        self.timeout = float(timeout)
         self.device = group_device(group)
+        self._check_values = checks.value_checks_enabled(self.device) if check_values is None else bool(check_values)
         self.backend_name = default_backend_name(group)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
-                                       self.low_latency_mode)
+                                       self.low_latency_mode, self.timeout)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -109,19 +121,14 @@ class Buffer:
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)
-
-        def align(n: int) -> int:
-            return (n + 255) // 256 * 256
-
-        M = num_max_dispatch_tokens_per_rank
-        message = (16 + hidden * 2 + 15) // 16 * 16
-        half = align(num_ranks * num_experts * 4) + align(num_experts * M * message) + align(M * 32 * hidden * 2)
-        return 2 * (half + 256)
+        from .backends.nvlink.workspace import low_latency_bytes
+        return low_latency_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ------------------------------------------------------------------ state
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EPError("this Buffer was destroyed")
+        self._backend.raise_pending()
 
     def _check_low_latency(self) -> None:
         self._check_alive()
@@ -174,9 +181,9 @@ class Buffer:
         """
         self._check_alive()
         checks.check_num_experts(num_experts, self.group_size)
-        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
         with self._stream_scope(previous_event, async_finish, (topk_idx,)) as scope:
-            per_rank, per_rdma_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+            per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts)
             scope.keep(per_rank, per_rdma_rank, per_expert, in_rank)
         return per_rank, per_rdma_rank, per_expert, in_rank, scope.event_overlap()
 
@@ -240,7 +247,8 @@ class Buffer:
                 raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
                                    "topk_idx and topk_weights must be given together")
             if topk_idx is not None:
-                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                      check_values=self._check_values)
                 checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
         inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
         args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
@@ -340,7 +348,8 @@ class Buffer:
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                                     f"{num_max_dispatch_tokens_per_rank}")
-        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                              check_values=self._check_values)
         if use_fp8 and hidden % 128:
             raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
         if use_ue8m0 and not (use_fp8 and round_scale):
@@ -404,7 +413,7 @@ class Buffer:
         num_local_experts = handle.num_experts // R
         slots = R * handle.num_max_dispatch_tokens_per_rank
         checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
-        checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device)
+        checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
         num_tokens = topk_idx.shape[0]
         if num_tokens > handle.num_max_dispatch_tokens_per_rank:
             raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="

@@ -48,7 +48,7 @@ def check_tensor(name: str, t, *, dtype=None, dtypes: Sequence[torch.dtype] = ()
             if want is not None and want != got:
                 expected = tuple("*" if s is None else s for s in shape)
                 raise EPInputError(name, f"must have shape {expected}, got {tuple(t.shape)} (dim {axis})")
-    if device is not None and not _same_device(t.device, device):
+    if device is not None and t.device != device and not _same_device(t.device, device):
         raise EPInputError(name, f"must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise EPInputError(name, "must be contiguous")
@@ -65,10 +65,14 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: torch.device,
-                   num_tokens: Optional[int] = None) -> torch.Tensor:
-    from . import topk_idx_t
-    check_tensor(name, topk_idx, dtype=topk_idx_t, shape=(num_tokens, None), device=device)
-    if value_checks_enabled(topk_idx.device) and topk_idx.numel():
+                   num_tokens: Optional[int] = None, check_values: Optional[bool] = None) -> torch.Tensor:
+    """``[T, K]`` int64 expert ids in ``[-1, num_experts)``. The range check reads the values (a host
+    sync on CUDA): it runs when ``check_values`` (default: :func:`value_checks_enabled`). Without it,
+    the GPU kernels drop out-of-range ids and the next call raises EPInputError."""
+    check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
+    if check_values is None:
+        check_values = value_checks_enabled(topk_idx.device)
+    if check_values and topk_idx.numel():
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             raise EPInputError(name, f"values must lie in [-1, {num_experts}), got range [{low}, {high}]")

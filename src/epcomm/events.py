@@ -60,17 +60,23 @@ class StreamScope:
 
     def __init__(self, comm_stream, previous_event: Optional[EventOverlap], async_finish: bool,
                  inputs: Iterable = ()):
+        # A synchronous call with no previous_event runs on the caller's stream: the same ordering
+        # as hopping to the comm stream and back (the caller waits for the result either way),
+        # without the host cost of two cross-stream waits and per-tensor record_stream.
+        self.inline = comm_stream is None or (not async_finish and previous_event is None)
         self.comm_stream = comm_stream
         self.previous_event = previous_event
         self.async_finish = async_finish
-        self.inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
+        self._inputs = inputs
         self.outputs: list = []
         self._event = None
-        self._stack = contextlib.ExitStack()
+        self._stack = None
 
     def __enter__(self):
-        if self.comm_stream is None:
+        if self.inline:
             return self
+        self.inputs = [t for t in self._inputs if isinstance(t, torch.Tensor)]
+        self._stack = contextlib.ExitStack()
         self.caller_stream = torch.cuda.current_stream()
         if self.previous_event is not None and self.previous_event.event is not None:
             self.comm_stream.wait_event(self.previous_event.event)
@@ -81,6 +87,8 @@ class StreamScope:
 
     def keep(self, *tensors) -> None:
         """Register outputs that the caller will read on its own stream."""
+        if self.inline:
+            return
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self.outputs.append(t)
@@ -88,8 +96,10 @@ class StreamScope:
                 self.keep(*t)
 
     def __exit__(self, exc_type, exc, tb):
+        if self.inline:
+            return False
         self._stack.close()
-        if self.comm_stream is None or exc_type is not None:
+        if exc_type is not None:
             return False
         # Outputs were allocated on the comm stream; the caller's stream will use them too.
         for t in self.outputs:
@@ -107,7 +117,9 @@ class StreamScope:
         return False
 
     def event_overlap(self) -> EventOverlap:
-        return EventOverlap(self._event, tuple(self.inputs + self.outputs) if self._event is not None else None)
+        if self._event is None:
+            return EventOverlap(None)
+        return EventOverlap(self._event, tuple(self.inputs + self.outputs))
 
 
 def capture_event(device: torch.device) -> EventOverlap:

@@ -39,7 +39,7 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
-                   num_rdma_bytes: int, low_latency_mode: bool) -> Backend:
+                   num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0) -> Backend:
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
         return TorchDistBackend(group, device)
@@ -47,5 +47,5 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         if device.type != "cuda":
             raise EPError("the nvlink backend needs a CUDA (NCCL) process group")
         from .nvlink import NVLinkBackend
-        return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0)
+        return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

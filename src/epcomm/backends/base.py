@@ -83,6 +83,14 @@ class Backend(abc.ABC):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
 
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank)``."""
+        from ..layout import dispatch_layout
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
+    def raise_pending(self) -> None:
+        """Raise errors kernels reported since the last call (backends without any: nothing)."""
+
     @abc.abstractmethod
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """Normal-mode dispatch (full, or cached when ``args.handle`` is given)."""

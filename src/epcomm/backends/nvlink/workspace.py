@@ -1,85 +1,161 @@
-"""The symmetric-memory workspace of the NVLink backend: one allocation per rank, fixed for the
-Buffer's life, carved into regions at the same offsets on every rank.
+"""The symmetric-memory workspace of the NVLink backend: the only owner of its layout.
 
-    [0, FLAGS)            int64 barrier flags [3][R]         (normal, LL dispatch, LL combine sets)
-    [FLAGS, COUNTS)       int32 count matrix [R, row_cap]    (notify: row i written by rank i)
-    [COUNTS, LISTS)       int32 token lists [R, list_cap]+1  (dispatch: tokens this rank sends to j)
-    [LISTS, +nvl)         payload                            (dispatch staging / combine slots)
-    [+nvl, size)          low-latency area, two halves       (counts, receive slots, combine slots)
+One allocation per rank, fixed for the Buffer's life, carved at the same offsets on every rank (so
+a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the offsets)::
+
+    flags       int64 [NUM_FLAG_SETS][R]         word [s][i] is written by rank i (sync.py)
+    normal      two halves (barrier epoch % 2), each:
+                  counts   int32 [R][row_cap]    notify: row i written by rank i
+                  lists    int32 [R][list_cap]   dispatch: ascending tokens this rank sends to j
+                  payload  bytes                 dispatch staging, or combine slots [T][R]
+    low-latency two halves (call parity), each (layout per call shape, :meth:`ll_layout`):
+                  counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i
+                  recv     [E_local][R][M] messages of (header 16 B, payload, scales)
+                  combine  bf16 [M][K][H]        expert outputs pushed back to their home
+
+Sizes are computed once here; ``Buffer.get_low_latency_rdma_size_hint`` uses
+:func:`low_latency_bytes`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ...errors import EPError
 
-FLAGS_BYTES = 64 * 1024
-COUNTS_BYTES = 1 << 20
-LISTS_BYTES = 8 << 20
-META_BYTES = FLAGS_BYTES + COUNTS_BYTES + LISTS_BYTES
 ALIGN = 256
+# Flag sets in the flag region: [set][R] int64, word [s][i] written by rank i (see sync.py).
+FLAGS_NORMAL = 0
+FLAGS_LL_COMBINE = 1
+NUM_FLAG_SETS = 2
+FLAGS_BYTES = 64 * 1024
+NOTIFY_BYTES = 256 * 1024
+LISTS_BYTES = 4 << 20
+LL_MAX_TOPK = 32  # the size hint reserves combine slots for up to this many experts per token
+LL_HEADER_BYTES = 16
 
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """Byte offsets (within one low-latency half) and sizes for one call shape."""
+
+    x_bytes: int  # payload bytes of one message (H for FP8, 2H for BF16)
+    scale_words: int  # 32-bit scale words per message (H/128, H/512 with UE8M0, 0 for BF16)
+    msg_bytes: int
+    counts: int
+    recv: int
+    combine: int
+
+
+def ll_message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Tuple[int, int, int]:
+    x_bytes = hidden if use_fp8 else hidden * 2
+    scale_words = 0 if not use_fp8 else (hidden // 512 if use_ue8m0 else hidden // 128)
+    msg_bytes = (LL_HEADER_BYTES + x_bytes + scale_words * 4 + 15) // 16 * 16
+    return x_bytes, scale_words, msg_bytes
+
+
+def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int, msg_bytes: int) -> Tuple[int, int]:
+    """(bytes one half needs, offset of the combine slots) for this call shape."""
+    counts = align(num_experts * 8)
+    recv = align(num_experts * max_tokens * msg_bytes)
+    return counts + recv + align(max_tokens * num_topk * hidden * 2), counts + recv
+
+
+def low_latency_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """``num_rdma_bytes`` low-latency mode needs (both halves; BF16-sized messages, so FP8 fits,
+    and combine slots for up to LL_MAX_TOPK experts per token)."""
+    _, _, msg_bytes = ll_message_bytes(hidden, False, False)
+    half, _ = ll_half_bytes(num_experts, max_tokens, hidden, LL_MAX_TOPK, msg_bytes)
+    return 2 * (half + ALIGN)
+
+
 class Workspace:
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, num_ll_bytes: int = 0):
+    """Allocates and rendezvouses the symmetric buffer; collective over ``group``."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        if self.num_ranks * 8 > FLAGS_BYTES:
-            raise EPError(f"the nvlink backend supports at most {FLAGS_BYTES // 8} ranks")
-        size = align(max(num_bytes, 0)) + META_BYTES
-        self.ll_offset = size
-        self.ll_half_bytes = align(max(num_ll_bytes, 0) // 2 - ALIGN) if num_ll_bytes >= 4 * ALIGN else 0
-        size += 2 * self.ll_half_bytes
-        self.size = size
-        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        self.num_ranks = R = dist.get_world_size(group)
+        if NUM_FLAG_SETS * R * 8 > FLAGS_BYTES:
+            raise EPError(f"the nvlink backend supports at most {FLAGS_BYTES // (8 * NUM_FLAG_SETS)} ranks")
+        # normal-mode halves
+        self.row_cap = NOTIFY_BYTES // (4 * R)
+        self.list_cap = LISTS_BYTES // (4 * R)
+        self.normal_offset = FLAGS_BYTES
+        self.counts_offset = 0
+        self.lists_offset = NOTIFY_BYTES
+        self.payload_offset = NOTIFY_BYTES + LISTS_BYTES
+        self.payload_bytes = align(max(num_nvl_bytes, 0) // 2)
+        self.normal_half_bytes = self.payload_offset + self.payload_bytes
+        # low-latency halves
+        self.ll_offset = self.normal_offset + 2 * self.normal_half_bytes
+        self.ll_half = (max(num_ll_bytes, 0) // 2 - ALIGN) // ALIGN * ALIGN if num_ll_bytes >= 4 * ALIGN else 0
+        self.size = self.ll_offset + 2 * self.ll_half
+        self._ll_layouts: Dict[Tuple, LowLatencyLayout] = {}
+
+        self.buffer = symm_mem.empty(self.size, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
-        self._tables = {}
-        self.row_cap = COUNTS_BYTES // (4 * self.num_ranks)
-        self.list_cap = (LISTS_BYTES - 4) // (4 * self.num_ranks)
-        self.payload_offset = META_BYTES
-        self.payload_bytes = self.ll_offset - META_BYTES
-        # Flags start at zero everywhere before anyone signals; the barrier makes that so.
+        self.local_base = self.buffer.data_ptr()
+        # Flags and low-latency count words start at zero everywhere before anyone signals.
         self.buffer[:FLAGS_BYTES].zero_()
+        if self.ll_half:
+            self.buffer[self.ll_offset:].zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
-    # Per-rank address tables (int64 byte addresses), for the kernels; cached, as the same
-    # offsets recur every call and each new table would cost a kernel launch.
-    def region_bases(self, offset: int) -> torch.Tensor:
-        table = self._tables.get(offset)
-        if table is None:
-            table = self.bases + offset
-            self._tables[offset] = table
-        return table
+    # ------------------------------------------------------------------ normal mode
+    def dispatch_round_tokens(self, row_bytes: Tuple[int, ...]) -> Tuple[Tuple[int, ...], int]:
+        """Offsets (within a half) of the staged parts of a token, and tokens per round."""
+        per_token = sum(row_bytes)
+        tokens = (self.payload_bytes - len(row_bytes) * ALIGN) // per_token if per_token else 0
+        if tokens <= 0:
+            raise EPError(f"num_nvl_bytes is too small to stage one token of {per_token} bytes")
+        offsets, offset = [], self.payload_offset
+        for nbytes in row_bytes:
+            offsets.append(offset)
+            offset += align(tokens * nbytes)
+        return tuple(offsets), tokens
 
-    def local(self, offset: int, num_bytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        """A typed view of this rank's own workspace."""
-        return self.buffer[offset:offset + num_bytes].view(dtype).view(shape)
+    def combine_round_tokens(self, row_bytes: Tuple[int, ...]) -> Tuple[Tuple[int, ...], int]:
+        """Offsets of the combine slots ([token][R] rows of each part) and tokens per round."""
+        return self.dispatch_round_tokens(tuple(self.num_ranks * b for b in row_bytes))
 
-    def flags_bases(self, flag_set: int = 0) -> torch.Tensor:
-        """Flag arrays: set 0 for normal-mode barriers, 1 for LL dispatch, 2 for LL combine."""
-        return self.region_bases(flag_set * self.num_ranks * 8)
+    def check_notify(self, num_experts: int, num_tokens: int) -> None:
+        if self.num_ranks + num_experts + 1 > self.row_cap:
+            raise EPError(f"too many experts for the notify area ({num_experts} > {self.row_cap - self.num_ranks - 1})")
+        if num_tokens > self.list_cap:
+            raise EPError(f"{num_tokens} tokens exceed the token-list capacity {self.list_cap} per rank")
 
-    def counts_view(self, row_len: int) -> torch.Tensor:
-        if row_len > self.row_cap:
-            raise EPError(f"too many experts for the notify area ({row_len} > {self.row_cap} entries per rank)")
-        return self.local(FLAGS_BYTES, self.num_ranks * row_len * 4, torch.int32, (self.num_ranks, row_len))
+    # ------------------------------------------------------------------ low-latency mode
+    def ll_layout(self, num_experts: int, max_tokens: int, hidden: int, num_topk: int, use_fp8: bool,
+                  use_ue8m0: bool) -> LowLatencyLayout:
+        key = (num_experts, max_tokens, hidden, num_topk, use_fp8, use_ue8m0)
+        layout = self._ll_layouts.get(key)
+        if layout is None:
+            x_bytes, scale_words, msg_bytes = ll_message_bytes(hidden, use_fp8, use_ue8m0)
+            # the dispatch part is sized for BF16 messages so both formats share one layout
+            _, _, bf16_msg = ll_message_bytes(hidden, False, False)
+            need, combine = ll_half_bytes(num_experts, max_tokens, hidden, num_topk, bf16_msg)
+            if need > self.ll_half:
+                raise EPError(f"low-latency mode needs num_rdma_bytes >= {2 * (need + ALIGN)} for M={max_tokens}, "
+                              f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * (self.ll_half + ALIGN)})")
+            layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(num_experts * 8), combine)
+            self._ll_layouts[key] = layout
+        return layout
 
-    def counts_bases(self) -> torch.Tensor:
-        return self.region_bases(FLAGS_BYTES)
+    def ll_half_offset(self, half: int) -> int:
+        return self.ll_offset + half * self.ll_half
 
-    def lists_view(self) -> torch.Tensor:
-        """Flat int32 [R * list_cap + 1]; the last entry is a write sink for non-members."""
-        return self.local(FLAGS_BYTES + COUNTS_BYTES, (self.num_ranks * self.list_cap + 1) * 4, torch.int32, (-1,))
-
-    def lists_bases_for(self, rank: int) -> torch.Tensor:
-        """Address of each rank's token list for destination ``rank``."""
-        return self.region_bases(FLAGS_BYTES + COUNTS_BYTES + rank * self.list_cap * 4)
+    def reset_low_latency(self) -> None:
+        """Zero the low-latency count words (after all ranks stopped using them)."""
+        if self.ll_half:
+            self.buffer[self.ll_offset:].zero_()

@@ -1,0 +1,405 @@
+"""Low-latency mode (decode) on NVLink: two launches per call, kernels beside their launches.
+
+    low_latency_dispatch   ep_ll_dispatch_send  (messages + counts)  |  ep_ll_dispatch_recv  (wait + pack)
+    low_latency_combine    ep_ll_combine_send   (push + signal)      |  ep_ll_combine_recv   (wait + reduce)
+
+``return_recv_hook=True`` returns after the first launch; ``hook()`` issues the second.
+
+Dispatch: program (t, k) sends token t to its k-th expert as one message (no dedup) into the
+receiver's fixed ``[E_local][R][M]`` slots — slot from a per-expert atomic counter, FP8 cast
+fused. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
+the count word of the expert's rank with a release; no separate signal. The receiver acquires the
+count words of its experts (a word carrying this call's epoch means "all messages are there") and
+packs the rows of each (expert, source) into ``recv_x`` in source order.
+
+Combine: program (l, s) stores the rows of local expert l that came from source s into slot
+``token * K + k`` of s's combine area; the last program releases the epoch into every live peer's
+flag. The home acquires the flags and takes ``Σ_k w_k · slot(t, k)`` in float32.
+
+Halves alternate per call kind (dispatch, combine), so at most two results may be held at once;
+epochs live in device memory, so captured CUDA graphs replay correctly. A peer that does not
+answer within the timeout is masked (``low_latency_query_mask_buffer`` shows it) and the call
+completes without it. Ordering: see :mod:`.sync`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import EPError
+from ...handle import LowLatencyHandle
+from . import sync
+from .launch import KernelSpec, current_stream
+from .normal import allocate, p2
+from .sync import arrive, now_ns, poll_epochs, report_late, signal_peers, wait_peers
+
+
+@dataclass
+class LowLatencyState:
+    """What the nvlink backend keeps in ``LowLatencyHandle.backend_state``."""
+
+    slot_info: torch.Tensor  # [E_local, R*M] int32: home slot token * K + k of each packed row
+    num_topk: int
+
+
+# ====================================================================== dispatch: send
+@triton.jit
+def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
+    """[N] int8 (PER_WORD=8) or int16 (PER_WORD=4) → [N / PER_WORD] int64, little-endian: peer
+    addresses come from a table, so byte-wide remote stores would cost 8x the instructions."""
+    bits = 64 // PER_WORD
+    lanes = tl.reshape(values.to(tl.int64) & ((1 << bits) - 1), (N // PER_WORD, PER_WORD))
+    shifts = (tl.arange(0, PER_WORD) * bits).to(tl.int64)
+    return tl.sum(lanes << shifts[None, :], axis=1)
+
+
+@triton.jit
+def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
+                        topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
+                        counter_ptr,  # [E] int32 local, zero on entry: messages per expert (slot allocator)
+                        mask_ptr,  # [R] int32: masked ranks receive nothing
+                        bases_ptr,  # [R] int64: each rank's workspace
+                        state_ptr,  # [16] int64 local (sync.py)
+                        dropped_address,  # host mailbox: count of ids outside [-1, E)
+                        num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
+                        msg_bytes, x_bytes, half_offset, counts_offset, recv_offset, half,
+                        USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Program (t, k): message [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32 scales |
+    # H/512 UE8M0 int32] into slot (l, rank, slot) of the expert's rank. Plain peer stores; the
+    # last program to arrive RELEASES the counts (see below), which publishes them all.
+    t = tl.program_id(0)
+    k = tl.program_id(1)
+    if t < num_tokens:
+        t64 = t.to(tl.int64)
+        expert = tl.load(topk_ptr + t64 * num_topk + k)
+        if (expert < -1) | (expert >= num_experts):  # dropped, reported to the host
+            words = dropped_address.to(tl.pointer_type(tl.int64))
+            tl.atomic_add(words, 1, sem="relaxed", scope="sys")
+            tl.store(words - (num_ranks + 1), 1)
+        elif expert >= 0:
+            dst = (expert // num_local).to(tl.int32)
+            if tl.load(mask_ptr + dst) == 0:
+                cols = tl.arange(0, BLOCK_H)
+                x = tl.load(x_ptr + t64 * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+                slot = tl.atomic_add(counter_ptr + expert, 1, sem="relaxed")
+                slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
+                local = expert % num_local
+                msg = tl.load(bases_ptr + dst) + half_offset + recv_offset + \
+                    ((local * num_ranks + rank) * max_tokens + slot) * msg_bytes
+                tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, t, k))
+                payload = msg + 16
+                if USE_FP8:
+                    groups = tl.reshape(x, (BLOCK_H // 128, 128))
+                    amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+                    scale = tl.math.div_rn(amax, 448.0)
+                    if ROUND_SCALE:  # next power of two
+                        bits = scale.to(tl.int32, bitcast=True)
+                        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+                        scale = (exponent << 23).to(tl.float32, bitcast=True)
+                    q = tl.math.div_rn(groups, scale[:, None])
+                    q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
+                    words8 = tl.arange(0, BLOCK_H // 8)
+                    tl.store(payload.to(tl.pointer_type(tl.int64)) + words8,
+                             _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8), mask=words8 < x_bytes // 8)
+                    if UE8M0:
+                        exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
+                        packed = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
+                        ids = tl.arange(0, BLOCK_H // 512)
+                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + ids, packed, mask=ids < hidden // 512)
+                    else:
+                        ids = tl.arange(0, BLOCK_H // 128)
+                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + ids, scale,
+                                 mask=ids < hidden // 128)
+                else:
+                    words4 = tl.arange(0, BLOCK_H // 4)
+                    tl.store(payload.to(tl.pointer_type(tl.int64)) + words4,
+                             _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4),
+                             mask=words4 < x_bytes // 8)
+    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0) * tl.num_programs(1)):
+        # Every message of this call has been stored (acquired through the arrivals): RELEASE each
+        # expert's count, tagged with the epoch, to the expert's rank; reset the counters.
+        epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
+        tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
+        tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
+        for start in range(0, num_experts, BLOCK_E):
+            e = start + tl.arange(0, BLOCK_E)
+            in_e = e < num_experts
+            n = tl.load(counter_ptr + e, mask=in_e, other=0)
+            tl.store(counter_ptr + e, tl.zeros_like(n), mask=in_e)
+            dst = e // num_local
+            live = in_e & (tl.load(mask_ptr + dst, mask=in_e, other=1) == 0)
+            word = tl.load(bases_ptr + dst, mask=live, other=0) + half_offset + counts_offset + \
+                ((rank * num_local + e % num_local) * 8).to(tl.int64)
+            tl.atomic_xchg(word.to(tl.pointer_type(tl.int64)), (epoch << 32) | n.to(tl.int64), mask=live,
+                           sem="release", scope="sys")
+
+
+SEND = KernelSpec(ep_ll_dispatch_send, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64", "i32", "i32", "i32",
+                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i32"])
+
+
+# ====================================================================== dispatch: receive
+@triton.jit
+def ep_ll_dispatch_recv(state_ptr, mask_ptr,
+                        out_x_ptr,  # [E_local, R*M, x_bytes] bytes of recv_x
+                        out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
+                        src_info_ptr, slot_info_ptr,  # [E_local, R*M] int32: source token; home slot t*K+k
+                        layout_ptr,  # [E_local, R] int64: (offset << 32) | count
+                        recv_count_ptr,  # [E_local] int32
+                        stats_ptr,  # [E_local] int32 cumulative receive counts (HAS_STATS)
+                        wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
+                        half_base,  # this rank's low-latency half (byte address)
+                        counts_offset, recv_offset, num_local, num_ranks, max_tokens, num_topk, msg_bytes, x_bytes,
+                        scale_words, half, timeout_ns,
+                        HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
+                        BLOCK_S: tl.constexpr, R_P2: tl.constexpr):
+    # Program (l, s): ACQUIRE the count words of local expert l from every live source (a word
+    # carrying this call's epoch means all its messages are stored), then pack source s's messages
+    # into rows [offset, offset + n) of expert l, offset = messages of lower sources.
+    l = tl.program_id(0)
+    s = tl.program_id(1)
+    epoch = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half)
+    sources = tl.arange(0, R_P2)
+    live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
+    count_words = (half_base + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
+    words, waited, late = poll_epochs(count_words, live, epoch, timeout_ns, EPOCH_SHIFT=32)  # ACQUIRE
+    report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
+    if HAS_WAIT_STATS:
+        if l == 0:
+            tl.atomic_add(wait_stats_ptr + s, tl.sum(tl.where(sources == s, waited, 0), axis=0), sem="relaxed")
+    counts = tl.where(live & (late == 0), words & 0xFFFFFFFF, 0).to(tl.int32)
+    offset = tl.sum(tl.where(sources < s, counts, 0), axis=0)
+    n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
+    tl.store(layout_ptr + l * num_ranks + s, (offset.to(tl.int64) << 32) | n.to(tl.int64))
+    if s == num_ranks - 1:
+        tl.store(recv_count_ptr + l, offset + n)
+        if HAS_STATS:
+            tl.atomic_add(stats_ptr + l, offset + n, sem="relaxed")
+    slots_total = num_ranks * max_tokens
+    xcols = tl.arange(0, BLOCK_X)
+    scols = tl.arange(0, BLOCK_S)
+    x_words = x_bytes // 8
+    for i in range(0, n):
+        msg = half_base + recv_offset + ((l * num_ranks + s) * max_tokens + i).to(tl.int64) * msg_bytes
+        row = (l * slots_total + offset + i).to(tl.int64)
+        header = tl.load(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2))
+        token = tl.sum(tl.where(tl.arange(0, 2) == 0, header, 0), axis=0)
+        k = tl.sum(tl.where(tl.arange(0, 2) == 1, header, 0), axis=0)
+        tl.store(src_info_ptr + row, token)
+        tl.store(slot_info_ptr + row, token * num_topk + k)
+        words_in = (msg + 16).to(tl.pointer_type(tl.int64))
+        words_out = out_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
+        for c0 in range(0, x_words, BLOCK_X):
+            c = c0 + xcols
+            tl.store(words_out + c, tl.load(words_in + c, mask=c < x_words), mask=c < x_words)
+        if scale_words > 0:
+            scales = tl.load((msg + 16 + x_bytes).to(tl.pointer_type(tl.int32)) + scols, mask=scols < scale_words)
+            dst = out_scales_ptr + (l * scale_words).to(tl.int64) * slots_total + scols.to(tl.int64) * slots_total \
+                + offset + i
+            tl.store(dst, scales, mask=scols < scale_words)
+
+
+RECV = KernelSpec(ep_ll_dispatch_recv, ["*i64", "*i32", "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32",
+                                        "*i64", "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                        "i32", "i64"])
+
+
+# ====================================================================== combine: send
+@triton.jit
+def ep_ll_combine_send(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
+                       layout_ptr,  # [E_local, R] int64 (offset << 32) | count
+                       slot_info_ptr,  # [E_local, R*M] int32 home slot t*K+k
+                       mask_ptr, bases_ptr, state_ptr,
+                       num_local, num_ranks, rank, max_tokens, x_words, half_offset, combine_offset, half,
+                       BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
+    # Program (l, s): store the rows of local expert l that came from source s into their slots
+    # in s's combine area (plain peer stores); the last program to arrive RELEASES the epoch into
+    # every live peer's flag. The slots are free: s read them two combines ago (sync.py).
+    l = tl.program_id(0)
+    s = tl.program_id(1)
+    if tl.load(mask_ptr + s) == 0:
+        packed = tl.load(layout_ptr + l * num_ranks + s)
+        offset = (packed >> 32).to(tl.int32)
+        n = (packed & 0xFFFFFFFF).to(tl.int32)
+        home = tl.load(bases_ptr + s) + half_offset + combine_offset
+        cols = tl.arange(0, BLOCK_W)
+        for i in range(0, n):
+            row = (l * num_ranks * max_tokens + offset + i).to(tl.int64)
+            slot = tl.load(slot_info_ptr + row).to(tl.int64)
+            src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
+            dst = (home + slot * x_words * 8).to(tl.pointer_type(tl.int64))
+            for c0 in range(0, x_words, BLOCK_W):
+                c = c0 + cols
+                tl.store(dst + c, tl.load(src + c, mask=c < x_words), mask=c < x_words)
+    if arrive(state_ptr + sync.ARRIVE_LL_PUSH, tl.num_programs(0) * tl.num_programs(1)):
+        epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1
+        tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
+        tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
+        signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
+                     HAS_MASK=True, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+
+
+COMBINE_SEND = KernelSpec(ep_ll_combine_send, ["*i8", "*i64", "*i32", "*i32", "*i64", "*i64", "i32", "i32", "i32",
+                                               "i32", "i32", "i64", "i64", "i32"])
+
+
+# ====================================================================== combine: receive
+@triton.jit
+def ep_ll_combine_recv(topk_ptr, weights_ptr,  # [T, K] int64 / float32, as given to dispatch
+                       mask_ptr, state_ptr,
+                       out_ptr,  # [T, H] bf16
+                       wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
+                       my_flags_address,  # this rank's LL-combine flag set
+                       slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
+                       num_tokens, hidden, num_topk, num_local, num_ranks, half, timeout_ns,
+                       HAS_WAIT_STATS: tl.constexpr, K_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+                       R_P2: tl.constexpr):
+    # ACQUIRE every live peer's flag for this call, then out[t] = Σ_k w[t, k] · slot(t, k) in
+    # float32 over entries whose expert id is valid and whose rank is not masked.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)
+    waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
+                        timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)
+    if HAS_WAIT_STATS:
+        if pid == 0:
+            peers = tl.arange(0, R_P2)
+            tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
+    slots = slots_address.to(tl.pointer_type(tl.bfloat16))
+    ks = tl.arange(0, K_P2)
+    cols = tl.arange(0, BLOCK_C)
+    num_experts = num_local * num_ranks
+    for token in range(pid, num_tokens, num_programs):
+        t64 = token.to(tl.int64)
+        expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=ks < num_topk, other=-1)
+        present = (expert >= 0) & (expert < num_experts)
+        present &= tl.load(mask_ptr + expert // num_local, mask=present, other=1) == 0
+        weight = tl.load(weights_ptr + t64 * num_topk + ks, mask=present, other=0.0)
+        slot = t64 * num_topk + ks
+        for c0 in range(0, hidden, BLOCK_C):
+            c = c0 + cols
+            cm = c < hidden
+            rows = tl.load(slots + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
+            acc = tl.sum(rows.to(tl.float32) * weight[:, None], axis=0)
+            tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
+
+
+COMBINE_RECV = KernelSpec(ep_ll_combine_recv, ["*i64", "*fp32", "*i32", "*i64", "*bf16", "*i64", "i64", "i64", "i32",
+                                               "i32", "i32", "i32", "i32", "i32", "i64"])
+
+
+# ====================================================================== host side
+class LowLatencyMode:
+    """Host orchestration of low-latency mode for one backend."""
+
+    def __init__(self, backend):
+        self.b = backend
+        self.ws = backend.ws
+        self.R = self.ws.num_ranks
+        self.rank = self.ws.rank
+        self.R_P2 = p2(self.R)
+        self.dev_index = backend.device.index
+        self._calls = [0, 0]  # dispatch, combine: which half the next call uses
+        self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
+
+    def _half(self, kind: int) -> int:
+        half = self._calls[kind] & 1
+        self._calls[kind] += 1
+        return half
+
+    def dispatch(self, args):
+        b, ws, R, rank = self.b, self.ws, self.R, self.rank
+        x, topk = args.x, args.topk_idx
+        num_tokens, hidden = x.shape
+        if hidden % 128:
+            raise EPError(f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
+        E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
+        num_local = E // R
+        layout = ws.ll_layout(E, M, hidden, K, args.use_fp8, args.use_ue8m0)
+        half = self._half(0)
+        half_offset = ws.ll_half_offset(half)
+        counters = self._counters.get(E)
+        if counters is None:
+            counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=b.device)
+        mask = args.rank_mask
+        stream = current_stream(self.dev_index)
+        SEND.bind(num_warps=8, USE_FP8=args.use_fp8, ROUND_SCALE=args.round_scale, UE8M0=args.use_ue8m0,
+                  BLOCK_H=p2(hidden), BLOCK_E=min(1024, p2(E))).launch(
+            max(num_tokens, 1), K, stream, x, topk, counters, mask, ws.bases, b.state,
+            b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local, M, R, rank, layout.msg_bytes,
+            layout.x_bytes, half_offset, layout.counts, layout.recv, half)
+
+        slots = R * M
+        scale_words = layout.scale_words
+        x_dtype = torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16
+        scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
+        recv_x, scales_store, src_info, slot_info, recv_layout, recv_count = allocate(b.device, [
+            (x_dtype, (num_local, slots, hidden)), (scale_dtype, (num_local, max(scale_words, 1), slots)),
+            (torch.int32, (num_local, slots)), (torch.int32, (num_local, slots)), (torch.int64, (num_local, R)),
+            (torch.int32, (num_local,))])
+        stats = args.cumulative_local_expert_recv_stats
+        wait_stats = args.dispatch_wait_recv_cost_stats
+        recv = RECV.bind(num_warps=4, HAS_STATS=stats is not None, HAS_WAIT_STATS=wait_stats is not None,
+                         BLOCK_X=1024, BLOCK_S=p2(scale_words), R_P2=self.R_P2)
+        recv_args = (b.state, mask, recv_x, scales_store, src_info, slot_info, recv_layout, recv_count,
+                     stats if stats is not None else recv_count, wait_stats if wait_stats is not None else recv_layout,
+                     ws.local_base + half_offset, layout.counts, layout.recv, num_local, R, M, K, layout.msg_bytes,
+                     layout.x_bytes, scale_words, half, b.timeout_ns)
+
+        def receive() -> None:
+            recv.launch(num_local, R, current_stream(self.dev_index), *recv_args)
+
+        packed = (recv_x, scales_store[:, :scale_words].transpose(1, 2)) if args.use_fp8 else recv_x
+        handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
+        if args.return_recv_hook:
+            return packed, recv_count, handle, receive
+        receive()
+        return packed, recv_count, handle, None
+
+    def combine(self, args):
+        b, ws, R = self.b, self.ws, self.R
+        handle = args.handle
+        state = handle.backend_state
+        if not isinstance(state, LowLatencyState):
+            raise EPError("this handle was not made by the nvlink backend")
+        x = args.x
+        num_local, slots, hidden = x.shape
+        K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
+        if args.topk_idx.shape[1] != K:
+            raise EPError(f"topk_idx has {args.topk_idx.shape[1]} columns, the dispatch had {K}")
+        layout = ws.ll_layout(handle.num_experts, M, hidden, K, False, False)
+        half = self._half(1)
+        half_offset = ws.ll_half_offset(half)
+        mask = args.rank_mask
+        x_words = hidden * 2 // 8
+        COMBINE_SEND.bind(num_warps=8, BLOCK_W=min(4096, p2(x_words)), R_P2=self.R_P2).launch(
+            num_local, R, current_stream(self.dev_index), x, handle.recv_layout_range, state.slot_info, mask, ws.bases,
+            b.state, num_local, R, self.rank, M, x_words, half_offset, layout.combine, half)
+        num_tokens = args.topk_idx.shape[0]
+        out = args.out if args.out is not None else allocate(b.device, [(torch.bfloat16, (num_tokens, hidden))])[0]
+        wait_stats = args.combine_wait_recv_cost_stats
+        block_c = min(p2(hidden), max(8192 // p2(K), 16))
+        recv = COMBINE_RECV.bind(num_warps=8, HAS_WAIT_STATS=wait_stats is not None, K_P2=p2(K), BLOCK_C=block_c,
+                                 R_P2=self.R_P2)
+        recv_args = (args.topk_idx, args.topk_weights, mask, b.state, out,
+                     wait_stats if wait_stats is not None else b.state,
+                     ws.local_base + sync.FLAGS_LL_COMBINE * R * 8, ws.local_base + half_offset + layout.combine,
+                     num_tokens, hidden, K, num_local, R, half, b.timeout_ns)
+
+        def receive() -> None:
+            recv.launch(max(1, min(num_tokens, 132)), 1, current_stream(self.dev_index), *recv_args)
+
+        if args.return_recv_hook:
+            return out, receive
+        receive()
+        return out, None
+
+    def clean(self) -> None:
+        """Reset halves and counters (all ranks, with no low-latency call in flight)."""
+        self._calls = [0, 0]
+        for counters in self._counters.values():
+            counters.zero_()

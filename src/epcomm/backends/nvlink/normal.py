@@ -1,0 +1,656 @@
+"""Normal mode (training, prefill) on NVLink: layout, dispatch and combine kernels and their launches.
+
+Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
+
+    get_dispatch_layout   ep_dispatch_layout                          1 launch
+    dispatch (full)       ep_notify ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
+    dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
+    combine               ep_combine_push ; ep_combine_reduce         2 launches
+    (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
+
+Dispatch is "stage and pull": each rank copies its tokens (x, scales, top-k) into its own
+workspace half at HBM speed and writes, for each destination, the ascending list of tokens it
+sends there; then every receiver pulls its rows straight from the sources into ``recv_x``, at
+rank-prefix offsets (rows grouped by source in rank order, source token order within). Combine is
+"push and reduce": each rank stores every received row into slot ``(token, own rank)`` of the
+token's home, and the home sums the slots present in ``is_token_in_rank`` in float32.
+
+Ordering follows the contract in :mod:`.sync`: every kernel that writes for peers ends with an
+arrival and a release of the next epoch; every kernel that reads peers' data begins with the
+acquire-wait. The host never synchronises the stream: the one host wait of a full dispatch polls
+the mailbox word the notify kernel publishes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import EPError
+from ...handle import DispatchHandle
+from ..base import DispatchArgs, DispatchResult
+from . import sync
+from .launch import KernelSpec, current_stream
+from .sync import arrive, signal_peers, store_release_sys, wait_peers
+
+# Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
+COPY_TILE_WORDS = 16384
+COPY_WARPS = 16
+
+
+def copy_block_shape(row_words: int) -> Tuple[int, int]:
+    """(BLOCK_R, BLOCK_W) for rows of ``row_words`` 8-byte words: whole rows per step when they fit."""
+    block_w = min(triton.next_power_of_2(max(row_words, 1)), COPY_TILE_WORDS)
+    return max(COPY_TILE_WORDS // block_w, 1), block_w
+
+
+def p2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# ====================================================================== get_dispatch_layout
+@triton.jit
+def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
+                       per_rank_ptr,  # out [R] int32: tokens sent to each rank
+                       per_expert_ptr,  # out [E] int32: tokens choosing each expert
+                       in_rank_ptr,  # out [T, R] int8 (bool): token t goes to rank j
+                       dropped_address,  # host mailbox: count of ids outside [-1, E)
+                       num_tokens, num_topk, num_experts, num_ranks, experts_per_rank,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
+    # Programs [0, ceil(E / BLOCK_E)) each own a block of experts and count them over all tokens;
+    # the next R programs each own one rank: they write its column of is_token_in_rank and its
+    # count. Every output element has one writer, so no atomics and no zeroing launch. Ids outside
+    # [-1, E) count nowhere; rank program 0 reports them to the host mailbox.
+    pid = tl.program_id(0)
+    num_expert_blocks = tl.cdiv(num_experts, BLOCK_E)
+    ks = tl.arange(0, K_P2)
+    if pid < num_expert_blocks:
+        experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        for start in range(0, num_tokens, BLOCK_T):
+            tokens = start + tl.arange(0, BLOCK_T)
+            ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + ks[None, :],
+                          mask=(tokens[:, None] < num_tokens) & (ks[None, :] < num_topk), other=-1)
+            hits = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)
+            counts += tl.sum(tl.sum(hits, axis=0), axis=0)
+        tl.store(per_expert_ptr + experts, counts, mask=experts < num_experts)
+    else:
+        rank = pid - num_expert_blocks
+        total = 0
+        dropped = 0
+        for start in range(0, num_tokens, BLOCK_T):
+            tokens = start + tl.arange(0, BLOCK_T)
+            in_t = tokens < num_tokens
+            ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + ks[None, :],
+                          mask=in_t[:, None] & (ks[None, :] < num_topk), other=-1)
+            valid = (ids >= 0) & (ids < num_experts)
+            member = tl.max((valid & (ids // experts_per_rank == rank)).to(tl.int32), axis=1)
+            tl.store(in_rank_ptr + tokens.to(tl.int64) * num_ranks + rank, member.to(tl.int8), mask=in_t)
+            total += tl.sum(member, axis=0)
+            dropped += tl.sum(((ids < -1) | (ids >= num_experts)).to(tl.int32), axis=None)
+        tl.store(per_rank_ptr + rank, total)
+        if (rank == 0) & (dropped > 0):
+            words = dropped_address.to(tl.pointer_type(tl.int64))
+            tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
+            tl.store(words - (num_ranks + 1), 1)  # the mailbox's "pending" word
+
+
+LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i8", "i64", "i32", "i32", "i32", "i32", "i32"])
+
+
+# ====================================================================== notify (count exchange)
+@triton.jit
+def ep_notify(normal_bases_ptr,  # [R] int64: each rank's normal area (half 0)
+              flag_bases_ptr,  # [R] int64: each rank's flag region
+              state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
+              per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
+              prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
+              recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
+              mailbox_address,  # host mailbox: timeouts at +8, notify words at +8*(R+2)
+              num_tokens, num_experts, rank, num_ranks, half_bytes, counts_offset, timeout_ns, sequence,
+              expert_alignment,
+              R_P2: tl.constexpr, BLOCK: tl.constexpr):
+    # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
+    # into row `rank` of peer p's count matrix (half = epoch % 2), RELEASE the epoch into p's flag,
+    # ACQUIRE p's flag here. The program arriving last then owns the complete matrix: it writes
+    # rank_prefix_matrix, the receive sizes (device words and host mailbox) and, last, the mailbox
+    # sequence number with a release — the host polls that word.
+    peer = tl.program_id(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half_offset = (epoch % 2) * half_bytes + counts_offset
+    row_len = num_ranks + num_experts + 1
+    dst = (tl.load(normal_bases_ptr + peer) + half_offset).to(tl.pointer_type(tl.int32)) + rank * row_len
+    for start in range(0, row_len, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        value = tl.load(per_rank_ptr + offs, mask=offs < num_ranks, other=0)
+        value += tl.load(per_expert_ptr + offs - num_ranks, mask=(offs >= num_ranks) & (offs < row_len - 1), other=0)
+        value = tl.where(offs == row_len - 1, num_tokens, value)
+        tl.store(dst + offs, value, mask=offs < row_len)
+    tl.debug_barrier()  # every thread's row stores precede the release
+    peer_flag = (tl.load(flag_bases_ptr + peer) + (sync.FLAGS_NORMAL * num_ranks + rank) * 8).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flag, epoch, sem="release", scope="sys")  # RELEASE: row -> peer
+    # ACQUIRE: peer p's row in this rank's matrix (a timeout is flagged in the mailbox)
+    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    one_peer = tl.arange(0, R_P2) == peer
+    timeouts = (mailbox_address + 8).to(tl.pointer_type(tl.int64))
+    wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
+               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)
+    if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
+        src = tl.arange(0, R_P2)
+        dst_r = tl.arange(0, R_P2)
+        live = (src[:, None] < num_ranks) & (dst_r[None, :] < num_ranks)
+        sends = tl.load(counts + src[:, None] * row_len + dst_r[None, :], mask=live, other=0)
+        prefix = tl.cumsum(sends, axis=0)
+        tl.store(prefix_ptr + src[:, None] * num_ranks + dst_r[None, :], prefix, mask=live)
+        num_recv = tl.sum(tl.where((src[:, None] == num_ranks - 1) & (dst_r[None, :] == rank), prefix, 0), axis=None)
+        max_tokens = tl.max(tl.load(counts + src * row_len + row_len - 1, mask=src < num_ranks, other=0), axis=0)
+        tl.store(recv_info_ptr, num_recv)
+        tl.store(recv_info_ptr + 1, max_tokens)
+        notify = (mailbox_address + 8 * (num_ranks + 2)).to(tl.pointer_type(tl.int64))
+        num_local = num_experts // num_ranks
+        for start in range(0, num_local, BLOCK):
+            local = start + tl.arange(0, BLOCK)
+            total = tl.zeros([BLOCK], tl.int32)
+            for i in range(0, num_ranks):
+                total += tl.load(counts + i * row_len + num_ranks + rank * num_local + local, mask=local < num_local,
+                                 other=0)
+            aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
+            tl.store(notify + 3 + local, aligned.to(tl.int64), mask=local < num_local)
+        tl.store(notify + 1, num_recv.to(tl.int64))
+        tl.store(notify + 2, max_tokens.to(tl.int64))
+        tl.debug_barrier()  # all mailbox words precede the sequence number
+        store_release_sys(mailbox_address + 8 * (num_ranks + 2), sequence)  # RELEASE -> host
+
+
+NOTIFY = KernelSpec(ep_notify, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "i64",
+                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32"])
+
+
+# ====================================================================== dispatch: stage
+@triton.jit
+def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32, any strides (FP8)
+                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (full dispatch with top-k)
+                      in_rank_ptr,  # [T, R] int8: is_token_in_rank (token lists)
+                      normal_bases_ptr, flag_bases_ptr, state_ptr,
+                      num_tokens, token_lo, token_hi, x_words, num_scales, num_topk, rank, num_ranks,
+                      half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
+                      HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr):
+    # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
+    # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
+    # first R programs write, for each destination j, the ascending list of tokens sent to j.
+    # Then arrive and RELEASE the epoch to every rank: peers pull after acquiring it.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
+    first_copy = 0
+    if WRITE_LISTS:
+        first_copy = num_ranks
+        if pid < num_ranks:
+            lists = (half + lists_offset).to(tl.pointer_type(tl.int32)) + pid.to(tl.int64) * list_cap
+            running = 0
+            for start in range(0, num_tokens, LIST_BLOCK):
+                tokens = start + tl.arange(0, LIST_BLOCK)
+                member = tl.load(in_rank_ptr + tokens.to(tl.int64) * num_ranks + pid, mask=tokens < num_tokens,
+                                 other=0) != 0
+                position = running + tl.cumsum(member.to(tl.int32), axis=0) - 1
+                tl.store(lists + position, tokens, mask=member)
+                running += tl.sum(member.to(tl.int32), axis=0)
+    if pid >= first_copy:
+        cols = tl.arange(0, BLOCK_W)
+        num_rows = tl.minimum(token_hi, num_tokens) - token_lo
+        for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
+            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)  # staging row; token = token_lo + row
+            live = rows < num_rows
+            tokens = (token_lo + rows).to(tl.int64)
+            src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words
+            dst = (half + x_offset).to(tl.pointer_type(tl.int64)) + rows.to(tl.int64) * x_words
+            for start in range(0, x_words, BLOCK_W):
+                c = start + cols
+                m = live[:, None] & (c < x_words)[None, :]
+                tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                m = live[:, None] & (s < num_scales)[None, :]
+                values = tl.load(scales_ptr + tokens[:, None] * scale_stride_t + s[None, :] * scale_stride_c, mask=m)
+                sdst = (half + scales_offset).to(tl.pointer_type(tl.float32)) + rows.to(tl.int64) * num_scales
+                tl.store(sdst[:, None] + s[None, :], values, mask=m)
+            if HAS_TOPK:
+                k = tl.arange(0, K_P2)
+                m = live[:, None] & (k < num_topk)[None, :]
+                ids = tl.load(topk_ptr + tokens[:, None] * num_topk + k[None, :], mask=m)
+                weights = tl.load(weights_ptr + tokens[:, None] * num_topk + k[None, :], mask=m)
+                row = half + topk_offset + rows.to(tl.int64) * topk_row_bytes
+                tl.store(row.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], ids, mask=m)
+                tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
+    if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
+                     HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
+
+
+STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i64", "*i64",
+                                       "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
+                                       "i64", "i64", "i64", "i64", "i64", "i64"])
+
+
+# ====================================================================== dispatch: pull
+@triton.jit
+def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
+                     prefix_ptr,  # [R, R] int32 rank_prefix_matrix (INDEX)
+                     recv_info_ptr,  # [2] int32 (device): rows received (INDEX)
+                     src_rank_ptr, src_idx_ptr,  # [N] int32: written with INDEX, read otherwise
+                     recv_x_ptr,  # [N, x_bytes] bytes
+                     recv_scales_ptr,  # [N, S] float32
+                     recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32
+                     timeouts_address,
+                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
+                     lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
+                     num_local, timeout_ns,
+                     INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+                     R_P2: tl.constexpr):
+    # ACQUIRE every rank's staged rows for this epoch, then for each received row r: its source
+    # rank (from the prefix column: rows are grouped by source) and source token (read from the
+    # source's token list for this rank) — with INDEX, written to the handle arrays; otherwise
+    # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
+    # staging half. Top-k ids become local ids (-1 for other ranks' experts, weight 0). Rows past
+    # the received total (num_worst_tokens padding) get source index -1 and top-k -1.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    half_offset = (epoch % 2) * half_bytes
+    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts_address.to(tl.pointer_type(tl.int64)), timeout_ns,
+               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)  # ACQUIRE: staged rows and lists
+    num_recv = num_rows
+    if INDEX:
+        num_recv = tl.load(recv_info_ptr)
+    cols = tl.arange(0, BLOCK_W)
+    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_out = rows < num_rows
+        if INDEX:
+            live = rows < num_recv
+            src = tl.zeros([BLOCK_R], tl.int32)
+            for i in range(0, num_ranks):
+                src += (tl.load(prefix_ptr + i * num_ranks + rank) <= rows).to(tl.int32)
+            src = tl.minimum(src, num_ranks - 1)
+            start = tl.load(prefix_ptr + (src - 1) * num_ranks + rank, mask=live & (src > 0), other=0)
+            lists = tl.load(normal_bases_ptr + src, mask=live, other=0) + half_offset + lists_offset
+            entry = lists + ((rank * list_cap).to(tl.int64) + rows - start) * 4
+            token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=live, other=-1)
+            tl.store(src_rank_ptr + rows, tl.where(live, src, -1), mask=in_out)
+            tl.store(src_idx_ptr + rows, token, mask=in_out)
+        else:
+            src = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
+            token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
+        move = in_out & (token >= token_lo) & (token < token_hi)
+        staged = tl.load(normal_bases_ptr + src, mask=move, other=0) + half_offset
+        srow = (token - token_lo).to(tl.int64)
+        rows64 = rows.to(tl.int64)
+        sx = (staged + x_offset).to(tl.pointer_type(tl.int64)) + srow * x_words
+        dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
+        for c0 in range(0, x_words, BLOCK_W):
+            c = c0 + cols
+            m = move[:, None] & (c < x_words)[None, :]
+            tl.store(dx[:, None] + c[None, :], tl.load(sx[:, None] + c[None, :], mask=m), mask=m)
+        if HAS_SCALES:
+            s = tl.arange(0, S_P2)
+            m = move[:, None] & (s < num_scales)[None, :]
+            ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+            tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :], tl.load(ss[:, None] + s[None, :], mask=m),
+                     mask=m)
+        if HAS_TOPK:
+            k = tl.arange(0, K_P2)
+            m = move[:, None] & (k < num_topk)[None, :]
+            trow = staged + topk_offset + srow * topk_row_bytes
+            ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
+            weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=m,
+                              other=0.0)
+            local = ids - expert_lo
+            mine = (ids >= 0) & (local >= 0) & (local < num_local)
+            out = rows64[:, None] * num_topk + k[None, :]
+            write = (move[:, None] | (in_out & (token < 0))[:, None]) & (k < num_topk)[None, :]
+            tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=write)
+            tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=write)
+
+
+PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
+                                     "*fp32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
+                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64"])
+
+
+# ====================================================================== combine: push
+@triton.jit
+def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order)
+                    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+                    src_rank_ptr, src_idx_ptr,  # [N] int32: home rank and token of each row (-1 = padding)
+                    normal_bases_ptr, flag_bases_ptr, state_ptr,
+                    num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
+                    slots_w_offset,
+                    HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
+                    R_P2: tl.constexpr):
+    # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
+    # stores), for tokens in [token_lo, token_hi); then arrive and RELEASE the epoch to every rank.
+    # The slots are free: the home read them two barriers ago (double buffering, sync.py).
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half_offset = (epoch % 2) * half_bytes
+    cols = tl.arange(0, BLOCK_W)
+    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_out = rows < num_rows
+        home = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
+        token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
+        move = in_out & (token >= token_lo) & (token < token_hi)
+        slot = (token - token_lo).to(tl.int64) * num_ranks + rank
+        base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
+        sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
+        dx = (base + slots_x_offset).to(tl.pointer_type(tl.int64)) + slot * x_words
+        for c0 in range(0, x_words, BLOCK_W):
+            c = c0 + cols
+            m = move[:, None] & (c < x_words)[None, :]
+            tl.store(dx[:, None] + c[None, :], tl.load(sx[:, None] + c[None, :], mask=m), mask=m)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            m = move[:, None] & (k < num_topk)[None, :]
+            w = tl.load(weights_ptr + rows.to(tl.int64)[:, None] * num_topk + k[None, :], mask=m)
+            dw = (base + slots_w_offset).to(tl.pointer_type(tl.float32)) + slot * num_topk
+            tl.store(dw[:, None] + k[None, :], w, mask=m)
+    if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
+                     HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+
+
+PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",
+                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64"])
+
+
+# ====================================================================== combine: reduce
+@triton.jit
+def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
+                      out_ptr,  # [T, H] bf16
+                      out_w_ptr,  # [T, K] float32 (HAS_WEIGHTS)
+                      bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
+                      normal_bases_ptr, flag_bases_ptr, state_ptr, timeouts_address,
+                      num_tokens, token_lo, token_hi, hidden, num_topk, rank, num_ranks, half_bytes,
+                      slots_x_offset, slots_w_offset, timeout_ns,
+                      NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
+                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr):
+    # ACQUIRE the rows pushed to this rank for this epoch, then for each token t of the round:
+    # out[t] = Σ_j slot(t, j) over ranks j with is_token_in_rank[t, j], in float32, + biases.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts_address.to(tl.pointer_type(tl.int64)), timeout_ns,
+               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)  # ACQUIRE: rows pushed here
+    half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
+    slots_x = (half + slots_x_offset).to(tl.pointer_type(tl.bfloat16))
+    slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))
+    ranks = tl.arange(0, R_P2)
+    cols = tl.arange(0, BLOCK_C)
+    for token in range(token_lo + pid, tl.minimum(token_hi, num_tokens), num_programs):
+        t64 = token.to(tl.int64)
+        present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0
+        slot = (t64 - token_lo) * num_ranks + ranks
+        for c0 in range(0, hidden, BLOCK_C):
+            c = c0 + cols
+            cm = c < hidden
+            rows = tl.load(slots_x + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
+            acc = tl.sum(rows.to(tl.float32), axis=0)
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + t64 * hidden + c, mask=cm, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + t64 * hidden + c, mask=cm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            w = tl.load(slots_w + slot[:, None] * num_topk + k[None, :], mask=present[:, None] & (k < num_topk)[None, :],
+                        other=0.0)
+            tl.store(out_w_ptr + t64 * num_topk + k, tl.sum(w, axis=0), mask=k < num_topk)
+
+
+REDUCE = KernelSpec(ep_combine_reduce, ["*i8", "*bf16", "*fp32", "*bf16", "*bf16", "*i64", "*i64", "*i64", "i64",
+                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64"])
+
+
+# ====================================================================== host side
+@dataclass
+class PullState:
+    """What the nvlink backend keeps in ``DispatchHandle.backend_state``."""
+
+    recv_src_rank: torch.Tensor  # [N] int32 source (home) rank of each received row, -1 = padding
+    recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
+    max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
+
+
+def _carve(buffer: torch.Tensor, parts) -> List[torch.Tensor]:
+    """Views of one uint8 allocation: ``parts`` = [(dtype, shape)], each 256-byte aligned."""
+    views, offset = [], 0
+    for dtype, shape in parts:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+        offset += (nbytes + 255) // 256 * 256
+    return views
+
+
+def _carve_bytes(parts) -> int:
+    total = 0
+    for dtype, shape in parts:
+        numel = 1
+        for s in shape:
+            numel *= s
+        total += (numel * dtype.itemsize + 255) // 256 * 256
+    return max(total, 256)
+
+
+def allocate(device: torch.device, parts) -> List[torch.Tensor]:
+    """One allocation for a group of returned tensors."""
+    return _carve(torch.empty(_carve_bytes(parts), dtype=torch.uint8, device=device), parts)
+
+
+class NormalMode:
+    """Host orchestration of normal mode for one backend (workspace, state, mailbox shared)."""
+
+    def __init__(self, backend):
+        self.b = backend
+        ws = backend.ws
+        self.ws = ws
+        self.R = ws.num_ranks
+        self.rank = ws.rank
+        self.R_P2 = p2(self.R)
+        self.dev_index = backend.device.index
+
+    # ------------------------------------------------------------------ layout
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        R = self.R
+        num_tokens, num_topk = topk_idx.shape
+        per_rank, per_expert, in_rank = allocate(self.b.device, [(torch.int32, (R,)), (torch.int32, (num_experts,)),
+                                                                  (torch.int8, (num_tokens, R))])
+        block_e = min(32, p2(num_experts))
+        LAYOUT.bind(num_warps=4, BLOCK_T=64, BLOCK_E=block_e, K_P2=p2(num_topk)).launch(
+            triton.cdiv(num_experts, block_e) + R, 1, current_stream(self.dev_index),
+            topk_idx, per_rank, per_expert, in_rank, self.b.mailbox.input_errors_address,
+            num_tokens, num_topk, num_experts, R, num_experts // R)
+        return per_rank, None, per_expert, in_rank.view(torch.bool)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        b, ws, R, rank = self.b, self.ws, self.R, self.rank
+        cached = args.handle is not None
+        is_fp8 = isinstance(args.x, tuple)
+        x = args.x[0] if is_fp8 else args.x
+        scales = args.x[1] if is_fp8 else None
+        num_tokens, hidden = x.shape
+        x_bytes = hidden * x.element_size()
+        if x_bytes % 8:
+            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+        num_scales = scales.shape[1] if is_fp8 else 0
+        with_topk = (not cached) and args.topk_idx is not None
+        num_topk = args.topk_idx.shape[1] if with_topk else 0
+        topk_row_bytes = (num_topk * 12 + 15) // 16 * 16
+        row_bytes = (x_bytes,) + ((num_scales * 4,) if is_fp8 else ()) + ((topk_row_bytes,) if with_topk else ())
+        offsets, round_tokens = ws.dispatch_round_tokens(row_bytes)
+        scales_offset = offsets[1] if is_fp8 else 0
+        topk_offset = offsets[-1] if with_topk else 0
+        stream = current_stream(self.dev_index)
+        timeout_ns = b.timeout_ns
+        mailbox = b.mailbox
+
+        if cached:
+            handle = args.handle
+            state: PullState = handle.backend_state
+            num_rows = handle.num_recv_rows
+            max_tokens = state.max_tokens
+            src_idx = handle.recv_src_idx
+            prefix = handle.rank_prefix_matrix
+            counts_list = None
+        else:
+            num_experts = args.num_tokens_per_expert.numel()
+            ws.check_notify(num_experts, num_tokens)
+            prefix, recv_info = allocate(b.device, [(torch.int32, (R, R)), (torch.int32, (2,))])
+            sequence = mailbox.next_sequence()
+            NOTIFY.bind(num_warps=4, R_P2=self.R_P2, BLOCK=256).launch(
+                R, 1, stream, ws.bases, ws.bases, b.state, args.num_tokens_per_rank, args.num_tokens_per_expert, prefix,
+                recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes, ws.counts_offset,
+                timeout_ns, sequence, args.expert_alignment)
+        if not cached and args.num_worst_tokens == 0:
+            # Stage round 0 before waiting for the counts, so the copy overlaps the host's wait.
+            first_hi = round_tokens
+            self._stage(args, x, scales, 0, first_hi, row_bytes, offsets, num_tokens, num_scales, num_topk,
+                        topk_row_bytes, with_topk, True, stream)
+            num_recv, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
+            num_rows = num_recv
+            counts_list = per_expert[:num_experts // R].tolist()
+        elif not cached:
+            num_rows = args.num_worst_tokens
+            max_tokens = -1
+            counts_list = []
+            if num_tokens > round_tokens:
+                raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
+                              f"tokens > {round_tokens}; raise num_nvl_bytes")
+            self._stage(args, x, scales, 0, round_tokens, row_bytes, offsets, num_tokens, num_scales, num_topk,
+                        topk_row_bytes, with_topk, True, stream)
+        num_rounds = 1 if max_tokens < 0 else max(1, -(-max_tokens // round_tokens))
+
+        parts = [(x.dtype, (num_rows, hidden))]
+        if is_fp8:
+            parts.append((torch.float32, (num_rows, num_scales)))
+        if with_topk:
+            parts += [(torch.int64, (num_rows, num_topk)), (torch.float32, (num_rows, num_topk))]
+        if not cached:
+            parts += [(torch.int32, (num_rows,)), (torch.int32, (num_rows,))]
+        outs = allocate(b.device, parts)
+        recv_x = outs[0]
+        recv_scales = outs[1] if is_fp8 else recv_x
+        recv_topk, recv_weights = (outs[-4], outs[-3]) if with_topk else (recv_x, recv_x)
+        if cached:
+            src_rank = state.recv_src_rank
+        else:
+            src_rank, src_idx = outs[-2], outs[-1]
+            state = PullState(src_rank, recv_info, max_tokens)
+
+        num_sms = args.config.num_sms
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        for round_idx in range(num_rounds):
+            lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
+            if cached or round_idx > 0:
+                self._stage(args, x, scales, lo, hi, row_bytes, offsets, num_tokens, num_scales, num_topk,
+                            topk_row_bytes, with_topk, False, stream)
+            index = (not cached) and round_idx == 0
+            # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
+            PULL.bind(num_warps=COPY_WARPS, INDEX=index, HAS_SCALES=is_fp8, HAS_TOPK=with_topk, BLOCK_R=block_r,
+                      BLOCK_W=block_w, S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2).launch(
+                max(1, min(num_sms, triton.cdiv(num_rows, block_r))), 1, stream,
+                ws.bases, ws.bases, b.state, prefix, state.recv_info, src_rank, src_idx, recv_x, recv_scales,
+                recv_topk, recv_weights, mailbox.timeouts_address, num_rows, rank, R, lo, hi, x_bytes // 8,
+                num_scales, num_topk, ws.normal_half_bytes, ws.lists_offset, ws.list_cap, offsets[0], scales_offset,
+                topk_offset, topk_row_bytes, rank * (args.num_tokens_per_expert.numel() // R if with_topk else 0),
+                args.num_tokens_per_expert.numel() // R if with_topk else 0, timeout_ns)
+
+        recv = (recv_x, recv_scales) if is_fp8 else recv_x
+        if cached:
+            return DispatchResult(recv, None, None, None, handle)
+        num_recv_tokens = num_rows if max_tokens >= 0 else recv_info[0]
+        handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state)
+        return DispatchResult(recv, recv_topk if with_topk else None, recv_weights if with_topk else None,
+                              counts_list, handle)
+
+    def _stage(self, args, x, scales, lo, hi, row_bytes, offsets, num_tokens, num_scales, num_topk, topk_row_bytes,
+               with_topk, write_lists, stream) -> None:
+        b, ws, R = self.b, self.ws, self.R
+        x_words = row_bytes[0] // 8
+        block_r, block_w = copy_block_shape(x_words)
+        rows = max(0, min(hi, num_tokens) - lo)
+        copy_programs = max(1, min(args.config.num_sms, triton.cdiv(rows, block_r)))
+        is_fp8 = scales is not None
+        in_rank = args.is_token_in_rank if write_lists else args.handle.is_token_in_rank
+        STAGE.bind(num_warps=COPY_WARPS, HAS_SCALES=is_fp8, HAS_TOPK=with_topk, WRITE_LISTS=write_lists,
+                   BLOCK_R=block_r, BLOCK_W=block_w, S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2,
+                   LIST_BLOCK=1024).launch(
+            copy_programs + (R if write_lists else 0), 1, stream,
+            x, scales if is_fp8 else x, scales.stride(0) if is_fp8 else 0, scales.stride(1) if is_fp8 else 0,
+            args.topk_idx if with_topk else x, args.topk_weights if with_topk else x, in_rank,
+            ws.bases, ws.bases, b.state, num_tokens, lo, hi, x_words, num_scales, num_topk, self.rank, R,
+            ws.normal_half_bytes, ws.lists_offset, ws.list_cap, offsets[0], offsets[1] if is_fp8 else 0,
+            offsets[-1] if with_topk else 0, topk_row_bytes)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        b, ws, R, rank = self.b, self.ws, self.R, self.rank
+        state = handle.backend_state
+        if not isinstance(state, PullState):
+            raise EPError("this handle was not made by the nvlink backend")
+        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+        num_rows = handle.num_recv_rows
+        x_bytes = hidden * 2
+        if x_bytes % 8:
+            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+        has_w = topk_weights is not None
+        num_topk = topk_weights.shape[1] if has_w else 0
+        (slots_x, *rest), round_tokens = ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if has_w else ()))
+        slots_w = rest[0] if has_w else 0
+        if state.max_tokens < 0 and num_tokens > round_tokens:
+            raise EPError("with num_worst_tokens the combine must fit the buffer in one round; raise num_nvl_bytes")
+        max_tokens = state.max_tokens if state.max_tokens >= 0 else round_tokens
+        num_rounds = max(1, -(-max_tokens // round_tokens))
+        parts = [(torch.bfloat16, (num_tokens, hidden))] + ([(torch.float32, (num_tokens, num_topk))] if has_w else [])
+        outs = allocate(b.device, parts)
+        combined, combined_w = outs[0], (outs[1] if has_w else None)
+        stream = current_stream(self.dev_index)
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        push = PUSH.bind(num_warps=COPY_WARPS, HAS_WEIGHTS=has_w, BLOCK_R=block_r, BLOCK_W=block_w, K_P2=p2(num_topk),
+                         R_P2=self.R_P2)
+        block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
+        reduce = REDUCE.bind(num_warps=16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=len(bias), HAS_WEIGHTS=has_w,
+                             R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
+        bias0 = bias[0] if len(bias) >= 1 else combined
+        bias1 = bias[1] if len(bias) >= 2 else combined
+        w_in = topk_weights if has_w else x
+        w_out = combined_w if has_w else combined
+        for round_idx in range(num_rounds):
+            lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
+            push.launch(max(1, min(config.num_sms, triton.cdiv(num_rows, block_r))), 1, stream,
+                        x, w_in, state.recv_src_rank, handle.recv_src_idx, ws.bases, ws.bases, b.state, num_rows, rank,
+                        R, lo, hi, x_bytes // 8, num_topk, ws.normal_half_bytes, slots_x, slots_w)
+            reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
+                          handle.is_token_in_rank, combined, w_out, bias0, bias1, ws.bases, ws.bases, b.state,
+                          b.mailbox.timeouts_address, num_tokens, lo, hi, hidden, num_topk, rank, R,
+                          ws.normal_half_bytes, slots_x, slots_w, b.timeout_ns)
+        return combined, combined_w

@@ -1,0 +1,247 @@
+"""Synchronisation of the NVLink backend: flags, epochs, bounded waits, and the host mailbox.
+
+The memory-ordering contract (every kernel of this backend follows it)
+----------------------------------------------------------------------
+Data crosses GPUs by plain stores or loads on peers' symmetric memory (NVLink). A hand-off is
+always the same four steps, and each site in the kernels names its step:
+
+1. The producers write the data (plain stores; local or to a peer).
+2. **Arrive**: each producing program runs a CTA barrier (so every thread's stores precede what
+   follows) and then one ``atom.add.acq_rel.sys`` on a local arrival counter. The program that
+   arrives last has acquired every other program's stores, transitively.
+3. **Release**: the last program stores the new epoch into each peer's flag word with
+   ``st.release.sys`` (``atomic_xchg(sem="release", scope="sys")``). Release is cumulative: it
+   covers every store the releasing thread has observed — the other programs' stores of step 1
+   (through step 2), and also stores of *earlier kernels on the same stream*, which completed
+   before this kernel started. That is why a signal at the end of one launch publishes the
+   payload written by an earlier launch.
+4. **Acquire**: the consumer polls its own flag word with ``ld.acquire.sys`` until it holds at
+   least the expected epoch (bounded by a deadline on ``%globaltimer``), then reads the data.
+
+Epochs. Every flag set (normal mode, low-latency combine) has a device-side epoch counter: the
+signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program. All
+ranks make the same sequence of calls, so their counters agree; a wait compares ``>=`` because a
+peer can run at most one call ahead (it cannot start call n+2 before this rank signals n+1).
+Counters live in device memory, not on the host, so launches replay correctly in CUDA graphs.
+
+Double buffering instead of clean-up barriers. Data written before barrier ``e`` and read after it
+lives in half ``e % 2`` of its region. A rank writes half ``e % 2`` again only at barrier ``e + 2``,
+after it has waited at ``e + 1`` for every peer — and each peer signals ``e + 1`` only after its
+reads of barrier ``e`` finished (stream order)::
+
+    rank A:  write h0 | signal e | wait e | read h0 | write h1 | signal e+1 | wait e+1 | write h0 ...
+    rank B:  write h0 | signal e | wait e | read h0 ----------> | signal e+1 | ...
+                                            (B's reads of h0 end before A may write h0 again)
+
+Host mailbox. Kernels report to the host through pinned, device-mapped host memory (under unified
+addressing a ``cudaHostAlloc`` pointer is valid on the device too): the notify kernel writes the
+receive counts and then a sequence number with ``st.release.sys``; the host polls that word
+instead of synchronising the stream. Waits that give up, and dropped invalid input, raise flags
+there that the host checks at the start of every call — no extra synchronisation.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import EPError, EPInputError, EPTimeoutError
+from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, NUM_FLAG_SETS  # noqa: F401 (used by the kernels)
+
+# Device-side state words (int64, one small tensor per backend): epochs and arrival counters.
+EPOCH_NORMAL = 0
+EPOCH_LL_DISPATCH = 1
+EPOCH_LL_COMBINE = 2
+LL_DISPATCH_HALF_EPOCH = 3  # [2]: the epoch each low-latency dispatch half was last sent with
+LL_COMBINE_HALF_EPOCH = 5  # [2]: the same for combine
+ARRIVE = 8  # arrival counters, one per kernel kind (below)
+ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH = range(ARRIVE, ARRIVE + 5)
+NUM_STATE_WORDS = 16
+
+
+
+# ---------------------------------------------------------------------- device helpers
+@triton.jit
+def now_ns():
+    """%globaltimer: a nanosecond clock shared by all SMs (used only to bound waits)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_release_sys(address, value):
+    """``st.release.sys`` of an int64 to a byte address (host-mapped memory: no atomics there)."""
+    tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l", [address, value],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def arrive(counter_ptr, num_programs):
+    """Step 2 of the contract. True in the program that arrives last; it also resets the counter
+    (nobody else touches it again in this launch)."""
+    tl.debug_barrier()  # every thread's stores of this program precede the arrival
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = arrived == num_programs - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    tl.debug_barrier()  # the acquire (one thread) precedes the other threads' reads
+    return last
+
+
+@triton.jit
+def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, HAS_MASK: tl.constexpr,
+                 R_P2: tl.constexpr):
+    """Step 3: RELEASE ``epoch`` into word ``rank`` of every live peer's flag set (self included).
+    ``flag_bases_ptr``: [R] int64 byte address of each rank's flag region; ``flag_offset``: bytes
+    to the set."""
+    peers = tl.arange(0, R_P2)
+    live = peers < num_ranks
+    if HAS_MASK:
+        live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
+    word = tl.load(flag_bases_ptr + peers, mask=live, other=0) + flag_offset + rank * 8
+    tl.atomic_xchg(word.to(tl.pointer_type(tl.int64)), tl.zeros([R_P2], tl.int64) + epoch, mask=live,
+                   sem="release", scope="sys")
+
+
+@triton.jit
+def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
+    """Step 4, the ACQUIRE: poll int64 words (one per lane) until ``word >> EPOCH_SHIFT >= epoch``
+    in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``."""
+    start = now_ns()
+    deadline = start + timeout_ns
+    words = tl.atomic_add(word_ptrs, 0, mask=live, sem="acquire", scope="sys")
+    ready = ((words >> EPOCH_SHIFT) >= epoch) | (live == 0)
+    waited = tl.zeros_like(words)
+    now = start
+    while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
+        fresh = tl.atomic_add(word_ptrs, 0, mask=live & (ready == 0), sem="acquire", scope="sys")
+        now = now_ns()
+        arrived = ((fresh >> EPOCH_SHIFT) >= epoch) & (ready == 0)
+        words = tl.where(arrived, fresh, words)
+        waited = tl.where(arrived, now - start, waited)
+        ready |= arrived
+    late = ready == 0
+    return words, tl.where(late, now - start, waited), late
+
+
+@triton.jit
+def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_ns,
+               HAS_MASK: tl.constexpr, MASK_ON_TIMEOUT: tl.constexpr, R_P2: tl.constexpr):
+    """Wait until every live peer's word in this rank's flag set is >= ``epoch``. A peer that
+    times out is masked (``MASK_ON_TIMEOUT``, low-latency mode: the call goes on without it) or
+    flagged in the host mailbox (``timeouts_ptr[p]``; the next call raises EPTimeoutError).
+    Returns each peer's wait in ns ([R_P2] int64)."""
+    peers = tl.arange(0, R_P2)
+    live = peers < num_ranks
+    if HAS_MASK:
+        live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
+    _, waited, late = poll_epochs(my_flags_ptr + peers, live, epoch, timeout_ns, EPOCH_SHIFT=0)
+    report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT)
+    return waited
+
+
+@triton.jit
+def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constexpr):
+    """Mask the late peers (low-latency mode) or flag them in the host mailbox (normal mode)."""
+    if tl.max(late.to(tl.int32), axis=0) != 0:
+        if MASK_ON_TIMEOUT:
+            tl.store(mask_ptr + peers, tl.zeros_like(peers) + 1, mask=late)
+        else:
+            tl.store(timeouts_ptr + peers, tl.zeros_like(peers).to(tl.int64) + 1, mask=late)
+            tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
+
+
+# ---------------------------------------------------------------------- the host mailbox
+class HostMailbox:
+    """Pinned, device-mapped int64 words written by kernels and read by the host, no stream sync.
+
+    Layout (word index)::
+
+        0                 pending: nonzero once anything below was raised
+        1 .. R            timeouts: word 1 + p set when a wait for peer p gave up
+        R + 1             dropped input: count of expert ids outside [-1, num_experts)
+        R + 2             notify sequence number (written last, with a release)
+        R + 3, R + 4      notify: rows this rank receives, most tokens any rank sends
+        R + 5 ..          notify: per-local-expert receive counts (aligned)
+    """
+
+    def __init__(self, num_ranks: int, max_local_experts: int):
+        self.num_ranks = num_ranks
+        self.max_local_experts = max_local_experts
+        self.words = torch.zeros(num_ranks + 5 + max_local_experts, dtype=torch.int64, pin_memory=True)
+        self.view = self.words.numpy()
+        self.address = self.words.data_ptr()
+        self.timeouts_address = self.address + 8  # pending word is timeouts[-1]
+        self.input_errors_address = self.address + 8 * (num_ranks + 1)
+        self.notify_address = self.address + 8 * (num_ranks + 2)
+        self._notify = num_ranks + 2
+        self.sequence = 0  # notify sequence numbers handed out
+
+    def raise_pending(self, rank: int, timeout_s: float) -> None:
+        """Raise what kernels reported since the last call (cheap: one host-memory read)."""
+        if self.view[0] == 0:
+            return
+        timeouts = self.view[1:1 + self.num_ranks]
+        if timeouts.any():  # sticky: this buffer's peers can no longer be trusted to be in step
+            peers = np.nonzero(timeouts)[0].tolist()
+            raise EPTimeoutError(f"rank {rank}: a wait for peers exceeded {timeout_s:g} s; destroy this Buffer "
+                                 f"and create a new one", peers)
+        dropped = int(self.view[self.num_ranks + 1])
+        self.view[self.num_ranks + 1] = 0
+        self.view[0] = 0
+        if dropped:
+            raise EPInputError("topk_idx", f"an earlier call held {dropped} expert ids outside [-1, num_experts); "
+                                           f"those entries were dropped")
+
+    def next_sequence(self) -> int:
+        self.sequence += 1
+        return self.sequence
+
+    def wait_notify(self, sequence: int, rank: int, timeout_s: float):
+        """Poll until the notify kernel published ``sequence``; returns ``(num_recv, max_tokens,
+        per_expert_view)``. Bounded: raises EPTimeoutError after ``timeout_s`` (+1 s, so the
+        device-side waits, which name the peers, give up first)."""
+        view, index = self.view, self._notify
+        if view[index] != sequence:
+            deadline = time.monotonic() + timeout_s + 1.0
+            while view[index] != sequence:
+                if time.monotonic() > deadline:
+                    raise EPTimeoutError(f"rank {rank}: the count exchange did not finish within {timeout_s:g} s "
+                                         f"(the GPU may be stuck on earlier work)", [])
+        self.raise_pending(rank, timeout_s)
+        return int(view[index + 1]), int(view[index + 2]), view[index + 3:]
+
+
+def device_state(device: torch.device) -> torch.Tensor:
+    """Zeroed int64 state words (epochs, arrival counters) for one backend."""
+    return torch.zeros(NUM_STATE_WORDS, dtype=torch.int64, device=device)
+
+
+def check_host_mapping(mailbox: HostMailbox, device: torch.device) -> None:
+    """Fail clearly (instead of hanging later) if pinned memory is not device-mapped here."""
+    probe = torch.tensor([0], dtype=torch.int64, device=device)
+    try:
+        _probe_kernel.bind(num_warps=1).launch(1, 1, torch._C._cuda_getCurrentRawStream(device.index),
+                                               mailbox.notify_address, probe)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        raise EPError(f"the nvlink backend needs device-mapped pinned host memory: {exc}") from exc
+    if mailbox.view[mailbox._notify] != -7 or int(probe.item()) != 1:
+        raise EPError("the nvlink backend needs device-mapped pinned host memory (unified addressing)")
+    mailbox.view[mailbox._notify] = 0
+
+
+@triton.jit
+def _probe_host_store(host_word_address, done_ptr):
+    store_release_sys(host_word_address, tl.full([], -7, tl.int64))
+    tl.store(done_ptr, 1)
+
+
+def _spec():
+    from .launch import KernelSpec
+    return KernelSpec(_probe_host_store, ["i64", "*i64"])
+
+
+_probe_kernel = _spec()
