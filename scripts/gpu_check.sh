@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: environment info, the GPU test suite, then the benchmark (table last).
-# Logs and JSON/PNG go to $OUT (default ./out).
+# One command on a GPU machine: environment info, the GPU test suite, the demo, then both benchmarks
+# (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
+# .peers/ (../shared/peers/README.md), the benchmarks run it side by side (--peer deep_ep).
+# Extra arguments go to `epcomm bench normal`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+peer=()
+if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/peers .peers/deep_ep-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/peers" && peer=(--peer deep_ep)
+fi
 python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
 python3 -m epcomm demo 2>&1 | tee "$OUT/demo.log"
 python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-python3 -m epcomm bench normal --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
+python3 -m epcomm bench normal "${peer[@]}" --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
 bench_rc=${PIPESTATUS[0]}
-python3 -m epcomm bench low-latency --out "$OUT" 2>"$OUT/bench_ll_progress.log" | tee "$OUT/bench_low_latency.txt"
+python3 -m epcomm bench low-latency "${peer[@]}" --out "$OUT" 2>"$OUT/bench_ll_progress.log" | tee "$OUT/bench_low_latency.txt"
 ll_rc=${PIPESTATUS[0]}
 echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ]

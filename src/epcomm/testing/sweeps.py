@@ -177,7 +177,8 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
         use_hook = case % 3 == 0
         zero_copy = case % 5 == 1
         stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
-        wait_stats = torch.zeros(R, dtype=torch.int64, device=dev) if dev.type == "cpu" else None
+        wait_stats = torch.zeros(R, dtype=torch.int64, device=dev)
+        combine_wait_stats = torch.zeros(R, dtype=torch.int64, device=dev) if case % 2 else None
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
             xs[rank].to(dev), topks[rank].to(dev), M, num_experts, cumulative_local_expert_recv_stats=stats,
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale,
@@ -214,9 +215,13 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
             buffer.get_next_low_latency_combine_buffer(gpu_handle).copy_(expert_out)
             x_arg = torch.zeros_like(x_arg)  # ignored: zero_copy reads the buffer
         combined, _, hook = buffer.low_latency_combine(x_arg, topks[rank].to(dev), weights[rank].to(dev), gpu_handle,
-                                                       zero_copy=zero_copy, return_recv_hook=use_hook, out=out)
+                                                       zero_copy=zero_copy, return_recv_hook=use_hook, out=out,
+                                                       combine_wait_recv_cost_stats=combine_wait_stats)
         if hook is not None:
             hook()
+        for stats_name, wait in (("dispatch", wait_stats), ("combine", combine_wait_stats)):
+            if wait is not None:
+                assert (wait.cpu() >= 0).all(), f"case {case}: {stats_name}_wait_recv_cost_stats {wait.tolist()}"
         if out is not None:
             assert combined.data_ptr() == out.data_ptr()
         combined = combined.cpu()
@@ -258,9 +263,10 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
         x = xs[rank].to(dev)
         x_in = to_fp8_input(x, column_major=index % 2 == 0) if use_fp8 else x
         topk, w = topks[rank].to(dev), weights[rank].to(dev)
-        outs = {}
+        outs, layouts = {}, {}
         for name, buffer in (("fast", fast), ("ref", reference)):
             per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+            layouts[name] = (per_rank, per_expert, in_rank)
             kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=topk, topk_weights=w)
             if worst:
@@ -273,6 +279,9 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
             torch.cuda.synchronize()
             outs[name] = (recv, cached, combined)
         (f_recv, f_cached, f_comb), (r_recv, r_cached, r_comb) = outs["fast"], outs["ref"]
+        for got, want, label in zip(layouts["fast"], layouts["ref"], ("num_tokens_per_rank", "num_tokens_per_expert",
+                                                                       "is_token_in_rank")):
+            assert got.dtype == want.dtype and torch.equal(got, want), f"config {index}: layout {label}"
         n = int(r_recv[4].num_recv_tokens)
         what = f"config {index} {scenario} T<={max_tokens} H={hidden} fp8={use_fp8} worst={worst}"
         for got, want, label in ((f_recv[0], r_recv[0], "recv_x"), (f_cached[0], r_cached[0], "cached recv_x")):

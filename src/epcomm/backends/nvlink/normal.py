@@ -103,7 +103,7 @@ LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i8", "i64", "
 
 # ====================================================================== notify (count exchange)
 @triton.jit
-def ep_notify(normal_bases_ptr,  # [R] int64: each rank's normal area (half 0)
+def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
               flag_bases_ptr,  # [R] int64: each rank's flag region
               state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
               per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts

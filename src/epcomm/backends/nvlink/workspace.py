@@ -89,12 +89,13 @@ class Workspace:
         # normal-mode halves
         self.row_cap = NOTIFY_BYTES // (4 * R)
         self.list_cap = LISTS_BYTES // (4 * R)
+        # Offsets are from the workspace base, for half 0; half h adds h * normal_half_bytes.
         self.normal_offset = FLAGS_BYTES
-        self.counts_offset = 0
-        self.lists_offset = NOTIFY_BYTES
-        self.payload_offset = NOTIFY_BYTES + LISTS_BYTES
+        self.counts_offset = self.normal_offset
+        self.lists_offset = self.normal_offset + NOTIFY_BYTES
+        self.payload_offset = self.normal_offset + NOTIFY_BYTES + LISTS_BYTES
         self.payload_bytes = align(max(num_nvl_bytes, 0) // 2)
-        self.normal_half_bytes = self.payload_offset + self.payload_bytes
+        self.normal_half_bytes = NOTIFY_BYTES + LISTS_BYTES + self.payload_bytes
         # low-latency halves
         self.ll_offset = self.normal_offset + 2 * self.normal_half_bytes
         self.ll_half = (max(num_ll_bytes, 0) // 2 - ALIGN) // ALIGN * ALIGN if num_ll_bytes >= 4 * ALIGN else 0
