@@ -301,12 +301,15 @@ def _kernel_times(fn, repeats: int = 5):
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
+            # ranks start each call together, so receive kernels time their work, not a peer's lag
+            dist.barrier()
+            torch.cuda.synchronize()
             fn()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     kernels = []
     for evt in prof.key_averages():
         device_us = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
-        if device_us > 0 and "nccl" not in evt.key.lower():
+        if device_us > 0 and "nccl" not in evt.key.lower() and "memset" not in evt.key.lower():
             kernels.append((round(device_us / repeats, 1), evt.key.split("(")[0][:48]))
     return sorted(kernels, reverse=True)[:8]
 

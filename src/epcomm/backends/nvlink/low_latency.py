@@ -5,9 +5,9 @@
 
 ``return_recv_hook=True`` returns after the first launch; ``hook()`` issues the second.
 
-Dispatch: program (t, k) sends token t to its k-th expert as one message (no dedup) into the
-receiver's fixed ``[E_local][R][M]`` slots — slot from a per-expert atomic counter, FP8 cast
-fused. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
+Dispatch: program t casts token t once (FP8 fused) and sends it to each of its top-k experts as
+one message (no dedup) into the receiver's fixed ``[E_local][R][M]`` slots — slot from a
+per-expert atomic counter. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
 the count word of the expert's rank with a release; no separate signal. The receiver acquires the
 count words of its experts (a word carrying this call's epoch means "all messages are there") and
 packs the rows of each (expert, source) into ``recv_x`` in source order.
@@ -33,7 +33,7 @@ from ...errors import EPError
 from ...handle import LowLatencyHandle
 from . import sync
 from .launch import KernelSpec, current_stream
-from .normal import allocate, p2
+from .normal import p2
 from .sync import arrive, now_ns, poll_epochs, report_late, signal_peers, wait_peers
 
 
@@ -67,59 +67,68 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
                         num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
                         msg_bytes, x_bytes, half_offset, counts_offset, recv_offset, half,
                         USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
-    # Program (t, k): message [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32 scales |
-    # H/512 UE8M0 int32] into slot (l, rank, slot) of the expert's rank. Plain peer stores; the
-    # last program to arrive RELEASES the counts (see below), which publishes them all.
+                        BLOCK_H: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Program t casts token t once (FP8 per 128 channels, or BF16) and stores one message per
+    # top-k expert — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32 | H/512 UE8M0
+    # int32 scales] — into slot (local expert, this rank, slot) of the expert's rank, all K
+    # messages as one tile. Plain peer stores; the last program to arrive RELEASES the counts.
     t = tl.program_id(0)
-    k = tl.program_id(1)
     if t < num_tokens:
         t64 = t.to(tl.int64)
-        expert = tl.load(topk_ptr + t64 * num_topk + k)
-        if (expert < -1) | (expert >= num_experts):  # dropped, reported to the host
+        ks = tl.arange(0, K_P2)
+        in_k = ks < num_topk
+        expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=in_k, other=-1)
+        dropped = tl.sum((in_k & ((expert < -1) | (expert >= num_experts))).to(tl.int32), axis=0)
+        if dropped > 0:  # reported to the host; the entries are skipped
             words = dropped_address.to(tl.pointer_type(tl.int64))
-            tl.atomic_add(words, 1, sem="relaxed", scope="sys")
+            tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
             tl.store(words - (num_ranks + 1), 1)
-        elif expert >= 0:
-            dst = (expert // num_local).to(tl.int32)
-            if tl.load(mask_ptr + dst) == 0:
-                cols = tl.arange(0, BLOCK_H)
-                x = tl.load(x_ptr + t64 * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-                slot = tl.atomic_add(counter_ptr + expert, 1, sem="relaxed")
-                slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
-                local = expert % num_local
-                msg = tl.load(bases_ptr + dst) + half_offset + recv_offset + \
-                    ((local * num_ranks + rank) * max_tokens + slot) * msg_bytes
-                tl.store(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, t, k))
-                payload = msg + 16
-                if USE_FP8:
-                    groups = tl.reshape(x, (BLOCK_H // 128, 128))
-                    amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
-                    scale = tl.math.div_rn(amax, 448.0)
-                    if ROUND_SCALE:  # next power of two
-                        bits = scale.to(tl.int32, bitcast=True)
-                        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                        scale = (exponent << 23).to(tl.float32, bitcast=True)
-                    q = tl.math.div_rn(groups, scale[:, None])
-                    q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
-                    words8 = tl.arange(0, BLOCK_H // 8)
-                    tl.store(payload.to(tl.pointer_type(tl.int64)) + words8,
-                             _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8), mask=words8 < x_bytes // 8)
-                    if UE8M0:
-                        exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
-                        packed = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
-                        ids = tl.arange(0, BLOCK_H // 512)
-                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.int32)) + ids, packed, mask=ids < hidden // 512)
-                    else:
-                        ids = tl.arange(0, BLOCK_H // 128)
-                        tl.store((payload + x_bytes).to(tl.pointer_type(tl.float32)) + ids, scale,
-                                 mask=ids < hidden // 128)
-                else:
-                    words4 = tl.arange(0, BLOCK_H // 4)
-                    tl.store(payload.to(tl.pointer_type(tl.int64)) + words4,
-                             _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4),
-                             mask=words4 < x_bytes // 8)
-    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0) * tl.num_programs(1)):
+        send = in_k & (expert >= 0) & (expert < num_experts)
+        dst = tl.where(send, expert // num_local, 0)
+        send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
+        slot = tl.atomic_add(counter_ptr + expert, tl.zeros_like(ks) + 1, mask=send, sem="relaxed")
+        slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
+        msg = tl.load(bases_ptr + dst, mask=send, other=0) + half_offset + recv_offset + \
+            (((expert % num_local) * num_ranks + rank) * max_tokens + slot).to(tl.int64) * msg_bytes
+        two = tl.arange(0, 2)
+        tl.store(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :],
+                 tl.where(two[None, :] == 0, t, ks[:, None]), mask=send[:, None])
+        payload = (msg + 16).to(tl.pointer_type(tl.int64))
+        cols = tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + t64 * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        if USE_FP8:
+            groups = tl.reshape(x, (BLOCK_H // 128, 128))
+            amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+            scale = tl.math.div_rn(amax, 448.0)
+            if ROUND_SCALE:  # next power of two
+                bits = scale.to(tl.int32, bitcast=True)
+                exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+                scale = (exponent << 23).to(tl.float32, bitcast=True)
+            q = tl.math.div_rn(groups, scale[:, None])
+            q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
+            words = tl.arange(0, BLOCK_H // 8)
+            packed = _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8)
+            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (K_P2, BLOCK_H // 8)),
+                     mask=send[:, None] & (words < x_bytes // 8)[None, :])
+            scale_words = (payload + x_bytes // 8).to(tl.pointer_type(tl.int32), bitcast=True)
+            if UE8M0:
+                exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
+                packed_scales = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
+                ids = tl.arange(0, BLOCK_H // 512)
+                tl.store(scale_words[:, None] + ids[None, :],
+                         tl.broadcast_to(packed_scales[None, :], (K_P2, BLOCK_H // 512)),
+                         mask=send[:, None] & (ids < hidden // 512)[None, :])
+            else:
+                ids = tl.arange(0, BLOCK_H // 128)
+                tl.store(scale_words.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + ids[None, :],
+                         tl.broadcast_to(scale[None, :], (K_P2, BLOCK_H // 128)),
+                         mask=send[:, None] & (ids < hidden // 128)[None, :])
+        else:
+            words = tl.arange(0, BLOCK_H // 4)
+            packed = _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4)
+            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (K_P2, BLOCK_H // 4)),
+                     mask=send[:, None] & (words < x_bytes // 8)[None, :])
+    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0)):
         # Every message of this call has been stored (acquired through the arrivals): RELEASE each
         # expert's count, tagged with the epoch, to the expert's rank; reset the counters.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
@@ -293,8 +302,24 @@ COMBINE_RECV = KernelSpec(ep_ll_combine_recv, ["*i64", "*fp32", "*i32", "*i64", 
 
 
 # ====================================================================== host side
+@dataclass(frozen=True)
+class DispatchPlan:
+    layout: object  # workspace.LowLatencyLayout
+    send: object  # BoundKernel
+    recv: dict  # (HAS_STATS, HAS_WAIT_STATS) -> BoundKernel
+    counters: torch.Tensor  # [E] int32 slot counters, zero between calls
+
+
+@dataclass(frozen=True)
+class CombinePlan:
+    layout: object
+    send: object
+    recv: dict  # HAS_WAIT_STATS -> BoundKernel
+
+
 class LowLatencyMode:
-    """Host orchestration of low-latency mode for one backend."""
+    """Host orchestration of low-latency mode: per call, two bound launches and the outputs;
+    everything shape-dependent is computed once per shape (plans)."""
 
     def __init__(self, backend):
         self.b = backend
@@ -303,92 +328,117 @@ class LowLatencyMode:
         self.rank = self.ws.rank
         self.R_P2 = p2(self.R)
         self.dev_index = backend.device.index
+        self.device = backend.device
+        self.bases = self.ws.bases.data_ptr()
+        self.state = backend.state.data_ptr()
+        self.flags = self.ws.local_base + sync.FLAGS_LL_COMBINE * self.R * 8
         self._calls = [0, 0]  # dispatch, combine: which half the next call uses
+        self._dispatch_plans = {}
+        self._combine_plans = {}
         self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
 
-    def _half(self, kind: int) -> int:
-        half = self._calls[kind] & 1
-        self._calls[kind] += 1
-        return half
-
-    def dispatch(self, args):
-        b, ws, R, rank = self.b, self.ws, self.R, self.rank
-        x, topk = args.x, args.topk_idx
-        num_tokens, hidden = x.shape
+    def _dispatch_plan(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, round_scale: bool,
+                       use_ue8m0: bool) -> DispatchPlan:
         if hidden % 128:
             raise EPError(f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
-        E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
-        num_local = E // R
-        layout = ws.ll_layout(E, M, hidden, K, args.use_fp8, args.use_ue8m0)
-        half = self._half(0)
-        half_offset = ws.ll_half_offset(half)
+        layout = self.ws.ll_layout(E, M, hidden, K, use_fp8, use_ue8m0)
         counters = self._counters.get(E)
         if counters is None:
-            counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=b.device)
+            counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=self.device)
+        send = SEND.bind(num_warps=8, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
+                         K_P2=p2(K), BLOCK_E=min(1024, p2(E)))
+        recv = {(stats, wait): RECV.bind(num_warps=4, HAS_STATS=stats, HAS_WAIT_STATS=wait, BLOCK_X=1024,
+                                         BLOCK_S=p2(layout.scale_words), R_P2=self.R_P2)
+                for stats in (False, True) for wait in (False, True)}
+        return DispatchPlan(layout, send, recv, counters)
+
+    def dispatch(self, args):
+        R, rank, dev = self.R, self.rank, self.device
+        x, topk = args.x, args.topk_idx
+        num_tokens, hidden = x.shape
+        E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
+        key = (E, M, hidden, K, args.use_fp8, args.round_scale, args.use_ue8m0)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        layout = plan.layout
+        num_local = E // R
+        half = self._calls[0] & 1
+        self._calls[0] += 1
+        half_offset = self.ws.ll_offset + half * self.ws.ll_half
         mask = args.rank_mask
-        stream = current_stream(self.dev_index)
-        SEND.bind(num_warps=8, USE_FP8=args.use_fp8, ROUND_SCALE=args.round_scale, UE8M0=args.use_ue8m0,
-                  BLOCK_H=p2(hidden), BLOCK_E=min(1024, p2(E))).launch(
-            max(num_tokens, 1), K, stream, x, topk, counters, mask, ws.bases, b.state,
-            b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local, M, R, rank, layout.msg_bytes,
-            layout.x_bytes, half_offset, layout.counts, layout.recv, half)
+        b = self.b
+        plan.send.launch(max(num_tokens, 1), 1, current_stream(self.dev_index), x, topk, plan.counters, mask,
+                         self.bases, self.state, b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local,
+                         M, R, rank, layout.msg_bytes, layout.x_bytes, half_offset, layout.counts, layout.recv, half)
 
         slots = R * M
         scale_words = layout.scale_words
-        x_dtype = torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16
-        scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
-        recv_x, scales_store, src_info, slot_info, recv_layout, recv_count = allocate(b.device, [
-            (x_dtype, (num_local, slots, hidden)), (scale_dtype, (num_local, max(scale_words, 1), slots)),
-            (torch.int32, (num_local, slots)), (torch.int32, (num_local, slots)), (torch.int64, (num_local, R)),
-            (torch.int32, (num_local,))])
+        recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
+                             device=dev)
+        scales = torch.empty((num_local, max(scale_words, 1), slots), device=dev,
+                             dtype=torch.int32 if args.use_ue8m0 else torch.float32)
+        src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+        slot_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+        recv_layout = torch.empty((num_local, R), dtype=torch.int64, device=dev)
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
-        recv = RECV.bind(num_warps=4, HAS_STATS=stats is not None, HAS_WAIT_STATS=wait_stats is not None,
-                         BLOCK_X=1024, BLOCK_S=p2(scale_words), R_P2=self.R_P2)
-        recv_args = (b.state, mask, recv_x, scales_store, src_info, slot_info, recv_layout, recv_count,
-                     stats if stats is not None else recv_count, wait_stats if wait_stats is not None else recv_layout,
-                     ws.local_base + half_offset, layout.counts, layout.recv, num_local, R, M, K, layout.msg_bytes,
-                     layout.x_bytes, scale_words, half, b.timeout_ns)
+        recv = plan.recv[stats is not None, wait_stats is not None]
+        recv_args = (self.state, mask, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
+                     recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
+                     self.ws.local_base + half_offset, layout.counts, layout.recv, num_local, R, M, K,
+                     layout.msg_bytes, layout.x_bytes, scale_words, half, b.timeout_ns)
 
         def receive() -> None:
             recv.launch(num_local, R, current_stream(self.dev_index), *recv_args)
 
-        packed = (recv_x, scales_store[:, :scale_words].transpose(1, 2)) if args.use_fp8 else recv_x
+        packed = (recv_x, scales.transpose(1, 2)) if args.use_fp8 else recv_x
         handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
         if args.return_recv_hook:
             return packed, recv_count, handle, receive
         receive()
         return packed, recv_count, handle, None
 
+    def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
+        layout = self.ws.ll_layout(E, M, hidden, K, False, False)
+        send = COMBINE_SEND.bind(num_warps=8, BLOCK_W=min(4096, p2(hidden // 4)), R_P2=self.R_P2)
+        block_c = min(p2(hidden), max(8192 // p2(K), 16))
+        recv = {wait: COMBINE_RECV.bind(num_warps=8, HAS_WAIT_STATS=wait, K_P2=p2(K), BLOCK_C=block_c, R_P2=self.R_P2)
+                for wait in (False, True)}
+        return CombinePlan(layout, send, recv)
+
     def combine(self, args):
-        b, ws, R = self.b, self.ws, self.R
+        R, dev = self.R, self.device
         handle = args.handle
         state = handle.backend_state
-        if not isinstance(state, LowLatencyState):
+        if state.__class__ is not LowLatencyState:
             raise EPError("this handle was not made by the nvlink backend")
         x = args.x
         num_local, slots, hidden = x.shape
         K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
         if args.topk_idx.shape[1] != K:
             raise EPError(f"topk_idx has {args.topk_idx.shape[1]} columns, the dispatch had {K}")
-        layout = ws.ll_layout(handle.num_experts, M, hidden, K, False, False)
-        half = self._half(1)
-        half_offset = ws.ll_half_offset(half)
+        key = (handle.num_experts, M, hidden, K)
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            plan = self._combine_plans[key] = self._combine_plan(*key)
+        half = self._calls[1] & 1
+        self._calls[1] += 1
+        half_offset = self.ws.ll_offset + half * self.ws.ll_half
         mask = args.rank_mask
-        x_words = hidden * 2 // 8
-        COMBINE_SEND.bind(num_warps=8, BLOCK_W=min(4096, p2(x_words)), R_P2=self.R_P2).launch(
-            num_local, R, current_stream(self.dev_index), x, handle.recv_layout_range, state.slot_info, mask, ws.bases,
-            b.state, num_local, R, self.rank, M, x_words, half_offset, layout.combine, half)
+        b = self.b
+        plan.send.launch(num_local, R, current_stream(self.dev_index), x, handle.recv_layout_range, state.slot_info, mask,
+                         self.bases, self.state, num_local, R, self.rank, M, hidden // 4, half_offset,
+                         plan.layout.combine, half)
         num_tokens = args.topk_idx.shape[0]
-        out = args.out if args.out is not None else allocate(b.device, [(torch.bfloat16, (num_tokens, hidden))])[0]
+        out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         wait_stats = args.combine_wait_recv_cost_stats
-        block_c = min(p2(hidden), max(8192 // p2(K), 16))
-        recv = COMBINE_RECV.bind(num_warps=8, HAS_WAIT_STATS=wait_stats is not None, K_P2=p2(K), BLOCK_C=block_c,
-                                 R_P2=self.R_P2)
-        recv_args = (args.topk_idx, args.topk_weights, mask, b.state, out,
-                     wait_stats if wait_stats is not None else b.state,
-                     ws.local_base + sync.FLAGS_LL_COMBINE * R * 8, ws.local_base + half_offset + layout.combine,
-                     num_tokens, hidden, K, num_local, R, half, b.timeout_ns)
+        recv = plan.recv[wait_stats is not None]
+        recv_args = (args.topk_idx, args.topk_weights, mask, self.state, out,
+                     self.state if wait_stats is None else wait_stats, self.flags,
+                     self.ws.local_base + half_offset + plan.layout.combine, num_tokens, hidden, K, num_local, R, half,
+                     b.timeout_ns)
 
         def receive() -> None:
             recv.launch(max(1, min(num_tokens, 132)), 1, current_stream(self.dev_index), *recv_args)

@@ -23,7 +23,7 @@ the mailbox word the notify kernel publishes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -39,16 +39,22 @@ from .sync import arrive, signal_peers, store_release_sys, wait_peers
 # Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
 COPY_TILE_WORDS = 16384
 COPY_WARPS = 16
+LAYOUT_BLOCK_T = 128  # tokens per program of the layout kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def p2(n: int) -> int:
+    """Next power of two >= n (>= 1). Not triton.next_power_of_2: that one costs ~3 µs per call."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def copy_block_shape(row_words: int) -> Tuple[int, int]:
     """(BLOCK_R, BLOCK_W) for rows of ``row_words`` 8-byte words: whole rows per step when they fit."""
-    block_w = min(triton.next_power_of_2(max(row_words, 1)), COPY_TILE_WORDS)
+    block_w = min(p2(row_words), COPY_TILE_WORDS)
     return max(COPY_TILE_WORDS // block_w, 1), block_w
-
-
-def p2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
 
 
 # ====================================================================== get_dispatch_layout
@@ -57,48 +63,56 @@ def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
                        per_rank_ptr,  # out [R] int32: tokens sent to each rank
                        per_expert_ptr,  # out [E] int32: tokens choosing each expert
                        in_rank_ptr,  # out [T, R] int8 (bool): token t goes to rank j
+                       partial_ptr,  # scratch [programs, E_P2 + R_P2] int32: each program's counts
+                       state_ptr,  # [16] int64 local (arrival counter)
                        dropped_address,  # host mailbox: count of ids outside [-1, E)
                        num_tokens, num_topk, num_experts, num_ranks, experts_per_rank,
-                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
-    # Programs [0, ceil(E / BLOCK_E)) each own a block of experts and count them over all tokens;
-    # the next R programs each own one rank: they write its column of is_token_in_rank and its
-    # count. Every output element has one writer, so no atomics and no zeroing launch. Ids outside
-    # [-1, E) count nowhere; rank program 0 reports them to the host mailbox.
+                       BLOCK_T: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr,
+                       SUM_ROWS: tl.constexpr):
+    # Program p takes tokens [p * BLOCK_T, (p + 1) * BLOCK_T): a histogram of their expert ids,
+    # their rank membership (written straight into is_token_in_rank) and its per-rank sum go to
+    # scratch row p. The program arriving last sums the rows into the outputs, so one launch
+    # needs neither atomics on the outputs nor a zeroing launch. Ids outside [-1, E) count nowhere
+    # and are reported to the host mailbox.
     pid = tl.program_id(0)
-    num_expert_blocks = tl.cdiv(num_experts, BLOCK_E)
+    num_programs = tl.num_programs(0)
+    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     ks = tl.arange(0, K_P2)
-    if pid < num_expert_blocks:
-        experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-        counts = tl.zeros([BLOCK_E], tl.int32)
-        for start in range(0, num_tokens, BLOCK_T):
-            tokens = start + tl.arange(0, BLOCK_T)
-            ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + ks[None, :],
-                          mask=(tokens[:, None] < num_tokens) & (ks[None, :] < num_topk), other=-1)
-            hits = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)
-            counts += tl.sum(tl.sum(hits, axis=0), axis=0)
-        tl.store(per_expert_ptr + experts, counts, mask=experts < num_experts)
-    else:
-        rank = pid - num_expert_blocks
-        total = 0
-        dropped = 0
-        for start in range(0, num_tokens, BLOCK_T):
-            tokens = start + tl.arange(0, BLOCK_T)
-            in_t = tokens < num_tokens
-            ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + ks[None, :],
-                          mask=in_t[:, None] & (ks[None, :] < num_topk), other=-1)
-            valid = (ids >= 0) & (ids < num_experts)
-            member = tl.max((valid & (ids // experts_per_rank == rank)).to(tl.int32), axis=1)
-            tl.store(in_rank_ptr + tokens.to(tl.int64) * num_ranks + rank, member.to(tl.int8), mask=in_t)
-            total += tl.sum(member, axis=0)
-            dropped += tl.sum(((ids < -1) | (ids >= num_experts)).to(tl.int32), axis=None)
-        tl.store(per_rank_ptr + rank, total)
-        if (rank == 0) & (dropped > 0):
-            words = dropped_address.to(tl.pointer_type(tl.int64))
-            tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
-            tl.store(words - (num_ranks + 1), 1)  # the mailbox's "pending" word
+    in_t = tokens < num_tokens
+    ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + ks[None, :],
+                  mask=in_t[:, None] & (ks[None, :] < num_topk), other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    experts = tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [BLOCK_T * K_P2]), E_P2,
+                           mask=tl.reshape(valid, [BLOCK_T * K_P2]))
+    ranks = tl.arange(0, R_P2)
+    owner = tl.where(valid, ids // experts_per_rank, -1)
+    member = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)  # [BLOCK_T, R_P2]
+    tl.store(in_rank_ptr + tokens[:, None].to(tl.int64) * num_ranks + ranks[None, :], member.to(tl.int8),
+             mask=in_t[:, None] & (ranks[None, :] < num_ranks))
+    row = partial_ptr + pid.to(tl.int64) * (E_P2 + R_P2)
+    tl.store(row + tl.arange(0, E_P2), experts)
+    tl.store(row + E_P2 + ranks, tl.sum(member, axis=0))
+    dropped = tl.sum(((ids < -1) | (ids >= num_experts)).to(tl.int32), axis=None)
+    if dropped > 0:
+        words = dropped_address.to(tl.pointer_type(tl.int64))
+        tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
+        tl.store(words - (num_ranks + 1), 1)  # the mailbox's "pending" word
+    if arrive(state_ptr + sync.ARRIVE_LAYOUT, num_programs):
+        cols = tl.arange(0, E_P2)
+        expert_total = tl.zeros([E_P2], tl.int32)
+        rank_total = tl.zeros([R_P2], tl.int32)
+        for first in range(0, num_programs, SUM_ROWS):
+            rows = first + tl.arange(0, SUM_ROWS)
+            starts = partial_ptr + rows[:, None].to(tl.int64) * (E_P2 + R_P2)
+            live = (rows < num_programs)[:, None]
+            expert_total += tl.sum(tl.load(starts + cols[None, :], mask=live, other=0), axis=0)
+            rank_total += tl.sum(tl.load(starts + E_P2 + ranks[None, :], mask=live, other=0), axis=0)
+        tl.store(per_expert_ptr + cols, expert_total, mask=cols < num_experts)
+        tl.store(per_rank_ptr + ranks, rank_total, mask=ranks < num_ranks)
 
 
-LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i8", "i64", "i32", "i32", "i32", "i32", "i32"])
+LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i8", "*i32", "*i64", "i64", "i32", "i32", "i32",
+                                         "i32", "i32"])
 
 
 # ====================================================================== notify (count exchange)
@@ -436,36 +450,36 @@ class PullState:
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
 
 
-def _carve(buffer: torch.Tensor, parts) -> List[torch.Tensor]:
-    """Views of one uint8 allocation: ``parts`` = [(dtype, shape)], each 256-byte aligned."""
-    views, offset = [], 0
-    for dtype, shape in parts:
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
-        views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
-        offset += (nbytes + 255) // 256 * 256
-    return views
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Everything about a dispatch that depends only on its shape (cached per shape)."""
+
+    x_words: int
+    num_scales: int
+    num_topk: int
+    topk_row_bytes: int
+    offsets: Tuple[int, int, int]  # staging offsets of x, scales, top-k rows (half 0)
+    round_tokens: int
+    block_r: int
+    stage_lists: object  # BoundKernel: stage + token lists (round 0 of a full dispatch)
+    stage: object
+    pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
+    pull: object
 
 
-def _carve_bytes(parts) -> int:
-    total = 0
-    for dtype, shape in parts:
-        numel = 1
-        for s in shape:
-            numel *= s
-        total += (numel * dtype.itemsize + 255) // 256 * 256
-    return max(total, 256)
-
-
-def allocate(device: torch.device, parts) -> List[torch.Tensor]:
-    """One allocation for a group of returned tensors."""
-    return _carve(torch.empty(_carve_bytes(parts), dtype=torch.uint8, device=device), parts)
+@dataclass(frozen=True)
+class CombinePlan:
+    slots_x: int
+    slots_w: int
+    round_tokens: int
+    block_r: int
+    push: object
+    reduce: object
 
 
 class NormalMode:
-    """Host orchestration of normal mode for one backend (workspace, state, mailbox shared)."""
+    """Host orchestration of normal mode for one backend: per call, argument-derived scalars and
+    2–3 bound launches; everything shape-dependent is computed once per shape (plans)."""
 
     def __init__(self, backend):
         self.b = backend
@@ -475,182 +489,206 @@ class NormalMode:
         self.rank = ws.rank
         self.R_P2 = p2(self.R)
         self.dev_index = backend.device.index
+        self.device = backend.device
+        # persistent tensors go to the launcher as plain addresses
+        self.bases = ws.bases.data_ptr()
+        self.state = backend.state.data_ptr()
+        self._layout_plans = {}
+        self._dispatch_plans = {}
+        self._combine_plans = {}
 
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         R = self.R
         num_tokens, num_topk = topk_idx.shape
-        per_rank, per_expert, in_rank = allocate(self.b.device, [(torch.int32, (R,)), (torch.int32, (num_experts,)),
-                                                                  (torch.int8, (num_tokens, R))])
-        block_e = min(32, p2(num_experts))
-        LAYOUT.bind(num_warps=4, BLOCK_T=64, BLOCK_E=block_e, K_P2=p2(num_topk)).launch(
-            triton.cdiv(num_experts, block_e) + R, 1, current_stream(self.dev_index),
-            topk_idx, per_rank, per_expert, in_rank, self.b.mailbox.input_errors_address,
-            num_tokens, num_topk, num_experts, R, num_experts // R)
-        return per_rank, None, per_expert, in_rank.view(torch.bool)
+        key = (num_experts, num_topk)
+        plan = self._layout_plans.get(key)
+        if plan is None:
+            e_p2 = p2(num_experts)
+            kernel = LAYOUT.bind(num_warps=4, BLOCK_T=LAYOUT_BLOCK_T, E_P2=e_p2, K_P2=p2(num_topk), R_P2=self.R_P2,
+                                 SUM_ROWS=min(64, p2(8192 // (e_p2 + self.R_P2) + 1) // 2))
+            plan = self._layout_plans[key] = [kernel, None, e_p2]
+        kernel, scratch, e_p2 = plan
+        num_programs = max(1, cdiv(num_tokens, LAYOUT_BLOCK_T))
+        if scratch is None or scratch.shape[0] < num_programs:
+            scratch = plan[1] = torch.empty(max(num_programs, 64), e_p2 + self.R_P2, dtype=torch.int32,
+                                            device=self.device)
+        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
+        kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx, per_rank, per_expert, in_rank, scratch,
+                      self.state, self.b.mailbox.input_errors_address, num_tokens, num_topk, num_experts, R,
+                      num_experts // R)
+        return per_rank, None, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        b, ws, R, rank = self.b, self.ws, self.R, self.rank
-        cached = args.handle is not None
-        is_fp8 = isinstance(args.x, tuple)
-        x = args.x[0] if is_fp8 else args.x
-        scales = args.x[1] if is_fp8 else None
-        num_tokens, hidden = x.shape
-        x_bytes = hidden * x.element_size()
+    def _dispatch_plan(self, x_bytes: int, num_scales: int, num_topk: int) -> DispatchPlan:
         if x_bytes % 8:
-            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
-        num_scales = scales.shape[1] if is_fp8 else 0
-        with_topk = (not cached) and args.topk_idx is not None
-        num_topk = args.topk_idx.shape[1] if with_topk else 0
+            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
         topk_row_bytes = (num_topk * 12 + 15) // 16 * 16
-        row_bytes = (x_bytes,) + ((num_scales * 4,) if is_fp8 else ()) + ((topk_row_bytes,) if with_topk else ())
-        offsets, round_tokens = ws.dispatch_round_tokens(row_bytes)
-        scales_offset = offsets[1] if is_fp8 else 0
-        topk_offset = offsets[-1] if with_topk else 0
+        row_bytes = (x_bytes,) + ((num_scales * 4,) if num_scales else ()) + ((topk_row_bytes,) if num_topk else ())
+        offsets, round_tokens = self.ws.dispatch_round_tokens(row_bytes)
+        offsets = (offsets[0], offsets[1] if num_scales else 0, offsets[-1] if num_topk else 0)
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
+                    S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2)
+        return DispatchPlan(x_bytes // 8, num_scales, num_topk, topk_row_bytes, offsets, round_tokens, block_r,
+                            STAGE.bind(num_warps=COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024, **meta),
+                            STAGE.bind(num_warps=COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024, **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, **meta))
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        b, ws, R, rank, dev = self.b, self.ws, self.R, self.rank, self.device
+        handle = args.handle
+        cached = handle is not None
+        x = args.x
+        is_fp8 = x.__class__ is tuple
+        x, scales = x if is_fp8 else (x, x)
+        num_tokens, hidden = x.shape
+        topk_idx = args.topk_idx if not cached else None
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        key = (hidden * x.element_size(), hidden // 128 if is_fp8 else 0, num_topk)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
         stream = current_stream(self.dev_index)
-        timeout_ns = b.timeout_ns
-        mailbox = b.mailbox
+        round_tokens = plan.round_tokens
+        num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
 
         if cached:
-            handle = args.handle
             state: PullState = handle.backend_state
-            num_rows = handle.num_recv_rows
-            max_tokens = state.max_tokens
-            src_idx = handle.recv_src_idx
-            prefix = handle.rank_prefix_matrix
+            num_rows, max_tokens, src_idx, prefix = handle.num_recv_rows, state.max_tokens, handle.recv_src_idx, \
+                handle.rank_prefix_matrix
             counts_list = None
         else:
-            num_experts = args.num_tokens_per_expert.numel()
+            num_experts = num_local * R
             ws.check_notify(num_experts, num_tokens)
-            prefix, recv_info = allocate(b.device, [(torch.int32, (R, R)), (torch.int32, (2,))])
+            prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
+            recv_info = torch.empty(2, dtype=torch.int32, device=dev)
+            mailbox = b.mailbox
             sequence = mailbox.next_sequence()
-            NOTIFY.bind(num_warps=4, R_P2=self.R_P2, BLOCK=256).launch(
-                R, 1, stream, ws.bases, ws.bases, b.state, args.num_tokens_per_rank, args.num_tokens_per_expert, prefix,
-                recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes, ws.counts_offset,
-                timeout_ns, sequence, args.expert_alignment)
-        if not cached and args.num_worst_tokens == 0:
-            # Stage round 0 before waiting for the counts, so the copy overlaps the host's wait.
-            first_hi = round_tokens
-            self._stage(args, x, scales, 0, first_hi, row_bytes, offsets, num_tokens, num_scales, num_topk,
-                        topk_row_bytes, with_topk, True, stream)
-            num_recv, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
-            num_rows = num_recv
-            counts_list = per_expert[:num_experts // R].tolist()
-        elif not cached:
-            num_rows = args.num_worst_tokens
-            max_tokens = -1
-            counts_list = []
-            if num_tokens > round_tokens:
-                raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
-                              f"tokens > {round_tokens}; raise num_nvl_bytes")
-            self._stage(args, x, scales, 0, round_tokens, row_bytes, offsets, num_tokens, num_scales, num_topk,
-                        topk_row_bytes, with_topk, True, stream)
-        num_rounds = 1 if max_tokens < 0 else max(1, -(-max_tokens // round_tokens))
-
-        parts = [(x.dtype, (num_rows, hidden))]
-        if is_fp8:
-            parts.append((torch.float32, (num_rows, num_scales)))
-        if with_topk:
-            parts += [(torch.int64, (num_rows, num_topk)), (torch.float32, (num_rows, num_topk))]
-        if not cached:
-            parts += [(torch.int32, (num_rows,)), (torch.int32, (num_rows,))]
-        outs = allocate(b.device, parts)
-        recv_x = outs[0]
-        recv_scales = outs[1] if is_fp8 else recv_x
-        recv_topk, recv_weights = (outs[-4], outs[-3]) if with_topk else (recv_x, recv_x)
-        if cached:
-            src_rank = state.recv_src_rank
-        else:
-            src_rank, src_idx = outs[-2], outs[-1]
+            NOTIFY_BOUND[self.R_P2].launch(
+                R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
+                prefix, recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
+                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment)
+            # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
+            self._stage(plan, args, x, scales, 0, round_tokens, True, stream)
+            if args.num_worst_tokens == 0:
+                num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
+                counts_list = per_expert[:num_local].tolist()
+            else:
+                if num_tokens > round_tokens:
+                    raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
+                                  f"tokens > {round_tokens}; raise num_nvl_bytes")
+                num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
+            src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
+            src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
             state = PullState(src_rank, recv_info, max_tokens)
+        num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
+        recv_x = torch.empty((num_rows, hidden), dtype=x.dtype, device=dev)
+        recv_scales = torch.empty((num_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
+        if num_topk:
+            recv_topk = torch.empty((num_rows, num_topk), dtype=torch.int64, device=dev)
+            recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
+        else:
+            recv_topk = recv_weights = recv_x
         num_sms = args.config.num_sms
-        block_r, block_w = copy_block_shape(x_bytes // 8)
+        pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if cached or round_idx > 0:
-                self._stage(args, x, scales, lo, hi, row_bytes, offsets, num_tokens, num_scales, num_topk,
-                            topk_row_bytes, with_topk, False, stream)
-            index = (not cached) and round_idx == 0
+                self._stage(plan, args, x, scales, lo, hi, False, stream)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
-            PULL.bind(num_warps=COPY_WARPS, INDEX=index, HAS_SCALES=is_fp8, HAS_TOPK=with_topk, BLOCK_R=block_r,
-                      BLOCK_W=block_w, S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2).launch(
-                max(1, min(num_sms, triton.cdiv(num_rows, block_r))), 1, stream,
-                ws.bases, ws.bases, b.state, prefix, state.recv_info, src_rank, src_idx, recv_x, recv_scales,
-                recv_topk, recv_weights, mailbox.timeouts_address, num_rows, rank, R, lo, hi, x_bytes // 8,
-                num_scales, num_topk, ws.normal_half_bytes, ws.lists_offset, ws.list_cap, offsets[0], scales_offset,
-                topk_offset, topk_row_bytes, rank * (args.num_tokens_per_expert.numel() // R if with_topk else 0),
-                args.num_tokens_per_expert.numel() // R if with_topk else 0, timeout_ns)
+            (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
+                pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
+                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.timeouts_address,
+                num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, num_topk, ws.normal_half_bytes,
+                ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
+                rank * num_local, num_local, b.timeout_ns)
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
             return DispatchResult(recv, None, None, None, handle)
-        num_recv_tokens = num_rows if max_tokens >= 0 else recv_info[0]
+        num_recv_tokens = num_rows if max_tokens >= 0 else state.recv_info[0]
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state)
-        return DispatchResult(recv, recv_topk if with_topk else None, recv_weights if with_topk else None,
-                              counts_list, handle)
+        return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
+                              handle)
 
-    def _stage(self, args, x, scales, lo, hi, row_bytes, offsets, num_tokens, num_scales, num_topk, topk_row_bytes,
-               with_topk, write_lists, stream) -> None:
-        b, ws, R = self.b, self.ws, self.R
-        x_words = row_bytes[0] // 8
-        block_r, block_w = copy_block_shape(x_words)
+    def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, scales, lo: int, hi: int, write_lists: bool,
+               stream: int) -> None:
+        num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
-        copy_programs = max(1, min(args.config.num_sms, triton.cdiv(rows, block_r)))
-        is_fp8 = scales is not None
-        in_rank = args.is_token_in_rank if write_lists else args.handle.is_token_in_rank
-        STAGE.bind(num_warps=COPY_WARPS, HAS_SCALES=is_fp8, HAS_TOPK=with_topk, WRITE_LISTS=write_lists,
-                   BLOCK_R=block_r, BLOCK_W=block_w, S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2,
-                   LIST_BLOCK=1024).launch(
-            copy_programs + (R if write_lists else 0), 1, stream,
-            x, scales if is_fp8 else x, scales.stride(0) if is_fp8 else 0, scales.stride(1) if is_fp8 else 0,
-            args.topk_idx if with_topk else x, args.topk_weights if with_topk else x, in_rank,
-            ws.bases, ws.bases, b.state, num_tokens, lo, hi, x_words, num_scales, num_topk, self.rank, R,
-            ws.normal_half_bytes, ws.lists_offset, ws.list_cap, offsets[0], offsets[1] if is_fp8 else 0,
-            offsets[-1] if with_topk else 0, topk_row_bytes)
+        programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
+        in_rank = args.is_token_in_rank if args.handle is None else args.handle.is_token_in_rank
+        topk, weights = (args.topk_idx, args.topk_weights) if plan.num_topk else (x, x)
+        (plan.stage_lists if write_lists else plan.stage).launch(
+            programs + (self.R if write_lists else 0), 1, stream,
+            x, scales, scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
+            topk, weights, in_rank, self.bases, self.bases, self.state, num_tokens, lo, hi, plan.x_words,
+            plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes, self.ws.lists_offset,
+            self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        b, ws, R, rank = self.b, self.ws, self.R, self.rank
-        state = handle.backend_state
-        if not isinstance(state, PullState):
-            raise EPError("this handle was not made by the nvlink backend")
-        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
-        num_rows = handle.num_recv_rows
+    def _combine_plan(self, hidden: int, num_topk: int, num_bias: int) -> CombinePlan:
         x_bytes = hidden * 2
         if x_bytes % 8:
             raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
-        has_w = topk_weights is not None
-        num_topk = topk_weights.shape[1] if has_w else 0
-        (slots_x, *rest), round_tokens = ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if has_w else ()))
-        slots_w = rest[0] if has_w else 0
+        (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
+        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r,
+                           PUSH.bind(num_warps=COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
+                                     K_P2=p2(num_topk), R_P2=self.R_P2),
+                           REDUCE.bind(num_warps=16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
+                                       HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk)))
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        b, R, rank, dev = self.b, self.R, self.rank, self.device
+        state = handle.backend_state
+        if state.__class__ is not PullState:
+            raise EPError("this handle was not made by the nvlink backend")
+        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+        num_rows = handle.num_recv_rows
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        key = (hidden, num_topk, len(bias))
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            plan = self._combine_plans[key] = self._combine_plan(*key)
+        round_tokens = plan.round_tokens
         if state.max_tokens < 0 and num_tokens > round_tokens:
             raise EPError("with num_worst_tokens the combine must fit the buffer in one round; raise num_nvl_bytes")
         max_tokens = state.max_tokens if state.max_tokens >= 0 else round_tokens
-        num_rounds = max(1, -(-max_tokens // round_tokens))
-        parts = [(torch.bfloat16, (num_tokens, hidden))] + ([(torch.float32, (num_tokens, num_topk))] if has_w else [])
-        outs = allocate(b.device, parts)
-        combined, combined_w = outs[0], (outs[1] if has_w else None)
+        num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
+        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
         stream = current_stream(self.dev_index)
-        block_r, block_w = copy_block_shape(x_bytes // 8)
-        push = PUSH.bind(num_warps=COPY_WARPS, HAS_WEIGHTS=has_w, BLOCK_R=block_r, BLOCK_W=block_w, K_P2=p2(num_topk),
-                         R_P2=self.R_P2)
-        block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
-        reduce = REDUCE.bind(num_warps=16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=len(bias), HAS_WEIGHTS=has_w,
-                             R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
         bias0 = bias[0] if len(bias) >= 1 else combined
         bias1 = bias[1] if len(bias) >= 2 else combined
-        w_in = topk_weights if has_w else x
-        w_out = combined_w if has_w else combined
+        w_in = topk_weights if num_topk else x
+        w_out = combined_w if num_topk else combined
+        push_programs = max(1, min(config.num_sms, cdiv(num_rows, plan.block_r)))
+        half_bytes = self.ws.normal_half_bytes
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            push.launch(max(1, min(config.num_sms, triton.cdiv(num_rows, block_r))), 1, stream,
-                        x, w_in, state.recv_src_rank, handle.recv_src_idx, ws.bases, ws.bases, b.state, num_rows, rank,
-                        R, lo, hi, x_bytes // 8, num_topk, ws.normal_half_bytes, slots_x, slots_w)
-            reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
-                          handle.is_token_in_rank, combined, w_out, bias0, bias1, ws.bases, ws.bases, b.state,
-                          b.mailbox.timeouts_address, num_tokens, lo, hi, hidden, num_topk, rank, R,
-                          ws.normal_half_bytes, slots_x, slots_w, b.timeout_ns)
+            plan.push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, self.bases,
+                             self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4, num_topk, half_bytes,
+                             plan.slots_x, plan.slots_w)
+            plan.reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
+                               handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
+                               self.state, b.mailbox.timeouts_address, num_tokens, lo, hi, hidden, num_topk, rank, R,
+                               half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns)
         return combined, combined_w
+
+
+class _NotifyKernels(dict):
+    """NOTIFY bound per R_P2, looked up without keyword building."""
+
+    def __missing__(self, r_p2):
+        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=256)
+        return self[r_p2]
+
+
+NOTIFY_BOUND = _NotifyKernels()

@@ -7,8 +7,12 @@ always the same four steps, and each site in the kernels names its step:
 
 1. The producers write the data (plain stores; local or to a peer).
 2. **Arrive**: each producing program runs a CTA barrier (so every thread's stores precede what
-   follows) and then one ``atom.add.acq_rel.sys`` on a local arrival counter. The program that
-   arrives last has acquired every other program's stores, transitively.
+   follows) and then one ``atom.add.acq_rel.gpu`` on a local arrival counter. The program that
+   arrives last has acquired every other program's stores. GPU scope suffices here: all the
+   programs run on this GPU, and causality order is transitive across scopes in the PTX memory
+   model, so the system-scope release of step 3 covers these stores too (DeepEP's kernels rely on
+   the same chain: GPU-scope counters, then a system-scope release). A system-scope arrival costs
+   a full NVLink round trip per program, serialised on one address: 80 µs for 1024 programs.
 3. **Release**: the last program stores the new epoch into each peer's flag word with
    ``st.release.sys`` (``atomic_xchg(sem="release", scope="sys")``). Release is cumulative: it
    covers every store the releasing thread has observed — the other programs' stores of step 1
@@ -58,7 +62,7 @@ EPOCH_LL_COMBINE = 2
 LL_DISPATCH_HALF_EPOCH = 3  # [2]: the epoch each low-latency dispatch half was last sent with
 LL_COMBINE_HALF_EPOCH = 5  # [2]: the same for combine
 ARRIVE = 8  # arrival counters, one per kernel kind (below)
-ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH = range(ARRIVE, ARRIVE + 5)
+ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
 NUM_STATE_WORDS = 16
 
 
@@ -82,7 +86,7 @@ def arrive(counter_ptr, num_programs):
     """Step 2 of the contract. True in the program that arrives last; it also resets the counter
     (nobody else touches it again in this launch)."""
     tl.debug_barrier()  # every thread's stores of this program precede the arrival
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = arrived == num_programs - 1
     if last:
         tl.store(counter_ptr, 0)
