@@ -105,7 +105,8 @@ def check_payload(name: str, x, device: torch.device, num_tokens: Optional[int] 
             raise EPInputError(f"{name}[0]", f"hidden size {hidden} must be a multiple of 128 for FP8")
         check_tensor(f"{name}[1]", scales, dtype=torch.float32, shape=(num_tokens, hidden // 128),
                      device=device, contiguous=False)
-        if not (scales.is_contiguous() or scales.t().is_contiguous()):
+        strides = scales.stride()
+        if not (strides == (hidden // 128, 1) or strides == (1, num_tokens) or num_tokens <= 1):
             raise EPInputError(f"{name}[1]", "scales must be row-major or column-major")
         return num_tokens, hidden, True
     check_tensor(name, x, dtype=torch.bfloat16, shape=(num_tokens, None), device=device)

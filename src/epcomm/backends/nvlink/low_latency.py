@@ -5,8 +5,8 @@
 
 ``return_recv_hook=True`` returns after the first launch; ``hook()`` issues the second.
 
-Dispatch: program t casts token t once (FP8 fused) and sends it to each of its top-k experts as
-one message (no dedup) into the receiver's fixed ``[E_local][R][M]`` slots — slot from a
+Dispatch: program (t, j) casts token t (FP8 fused) and sends it to some of its top-k experts,
+one message each (no dedup), into the receiver's fixed ``[E_local][R][M]`` slots — slot from a
 per-expert atomic counter. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
 the count word of the expert's rank with a release; no separate signal. The receiver acquires the
 count words of its experts (a word carrying this call's epoch means "all messages are there") and
@@ -33,7 +33,11 @@ from ...errors import EPError
 from ...handle import LowLatencyHandle
 from . import sync
 from .launch import KernelSpec, current_stream
-from .normal import p2
+from .normal import cdiv, p2
+
+# Messages each dispatch-send program stores (see ep_ll_dispatch_send): 1 keeps the most stores
+# in flight (one program per (token, expert), as many as 1024 at T=128, K=8).
+LL_MESSAGES_PER_PROGRAM = 1
 from .sync import arrive, now_ns, poll_epochs, report_late, signal_peers, wait_peers
 
 
@@ -67,15 +71,17 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
                         num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
                         msg_bytes, x_bytes, half_offset, counts_offset, recv_offset, half,
                         USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
-                        BLOCK_H: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr):
-    # Program t casts token t once (FP8 per 128 channels, or BF16) and stores one message per
-    # top-k expert — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32 | H/512 UE8M0
-    # int32 scales] — into slot (local expert, this rank, slot) of the expert's rank, all K
-    # messages as one tile. Plain peer stores; the last program to arrive RELEASES the counts.
+                        BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Program (t, j) casts token t (FP8 per 128 channels, or BF16) and stores the messages of its
+    # top-k entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H]
+    # [H/128 f32 | H/512 UE8M0 int32 scales] — into slot (local expert, this rank, slot) of each
+    # expert's rank, as one tile. MSGS trades repeated casts (L2-resident, cheap) for stores in
+    # flight: remote stores are latency-bound, so more programs move bytes faster. Plain peer
+    # stores; the last program to arrive RELEASES the counts.
     t = tl.program_id(0)
     if t < num_tokens:
         t64 = t.to(tl.int64)
-        ks = tl.arange(0, K_P2)
+        ks = tl.program_id(1) * MSGS + tl.arange(0, MSGS)
         in_k = ks < num_topk
         expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=in_k, other=-1)
         dropped = tl.sum((in_k & ((expert < -1) | (expert >= num_experts))).to(tl.int32), axis=0)
@@ -108,7 +114,7 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
             q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
             words = tl.arange(0, BLOCK_H // 8)
             packed = _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8)
-            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (K_P2, BLOCK_H // 8)),
+            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 8)),
                      mask=send[:, None] & (words < x_bytes // 8)[None, :])
             scale_words = (payload + x_bytes // 8).to(tl.pointer_type(tl.int32), bitcast=True)
             if UE8M0:
@@ -116,19 +122,19 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
                 packed_scales = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
                 ids = tl.arange(0, BLOCK_H // 512)
                 tl.store(scale_words[:, None] + ids[None, :],
-                         tl.broadcast_to(packed_scales[None, :], (K_P2, BLOCK_H // 512)),
+                         tl.broadcast_to(packed_scales[None, :], (MSGS, BLOCK_H // 512)),
                          mask=send[:, None] & (ids < hidden // 512)[None, :])
             else:
                 ids = tl.arange(0, BLOCK_H // 128)
                 tl.store(scale_words.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + ids[None, :],
-                         tl.broadcast_to(scale[None, :], (K_P2, BLOCK_H // 128)),
+                         tl.broadcast_to(scale[None, :], (MSGS, BLOCK_H // 128)),
                          mask=send[:, None] & (ids < hidden // 128)[None, :])
         else:
             words = tl.arange(0, BLOCK_H // 4)
             packed = _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4)
-            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (K_P2, BLOCK_H // 4)),
+            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 4)),
                      mask=send[:, None] & (words < x_bytes // 8)[None, :])
-    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0)):
+    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0) * tl.num_programs(1)):
         # Every message of this call has been stored (acquired through the arrivals): RELEASE each
         # expert's count, tagged with the epoch, to the expert's rank; reset the counters.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
@@ -346,7 +352,7 @@ class LowLatencyMode:
         if counters is None:
             counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=self.device)
         send = SEND.bind(num_warps=8, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
-                         K_P2=p2(K), BLOCK_E=min(1024, p2(E)))
+                         MSGS=LL_MESSAGES_PER_PROGRAM, BLOCK_E=min(1024, p2(E)))
         recv = {(stats, wait): RECV.bind(num_warps=4, HAS_STATS=stats, HAS_WAIT_STATS=wait, BLOCK_X=1024,
                                          BLOCK_S=p2(layout.scale_words), R_P2=self.R_P2)
                 for stats in (False, True) for wait in (False, True)}
@@ -368,7 +374,7 @@ class LowLatencyMode:
         half_offset = self.ws.ll_offset + half * self.ws.ll_half
         mask = args.rank_mask
         b = self.b
-        plan.send.launch(max(num_tokens, 1), 1, current_stream(self.dev_index), x, topk, plan.counters, mask,
+        plan.send.launch(max(num_tokens, 1), cdiv(K, LL_MESSAGES_PER_PROGRAM), current_stream(self.dev_index), x, topk, plan.counters, mask,
                          self.bases, self.state, b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local,
                          M, R, rank, layout.msg_bytes, layout.x_bytes, half_offset, layout.counts, layout.recv, half)
 

@@ -110,17 +110,28 @@ def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, 
 
 
 @triton.jit
+def load_acquire_sys(addresses):
+    """``ld.acquire.sys`` of int64 words at byte ``addresses`` (a plain load, not a read-modify-write:
+    polling with atomics would contend with the peers' stores to the same lines)."""
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [addresses], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
     """Step 4, the ACQUIRE: poll int64 words (one per lane) until ``word >> EPOCH_SHIFT >= epoch``
-    in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``."""
+    in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``. Every lane's
+    address must be mapped memory (dead lanes are read too, and ignored): callers index their own
+    workspace, whose flag and count areas are larger than the lanes they use."""
     start = now_ns()
     deadline = start + timeout_ns
-    words = tl.atomic_add(word_ptrs, 0, mask=live, sem="acquire", scope="sys")
+    addresses = word_ptrs.to(tl.int64)
+    words = load_acquire_sys(addresses)
     ready = ((words >> EPOCH_SHIFT) >= epoch) | (live == 0)
     waited = tl.zeros_like(words)
     now = start
     while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
-        fresh = tl.atomic_add(word_ptrs, 0, mask=live & (ready == 0), sem="acquire", scope="sys")
+        fresh = load_acquire_sys(addresses)
         now = now_ns()
         arrived = ((fresh >> EPOCH_SHIFT) >= epoch) & (ready == 0)
         words = tl.where(arrived, fresh, words)
