@@ -25,10 +25,10 @@ def _cases():
         yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8), 16
         yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8), 16
     for fp8, round_scale, ue8m0 in [(True, False, False), (True, True, False), (True, True, True), (False, False, False)]:
-        yield L.SEND, dict(USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0, BLOCK_H=8192, MSGS=1, BLOCK_E=256), 8
+        yield L.SEND, dict(USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0, BLOCK_H=8192, MSGS=8, BLOCK_E=256), 8
         yield L.SEND, dict(USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0, BLOCK_H=8192, MSGS=4, BLOCK_E=256), 8
     for stats, wait_stats in itertools.product([False, True], repeat=2):
-        yield L.RECV, dict(HAS_STATS=stats, HAS_WAIT_STATS=wait_stats, BLOCK_X=1024, BLOCK_S=64, R_P2=8), 4
+        yield L.RECV, dict(HAS_STATS=stats, HAS_WAIT_STATS=wait_stats, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8), 8
         yield L.COMBINE_RECV, dict(HAS_WAIT_STATS=wait_stats, K_P2=8, BLOCK_C=1024, R_P2=8), 8
     yield L.COMBINE_SEND, dict(BLOCK_W=2048, R_P2=8), 8
 

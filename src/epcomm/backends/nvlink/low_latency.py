@@ -5,12 +5,12 @@
 
 ``return_recv_hook=True`` returns after the first launch; ``hook()`` issues the second.
 
-Dispatch: program (t, j) casts token t (FP8 fused) and sends it to some of its top-k experts,
-one message each (no dedup), into the receiver's fixed ``[E_local][R][M]`` slots — slot from a
-per-expert atomic counter. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
-the count word of the expert's rank with a release; no separate signal. The receiver acquires the
-count words of its experts (a word carrying this call's epoch means "all messages are there") and
-packs the rows of each (expert, source) into ``recv_x`` in source order.
+Dispatch ("stage and pull"): program t casts token t (FP8 fused) and writes one message per top-k
+expert (no dedup) into this rank's own send area, slot ``[expert][slot]`` from a per-expert
+atomic counter. The program arriving last publishes, for every expert, ``(epoch << 32) | messages``
+into the count word of the expert's rank with a release; no separate signal. The receiver
+acquires the count words of its experts (this call's epoch means "all messages are staged") and
+pulls the messages of each (expert, source) over NVLink into ``recv_x``, in source order.
 
 Combine: program (l, s) stores the rows of local expert l that came from source s into slot
 ``token * K + k`` of s's combine area; the last program releases the epoch into every live peer's
@@ -23,6 +23,7 @@ completes without it. Ordering: see :mod:`.sync`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,11 @@ from ...errors import EPError
 from ...handle import LowLatencyHandle
 from . import sync
 from .launch import KernelSpec, current_stream
-from .normal import cdiv, p2
+from .normal import p2
 
-# Messages each dispatch-send program stores (see ep_ll_dispatch_send): 1 keeps the most stores
-# in flight (one program per (token, expert), as many as 1024 at T=128, K=8).
-LL_MESSAGES_PER_PROGRAM = 1
-from .sync import arrive, now_ns, poll_epochs, report_late, signal_peers, wait_peers
+# Messages a dispatch-receive program pulls per step (their remote loads overlap).
+LL_PULL_MESSAGES = 4
+from .sync import arrive, poll_epochs, publish, report_late, signal_peers, wait_peers
 
 
 @dataclass
@@ -69,15 +69,15 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
                         state_ptr,  # [16] int64 local (sync.py)
                         dropped_address,  # host mailbox: count of ids outside [-1, E)
                         num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
-                        msg_bytes, x_bytes, half_offset, counts_offset, recv_offset, half,
+                        msg_bytes, x_bytes, half_offset, counts_offset, send_offset, half,
                         USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
                         BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr):
-    # Program (t, j) casts token t (FP8 per 128 channels, or BF16) and stores the messages of its
-    # top-k entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H]
-    # [H/128 f32 | H/512 UE8M0 int32 scales] — into slot (local expert, this rank, slot) of each
-    # expert's rank, as one tile. MSGS trades repeated casts (L2-resident, cheap) for stores in
-    # flight: remote stores are latency-bound, so more programs move bytes faster. Plain peer
-    # stores; the last program to arrive RELEASES the counts.
+    # Program (t, j) casts token t once (FP8 per 128 channels, or BF16) and stores the messages of
+    # its top-k entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16
+    # 2H][H/128 f32 | H/512 UE8M0 int32 scales] — into slot (expert, slot) of this rank's own send
+    # area, as one tile. Local stores only: the receivers pull them. (Remote stores would make
+    # each program's release wait for NVLink acknowledgements: 40-75 µs here instead of a few.)
+    # The last program to arrive RELEASES the counts to the experts' ranks.
     t = tl.program_id(0)
     if t < num_tokens:
         t64 = t.to(tl.int64)
@@ -94,8 +94,7 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
         send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
         slot = tl.atomic_add(counter_ptr + expert, tl.zeros_like(ks) + 1, mask=send, sem="relaxed")
         slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
-        msg = tl.load(bases_ptr + dst, mask=send, other=0) + half_offset + recv_offset + \
-            (((expert % num_local) * num_ranks + rank) * max_tokens + slot).to(tl.int64) * msg_bytes
+        msg = tl.load(bases_ptr + rank) + half_offset + send_offset + (expert * max_tokens + slot).to(tl.int64) * msg_bytes
         two = tl.arange(0, 2)
         tl.store(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :],
                  tl.where(two[None, :] == 0, t, ks[:, None]), mask=send[:, None])
@@ -135,8 +134,8 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
             tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 4)),
                      mask=send[:, None] & (words < x_bytes // 8)[None, :])
     if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0) * tl.num_programs(1)):
-        # Every message of this call has been stored (acquired through the arrivals): RELEASE each
-        # expert's count, tagged with the epoch, to the expert's rank; reset the counters.
+        # Every message of this call is in the send area (acquired through the arrivals): RELEASE
+        # each expert's count, tagged with the epoch, to the expert's rank; reset the counters.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
         tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
         tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
@@ -144,13 +143,15 @@ def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
             e = start + tl.arange(0, BLOCK_E)
             in_e = e < num_experts
             n = tl.load(counter_ptr + e, mask=in_e, other=0)
+            # Small E leaves each element replicated over several threads: all of them must have
+            # read the count before any resets it.
+            tl.debug_barrier()
             tl.store(counter_ptr + e, tl.zeros_like(n), mask=in_e)
             dst = e // num_local
             live = in_e & (tl.load(mask_ptr + dst, mask=in_e, other=1) == 0)
             word = tl.load(bases_ptr + dst, mask=live, other=0) + half_offset + counts_offset + \
                 ((rank * num_local + e % num_local) * 8).to(tl.int64)
-            tl.atomic_xchg(word.to(tl.pointer_type(tl.int64)), (epoch << 32) | n.to(tl.int64), mask=live,
-                           sem="release", scope="sys")
+            publish(word, (epoch << 32) | n.to(tl.int64), live, (state_ptr + sync.SPARE).to(tl.int64))
 
 
 SEND = KernelSpec(ep_ll_dispatch_send, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64", "i32", "i32", "i32",
@@ -167,20 +168,22 @@ def ep_ll_dispatch_recv(state_ptr, mask_ptr,
                         recv_count_ptr,  # [E_local] int32
                         stats_ptr,  # [E_local] int32 cumulative receive counts (HAS_STATS)
                         wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
-                        half_base,  # this rank's low-latency half (byte address)
-                        counts_offset, recv_offset, num_local, num_ranks, max_tokens, num_topk, msg_bytes, x_bytes,
-                        scale_words, half, timeout_ns,
+                        bases_ptr,  # [R] int64: each rank's workspace
+                        half_offset, counts_offset, send_offset, num_local, num_ranks, rank, max_tokens, num_topk,
+                        msg_bytes, x_bytes, scale_words, half, timeout_ns,
                         HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
-                        BLOCK_S: tl.constexpr, R_P2: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
     # Program (l, s): ACQUIRE the count words of local expert l from every live source (a word
-    # carrying this call's epoch means all its messages are stored), then pack source s's messages
-    # into rows [offset, offset + n) of expert l, offset = messages of lower sources.
+    # carrying this call's epoch means all its messages are in the source's send area), then pull
+    # source s's messages for expert l — BLOCK_M at a time, so their remote loads overlap — into
+    # rows [offset, offset + n) of expert l, offset = messages of lower sources.
     l = tl.program_id(0)
     s = tl.program_id(1)
     epoch = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half)
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
-    count_words = (half_base + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
+    my_half = tl.load(bases_ptr + rank) + half_offset
+    count_words = (my_half + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
     words, waited, late = poll_epochs(count_words, live, epoch, timeout_ns, EPOCH_SHIFT=32)  # ACQUIRE
     report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
     if HAS_WAIT_STATS:
@@ -195,32 +198,39 @@ def ep_ll_dispatch_recv(state_ptr, mask_ptr,
         if HAS_STATS:
             tl.atomic_add(stats_ptr + l, offset + n, sem="relaxed")
     slots_total = num_ranks * max_tokens
+    first_msg = tl.load(bases_ptr + s) + half_offset + send_offset + \
+        ((rank * num_local + l) * max_tokens).to(tl.int64) * msg_bytes  # source s's slots for this expert
     xcols = tl.arange(0, BLOCK_X)
     scols = tl.arange(0, BLOCK_S)
+    two = tl.arange(0, 2)
     x_words = x_bytes // 8
-    for i in range(0, n):
-        msg = half_base + recv_offset + ((l * num_ranks + s) * max_tokens + i).to(tl.int64) * msg_bytes
-        row = (l * slots_total + offset + i).to(tl.int64)
-        header = tl.load(msg.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2))
-        token = tl.sum(tl.where(tl.arange(0, 2) == 0, header, 0), axis=0)
-        k = tl.sum(tl.where(tl.arange(0, 2) == 1, header, 0), axis=0)
-        tl.store(src_info_ptr + row, token)
-        tl.store(slot_info_ptr + row, token * num_topk + k)
+    for i0 in range(0, n, BLOCK_M):
+        i = i0 + tl.arange(0, BLOCK_M)
+        has = i < n
+        msg = first_msg + i.to(tl.int64) * msg_bytes
+        rows = (l * slots_total + offset + i).to(tl.int64)
+        header = tl.load(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :], mask=has[:, None], other=0)
+        token = tl.sum(tl.where(two[None, :] == 0, header, 0), axis=1)
+        k = tl.sum(tl.where(two[None, :] == 1, header, 0), axis=1)
+        tl.store(src_info_ptr + rows, token, mask=has)
+        tl.store(slot_info_ptr + rows, token * num_topk + k, mask=has)
         words_in = (msg + 16).to(tl.pointer_type(tl.int64))
-        words_out = out_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
+        words_out = out_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows * x_words
         for c0 in range(0, x_words, BLOCK_X):
             c = c0 + xcols
-            tl.store(words_out + c, tl.load(words_in + c, mask=c < x_words), mask=c < x_words)
+            m = has[:, None] & (c < x_words)[None, :]
+            tl.store(words_out[:, None] + c[None, :], tl.load(words_in[:, None] + c[None, :], mask=m), mask=m)
         if scale_words > 0:
-            scales = tl.load((msg + 16 + x_bytes).to(tl.pointer_type(tl.int32)) + scols, mask=scols < scale_words)
-            dst = out_scales_ptr + (l * scale_words).to(tl.int64) * slots_total + scols.to(tl.int64) * slots_total \
-                + offset + i
-            tl.store(dst, scales, mask=scols < scale_words)
+            m = has[:, None] & (scols < scale_words)[None, :]
+            scales = tl.load((msg + 16 + x_bytes).to(tl.pointer_type(tl.int32))[:, None] + scols[None, :], mask=m)
+            dst = out_scales_ptr + (l * scale_words).to(tl.int64) * slots_total + \
+                scols[None, :].to(tl.int64) * slots_total + (offset + i)[:, None]
+            tl.store(dst, scales, mask=m)
 
 
 RECV = KernelSpec(ep_ll_dispatch_recv, ["*i64", "*i32", "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32",
-                                        "*i64", "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                        "i32", "i64"])
+                                        "*i64", "*i64", "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
+                                        "i32", "i32", "i32", "i64"])
 
 
 # ====================================================================== combine: send
@@ -255,7 +265,7 @@ def ep_ll_combine_send(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch
         tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
         tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
         signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
-                     HAS_MASK=True, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
 
 
 COMBINE_SEND = KernelSpec(ep_ll_combine_send, ["*i8", "*i64", "*i32", "*i32", "*i64", "*i64", "i32", "i32", "i32",
@@ -312,6 +322,7 @@ COMBINE_RECV = KernelSpec(ep_ll_combine_recv, ["*i64", "*fp32", "*i32", "*i64", 
 class DispatchPlan:
     layout: object  # workspace.LowLatencyLayout
     send: object  # BoundKernel
+    send_programs_per_token: int
     recv: dict  # (HAS_STATS, HAS_WAIT_STATS) -> BoundKernel
     counters: torch.Tensor  # [E] int32 slot counters, zero between calls
 
@@ -342,6 +353,9 @@ class LowLatencyMode:
         self._dispatch_plans = {}
         self._combine_plans = {}
         self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
+        # Messages per dispatch-send program: all K of a token by default (one cast per token);
+        # EPCOMM_LL_SEND_MESSAGES overrides it for measurements.
+        self.messages_per_program = int(os.environ.get("EPCOMM_LL_SEND_MESSAGES", 0))
 
     def _dispatch_plan(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, round_scale: bool,
                        use_ue8m0: bool) -> DispatchPlan:
@@ -351,12 +365,13 @@ class LowLatencyMode:
         counters = self._counters.get(E)
         if counters is None:
             counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=self.device)
+        msgs = min(self.messages_per_program or p2(K), p2(K))
         send = SEND.bind(num_warps=8, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
-                         MSGS=LL_MESSAGES_PER_PROGRAM, BLOCK_E=min(1024, p2(E)))
-        recv = {(stats, wait): RECV.bind(num_warps=4, HAS_STATS=stats, HAS_WAIT_STATS=wait, BLOCK_X=1024,
-                                         BLOCK_S=p2(layout.scale_words), R_P2=self.R_P2)
+                         MSGS=msgs, BLOCK_E=min(1024, p2(E)))
+        recv = {(stats, wait): RECV.bind(num_warps=8, HAS_STATS=stats, HAS_WAIT_STATS=wait, BLOCK_X=1024,
+                                         BLOCK_S=p2(layout.scale_words), BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2)
                 for stats in (False, True) for wait in (False, True)}
-        return DispatchPlan(layout, send, recv, counters)
+        return DispatchPlan(layout, send, -(-K // msgs), recv, counters)
 
     def dispatch(self, args):
         R, rank, dev = self.R, self.rank, self.device
@@ -374,9 +389,9 @@ class LowLatencyMode:
         half_offset = self.ws.ll_offset + half * self.ws.ll_half
         mask = args.rank_mask
         b = self.b
-        plan.send.launch(max(num_tokens, 1), cdiv(K, LL_MESSAGES_PER_PROGRAM), current_stream(self.dev_index), x, topk, plan.counters, mask,
+        plan.send.launch(max(num_tokens, 1), plan.send_programs_per_token, current_stream(self.dev_index), x, topk, plan.counters, mask,
                          self.bases, self.state, b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local,
-                         M, R, rank, layout.msg_bytes, layout.x_bytes, half_offset, layout.counts, layout.recv, half)
+                         M, R, rank, layout.msg_bytes, layout.x_bytes, half_offset, layout.counts, layout.send, half)
 
         slots = R * M
         scale_words = layout.scale_words
@@ -393,7 +408,7 @@ class LowLatencyMode:
         recv = plan.recv[stats is not None, wait_stats is not None]
         recv_args = (self.state, mask, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
                      recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
-                     self.ws.local_base + half_offset, layout.counts, layout.recv, num_local, R, M, K,
+                     self.bases, half_offset, layout.counts, layout.send, num_local, R, rank, M, K,
                      layout.msg_bytes, layout.x_bytes, scale_words, half, b.timeout_ns)
 
         def receive() -> None:

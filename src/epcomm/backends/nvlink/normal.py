@@ -248,7 +248,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
 
 
 STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i64", "*i64",
@@ -384,7 +384,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
 
 
 PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",

@@ -13,8 +13,10 @@ always the same four steps, and each site in the kernels names its step:
    model, so the system-scope release of step 3 covers these stores too (DeepEP's kernels rely on
    the same chain: GPU-scope counters, then a system-scope release). A system-scope arrival costs
    a full NVLink round trip per program, serialised on one address: 80 µs for 1024 programs.
-3. **Release**: the last program stores the new epoch into each peer's flag word with
-   ``st.release.sys`` (``atomic_xchg(sem="release", scope="sys")``). Release is cumulative: it
+3. **Release**: the last program's threads each run ``fence.acq_rel.sys`` and then store the new
+   epoch (or an epoch-tagged count) into the peers' words with ``st.relaxed.sys`` — the PTX
+   release pattern (:func:`publish`). Plain stores, not read-modify-writes: a release-exchange per
+   word costs an NVLink round trip and a fence each (30 µs for 256 count words). Release is cumulative: it
    covers every store the releasing thread has observed — the other programs' stores of step 1
    (through step 2), and also stores of *earlier kernels on the same stream*, which completed
    before this kernel started. That is why a signal at the end of one launch publishes the
@@ -63,6 +65,7 @@ LL_DISPATCH_HALF_EPOCH = 3  # [2]: the epoch each low-latency dispatch half was 
 LL_COMBINE_HALF_EPOCH = 5  # [2]: the same for combine
 ARRIVE = 8  # arrival counters, one per kernel kind (below)
 ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
+SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
 NUM_STATE_WORDS = 16
 
 
@@ -82,6 +85,17 @@ def store_release_sys(address, value):
 
 
 @triton.jit
+def publish(addresses, values, live, spare_address):
+    """Step 3: RELEASE ``values`` into the int64 words at byte ``addresses`` (lanes where ``live``):
+    one ``fence.acq_rel.sys`` per thread, then ``st.relaxed.sys`` stores. Dead lanes store into
+    ``spare_address`` (a scratch word of this rank) instead, since inline asm cannot be masked."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                              [tl.where(live, addresses, spare_address), values], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def arrive(counter_ptr, num_programs):
     """Step 2 of the contract. True in the program that arrives last; it also resets the counter
     (nobody else touches it again in this launch)."""
@@ -95,8 +109,8 @@ def arrive(counter_ptr, num_programs):
 
 
 @triton.jit
-def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, HAS_MASK: tl.constexpr,
-                 R_P2: tl.constexpr):
+def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, spare_address,
+                 HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
     """Step 3: RELEASE ``epoch`` into word ``rank`` of every live peer's flag set (self included).
     ``flag_bases_ptr``: [R] int64 byte address of each rank's flag region; ``flag_offset``: bytes
     to the set."""
@@ -105,8 +119,7 @@ def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, 
     if HAS_MASK:
         live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
     word = tl.load(flag_bases_ptr + peers, mask=live, other=0) + flag_offset + rank * 8
-    tl.atomic_xchg(word.to(tl.pointer_type(tl.int64)), tl.zeros([R_P2], tl.int64) + epoch, mask=live,
-                   sem="release", scope="sys")
+    publish(word, tl.zeros([R_P2], tl.int64) + epoch, live, spare_address)
 
 
 @triton.jit
