@@ -10,8 +10,7 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
                   payload  bytes                 dispatch staging, or combine slots [T][R]
     low-latency two halves (call parity), each (layout per call shape, :meth:`ll_layout`):
                   counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i
-                  send     [E][M] messages of (header 16 B, payload, scales): this rank's tokens
-                           for every expert, pulled by the experts' ranks
+                  recv     [E_local][R][M] messages of (header 16 B, payload, scales)
                   combine  bf16 [M][K][H]        expert outputs pushed back to their home
 
 Sizes are computed once here; ``Buffer.get_low_latency_rdma_size_hint`` uses
@@ -51,7 +50,7 @@ class LowLatencyLayout:
     scale_words: int  # 32-bit scale words per message (H/128, H/512 with UE8M0, 0 for BF16)
     msg_bytes: int
     counts: int
-    send: int
+    recv: int
     combine: int
 
 
@@ -65,8 +64,8 @@ def ll_message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Tuple[int, 
 def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int, msg_bytes: int) -> Tuple[int, int]:
     """(bytes one half needs, offset of the combine slots) for this call shape."""
     counts = align(num_experts * 8)
-    send = align(num_experts * max_tokens * msg_bytes)
-    return counts + send + align(max_tokens * num_topk * hidden * 2), counts + send
+    recv = align(num_experts * max_tokens * msg_bytes)
+    return counts + recv + align(max_tokens * num_topk * hidden * 2), counts + recv
 
 
 def low_latency_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
