@@ -162,6 +162,8 @@ VALIDATION_RULES = {
     "buffer_group_type": ("group", lambda b, l, x, t, w: epcomm.Buffer("not a group")),
     "buffer_negative_nvl_bytes": ("num_nvl_bytes", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=-1)),
     "buffer_rdma_bytes_type": ("num_rdma_bytes", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=1.5)),
+    "buffer_timeout_positive": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout=0)),
+    "buffer_timeout_type": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout="10")),
     "layout_topk_dtype": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.int(), 8)),
     "layout_topk_ndim": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.flatten(), 8)),
     "layout_topk_range_high": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t + 8, 8)),

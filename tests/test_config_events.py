@@ -51,3 +51,16 @@ def test_error_hierarchy():
     assert isinstance(err, ValueError) and isinstance(err, epcomm.EPError) and err.argument == "x"
     timeout = epcomm.EPTimeoutError("waited", peers=[3, 1])
     assert isinstance(timeout, TimeoutError) and timeout.peers == [1, 3] and "[1, 3]" in str(timeout)
+
+
+def test_synchronous_scope_runs_inline():
+    """A synchronous call without previous_event runs on the caller's stream (no stream hops);
+    async_finish or previous_event use the comm stream."""
+    from epcomm.events import StreamScope
+    assert StreamScope(None, None, False).inline
+    assert StreamScope(object(), None, False).inline
+    assert not StreamScope(object(), None, True).inline
+    assert not StreamScope(object(), EventOverlap(None), False).inline
+    with StreamScope(None, None, True) as scope:
+        scope.keep()
+    assert scope.event_overlap().event is None

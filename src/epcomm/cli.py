@@ -15,7 +15,8 @@ def _info() -> int:
     print(f"torch    {torch.__version__}")
     try:
         import triton
-        print(f"triton   {triton.__version__}")
+        from .backends.nvlink.launch import launch_mode
+        print(f"triton   {triton.__version__} (kernel launches: {launch_mode()})")
     except ImportError:
         print("triton   not installed (the nvlink backend needs it)")
     if torch.cuda.is_available():

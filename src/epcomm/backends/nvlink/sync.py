@@ -195,10 +195,11 @@ class HostMailbox:
         R + 5 ..          notify: per-local-expert receive counts (aligned)
     """
 
-    def __init__(self, num_ranks: int, max_local_experts: int):
+    def __init__(self, num_ranks: int, max_local_experts: int, pinned: bool = True):
         self.num_ranks = num_ranks
         self.max_local_experts = max_local_experts
-        self.words = torch.zeros(num_ranks + 5 + max_local_experts, dtype=torch.int64, pin_memory=True)
+        # pinned=False only for tests of the host logic on machines without CUDA
+        self.words = torch.zeros(num_ranks + 5 + max_local_experts, dtype=torch.int64, pin_memory=pinned)
         self.view = self.words.numpy()
         self.address = self.words.data_ptr()
         self.timeouts_address = self.address + 8  # pending word is timeouts[-1]
