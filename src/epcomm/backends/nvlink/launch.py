@@ -23,7 +23,7 @@ launches fall back to ``kernel[grid](...)``: the same compiled code, only slower
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Tuple
 
 import torch
 import triton
@@ -136,12 +136,3 @@ def launch_mode() -> str:
         return "bound"
     except ImportError:
         return "jit"
-
-
-def all_specs(modules: Optional[Iterable] = None):
-    """Every KernelSpec defined in the nvlink kernel modules (for compile checks)."""
-    from . import low_latency, normal, sync
-    found = []
-    for module in modules or (sync, normal, low_latency):
-        found += [v for v in vars(module).values() if isinstance(v, KernelSpec)]
-    return found
