@@ -90,9 +90,16 @@ def low_latency_two_results_held(hidden: int = 256):
 
 
 def low_latency_masking(hidden: int = 128):
-    """A masked rank's experts contribute nothing and its tokens are not received; unmasking restores."""
+    """A masked rank's experts contribute nothing and its tokens are not received; unmasking restores.
+    The mask calls need enable_shrink=True, as in DeepEP."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    plain = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    try:
+        plain.low_latency_update_mask_buffer(0, True)
+        raise AssertionError("mask call accepted without enable_shrink")
+    except epcomm.EPError as err:
+        assert "enable_shrink" in str(err)
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True)
     num_experts, M = 2 * R, 16
     dead = R - 1
     xs, topks, weights = make_routing(5, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
@@ -164,6 +171,7 @@ VALIDATION_RULES = {
     "buffer_rdma_bytes_type": ("num_rdma_bytes", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=1.5)),
     "buffer_timeout_positive": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout=0)),
     "buffer_timeout_type": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout="10")),
+    "buffer_backend_name": ("backend", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, backend="nvshmem")),
     "layout_topk_dtype": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.int(), 8)),
     "layout_topk_ndim": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.flatten(), 8)),
     "layout_topk_range_high": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t + 8, 8)),
@@ -248,7 +256,7 @@ def validation_case(rule: str):
     """Run one invalid call; return the argument the EPInputError named, after proving the buffer still works."""
     R, rank = world()
     buffer = epcomm.Buffer(dist.group.WORLD)
-    ll_buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    ll_buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True)
     x, topk, w = _valid_inputs(R, rank)
     _, call = VALIDATION_RULES[rule]
     named = None
@@ -379,7 +387,7 @@ def gpu_low_latency_dead_rank(hidden: int = 2048):
     os.environ["EPCOMM_TIMEOUT_S"] = "2"
     try:
         size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
-        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, enable_shrink=True)
     finally:
         os.environ.pop("EPCOMM_TIMEOUT_S")
     if rank == dead:
@@ -426,3 +434,86 @@ def backend_choice():
     from epcomm.backends import default_backend_name
     from epcomm.backends.nvlink import nvlink_usable
     return default_backend_name(dist.group.WORLD), nvlink_usable(dist.group.WORLD)
+
+
+def deep_ep_dropin(hidden: int = 512):
+    """What vLLM and SGLang call on deep_ep.Buffer, run unchanged on epcomm.compat.deep_ep."""
+    import epcomm.compat.deep_ep as deep_ep
+    R, rank = world()
+    # DeepEP V1's whole constructor: positionally, and keyword for keyword
+    positional = deep_ep.Buffer(dist.group.WORLD, 0, 0, False, 24, True, False, False, False, False)
+    assert not positional.use_fabric and not positional.enable_shrink
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(8, hidden, R, 4 * R)
+    ll = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=0, num_rdma_bytes=size, low_latency_mode=True,
+                        num_qps_per_rank=4, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                        use_fabric=True, explicitly_destroy=True, enable_shrink=True)
+    assert (ll.rank, ll.group_size, ll.num_nvl_bytes, ll.num_rdma_bytes, ll.low_latency_mode) == \
+        (rank, R, 0, size, True)
+    assert isinstance(deep_ep.Buffer.num_sms, int) and deep_ep.topk_idx_t == torch.int64
+    # configs as vLLM asks for them, and SGLang's Config(**json) + size hints
+    for n in range(2, 161):
+        assert deep_ep.Buffer.get_dispatch_config(n).num_sms > 0 and deep_ep.Buffer.get_combine_config(n).num_sms > 0
+    config = deep_ep.Config(**{"num_sms": 24, "nvl_chunked_send_tokens": 8, "nvl_chunked_recv_tokens": 256,
+                               "rdma_chunked_send_tokens": 6, "rdma_chunked_recv_tokens": 256})
+    normal = deep_ep.Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(hidden * 2, R),
+                            config.get_rdma_buffer_size_hint(hidden * 2, R))
+    # normal mode, vLLM's keywords
+    num_experts = 4 * R
+    xs, topks, weights = make_routing(77, "uniform", R, num_experts, 2, 12, hidden)
+    event = normal.capture()
+    per_rank, per_rdma, per_expert, in_rank, event = normal.get_dispatch_layout(
+        topks[rank], num_experts, previous_event=event, async_finish=True, allocate_on_comm_stream=True)
+    recv_x, recv_idx, recv_w, counts, handle, event = normal.dispatch(
+        xs[rank], topk_idx=topks[rank], topk_weights=weights[rank], num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        expert_alignment=128, config=config, previous_event=event, async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    ref = reference_dispatch(xs, topks, weights, num_experts, 128)[rank]
+    assert torch.equal(recv_x, ref["recv_x"]) and counts == ref["num_recv_tokens_per_expert_list"]
+    combined, _, event = normal.combine(rank_fn(rank, recv_x), handle, config=config, previous_event=event,
+                                        async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    torch.testing.assert_close(combined, reference_combine(xs[rank], topks[rank], num_experts, R, rank_fn),
+                               rtol=1e-2, atol=1e-2)
+    # low-latency mode, vLLM's keywords: hooks, FP8 with UE8M0 scales, zero-copy combine into out=
+    M = 8
+    xs, topks, weights = make_routing(78, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    recv, count, ll_handle, _, hook = ll.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=True,
+                                                              round_scale=True, use_ue8m0=True, async_finish=False,
+                                                              return_recv_hook=True)
+    hook()
+    want = reference_low_latency_dispatch(xs, topks, num_experts, True, True)[rank]
+    assert [int(c) for c in count] == [w["rows"].shape[0] for w in want]
+    buf = ll.get_next_low_latency_combine_buffer(ll_handle)
+    buf.copy_(torch.ones_like(buf))  # every expert outputs ones
+    out = torch.empty(M, hidden, dtype=torch.bfloat16)
+    combined, _, hook = ll.low_latency_combine(torch.zeros_like(buf), topks[rank], weights[rank], ll_handle,
+                                               zero_copy=True, return_recv_hook=True, out=out)
+    hook()
+    assert combined.data_ptr() == out.data_ptr()
+    # every valid (token, k) contributes weight * 1.0
+    torch.testing.assert_close(out.float(), weights[rank].sum(1, keepdim=True).expand(M, hidden), rtol=1e-2, atol=1e-2)
+    ll.clean_low_latency_buffer(M, hidden, num_experts)
+    ll.destroy()
+    return True
+
+
+def backend_argument():
+    """backend= picks the backend; nvlink on a CPU group is an error (not a claim); the
+    EPCOMM_BACKEND override wins over the argument."""
+    import os
+    assert epcomm.Buffer(dist.group.WORLD, backend="torch_dist").backend_name == "torch_dist"
+    try:
+        epcomm.Buffer(dist.group.WORLD, backend="nvlink")
+        raise AssertionError("nvlink accepted on a gloo group")
+    except epcomm.EPError as err:
+        assert "nvlink needs CUDA" in str(err)
+    os.environ["EPCOMM_BACKEND"] = "nvlink"
+    try:
+        epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
+        raise AssertionError("EPCOMM_BACKEND=nvlink accepted on a gloo group")
+    except epcomm.EPError as err:
+        assert "EPCOMM_BACKEND=nvlink" in str(err)
+    finally:
+        os.environ.pop("EPCOMM_BACKEND")
+    return True

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from epcomm import demo
+from epcomm.tools import demo
 
 ENV = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), EPCOMM_DEMO_CPU="1")
 
@@ -31,7 +31,7 @@ def test_cli_info_and_demo():
 
 def test_bench_needs_gpus(monkeypatch):
     import torch
-    from epcomm import bench
+    from epcomm.tools import bench
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["normal"]) == 2
     assert bench.main(["low-latency"]) == 2

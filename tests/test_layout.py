@@ -60,3 +60,4 @@ def test_public_names():
 def test_backend_choice_on_cpu(pools):
     import ep_cases
     assert pools.get(2).run(ep_cases.backend_choice) == [("torch_dist", False)] * 2
+

@@ -3,18 +3,16 @@
 A DeepEP V1-compatible :class:`Buffer` over pluggable backends: torch.distributed collectives
 (CPU/gloo and NCCL; the reference) and Triton kernels over NVLink symmetric memory.
 """
-import torch
-
-topk_idx_t = torch.int64
-"""dtype of ``topk_idx`` tensors (DeepEP's ``topk_idx_t``)."""
-
-from .buffer import Buffer  # noqa: E402
-from .config import Config  # noqa: E402
-from .errors import EPError, EPInputError, EPTimeoutError  # noqa: E402
-from .events import EventOverlap  # noqa: E402
-from .handle import DispatchHandle, LowLatencyHandle  # noqa: E402
+from .buffer import Buffer
+from .config import Config
+from .errors import EPError, EPInputError, EPTimeoutError
+from .events import EventOverlap
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+from .handle import DispatchHandle, LowLatencyHandle
+from .types import Payload, topk_idx_t
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventOverlap", "EPError", "EPInputError", "EPTimeoutError",
-           "DispatchHandle", "LowLatencyHandle", "topk_idx_t", "__version__"]
+           "DispatchHandle", "LowLatencyHandle", "Payload", "topk_idx_t", "per_token_cast_to_fp8",
+           "per_token_cast_back", "__version__"]

@@ -7,20 +7,20 @@ a backend (see :mod:`epcomm.backends`).
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import checks, config as config_mod
-from .backends import create_backend, default_backend_name, group_device
+from .backends import BACKENDS, create_backend, default_backend_name, group_device
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
 from .errors import EPError, EPInputError
 from .events import EventOverlap, StreamScope, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
+from .types import Payload
 
-Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 DEFAULT_TIMEOUT_S = 100.0
 
 
@@ -35,14 +35,23 @@ class Buffer:
         num_qps_per_rank: RDMA queue pairs per peer (inter-node only; accepted for compatibility).
         allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node.
         allow_mnnvl: allow multi-node NVLink (accepted for compatibility).
+        use_fabric: DeepEP allocates fabric-handle memory for multi-node NVLink with it; epcomm's
+            symmetric memory comes from PyTorch, which picks the handle type itself: accepted,
+            recorded, no effect.
         explicitly_destroy: if True, :meth:`destroy` must be called to free resources.
+        enable_shrink: enable the low-latency rank-mask calls (``low_latency_update_mask_buffer``,
+            ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
+            A rank that times out in low-latency mode is masked either way.
+        backend: ``"torch_dist"`` or ``"nvlink"``; default: chosen from the group.
         timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` (normal
             mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
             host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
 
-    The backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node)
-    unless ``EPCOMM_BACKEND`` names one; ``buffer.backend_name`` tells which.
+    Everything before ``timeout`` is DeepEP V1's constructor, keyword for keyword and in order. The
+    backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node)
+    unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both; ``buffer.backend_name`` tells
+    which.
     """
 
     num_sms: int = 20
@@ -50,8 +59,9 @@ class Buffer:
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, timeout: Optional[float] = None,
-                 check_values: Optional[bool] = None):
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+                 timeout: Optional[float] = None, check_values: Optional[bool] = None,
+                 backend: Optional[str] = None):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
@@ -70,11 +80,15 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = bool(use_fabric)
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = bool(enable_shrink)
         self.timeout = float(timeout)
         self.device = group_device(group)
         self._check_values = checks.value_checks_enabled(self.device) if check_values is None else bool(check_values)
-        self.backend_name = default_backend_name(group)
+        if backend is not None and backend not in BACKENDS:
+            raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
+        self.backend_name = default_backend_name(group, backend)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
                                        self.low_latency_mode, self.timeout)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -435,21 +449,28 @@ class Buffer:
         return combined_x, scope.event_overlap(), hook
 
     # ------------------------------------------------------------------ rank masking
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark ``rank_to_mask`` as dead (``mask=True``) or alive again; masked ranks are skipped."""
+    def _check_shrink(self) -> None:
         self._check_low_latency()
+        if not self.enable_shrink:
+            raise EPError("the rank-mask calls need a Buffer constructed with enable_shrink=True (as in DeepEP)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mark ``rank_to_mask`` as dead (``mask=True``) or alive again; masked ranks are skipped.
+        Needs ``enable_shrink=True``. After unmasking, call :meth:`clean_low_latency_buffer` on every
+        rank before the next low-latency call, so the ranks' call counts agree again."""
+        self._check_shrink()
         checks.check_int("rank_to_mask", rank_to_mask, minimum=0)
         if rank_to_mask >= self.group_size:
             raise EPInputError("rank_to_mask", f"must be < {self.group_size}, got {rank_to_mask}")
         self._rank_mask[rank_to_mask] = 1 if mask else 0
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write the mask (``[R]`` int32, 1 = masked) into ``mask_status``."""
-        self._check_low_latency()
+        """Write the mask (``[R]`` int32, 1 = masked) into ``mask_status``. Needs ``enable_shrink=True``."""
+        self._check_shrink()
         checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,), device=self.device)
         mask_status.copy_(self._rank_mask)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        self._check_low_latency()
+        """Unmask every rank. Needs ``enable_shrink=True``."""
+        self._check_shrink()
         self._rank_mask.zero_()

@@ -1,13 +1,15 @@
-"""Backends: how the bytes move. ``select_backend`` picks one for a process group.
+"""Backends: how the bytes move. :func:`default_backend_name` picks one for a process group.
 
 - ``torch_dist``: torch.distributed collectives (gloo on CPU, NCCL on GPU); the reference.
 - ``nvlink``: Triton kernels over symmetric memory on one NVLink node (CUDA only).
 
-``EPCOMM_BACKEND=torch_dist|nvlink`` overrides the automatic choice.
+``Buffer(..., backend=...)`` asks for one; ``EPCOMM_BACKEND=torch_dist|nvlink`` overrides both
+that and the automatic choice (an operator's switch).
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,13 +20,17 @@ from .base import Backend
 BACKENDS = ("torch_dist", "nvlink")
 
 
-def default_backend_name(group: dist.ProcessGroup) -> str:
-    """The backend a Buffer on ``group`` would use (the ``EPCOMM_BACKEND`` override included)."""
-    override = os.environ.get("EPCOMM_BACKEND")
-    if override:
-        if override not in BACKENDS:
-            raise EPError(f"EPCOMM_BACKEND={override!r} is not one of {BACKENDS}")
-        return override
+def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None) -> str:
+    """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
+    the automatic choice. Raises EPError for an unknown name or one this group cannot run."""
+    choice = os.environ.get("EPCOMM_BACKEND") or requested
+    source = "EPCOMM_BACKEND" if os.environ.get("EPCOMM_BACKEND") else "backend"
+    if choice:
+        if choice not in BACKENDS:
+            raise EPError(f"{source}={choice!r} is not one of {BACKENDS}")
+        if choice == "nvlink" and (dist.get_backend(group) == "gloo" or not torch.cuda.is_available()):
+            raise EPError(f"{source}=nvlink needs CUDA GPUs and an NCCL process group")
+        return choice
     if dist.get_backend(group) == "gloo" or not torch.cuda.is_available():
         return "torch_dist"
     from .nvlink import nvlink_usable

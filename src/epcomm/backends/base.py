@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
 from ..handle import DispatchHandle, LowLatencyHandle
+from ..types import Payload
 
-# bf16 tensor, or FP8 (e4m3 values, float32 scales) pair
-Payload = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass

@@ -63,7 +63,7 @@ def demo_rank(settings: DemoSettings):
 
 def run_demo(ranks: int = 0, settings: DemoSettings = DemoSettings(), timeout_s: float = 600) -> int:
     """Run the demo on all GPUs (or ``ranks`` CPU ranks), print a table, return the exit code."""
-    from .testing import run_distributed
+    from ..testing import run_distributed
 
     use_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0 and os.environ.get("EPCOMM_DEMO_CPU") != "1"
     if use_gpu:

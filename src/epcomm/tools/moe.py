@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fp8
+from .. import fp8
 
 
 @dataclass

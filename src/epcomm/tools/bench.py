@@ -157,7 +157,7 @@ def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts)
 
 
 def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor) -> Dict:
-    from .fp8 import per_token_cast_to_fp8
+    from ..fp8 import per_token_cast_to_fp8
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(settings.seed * 7919 + rank * 31 + tokens)
@@ -272,7 +272,7 @@ class LowLatencyBenchSettings:
 
 def _ll_expert_out(recv):
     """Stand-in expert: the dequantised input, as bf16 [E_local, R*M, H]."""
-    from .fp8 import per_token_cast_back
+    from ..fp8 import per_token_cast_back
     return per_token_cast_back(recv[0], recv[1])
 
 
@@ -413,7 +413,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("epcomm bench needs at least 2 CUDA GPUs", file=sys.stderr)
         return 2
-    from .testing import run_distributed
+    from ..testing import run_distributed
     world = args.ranks or torch.cuda.device_count()
     os.makedirs(args.out, exist_ok=True)
     if args.mode == "low-latency":

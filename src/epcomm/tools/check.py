@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 def check_rank(num_cases: int):
     """Runs on every rank; returns ``[(what, cases checked, seconds)]``."""
-    from .buffer import Buffer
-    from .testing import sweeps
+    from ..buffer import Buffer
+    from ..testing import sweeps
     results = []
     started = time.perf_counter()
     if dist.get_backend() == "nccl":
@@ -41,7 +41,7 @@ def check_rank(num_cases: int):
 
 def run_check(ranks: int = 0, num_cases: int = 24, timeout_s: float = 900) -> int:
     """Run the checks on all GPUs (or ``ranks`` CPU ranks); print a table; return the exit code."""
-    from .testing import RankFailure, run_distributed
+    from ..testing import RankFailure, run_distributed
     use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and os.environ.get("EPCOMM_DEMO_CPU") != "1"
     world, backend = ((ranks or torch.cuda.device_count()), "nccl") if use_gpu else ((ranks or 4), "gloo")
     print(f"epcomm check: {num_cases} randomized cases per mode on {world} {'GPU' if use_gpu else 'CPU'} ranks", flush=True)

@@ -15,7 +15,7 @@ def _info() -> int:
     print(f"torch    {torch.__version__}")
     try:
         import triton
-        from .backends.nvlink.launch import launch_mode
+        from ..backends.nvlink.launch import launch_mode
         print(f"triton   {triton.__version__} (kernel launches: {launch_mode()})")
     except ImportError:
         print("triton   not installed (the nvlink backend needs it)")
