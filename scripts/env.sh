@@ -15,5 +15,10 @@ else
   if ! "$PY" -c 'import torch, pytest, numpy' 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0 'pytest>=7' numpy
   fi
+  # The `epcomm` command (.venv/bin/epcomm), as an editable install of this checkout.
+  if [ ! -x "$EPCOMM_ROOT/.venv/bin/epcomm" ]; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e "$EPCOMM_ROOT" >/dev/null 2>&1 \
+      || echo "epcomm: could not install the epcomm command into .venv; use: $PY -m epcomm" >&2
+  fi
 fi
 export PY

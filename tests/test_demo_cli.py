@@ -26,7 +26,38 @@ def test_cli_info_and_demo():
     run = subprocess.run([sys.executable, "-m", "epcomm", "demo", "--ranks", "2", "--tokens", "8", "--hidden", "128",
                           "--iters", "1"], capture_output=True, text=True, env=ENV, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "OK" in run.stdout
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines()
+            if line.split() and line.split()[0] in ("normal", "low-latency")}
+    assert set(rows) == {"normal", "low-latency"}
+    for mode, (_, backend, ranks, tokens_per_s, error, limit, result) in rows.items():
+        assert backend == "torch_dist" and int(ranks) == 2 and float(tokens_per_s) > 0, rows[mode]
+        assert float(error) <= float(limit) and result == "OK", rows[mode]
+
+
+def _epcomm(*args, **env):
+    return subprocess.run([sys.executable, "-m", "epcomm", *args], capture_output=True, text=True,
+                          env=dict(ENV, **env), timeout=120)
+
+
+def test_cli_usage_errors_are_one_line():
+    for args, words in ((("demo", "--hidden", "100"), "multiple of 128"), (("demo", "--tokens", "0"), ">= 1"),
+                        (("bench", "normal", "--reps", "x"), "whole number")):
+        run = _epcomm(*args)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert words in run.stderr.splitlines()[-1], run.stderr
+
+
+def test_cli_help_shows_options_and_defaults():
+    run = _epcomm("bench", "--help")
+    assert run.returncode == 0 and "rest" not in run.stdout
+    for option in ("--tokens", "--hidden", "--sms", "--peer", "--out", "(default: 7168)"):
+        assert option in run.stdout, option
+    assert "(default: 64)" in _epcomm("demo", "--help").stdout
+
+
+def test_cli_info_rejects_nvlink_without_cuda():
+    run = _epcomm("info", EPCOMM_BACKEND="nvlink")
+    assert run.returncode == 2 and "no CUDA GPU" in run.stderr
 
 
 def test_bench_needs_gpus(monkeypatch):

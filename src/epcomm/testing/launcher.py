@@ -18,7 +18,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 import torch.multiprocessing as mp
 
@@ -161,6 +161,15 @@ class WorkerPool:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def default_world(ranks: int = 0) -> Tuple[int, str]:
+    """``(world size, process-group backend)`` for the tools: every visible GPU on NCCL (or ``ranks``
+    of them), else ``ranks`` (default 4) CPU ranks on gloo. ``EPCOMM_DEMO_CPU=1`` forces the CPU."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and os.environ.get("EPCOMM_DEMO_CPU") != "1":
+        return ranks or torch.cuda.device_count(), "nccl"
+    return ranks or 4, "gloo"
 
 
 def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,

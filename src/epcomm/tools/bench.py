@@ -398,18 +398,25 @@ def low_latency_table(result: Dict) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="epcomm bench")
-    parser.add_argument("mode", choices=["normal", "low-latency"])
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096 normal, 128 LL)")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--sms", type=int, default=24, help="Config num_sms (normal mode)")
-    parser.add_argument("--extra-tokens", default="512", help="more token counts to run (normal mode), comma-separated")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--peer", default=None, help="also run this library on the same data (deep_ep)")
-    parser.add_argument("--ranks", type=int, default=0, help="default: all GPUs")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`)."""
+    from .cli import positive_int, token_list
+    parser.add_argument("mode", choices=["normal", "low-latency"], help="which mode to benchmark")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")
+    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
+    parser.add_argument("--sms", type=positive_int, default=24, help="Config num_sms (normal mode)")
+    parser.add_argument("--extra-tokens", type=token_list, default=[512],
+                        help="more token counts to run in normal mode, comma-separated ('' for none)")
+    parser.add_argument("--reps", type=positive_int, default=30, help="calls per timing")
+    parser.add_argument("--peer", choices=["deep_ep"], default=None,
+                        help="also run this library on the same data (needs it importable)")
+    parser.add_argument("--ranks", type=int, default=0, help="ranks to use (0: all GPUs)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON and PNG results")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; prints the table, returns the exit code."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("epcomm bench needs at least 2 CUDA GPUs", file=sys.stderr)
         return 2
@@ -425,10 +432,16 @@ def main(argv=None) -> int:
         print(low_latency_table(result))
         return 0 if result["ok"] else 1
     settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms,
-                                   extra_tokens=[int(t) for t in args.extra_tokens.split(",") if t], peer=args.peer)
+                                   extra_tokens=list(args.extra_tokens), peer=args.peer)
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot_normal(result, os.path.join(args.out, "bench_normal.png"))
     print(normal_table(result))
     return 0 if all(p["ok"] for p in result["points"]) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="epcomm bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -6,10 +6,8 @@ the reference (low-latency mode). Exits non-zero, with the failing rank's traceb
 """
 from __future__ import annotations
 
-import os
 import time
 
-import torch
 import torch.distributed as dist
 
 
@@ -41,10 +39,10 @@ def check_rank(num_cases: int):
 
 def run_check(ranks: int = 0, num_cases: int = 24, timeout_s: float = 900) -> int:
     """Run the checks on all GPUs (or ``ranks`` CPU ranks); print a table; return the exit code."""
-    from ..testing import RankFailure, run_distributed
-    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and os.environ.get("EPCOMM_DEMO_CPU") != "1"
-    world, backend = ((ranks or torch.cuda.device_count()), "nccl") if use_gpu else ((ranks or 4), "gloo")
-    print(f"epcomm check: {num_cases} randomized cases per mode on {world} {'GPU' if use_gpu else 'CPU'} ranks", flush=True)
+    from ..testing import RankFailure, default_world, run_distributed
+    world, backend = default_world(ranks)
+    print(f"epcomm check: {num_cases} randomized cases per mode on {world} {'GPU' if backend == 'nccl' else 'CPU'} "
+          f"ranks", flush=True)
     try:
         results = run_distributed(check_rank, world, num_cases, backend=backend, timeout_s=timeout_s)[0]
     except RankFailure as failure:

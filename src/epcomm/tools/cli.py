@@ -1,10 +1,39 @@
-"""Command line: ``epcomm demo | info | check | bench``."""
+"""Command line: ``epcomm demo | info | check | bench``.
+
+Every option has help text and shows its default (``epcomm <command> --help``); invalid values
+end in a one-line usage error, not a traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def hidden_size(text: str) -> int:
+    """argparse type: a hidden size the FP8 paths accept (a positive multiple of 128)."""
+    value = positive_int(text)
+    if value % 128:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 128 (FP8 scales cover 128 channels), got {value}")
+    return value
+
+
+def token_list(text: str):
+    """argparse type: comma-separated positive ints ('' = none)."""
+    return [positive_int(t) for t in text.split(",") if t.strip()]
 
 
 def _info() -> int:
@@ -38,29 +67,43 @@ def _info() -> int:
     else:
         print("GPUs     none")
         backend = "torch_dist (gloo, CPU)"
-    import os
     override = os.environ.get("EPCOMM_BACKEND")
-    print(f"backend  {override + ' (EPCOMM_BACKEND)' if override else backend}")
+    if override:
+        from ..backends import BACKENDS
+        if override not in BACKENDS:
+            print(f"error: EPCOMM_BACKEND={override!r} is not one of {BACKENDS}", file=sys.stderr)
+            return 2
+        if override == "nvlink" and not torch.cuda.is_available():
+            print("error: EPCOMM_BACKEND=nvlink, but this machine has no CUDA GPU: Buffer construction would fail",
+                  file=sys.stderr)
+            return 2
+        backend = f"{override} (EPCOMM_BACKEND)"
+    print(f"backend  {backend}")
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="epcomm", description="Expert-parallel dispatch/combine for MoE.")
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="epcomm", description="Expert-parallel dispatch/combine for MoE.",
+                                     formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="EP MoE layer forward in normal and low-latency mode, checked against one process")
-    demo.add_argument("--ranks", type=int, default=0, help="number of ranks (default: all GPUs, else 4 CPU ranks)")
-    demo.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    demo.add_argument("--hidden", type=int, default=512)
-    demo.add_argument("--experts-per-rank", type=int, default=4)
-    demo.add_argument("--topk", type=int, default=4)
-    demo.add_argument("--iters", type=int, default=5)
-    sub.add_parser("info", help="versions, GPUs and links, the backend that would run")
-    check = sub.add_parser("check", help="randomized correctness checks of the backend that would run here")
-    check.add_argument("--ranks", type=int, default=0, help="number of ranks (default: all GPUs, else 4 CPU ranks)")
-    check.add_argument("--cases", type=int, default=24, help="randomized cases per mode")
-    bench = sub.add_parser("bench", help="benchmark against the NCCL baseline (GPU)")
-    bench.add_argument("mode", choices=["normal", "low-latency"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    demo = sub.add_parser("demo", formatter_class=formatter,
+                          help="EP MoE layer forward in normal and low-latency mode, checked against one process")
+    demo.add_argument("--ranks", type=int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
+    demo.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank")
+    demo.add_argument("--hidden", type=hidden_size, default=512, help="hidden size H (a multiple of 128)")
+    demo.add_argument("--experts-per-rank", type=positive_int, default=4, help="experts each rank hosts")
+    demo.add_argument("--topk", type=positive_int, default=4, help="experts per token (<= total experts)")
+    demo.add_argument("--iters", type=positive_int, default=5, help="timed forward passes per mode")
+    sub.add_parser("info", formatter_class=formatter, help="versions, GPUs and links, the backend that would run")
+    check = sub.add_parser("check", formatter_class=formatter,
+                           help="randomized correctness checks of the backend that would run here")
+    check.add_argument("--ranks", type=int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
+    check.add_argument("--cases", type=positive_int, default=24, help="randomized cases per mode")
+    bench = sub.add_parser("bench", formatter_class=formatter,
+                           help="host/gpu/synced µs per call beside the NCCL baseline and optionally DeepEP (GPU)")
+    from .bench import add_arguments
+    add_arguments(bench)
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -74,8 +117,8 @@ def main(argv=None) -> int:
         from .check import run_check
         return run_check(args.ranks, args.cases)
     if args.command == "bench":
-        from .bench import main as bench_main
-        return bench_main([args.mode] + args.rest)
+        from .bench import run
+        return run(args)
     return 2
 
 

@@ -1,7 +1,7 @@
 """``epcomm demo``: an EP MoE layer forward in normal and low-latency mode, checked against one process."""
 from __future__ import annotations
 
-import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -63,14 +63,15 @@ def demo_rank(settings: DemoSettings):
 
 def run_demo(ranks: int = 0, settings: DemoSettings = DemoSettings(), timeout_s: float = 600) -> int:
     """Run the demo on all GPUs (or ``ranks`` CPU ranks), print a table, return the exit code."""
-    from ..testing import run_distributed
+    from ..testing import default_world, run_distributed
 
-    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0 and os.environ.get("EPCOMM_DEMO_CPU") != "1"
-    if use_gpu:
-        world, backend = (ranks or torch.cuda.device_count()), "nccl"
-    else:
-        world, backend = (ranks or 4), "gloo"
-    print(f"epcomm demo: MoE layer forward on {world} {'GPU' if use_gpu else 'CPU'} ranks "
+    world, backend = default_world(ranks)
+    num_experts = settings.experts_per_rank * world
+    if settings.topk > num_experts:
+        print(f"epcomm demo: error: --topk {settings.topk} exceeds the {num_experts} experts of {world} ranks",
+              file=sys.stderr)
+        return 2
+    print(f"epcomm demo: MoE layer forward on {world} {'GPU' if backend == 'nccl' else 'CPU'} ranks "
           f"(T={settings.tokens}/rank, H={settings.hidden}, E={settings.experts_per_rank * world}, K={settings.topk})",
           flush=True)
     results = run_distributed(demo_rank, world, settings, backend=backend, timeout_s=timeout_s)[0]
