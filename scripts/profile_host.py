@@ -1,7 +1,7 @@
 """Where the host time of each call goes (rank 0): primitive costs, then cProfile of each call.
 
 Run on a GPU machine: ``python3 scripts/profile_host.py [tokens]``. Host cost is the risk of a
-Python design (DESIGN section 4); this shows which Python lines a call spends it on.
+Python design (docs/PERFORMANCE.md); this shows which Python lines a call spends it on.
 """
 import cProfile
 import io

@@ -84,8 +84,10 @@ def low_latency_two_results_held(hidden: int = 256):
     for xs, topks, (recv_x, recv_count, handle, _, _) in results:
         ref = reference_low_latency_dispatch(xs, topks, num_experts, use_fp8=False)[rank]
         for e in range(num_experts // R):
-            rows, _, _ = _ll_rows(recv_x, recv_count, handle, e, False)
-            assert rows.shape == ref[e]["rows"].shape
+            rows, src_rank, src_token = _ll_rows(recv_x, recv_count, handle, e, False)
+            order = torch.argsort(src_rank * 1_000_000 + src_token)
+            assert torch.equal(src_rank[order], ref[e]["src_rank"]) and torch.equal(src_token[order], ref[e]["src_token"])
+            assert torch.equal(rows[order], ref[e]["rows"]), "an earlier result was overwritten"
     return True
 
 
@@ -305,6 +307,25 @@ def worst_tokens_overflow():
 
 
 # ---------------------------------------------------------------- GPU: nvlink against torch_dist (NCCL)
+def gpu_rounds_counted(configs, num_nvl_bytes: int):
+    """gpu_normal_against_reference with the stage launches counted: a batch larger than one half
+    of the payload area must take several rounds (one stage launch each)."""
+    from epcomm.backends.nvlink import normal
+    calls = []
+    original = normal.NormalMode._stage
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    normal.NormalMode._stage = counting
+    try:
+        checked = gpu_normal_against_reference(configs, num_nvl_bytes)
+    finally:
+        normal.NormalMode._stage = original
+    return checked, len(calls)
+
+
 def gpu_timeout_names_peer():
     """A rank that stops taking part makes the others raise EPTimeoutError naming it (no hang)."""
     import os

@@ -58,6 +58,11 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def aligned_counts(counts, alignment: int) -> list:
+    """``num_recv_tokens_per_expert_list``: each count rounded up to ``expert_alignment``."""
+    return [align_up(int(c), alignment) for c in counts]
+
+
 def local_expert_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
     """Global expert ids → ids local to ``rank`` (``-1`` for experts elsewhere and for holes)."""
     local = topk_idx - rank * num_local_experts

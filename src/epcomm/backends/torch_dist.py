@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import fp8
 from ..errors import EPError
 from ..handle import DispatchHandle, LowLatencyHandle
-from ..layout import align_up, local_expert_ids, rank_prefix_matrix
+from ..layout import aligned_counts, local_expert_ids, rank_prefix_matrix
 from .base import Backend, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .rows import pack_rows, spec_of, unpack_rows
 
@@ -112,7 +112,7 @@ class TorchDistBackend(Backend):
             return DispatchResult(recv_x, None, None, None, handle)
         counts_list: Optional[List[int]] = None
         if args.num_worst_tokens == 0:
-            counts_list = [align_up(int(c), args.expert_alignment) for c in per_expert.tolist()]
+            counts_list = aligned_counts(per_expert.tolist(), args.expert_alignment)
         else:
             counts_list = []
         handle = DispatchHandle(prefix, recv_src_idx, is_token_in_rank, num_recv, num_rows, None)

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import fp8
-from ..layout import align_up
+from ..layout import aligned_counts
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``expert_fn(expert_ids [N], rows [N, H] float32) -> [N, H]``: a stand-in expert computation."""
@@ -72,7 +72,7 @@ def reference_dispatch(xs: Sequence, topk_idxs: Sequence[torch.Tensor], topk_wei
             "recv_topk_weights": torch.cat(weight_rows) if weight_rows else None,
             "recv_src_idx": torch.cat(src_rows),
             "rank_prefix_matrix": prefix,
-            "num_recv_tokens_per_expert_list": [align_up(c, expert_alignment) for c in expert_counts],
+            "num_recv_tokens_per_expert_list": aligned_counts(expert_counts, expert_alignment),
         })
     return results
 

@@ -2,7 +2,7 @@
 DeepEP V1 — same process, same random data, same run (machines are shared and noisy: only same-run
 ratios are honest).
 
-Every call is reported with three figures (DESIGN section 4), in µs, rank 0:
+Every call is reported with three figures (as docs/PERFORMANCE.md defines them), in µs, rank 0:
 
 - **host**: host time per call, calls issued back to back without waiting for the GPU;
 - **gpu**: per-call time of ``reps`` calls queued back to back between two CUDA events (a call
@@ -78,7 +78,7 @@ def load_peer(name: Optional[str]):
 
 class NCCLBaseline:
     """Count exchange with all_to_all_single + permute + all_to_all_single; combine mirrors it and
-    sums with ``index_add_`` (DESIGN section 4)."""
+    sums with ``index_add_`` (the baseline DeepEP's comparisons use)."""
 
     def __init__(self, x, is_token_in_rank):
         self.x, self.in_rank = x, is_token_in_rank
@@ -105,7 +105,7 @@ class NCCLBaseline:
 
 def _rank0_table(title: str, rows: List[Dict], systems: List[str]) -> str:
     """call | per system host/gpu/synced | epcomm ÷ peer per figure."""
-    lines = [title, "# µs, rank 0; host / gpu / synced (DESIGN section 4)"]
+    lines = [title, "# µs, rank 0; host / gpu / synced (docs/PERFORMANCE.md)"]
     header = f"{'call':<28}" + "".join(f" {s + ' h/g/s':>24}" for s in systems)
     if "deep_ep" in systems:
         header += f" {'epcomm÷deep_ep h/g/s':>22}"

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import EPError
+from ...layout import align_up
 
 ALIGN = 256
 # Flag sets in the flag region: [set][R] int64, word [s][i] written by rank i (see sync.py).
@@ -39,7 +40,7 @@ LL_HEADER_BYTES = 16
 
 
 def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return align_up(n, ALIGN)
 
 
 @dataclass(frozen=True)
