@@ -538,3 +538,25 @@ def backend_argument():
     finally:
         os.environ.pop("EPCOMM_BACKEND")
     return True
+
+
+def low_latency_duplicate_experts(hidden: int = 128):
+    """A token that lists the same expert twice: each (token, k) entry is its own message and gets
+    its own weight in low-latency combine (no dedup in low-latency mode)."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
+    num_experts, M, T = 2 * R, 8, 4
+    xs, topks, weights = make_routing(31, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=T)
+    for i in range(R):
+        topks[i][:, 1] = topks[i][:, 0]  # every token: its first expert twice, different weights
+        weights[i][:, 1] = weights[i][:, 0] * 3 + 0.25
+    recv, count, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
+    num_local = num_experts // R
+    expert_out = torch.zeros(num_local, R * M, hidden, dtype=torch.bfloat16)
+    for e in range(num_local):
+        rows, _, _ = _ll_rows(recv, count, handle, e, False)
+        expert_out[e, :rows.shape[0]] = expert_fn(torch.full((rows.shape[0],), rank * num_local + e), rows).bfloat16()
+    combined = buffer.low_latency_combine(expert_out, topks[rank], weights[rank], handle)[0]
+    want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
+    torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2)
+    return True

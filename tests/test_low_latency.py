@@ -23,3 +23,7 @@ def test_rank_masking(pools, world_size):
 
 def test_clean_low_latency_buffer(pools):
     assert all(pools.get(2).run(ep_cases.low_latency_clean_buffer))
+
+
+def test_duplicate_experts_get_their_own_weights(pools):
+    assert all(pools.get(2).run(ep_cases.low_latency_duplicate_experts))

@@ -280,6 +280,9 @@ class Buffer:
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send rows back to their home ranks and sum them there (plain sum, float32 accumulation).
 
+        No top-k weights are applied: scale each row by its weight in your expert code first (unlike
+        :meth:`low_latency_combine`, which takes the weighted sum itself).
+
         Args:
             x: bf16 ``[Trecv, H]``, rows in the order dispatch returned them.
             handle: the handle of that dispatch.
@@ -408,6 +411,9 @@ class Buffer:
                             out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """Low-latency combine: ``combined[t] = Σ_k topk_weights[t, k] · expert_output(t, k)`` in float32.
+
+        The weights are applied here (unlike normal-mode :meth:`combine`, a plain sum); each
+        ``(t, k)`` entry gets its own weight, also when a token lists the same expert twice.
 
         Args:
             x: bf16 ``[E_local, R*M, H]`` expert outputs in dispatch's layout.

@@ -148,9 +148,11 @@ class TorchDistBackend(Backend):
 
     # ---------------------------------------------------------------- low-latency mode
     def _ll_messages(self, topk_idx: torch.Tensor, num_experts: int, rank_mask: torch.Tensor):
-        """The (token, expert) messages this rank sends, ordered by (expert, token, k).
+        """The (token, expert) messages this rank sends, ordered by (expert, token, k): one per
+        top-k entry, so a token listing an expert twice sends it twice.
 
-        Messages to masked ranks, and all messages of a masked rank, are dropped. Returns ``(token, expert)`` index tensors.
+        Messages to masked ranks, and all messages of a masked rank, are dropped. Returns
+        ``(token, expert, k)`` index tensors.
         """
         num_tokens, num_topk = topk_idx.shape
         experts = topk_idx.reshape(-1)
@@ -163,7 +165,7 @@ class TorchDistBackend(Backend):
         flat = keep.nonzero(as_tuple=True)[0]
         order = torch.sort(experts[flat], stable=True).indices
         flat = flat[order]
-        return flat // num_topk, experts[flat]
+        return flat // num_topk, experts[flat], flat % num_topk
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs):
         R = self.num_ranks
@@ -171,7 +173,7 @@ class TorchDistBackend(Backend):
         num_tokens, hidden = x.shape
         M = args.num_max_dispatch_tokens_per_rank
         num_local_experts = args.num_experts // R
-        token, expert = self._ll_messages(args.topk_idx, args.num_experts, args.rank_mask)
+        token, expert, _ = self._ll_messages(args.topk_idx, args.num_experts, args.rank_mask)
 
         # Count exchange (the reference has no fixed slots, so it needs the sizes up front).
         pair_counts = torch.bincount(expert, minlength=args.num_experts).view(R, num_local_experts)
@@ -264,16 +266,14 @@ class TorchDistBackend(Backend):
         send_counts = block_counts.sum(1).tolist()
 
         # Home side: rows come back in the order this rank sent them in dispatch.
-        token, expert = self._ll_messages(args.topk_idx, handle.num_experts, args.rank_mask)
+        token, expert, k_of = self._ll_messages(args.topk_idx, handle.num_experts, args.rank_mask)
         recv_counts = torch.bincount(expert // num_local_experts, minlength=R).tolist()
         started = time.perf_counter_ns()
         recv, work = self._all_to_all_rows(send, send_counts, recv_counts, async_op=args.return_recv_hook)
 
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty(num_tokens, handle.hidden, dtype=torch.bfloat16, device=dev)
-        # weight of each message: topk_weights at its (token, k)
-        k_of = (args.topk_idx[token] == expert.unsqueeze(1)).int().argmax(1)
-        weights = args.topk_weights[token, k_of].float()
+        weights = args.topk_weights[token, k_of].float()  # each message's own (token, k) weight
 
         def receive() -> None:
             if work is not None:

@@ -231,14 +231,8 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
 
 
 def _buffers_on_gpu(num_nvl_bytes: int):
-    import os
-    os.environ.pop("EPCOMM_BACKEND", None)
-    fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
-    os.environ["EPCOMM_BACKEND"] = "torch_dist"
-    try:
-        reference = epcomm.Buffer(dist.group.WORLD)
-    finally:
-        os.environ.pop("EPCOMM_BACKEND")
+    fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, backend="nvlink")
+    reference = epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
     assert fast.backend_name == "nvlink" and reference.backend_name == "torch_dist"
     return fast, reference
 

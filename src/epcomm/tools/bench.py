@@ -327,11 +327,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     if peer is not None:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
                                              num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(T, H, R, E))
-    os.environ["EPCOMM_BACKEND"] = "torch_dist"
-    try:
-        reference = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True)
-    finally:
-        os.environ.pop("EPCOMM_BACKEND")
+    reference = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, backend="torch_dist")
     g = torch.Generator(device=dev).manual_seed(settings.seed * 7919 + rank)
     x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
     topk_idx = (torch.randn(T, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices.to(torch.int64)
