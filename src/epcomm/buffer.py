@@ -85,10 +85,14 @@ class Buffer:
         self.enable_shrink = bool(enable_shrink)
         self.timeout = float(timeout)
         self.device = group_device(group)
-        self._check_values = checks.value_checks_enabled(self.device) if check_values is None else bool(check_values)
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
         self.backend_name = default_backend_name(group, backend)
+        # Value checks read tensors (a host sync on CUDA): always on CPU and for the reference
+        # backend, opt-in (check_values / EPCOMM_CHECK_VALUES=1) on the GPU fast path.
+        if check_values is None:
+            check_values = checks.value_checks_enabled(self.device) or self.backend_name == "torch_dist"
+        self._check_values = bool(check_values)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
                                        self.low_latency_mode, self.timeout)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -231,39 +235,50 @@ class Buffer:
             In cached mode the top-k outputs and the list are ``None``.
         """
         self._check_alive()
-        R = self.group_size
-        num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
-        config = self._resolve_config(config, Buffer.get_dispatch_config)
-        checks.check_int("expert_alignment", expert_alignment, minimum=1)
-        checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
-        if handle is not None:
-            if not isinstance(handle, DispatchHandle):
-                raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                                ("topk_weights", topk_weights)):
-                if value is not None:
-                    raise EPInputError(name, "must be None in cached mode (a handle was given)")
-            if handle.is_token_in_rank.shape[0] != num_tokens:
-                raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
-        else:
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                ("num_tokens_per_expert", num_tokens_per_expert)):
-                if value is None:
-                    raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
-            checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
-            checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
-            checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
-            num_experts = num_tokens_per_expert.numel()
-            if num_experts == 0 or num_experts % R:
-                raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
-            if (topk_idx is None) != (topk_weights is None):
-                raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
-                                   "topk_idx and topk_weights must be given together")
-            if topk_idx is not None:
-                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
-                                      check_values=self._check_values)
-                checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
+        try:
+            R = self.group_size
+            num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
+            config = self._resolve_config(config, Buffer.get_dispatch_config)
+            checks.check_int("expert_alignment", expert_alignment, minimum=1)
+            checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+            if handle is not None:
+                if not isinstance(handle, DispatchHandle):
+                    raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+                for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                    ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                                    ("topk_weights", topk_weights)):
+                    if value is not None:
+                        raise EPInputError(name, "must be None in cached mode (a handle was given)")
+                if handle.is_token_in_rank.shape[0] != num_tokens:
+                    raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+            else:
+                for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                    ("num_tokens_per_expert", num_tokens_per_expert)):
+                    if value is None:
+                        raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
+                checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
+                checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
+                checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
+                num_experts = num_tokens_per_expert.numel()
+                if num_experts == 0 or num_experts % R:
+                    raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
+                if (topk_idx is None) != (topk_weights is None):
+                    raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
+                                       "topk_idx and topk_weights must be given together")
+                if topk_idx is not None:
+                    checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                          check_values=self._check_values)
+                    checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
+                if self._check_values:
+                    checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R)
+        except EPInputError as err:
+            self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
+            raise
+        self._backend.agree("dispatch", (("x", "fp8" if is_fp8 else "bf16"), ("hidden", hidden),
+                                         ("handle", handle is not None), ("topk_idx", topk_idx is not None),
+                                         ("num_topk", None if topk_idx is None else topk_idx.shape[1]),
+                                         ("num_tokens_per_expert", None if handle is not None else num_experts),
+                                         ("num_worst_tokens", num_worst_tokens > 0)))
         inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
         args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
@@ -293,24 +308,30 @@ class Buffer:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
         self._check_alive()
-        if not isinstance(handle, DispatchHandle):
-            raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-        num_rows = handle.num_recv_rows
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_rows, None), device=self.device)
-        if topk_weights is not None:
-            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=self.device)
-        num_tokens = handle.is_token_in_rank.shape[0]
-        if bias is None:
-            biases: Tuple[torch.Tensor, ...] = ()
-        elif isinstance(bias, torch.Tensor):
-            biases = (bias,)
-        elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
-            biases = tuple(b for b in bias if b is not None)
-        else:
-            raise EPInputError("bias", "must be None, a tensor, or a pair of tensors")
-        for i, b in enumerate(biases):
-            checks.check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]), device=self.device)
-        config = self._resolve_config(config, Buffer.get_combine_config)
+        try:
+            if not isinstance(handle, DispatchHandle):
+                raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+            num_rows = handle.num_recv_rows
+            checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_rows, None), device=self.device)
+            if topk_weights is not None:
+                checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=self.device)
+            num_tokens = handle.is_token_in_rank.shape[0]
+            if bias is None:
+                biases: Tuple[torch.Tensor, ...] = ()
+            elif isinstance(bias, torch.Tensor):
+                biases = (bias,)
+            elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
+                biases = tuple(b for b in bias if b is not None)
+            else:
+                raise EPInputError("bias", "must be None, a tensor, or a pair of tensors")
+            for i, b in enumerate(biases):
+                checks.check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]), device=self.device)
+            config = self._resolve_config(config, Buffer.get_combine_config)
+        except EPInputError as err:
+            self._backend.agree("combine", None, err)  # every rank raises, not only this one
+            raise
+        self._backend.agree("combine", (("hidden", x.shape[1]),
+                                        ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
         with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
@@ -357,29 +378,37 @@ class Buffer:
             column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
         """
         self._check_low_latency()
-        R = self.group_size
-        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        checks.check_num_experts(num_experts, R)
-        checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
-        num_tokens, hidden = x.shape
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                                    f"{num_max_dispatch_tokens_per_rank}")
-        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
-                              check_values=self._check_values)
-        if use_fp8 and hidden % 128:
-            raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
-        if use_ue8m0 and hidden % 512:
-            raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
-        num_local_experts = num_experts // R
-        if cumulative_local_expert_recv_stats is not None:
-            checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                dtype=torch.int32, shape=(num_local_experts,), device=self.device)
-        if dispatch_wait_recv_cost_stats is not None:
-            checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                dtype=torch.int64, shape=(R,), device=self.device)
+        try:
+            R = self.group_size
+            checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+            checks.check_num_experts(num_experts, R)
+            checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
+            num_tokens, hidden = x.shape
+            if num_tokens > num_max_dispatch_tokens_per_rank:
+                raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                                        f"{num_max_dispatch_tokens_per_rank}")
+            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                  check_values=self._check_values)
+            if use_fp8 and hidden % 128:
+                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
+            if use_ue8m0 and not (use_fp8 and round_scale):
+                raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
+            if use_ue8m0 and hidden % 512:
+                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
+            num_local_experts = num_experts // R
+            if cumulative_local_expert_recv_stats is not None:
+                checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                    dtype=torch.int32, shape=(num_local_experts,), device=self.device)
+            if dispatch_wait_recv_cost_stats is not None:
+                checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                    dtype=torch.int64, shape=(R,), device=self.device)
+        except EPInputError as err:
+            self._backend.agree("low_latency_dispatch", None, err)  # every rank raises, not only this one
+            raise
+        self._backend.agree("low_latency_dispatch", (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
+            ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))))
         self._next_phase()
         args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
@@ -427,25 +456,33 @@ class Buffer:
             ``(combined_x [T, H] bf16, event, hook)``.
         """
         self._check_low_latency()
-        if not isinstance(handle, LowLatencyHandle):
-            raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
-        R = self.group_size
-        num_local_experts = handle.num_experts // R
-        slots = R * handle.num_max_dispatch_tokens_per_rank
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
-        checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
-        num_tokens = topk_idx.shape[0]
-        if num_tokens > handle.num_max_dispatch_tokens_per_rank:
-            raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
-                                           f"{handle.num_max_dispatch_tokens_per_rank}")
-        checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
-        if out is not None:
-            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
-        if combine_wait_recv_cost_stats is not None:
-            checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
-                                dtype=torch.int64, shape=(R,), device=self.device)
-        if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
+        try:
+            if not isinstance(handle, LowLatencyHandle):
+                raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
+            R = self.group_size
+            num_local_experts = handle.num_experts // R
+            slots = R * handle.num_max_dispatch_tokens_per_rank
+            checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
+            checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
+            num_tokens = topk_idx.shape[0]
+            if num_tokens > handle.num_max_dispatch_tokens_per_rank:
+                raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
+                                               f"{handle.num_max_dispatch_tokens_per_rank}")
+            checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
+            if out is not None:
+                checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
+            if combine_wait_recv_cost_stats is not None:
+                checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                    dtype=torch.int64, shape=(R,), device=self.device)
+            if zero_copy:
+                x = self.get_next_low_latency_combine_buffer(handle)
+        except EPInputError as err:
+            self._backend.agree("low_latency_combine", None, err)  # every rank raises, not only this one
+            raise
+        self._backend.agree("low_latency_combine", (
+            ("hidden", handle.hidden), ("num_experts", handle.num_experts),
+            ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
+            ("num_topk", topk_idx.shape[1])))
         self._next_phase()
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                      return_recv_hook, self._rank_mask)

@@ -79,6 +79,26 @@ def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: 
     return topk_idx
 
 
+def check_routing_counts(num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
+                         num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor], num_ranks: int) -> None:
+    """The counts a caller passes to dispatch must be what they summarise (they size the exchange:
+    wrong ones return uninitialised rows or break the collectives). Reads values."""
+    from .layout import tokens_per_expert, tokens_to_ranks
+    column_sums = is_token_in_rank.sum(0, dtype=torch.int32)
+    if not torch.equal(column_sums, num_tokens_per_rank):
+        raise EPInputError("num_tokens_per_rank", f"{num_tokens_per_rank.tolist()} does not match the column sums of "
+                                                  f"is_token_in_rank {column_sums.tolist()}")
+    if topk_idx is None:
+        return
+    num_experts = num_tokens_per_expert.numel()
+    if not torch.equal(tokens_to_ranks(topk_idx, num_experts, num_ranks), is_token_in_rank):
+        raise EPInputError("is_token_in_rank", "does not match topk_idx (was it computed from another routing?)")
+    counts = tokens_per_expert(topk_idx, num_experts)
+    if not torch.equal(counts, num_tokens_per_expert):
+        raise EPInputError("num_tokens_per_expert", f"{num_tokens_per_expert.tolist()} does not match topk_idx, "
+                                                    f"which gives {counts.tolist()}")
+
+
 def check_topk_weights(name: str, topk_weights: torch.Tensor, shape, device: torch.device) -> torch.Tensor:
     return check_tensor(name, topk_weights, dtype=torch.float32, shape=shape, device=device)
 

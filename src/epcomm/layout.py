@@ -17,8 +17,10 @@ def tokens_to_ranks(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) ->
     """
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // num_ranks
-    # Send the -1 holes to an extra sentinel column that is cut off afterwards.
-    rank_of = torch.where(topk_idx >= 0, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
+    # Send the -1 holes (and ids outside [0, E), which validation rejects) to an extra sentinel
+    # column that is cut off afterwards: no out-of-range index ever reaches scatter_.
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
     is_token_in_rank = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
     is_token_in_rank.scatter_(1, rank_of, True)
     return is_token_in_rank[:, :num_ranks].contiguous()
@@ -27,7 +29,7 @@ def tokens_to_ranks(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) ->
 def tokens_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[E] int32``: how many tokens selected each expert (``-1`` entries ignored)."""
     flat = topk_idx.reshape(-1)
-    flat = flat[flat >= 0]
+    flat = flat[(flat >= 0) & (flat < num_experts)]
     return torch.bincount(flat, minlength=num_experts).to(torch.int32)
 
 

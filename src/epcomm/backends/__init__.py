@@ -48,7 +48,7 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
                    num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0) -> Backend:
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
-        return TorchDistBackend(group, device)
+        return TorchDistBackend(group, device, timeout_s)
     if name == "nvlink":
         if device.type != "cuda":
             raise EPError("the nvlink backend needs a CUDA (NCCL) process group")

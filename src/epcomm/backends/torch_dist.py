@@ -7,6 +7,7 @@ Python ints, so this backend synchronises with the host even when ``num_worst_to
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import List, Optional
 
@@ -14,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..errors import EPError
+from ..errors import EPError, EPTimeoutError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..layout import aligned_counts, local_expert_ids, rank_prefix_matrix
+from .agreement import StoreAgreement
 from .base import Backend, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .rows import pack_rows, spec_of, unpack_rows
 
@@ -26,20 +28,52 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 
 class TorchDistBackend(Backend):
+    """The reference backend. Every exchanging call first agrees with the peers through the
+    store (agreement.py: fingerprints, aborts, who is missing); gloo collectives are then waited
+    for with the timeout too, and a failed one raises EPError instead of a raw gloo error."""
+
     name = "torch_dist"
 
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float = 100.0):
+        super().__init__(group, device)
+        self.timeout_s = timeout_s
+        self.agreement = StoreAgreement(group, timeout_s)
+        self._bounded = dist.get_backend(group) == "gloo"  # NCCL has its own watchdog
+
+    def agree(self, kind, fingerprint, error=None) -> None:
+        self.agreement.agree(kind, fingerprint, error)
+
     # ---------------------------------------------------------------- collectives
+    def _finish(self, work, what: str) -> None:
+        """Wait for a gloo collective, bounded by the timeout; name the failure."""
+        try:
+            if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+                raise RuntimeError("timed out")
+        except RuntimeError as err:
+            text = str(err).splitlines()[0][:200]
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise EPTimeoutError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s "
+                                     f"({text})") from None
+            raise EPError(f"rank {self.rank}: {what} failed — a peer exited or its connection broke ({text})") from None
+
     def _all_gather(self, values: torch.Tensor) -> torch.Tensor:
         """``[n]`` int64 per rank → ``[R, n]``."""
         gathered = [torch.empty_like(values) for _ in range(self.num_ranks)]
-        dist.all_gather(gathered, values, group=self.group)
+        work = dist.all_gather(gathered, values, group=self.group, async_op=self._bounded)
+        if work is not None:
+            self._finish(work, "the count exchange")
         return torch.stack(gathered)
 
     def _all_to_all_rows(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
                          async_op: bool = False):
+        """Rows to every rank. With ``async_op`` the caller finishes the returned work
+        (:meth:`_finish`); otherwise it is finished here."""
         recv = torch.empty(sum(recv_counts), *send.shape[1:], dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
-                                      group=self.group, async_op=async_op)
+                                      group=self.group, async_op=async_op or self._bounded)
+        if work is not None and not async_op:
+            self._finish(work, "the row exchange")
+            work = None
         return recv, work
 
     # ---------------------------------------------------------------- normal mode
@@ -178,7 +212,9 @@ class TorchDistBackend(Backend):
         # Count exchange (the reference has no fixed slots, so it needs the sizes up front).
         pair_counts = torch.bincount(expert, minlength=args.num_experts).view(R, num_local_experts)
         recv_pair_counts = torch.empty_like(pair_counts)
-        dist.all_to_all_single(recv_pair_counts, pair_counts, group=self.group)
+        work = dist.all_to_all_single(recv_pair_counts, pair_counts, group=self.group, async_op=self._bounded)
+        if work is not None:
+            self._finish(work, "the count exchange")
         # Messages from masked ranks are ignored by the receiver.
         recv_pair_counts_host = recv_pair_counts.cpu()
         send_counts = pair_counts.sum(1).tolist()
@@ -220,7 +256,7 @@ class TorchDistBackend(Backend):
 
         def receive() -> None:
             if work is not None:
-                work.wait()
+                self._finish(work, "the row exchange")
             if args.dispatch_wait_recv_cost_stats is not None:
                 args.dispatch_wait_recv_cost_stats += time.perf_counter_ns() - started
             received = unpack_rows(recv_packed, specs)
@@ -277,7 +313,7 @@ class TorchDistBackend(Backend):
 
         def receive() -> None:
             if work is not None:
-                work.wait()
+                self._finish(work, "the row exchange")
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += time.perf_counter_ns() - started
             combined = torch.zeros(num_tokens, handle.hidden, dtype=torch.float32, device=dev)

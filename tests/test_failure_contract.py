@@ -1,0 +1,31 @@
+"""The failure contract on the reference backend (CPU ranks): errors on every rank, naming the
+argument or the rank, instead of hangs, aborts or wrong results."""
+import pytest
+
+import failure_cases
+
+
+@pytest.mark.parametrize("case", ["hidden", "x", "topk_idx", "num_experts", "num_topk"])
+def test_ranks_that_disagree_all_raise_naming_the_argument(pools, case):
+    results = pools.get(2).run(failure_cases.disagreement, case, timeout_s=120)
+    for kind, argument, message in results:
+        assert kind == "EPInputError" and argument == case, (kind, argument, message)
+        assert "ranks [0]" in message and "ranks [1]" in message, message
+
+
+def test_bad_argument_on_one_rank_raises_on_every_rank(pools):
+    assert pools.get(2).run(failure_cases.one_rank_bad_argument, timeout_s=120) == [("EPInputError", "x")] * 2
+
+
+@pytest.mark.parametrize("call", ["dispatch", "combine", "low_latency_dispatch"])
+def test_absent_rank_is_named_within_the_timeout(pools, call):
+    results = pools.get(3).run(failure_cases.absent_rank, call, timeout_s=120)
+    assert results[-1] == ("absent",)
+    for kind, peers, seconds in results[:-1]:
+        assert kind == "EPTimeoutError" and peers == [2], (kind, peers)
+        assert seconds < 2.0 + 5.0, seconds
+
+
+@pytest.mark.parametrize("case", ["num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"])
+def test_counts_that_do_not_match_the_routing_are_rejected(pools, case):
+    assert pools.get(2).run(failure_cases.inconsistent_counts, case, timeout_s=120) == [("EPInputError", case)] * 2
