@@ -35,7 +35,10 @@ def unpack_rows(packed: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Te
     out, offset = [], 0
     for dtype, shape in specs:
         nbytes = _row_bytes((dtype, shape))
-        part = packed[:, offset:offset + nbytes].contiguous()
+        # A fresh buffer, not .contiguous(): with one row that keeps the packed row stride (a
+        # size-1 dimension counts as contiguous), and the dtype view below needs a dense row.
+        part = torch.empty(num_rows, nbytes, dtype=torch.uint8, device=packed.device)
+        part.copy_(packed[:, offset:offset + nbytes])
         out.append(part.view(dtype).view(num_rows, *shape) if num_rows else
                    torch.empty(0, *shape, dtype=dtype, device=packed.device))
         offset += nbytes

@@ -62,7 +62,9 @@ def reference_dispatch(xs: Sequence, topk_idxs: Sequence[torch.Tensor], topk_wei
                 w = topk_weights[i].cpu()[tokens]
                 weight_rows.append(torch.where(on_rank, w, torch.zeros_like(w)))
             for e in range(per_rank):
-                expert_counts[e] += int((topk_idxs[i].cpu() == j * per_rank + e).any(dim=1).sum())
+                # top-k entries, as get_dispatch_layout counts them (DeepEP too): a token listing
+                # the expert twice counts twice
+                expert_counts[e] += int((topk_idxs[i].cpu() == j * per_rank + e).sum())
         recv_x = torch.cat(rows)
         if scale_rows:
             recv_x = (recv_x, torch.cat(scale_rows))
@@ -118,7 +120,10 @@ def reference_low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequen
             global_e = j * per_rank + e
             src_rank, src_token, rows = [], [], []
             for i in range(num_ranks):
-                tokens = (topk_idxs[i].cpu() == global_e).any(dim=1).nonzero().flatten()
+                # one row per top-k entry (no dedup in low-latency mode): a token listing the
+                # expert twice arrives twice
+                entries = (topk_idxs[i].cpu() == global_e).sum(dim=1)
+                tokens = torch.repeat_interleave(torch.arange(entries.numel()), entries)
                 src_rank.append(torch.full_like(tokens, i))
                 src_token.append(tokens)
                 rows.append(seen[i][tokens])

@@ -18,6 +18,8 @@ from epcomm.testing.routing import random_weights, single_rank_topk, skewed_topk
 
 
 SCENARIOS = ("uniform", "skewed", "holes", "one_rank", "empty_rank", "all_holes")
+# The fuzz adds valid but unusual inputs (failure contract): a token listing an expert twice.
+FUZZ_SCENARIOS = SCENARIOS + ("duplicates",)
 
 
 def world():
@@ -25,8 +27,9 @@ def world():
 
 
 def make_routing(seed: int, scenario: str, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int,
-                 hidden: int, fixed_tokens=None):
-    """Per-rank ``(xs, topk_idxs, topk_weights)`` for one scenario, identical on every rank."""
+                 hidden: int, fixed_tokens=None, special_rows: bool = False):
+    """Per-rank ``(xs, topk_idxs, topk_weights)`` for one scenario, identical on every rank.
+    ``special_rows``: token 0 is NaN and token 1 is +inf/-inf (they must stay in their own tokens)."""
     rng = random.Random(seed)
     xs, topks, weights = [], [], []
     hot_rank = rng.randrange(num_ranks)
@@ -46,7 +49,13 @@ def make_routing(seed: int, scenario: str, num_ranks: int, num_experts: int, num
             topk = with_holes(topk, 0.3, generator=g)
         elif scenario == "all_holes":
             topk = torch.full_like(topk, -1)
-        xs.append((torch.randn(num_tokens, hidden, generator=g) * (1 + i)).to(torch.bfloat16))
+        elif scenario == "duplicates" and num_topk >= 2:
+            topk[::2, 1] = topk[::2, 0]  # every other token lists its first expert twice
+        x = (torch.randn(num_tokens, hidden, generator=g) * (1 + i)).to(torch.bfloat16)
+        if special_rows and num_tokens >= 2:
+            x[0] = float("nan")
+            x[1, ::2], x[1, 1::2] = float("inf"), float("-inf")
+        xs.append(x)
         topks.append(topk)
         weights.append(random_weights(topk, generator=g))
     return xs, topks, weights
@@ -69,27 +78,36 @@ def to_fp8_input(x: torch.Tensor, column_major: bool):
     return values, scales
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so NaN rows compare equal to themselves."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _equal_payload(got, want, what):
     if isinstance(want, tuple):
         assert isinstance(got, tuple), f"{what}: expected an FP8 pair"
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), f"{what}: fp8 values differ"
-        assert torch.equal(got[1].contiguous(), want[1].contiguous()), f"{what}: scales differ"
+        assert torch.equal(_bits(got[0]), _bits(want[0])), f"{what}: fp8 values differ"
+        assert torch.equal(_bits(got[1]), _bits(want[1])), f"{what}: scales differ"
     else:
-        assert torch.equal(got, want), f"{what}: rows differ"
+        assert torch.equal(_bits(got), _bits(want)), f"{what}: rows differ"
 
 
-def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_topk: int = 4, max_tokens: int = 40):
-    """Randomized normal-mode dispatch + combine (full and cached) against the reference."""
+def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_topk: int = 4, max_tokens: int = 40,
+                      unusual: bool = False):
+    """Randomized normal-mode dispatch + combine (full and cached) against the reference.
+    ``unusual``: also duplicate experts in a token's top-k and NaN/inf rows (the fuzz)."""
     R, rank = world()
     buffer = epcomm.Buffer(dist.group.WORLD)
     checked = 0
     for case in range(num_cases):
         seed = seed0 + case
         rng = random.Random(seed)
-        scenario = SCENARIOS[case % len(SCENARIOS)]
+        scenarios = FUZZ_SCENARIOS if unusual else SCENARIOS
+        scenario = scenarios[case % len(scenarios)]
         num_experts = R * rng.choice((1, 2, 4, 8))
         k = min(num_topk, num_experts)
-        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden,
+                                          special_rows=unusual and case % 4 == 0)
         use_fp8 = case % 3 == 1
         column_major = case % 2 == 0
         alignment = rng.choice((1, 1, 4, 128))
@@ -126,7 +144,7 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
         home = xs[rank] if not use_fp8 else fp8.per_token_cast_back(*ins[rank])
         want = reference_combine(home, topks[rank], num_experts, R, rank_fn, biases)
         assert combined.dtype == torch.bfloat16 and combined.shape == xs[rank].shape
-        torch.testing.assert_close(combined, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"case {case}: {m}")
+        torch.testing.assert_close(combined, want, rtol=1e-2, atol=1e-2, equal_nan=True, msg=lambda m: f"case {case}: {m}")
         torch.testing.assert_close(combined_w, weights[rank], rtol=1e-6, atol=1e-6)
         checked += 1
     return checked
@@ -156,21 +174,25 @@ def _to_cpu(value):
 
 
 def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_topk: int = 4, max_tokens: int = 24,
-                      device: str = "cpu", num_rdma_bytes: int = 0):
+                      device: str = "cpu", num_rdma_bytes: int = 0, unusual: bool = False):
     """Randomized low-latency dispatch + combine against the reference, all formats and call styles.
-    On ``device="cuda"`` the group's GPU backend runs and results are compared on the CPU."""
+    On ``device="cuda"`` the group's GPU backend runs and results are compared on the CPU.
+    ``unusual``: also duplicate experts in a token's top-k (at most M/2 tokens, so no
+    (expert, source) receives more than M messages) and NaN/inf rows (the fuzz)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True)
     for case in range(num_cases):
         seed = seed0 + case
         rng = random.Random(seed)
-        scenario = SCENARIOS[case % len(SCENARIOS)]
+        scenarios = FUZZ_SCENARIOS if unusual else SCENARIOS
+        scenario = scenarios[case % len(scenarios)]
         num_experts = R * rng.choice((1, 2, 4))
         num_local = num_experts // R
         k = min(num_topk, num_experts)
         M = max_tokens
-        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, max_tokens, hidden)
+        xs, topks, weights = make_routing(seed, scenario, R, num_experts, k, M // 2 if scenario == "duplicates" else M,
+                                          hidden, special_rows=unusual and case % 4 == 1)
         use_fp8 = case % 2 == 0
         round_scale = use_fp8 and case % 4 == 0
         use_ue8m0 = round_scale and case % 8 == 0
@@ -206,7 +228,7 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
             # order within a source block is free on GPU backends: compare sorted by (source, token)
             order = torch.argsort(src_rank * 1_000_000 + src_token)
             assert torch.equal(src_rank[order], want["src_rank"]) and torch.equal(src_token[order], want["src_token"])
-            torch.testing.assert_close(rows[order], want["rows"], rtol=0, atol=0)
+            torch.testing.assert_close(rows[order], want["rows"], rtol=0, atol=0, equal_nan=True)
             global_e = torch.full((rows.shape[0],), rank * num_local + e)
             expert_out[e, :rows.shape[0]] = expert_fn(global_e, rows).to(torch.bfloat16)
         out = torch.empty(xs[rank].shape, dtype=torch.bfloat16, device=dev) if case % 4 == 3 else None
@@ -226,7 +248,7 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
             assert combined.data_ptr() == out.data_ptr()
         combined = combined.cpu()
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8, round_scale)
-        torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")
+        torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, equal_nan=True, msg=lambda m: f"case {case}: {m}")
     return num_cases
 
 
