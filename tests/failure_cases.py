@@ -90,10 +90,8 @@ def absent_rank(call: str, timeout: float = 2.0):
     started = time.monotonic()
     if call == "dispatch":
         result = _outcome(lambda: buffer.dispatch(xs[rank], **args))
-    elif call == "combine":
-        result = _outcome(lambda: buffer.combine(torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16), handle))
     else:
-        result = _outcome(lambda: buffer.low_latency_dispatch(xs[rank], topks[rank], 8, num_experts, use_fp8=False))
+        result = _outcome(lambda: buffer.combine(torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16), handle))
     return result[:2] + (time.monotonic() - started,)
 
 
@@ -115,3 +113,35 @@ def inconsistent_counts(case: str):
         args["num_tokens_per_expert"] = torch.zeros_like(args["num_tokens_per_expert"])
     result = _outcome(lambda: buffer.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=weights[rank], **args))
     return result[:2]
+
+
+def low_latency_dead_rank(timeout: float = 2.0):
+    """The last rank stops taking part in low-latency mode (CPU backend): the others mask it on
+    their first wait and every call, that one included, completes for the live ranks."""
+    from epcomm.testing import reference_low_latency_combine
+    from epcomm.testing.sweeps import expert_fn
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True, timeout=timeout)
+    num_experts, M, hidden = 2 * R, 8, 128
+    dead = R - 1
+    if rank == dead:
+        return "dead"
+    num_local = num_experts // R
+    elapsed = []
+    for call in range(3):
+        xs, topks, ws = make_routing(50 + call, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+        started = time.monotonic()
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
+        scale = ((rank * num_local + torch.arange(num_local)).float() + 1) / 8
+        expert_out = (recv.float() * scale[:, None, None]).to(torch.bfloat16)
+        out = buffer.low_latency_combine(expert_out, topks[rank], ws[rank], handle)[0]
+        elapsed.append(time.monotonic() - started)
+        live_topk = topks[rank].clone()
+        live_topk[(live_topk // num_local) == dead] = -1
+        want = reference_low_latency_combine(xs[rank], live_topk, ws[rank], expert_fn, use_fp8=False)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    status = torch.zeros(R, dtype=torch.int32)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [1 if r == dead else 0 for r in range(R)], status.tolist()
+    assert elapsed[0] < timeout + 5 and elapsed[-1] < 1.0, elapsed  # masked once, then not waited for
+    return "masked"

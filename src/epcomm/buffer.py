@@ -403,12 +403,12 @@ class Buffer:
                 checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     dtype=torch.int64, shape=(R,), device=self.device)
         except EPInputError as err:
-            self._backend.agree("low_latency_dispatch", None, err)  # every rank raises, not only this one
+            self._backend.agree("low_latency_dispatch", None, err, self._rank_mask)  # every rank raises
             raise
         self._backend.agree("low_latency_dispatch", (
             ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
             ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
-            ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))))
+            ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
         self._next_phase()
         args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
@@ -477,12 +477,12 @@ class Buffer:
             if zero_copy:
                 x = self.get_next_low_latency_combine_buffer(handle)
         except EPInputError as err:
-            self._backend.agree("low_latency_combine", None, err)  # every rank raises, not only this one
+            self._backend.agree("low_latency_combine", None, err, self._rank_mask)  # every rank raises
             raise
         self._backend.agree("low_latency_combine", (
             ("hidden", handle.hidden), ("num_experts", handle.num_experts),
             ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
-            ("num_topk", topk_idx.shape[1])))
+            ("num_topk", topk_idx.shape[1])), rank_mask=self._rank_mask)
         self._next_phase()
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                      return_recv_hook, self._rank_mask)

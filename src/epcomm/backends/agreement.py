@@ -46,9 +46,12 @@ class StoreAgreement:
         return f"{self.prefix}/{call}/{rank}"
 
     def agree(self, kind: str, fingerprint: Optional[Sequence[Tuple[str, object]]],
-              error: Optional[EPInputError] = None) -> None:
+              error: Optional[EPInputError] = None, rank_mask=None) -> None:
         """Post this rank's fingerprint (``(argument, value)`` pairs) or, with ``error``, an abort
-        naming the rejected argument; return once every rank posted the same fingerprint."""
+        naming the rejected argument; return once every rank posted the same fingerprint.
+
+        ``rank_mask`` (low-latency calls, ``[R]`` int32, nonzero = masked): masked ranks are not
+        waited for, and a rank that does not arrive in time is masked there instead of raising."""
         call = self.calls
         self.calls += 1
         if error is not None:
@@ -58,16 +61,21 @@ class StoreAgreement:
         self.store.set(self._key(call, self.rank), json.dumps(mine))
         if call >= 2:
             self.store.delete_key(self._key(call - 2, self.rank))
-        others = [self._key(call, r) for r in range(self.num_ranks) if r != self.rank]
+        masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
+        present = [r for r in range(self.num_ranks) if r not in masked or r == self.rank]
+        others = [self._key(call, r) for r in present if r != self.rank]
         if others:
             try:
                 self.store.wait(others, self.timeout)
             except Exception:  # the store's timeout error type differs between torch versions
-                missing = [r for r in range(self.num_ranks)
-                           if r != self.rank and not self.store.check([self._key(call, r)])]
-                raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
-                                     f"which did not make the call (stalled, exited, or skipped it)", missing) from None
-        posts = {r: json.loads(self.store.get(self._key(call, r))) for r in range(self.num_ranks)}
+                missing = [r for r in present if r != self.rank and not self.store.check([self._key(call, r)])]
+                if rank_mask is None:
+                    raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
+                                         f"which did not make the call (stalled, exited, or skipped it)",
+                                         missing) from None
+                rank_mask[missing] = 1  # low-latency mode goes on without them
+                present = [r for r in present if r not in missing]
+        posts = {r: json.loads(self.store.get(self._key(call, r))) for r in present}
         _raise_on_disagreement(kind, posts)
 
 
@@ -81,7 +89,7 @@ def _raise_on_disagreement(kind: str, posts: Dict[int, dict]) -> None:
     if len(set(kinds.values())) > 1:
         raise EPInputError("call", f"ranks are in different calls: {_by_value(kinds)}")
     fields = {r: dict(p["fields"]) for r, p in posts.items()}
-    names = [name for name, _ in posts[0]["fields"]]
+    names = [name for name, _ in posts[min(posts)]["fields"]]
     for name in names:
         values = {r: f.get(name) for r, f in fields.items()}
         if len(set(values.values())) > 1:

@@ -90,7 +90,7 @@ class Backend(abc.ABC):
     def raise_pending(self) -> None:
         """Raise errors kernels reported since the last call (backends without any: nothing)."""
 
-    def agree(self, kind: str, fingerprint, error=None) -> None:
+    def agree(self, kind: str, fingerprint, error=None, rank_mask=None) -> None:
         """Collective agreement before a call exchanges anything: raise on every rank when ranks
         disagree on ``fingerprint`` (``(argument, value)`` pairs), when a rank rejected its own input
         (``error``), or when a rank does not arrive in time (see agreement.py). Default: nothing."""

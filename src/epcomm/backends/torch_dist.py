@@ -39,13 +39,19 @@ class TorchDistBackend(Backend):
         self.timeout_s = timeout_s
         self.agreement = StoreAgreement(group, timeout_s)
         self._bounded = dist.get_backend(group) == "gloo"  # NCCL has its own watchdog
+        # Low-latency exchanges whose hook has not run yet: kept (not dropped with the hook) so
+        # that clean_low_latency can finish them and the peers' halves complete.
+        self._unfinished: List[list] = []
 
-    def agree(self, kind, fingerprint, error=None) -> None:
-        self.agreement.agree(kind, fingerprint, error)
+    def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
+        self.agreement.agree(kind, fingerprint, error, rank_mask)
 
     # ---------------------------------------------------------------- collectives
     def _finish(self, work, what: str) -> None:
-        """Wait for a gloo collective, bounded by the timeout; name the failure."""
+        """Wait for a gloo collective, bounded by the timeout; name the failure. (NCCL: its own watchdog.)"""
+        if not self._bounded:
+            work.wait()
+            return
         try:
             if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
                 raise RuntimeError("timed out")
@@ -55,6 +61,52 @@ class TorchDistBackend(Backend):
                 raise EPTimeoutError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s "
                                      f"({text})") from None
             raise EPError(f"rank {self.rank}: {what} failed — a peer exited or its connection broke ({text})") from None
+
+    def _exchange_live(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+                       rank_mask: torch.Tensor, async_op: bool = False):
+        """All-to-all of rows among the live ranks only, point to point: a masked (possibly dead)
+        rank is never contacted, so low-latency calls complete without it. Rows for and from masked
+        ranks must be empty. With ``async_op`` the caller finishes the returned works."""
+        recv = torch.empty(sum(recv_counts), *send.shape[1:], dtype=send.dtype, device=send.device)
+        send_parts = send.contiguous().split(send_counts)
+        recv_parts = recv.split(recv_counts)
+        masked = rank_mask.tolist()
+        works = []
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                recv_parts[peer].copy_(send_parts[peer])
+            elif not masked[peer] and not masked[self.rank]:  # a masked rank takes no part at all
+                global_peer = dist.get_global_rank(self.group, peer)
+                works.append(dist.isend(send_parts[peer], global_peer, group=self.group))
+                works.append(dist.irecv(recv_parts[peer], global_peer, group=self.group))
+        if async_op:
+            return recv, works
+        for work in works:
+            self._finish(work, "the low-latency exchange")
+        return recv, []
+
+    def _finish_all(self, works: list) -> None:
+        if works in self._unfinished:
+            self._unfinished.remove(works)
+        for work in works:
+            self._finish(work, "the low-latency exchange")
+
+    def clean_low_latency(self) -> None:
+        """Finish the exchanges of hooks that were never called."""
+        while self._unfinished:
+            self._finish_all(self._unfinished[0])
+
+    def _ll_rows(self, send, send_counts, recv_counts, rank_mask, async_op: bool):
+        """Low-latency row exchange: point to point among live ranks on gloo (masking works), one
+        collective on NCCL. Returns ``(recv, works to finish)``."""
+        if self._bounded:
+            recv, works = self._exchange_live(send, send_counts, recv_counts, rank_mask, async_op)
+        else:
+            recv, work = self._all_to_all_rows(send, send_counts, recv_counts, async_op)
+            works = [work] if work is not None else []
+        if works:
+            self._unfinished.append(works)
+        return recv, works
 
     def _all_gather(self, values: torch.Tensor) -> torch.Tensor:
         """``[n]`` int64 per rank → ``[R, n]``."""
@@ -211,10 +263,16 @@ class TorchDistBackend(Backend):
 
         # Count exchange (the reference has no fixed slots, so it needs the sizes up front).
         pair_counts = torch.bincount(expert, minlength=args.num_experts).view(R, num_local_experts)
-        recv_pair_counts = torch.empty_like(pair_counts)
-        work = dist.all_to_all_single(recv_pair_counts, pair_counts, group=self.group, async_op=self._bounded)
-        if work is not None:
-            self._finish(work, "the count exchange")
+        if self._bounded:  # gloo: point to point among the live ranks (a dead one is never waited for)
+            mask = args.rank_mask.tolist()
+            members = [p for p in range(R) if p == self.rank or not (mask[p] or mask[self.rank])]
+            one_each = [1 if p in members else 0 for p in range(R)]
+            got, _ = self._exchange_live(pair_counts[members], one_each, one_each, args.rank_mask)
+            recv_pair_counts = torch.zeros_like(pair_counts)
+            recv_pair_counts[members] = got
+        else:
+            recv_pair_counts = torch.empty_like(pair_counts)
+            dist.all_to_all_single(recv_pair_counts, pair_counts, group=self.group)
         # Messages from masked ranks are ignored by the receiver.
         recv_pair_counts_host = recv_pair_counts.cpu()
         send_counts = pair_counts.sum(1).tolist()
@@ -228,8 +286,8 @@ class TorchDistBackend(Backend):
         parts.append(token.to(torch.int32))
         specs = [spec_of(p) for p in parts]
         started = time.perf_counter_ns()
-        recv_packed, work = self._all_to_all_rows(pack_rows(parts), send_counts, recv_counts,
-                                                  async_op=args.return_recv_hook)
+        recv_packed, work = self._ll_rows(pack_rows(parts), send_counts, recv_counts, args.rank_mask,
+                                          args.return_recv_hook)
 
         # Outputs have fixed shapes, so they can be handed out before the data lands (hook mode).
         dev = x.device
@@ -255,8 +313,7 @@ class TorchDistBackend(Backend):
         recv_layout_range = ((block_offsets << 32) | block_counts).t().contiguous().to(dev)
 
         def receive() -> None:
-            if work is not None:
-                self._finish(work, "the row exchange")
+            self._finish_all(work)
             if args.dispatch_wait_recv_cost_stats is not None:
                 args.dispatch_wait_recv_cost_stats += time.perf_counter_ns() - started
             received = unpack_rows(recv_packed, specs)
@@ -305,15 +362,14 @@ class TorchDistBackend(Backend):
         token, expert, k_of = self._ll_messages(args.topk_idx, handle.num_experts, args.rank_mask)
         recv_counts = torch.bincount(expert // num_local_experts, minlength=R).tolist()
         started = time.perf_counter_ns()
-        recv, work = self._all_to_all_rows(send, send_counts, recv_counts, async_op=args.return_recv_hook)
+        recv, work = self._ll_rows(send, send_counts, recv_counts, args.rank_mask, args.return_recv_hook)
 
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty(num_tokens, handle.hidden, dtype=torch.bfloat16, device=dev)
         weights = args.topk_weights[token, k_of].float()  # each message's own (token, k) weight
 
         def receive() -> None:
-            if work is not None:
-                self._finish(work, "the row exchange")
+            self._finish_all(work)
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += time.perf_counter_ns() - started
             combined = torch.zeros(num_tokens, handle.hidden, dtype=torch.float32, device=dev)
