@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: environment info, the GPU test suite, the demo, then both benchmarks
 # (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
-# .peers/ (../shared/peers/README.md), the benchmarks run it side by side (--peer deep_ep).
+# .peers/ (a DeepEP V1 wheel built for the GPU machine), the benchmarks run it side by side (--peer deep_ep).
 # Extra arguments go to `epcomm bench normal`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
