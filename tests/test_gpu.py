@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ep_cases
+import training_cases
 from epcomm.testing import WorkerPool
 
 pytestmark = [pytest.mark.gpu,
@@ -76,3 +77,8 @@ def test_low_latency_cuda_graph(gpu_pool):
 def test_low_latency_dead_rank_is_masked():
     with WorkerPool(2, backend="nccl") as pool:
         assert pool.run(ep_cases.gpu_low_latency_dead_rank, timeout_s=120) == ["masked", "dead"]
+
+
+def test_autograd_gradients_match_dense(gpu_pool):
+    errors = gpu_pool.run(training_cases.autograd_against_dense, 6, 256, "cuda", timeout_s=300)
+    assert max(errors) <= 2e-2, errors

@@ -1,0 +1,10 @@
+"""epcomm.autograd: gradients of dispatch → experts → combine against the dense layer."""
+import pytest
+
+import training_cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_gradients_match_dense(pools, world_size):
+    errors = pools.get(world_size).run(training_cases.autograd_against_dense)
+    assert max(errors) <= 2e-2, errors
