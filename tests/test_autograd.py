@@ -8,3 +8,9 @@ import training_cases
 def test_gradients_match_dense(pools, world_size):
     errors = pools.get(world_size).run(training_cases.autograd_against_dense)
     assert max(errors) <= 2e-2, errors
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_moe_layer_matches_dense(pools, world_size):
+    errors = pools.get(world_size).run(training_cases.moe_layer_against_dense)
+    assert all(max(e.values()) <= 2e-2 for e in errors), errors

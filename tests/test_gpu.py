@@ -82,3 +82,8 @@ def test_low_latency_dead_rank_is_masked():
 def test_autograd_gradients_match_dense(gpu_pool):
     errors = gpu_pool.run(training_cases.autograd_against_dense, 6, 256, "cuda", timeout_s=300)
     assert max(errors) <= 2e-2, errors
+
+
+def test_moe_layer_matches_dense(gpu_pool):
+    errors = gpu_pool.run(training_cases.moe_layer_against_dense, 256, 128, 2, 2, "cuda", timeout_s=300)
+    assert all(max(e.values()) <= 2e-2 for e in errors), errors

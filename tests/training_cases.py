@@ -51,3 +51,44 @@ def autograd_against_dense(num_cases: int = 6, hidden: int = 128, device: str = 
             assert error <= 2e-2, f"case {case}: gradient of {name}: relative error {error:.2e}"
             worst = max(worst, error)
     return worst
+
+
+def moe_layer_against_dense(hidden: int = 64, ffn: int = 32, experts_per_rank: int = 2, num_topk: int = 2,
+                            device: str = "cpu"):
+    """epcomm.nn.MoE forward and backward (input, router, this rank's experts) against the dense
+    layer in one process, on the same weights and tokens."""
+    import epcomm.nn
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    E = experts_per_rank * R
+    layer = epcomm.nn.MoE(buffer, hidden, ffn, E, num_topk, seed=5)
+    tokens = [10 + 3 * i for i in range(R)]
+    xs = [torch.randn(t, hidden, generator=torch.Generator().manual_seed(40 + i)).to(torch.bfloat16)
+          for i, t in enumerate(tokens)]
+    grads = [torch.randn(t, hidden, generator=torch.Generator().manual_seed(80 + i)) for i, t in enumerate(tokens)]
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    x = xs[rank].to(dev).clone().requires_grad_(True)
+    out = layer(x)
+    (out.float() * grads[rank].to(dev)).sum().backward()
+    # dense: every rank's tokens through all experts; the loss is the sum over ranks, so this
+    # rank's expert weights see every rank's tokens, its input and router only its own
+    expert_grads = None
+    for i in range(R):
+        xi = xs[i].float().requires_grad_(True)
+        dense_out, (router_i, w_in_i, w_out_i) = epcomm.nn.MoE.dense_reference(xi, hidden, ffn, E, num_topk, seed=5)
+        (dense_out * grads[i]).sum().backward()
+        if i == rank:
+            dense_x, router_grad, want_out = xi.grad, router_i.grad, dense_out.detach()
+        step = [w_in_i.grad, w_out_i.grad]
+        expert_grads = step if expert_grads is None else [a + b for a, b in zip(expert_grads, step)]
+    first = rank * experts_per_rank
+
+    def rel(got, want):
+        return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12))
+
+    errors = {"out": rel(out.detach().float().cpu(), want_out), "x": rel(x.grad.float().cpu(), dense_x),
+              "router": rel(layer.router.grad.cpu(), router_grad),
+              "w_in": rel(layer.w_in.grad.cpu(), expert_grads[0][first:first + experts_per_rank]),
+              "w_out": rel(layer.w_out.grad.cpu(), expert_grads[1][first:first + experts_per_rank])}
+    assert all(e <= 2e-2 for e in errors.values()), errors
+    return errors
