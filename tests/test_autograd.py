@@ -14,3 +14,8 @@ def test_gradients_match_dense(pools, world_size):
 def test_moe_layer_matches_dense(pools, world_size):
     errors = pools.get(world_size).run(training_cases.moe_layer_against_dense)
     assert all(max(e.values()) <= 2e-2 for e in errors), errors
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_expert_major_layout(pools, world_size):
+    assert pools.get(world_size).run(training_cases.expert_major_against_reference) == [8] * world_size

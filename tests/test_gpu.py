@@ -87,3 +87,8 @@ def test_autograd_gradients_match_dense(gpu_pool):
 def test_moe_layer_matches_dense(gpu_pool):
     errors = gpu_pool.run(training_cases.moe_layer_against_dense, 256, 128, 2, 2, "cuda", timeout_s=300)
     assert all(max(e.values()) <= 2e-2 for e in errors), errors
+
+
+def test_expert_major_layout(gpu_pool):
+    assert gpu_pool.run(training_cases.expert_major_against_reference, 8, 256, "cuda", timeout_s=300) == \
+        [8] * gpu_pool.world_size

@@ -92,3 +92,43 @@ def moe_layer_against_dense(hidden: int = 64, ffn: int = 32, experts_per_rank: i
               "w_out": rel(layer.w_out.grad.cpu(), expert_grads[1][first:first + experts_per_rank])}
     assert all(e <= 2e-2 for e in errors.values()), errors
     return errors
+
+
+def expert_major_against_reference(num_cases: int = 8, hidden: int = 128, device: str = "cpu"):
+    """dispatch(expert_major=True): rows grouped by local expert (padded to the alignment, group
+    sizes in the returned list), each (token, local expert) entry once, in plain row order inside a
+    group; combine of the unweighted expert outputs equals the weighted top-k sum at home."""
+    from epcomm.testing import reference_dispatch, reference_low_latency_combine
+    from epcomm.testing.sweeps import FUZZ_SCENARIOS, expert_fn
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    for case in range(num_cases):
+        num_experts, alignment = 4 * R, (1, 4, 8)[case % 3]
+        num_local = num_experts // R
+        xs, topks, weights = make_routing(400 + case, FUZZ_SCENARIOS[case % len(FUZZ_SCENARIOS)], R, num_experts,
+                                          min(3, num_experts), 16, hidden)
+        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=topk, topk_weights=w, expert_alignment=alignment)
+        rows, experts, row_weights, sizes, handle, _ = buffer.dispatch(x, expert_major=True, **args)
+        assert torch.equal(buffer.dispatch(x, handle=handle)[0], rows), "cached dispatch keeps the layout"
+        global_expert = torch.where(experts >= 0, experts + rank * num_local, experts)
+        y = expert_fn(global_expert.clamp_min(0), rows.float()).to(torch.bfloat16)  # unweighted outputs
+        combined = buffer.combine(y, handle)[0].cpu()
+        rows, experts, row_weights = rows.cpu(), experts.cpu(), row_weights.cpu()
+        plain = reference_dispatch(xs, topks, weights, num_experts, alignment)[rank]
+        assert sizes == plain["num_recv_tokens_per_expert_list"] and rows.shape[0] == sum(sizes)
+        start = 0
+        for local, size in enumerate(sizes):
+            r, k = (plain["recv_topk_idx"] == local).nonzero(as_tuple=True)  # entries in plain row order
+            group = slice(start, start + size)
+            assert torch.equal(rows[group][:r.numel()], plain["recv_x"][r]), f"case {case} expert {local} rows"
+            assert (rows[group][r.numel():] == 0).all() and (experts[group][r.numel():] == -1).all()
+            assert (experts[group][:r.numel()] == local).all()
+            assert torch.equal(row_weights[group][:r.numel()], plain["recv_topk_weights"][r, k])
+            start += size
+        want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
+        torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")
+    return num_cases

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks, config as config_mod
+from . import expert_major as expert_major_layout
 from .backends import BACKENDS, create_backend, default_backend_name, group_device
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
@@ -213,7 +214,7 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, *, expert_major: bool = False):
         """Send each token once to every rank that hosts at least one of its experts.
 
         Args:
@@ -226,6 +227,13 @@ class Buffer:
             topk_idx: ``[T, K]`` int64 global expert ids (``-1`` = none); topk_weights: ``[T, K]`` float32.
             expert_alignment: round each per-expert receive count up to a multiple of this.
             num_worst_tokens: if > 0, pad outputs to exactly this many rows and skip the host sync.
+            expert_major: return the rows grouped by local expert for a grouped GEMM (epcomm's
+                extension; :mod:`epcomm.expert_major`): one row per (token, local expert) entry,
+                groups padded to ``expert_alignment`` whose sizes are the returned list;
+                ``recv_topk_idx`` / ``recv_topk_weights`` become ``[rows]`` (each row's local expert
+                and weight; -1 / 0 on padding). :meth:`combine` then applies the weights itself. A
+                cached dispatch with such a handle returns the same layout. Needs top-k arguments
+                and ``num_worst_tokens == 0``.
 
         Returns:
             ``(recv_x, recv_topk_idx [Trecv, K] | None, recv_topk_weights [Trecv, K] | None,
@@ -271,6 +279,8 @@ class Buffer:
                     checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
                 if self._check_values:
                     checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R)
+                if expert_major and (topk_idx is None or num_worst_tokens):
+                    raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
         except EPInputError as err:
             self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
             raise
@@ -286,9 +296,18 @@ class Buffer:
                             num_worst_tokens=num_worst_tokens, config=config)
         with self._stream_scope(previous_event, async_finish, inputs) as scope:
             result = self._backend.dispatch(args)
-            scope.keep(result.recv_x, result.recv_topk_idx, result.recv_topk_weights)
-        return (result.recv_x, result.recv_topk_idx, result.recv_topk_weights,
-                result.num_recv_tokens_per_expert_list, result.handle, scope.event_overlap())
+            recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
+            counts, out_handle = result.num_recv_tokens_per_expert_list, result.handle
+            if expert_major:
+                mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, len(counts), expert_alignment,
+                                                   counts)
+                recv_x = expert_major_layout.expand(recv_x, mapping)
+                recv_topk_idx, recv_topk_weights = expert_major_layout.entry_fields(mapping)
+                out_handle = out_handle._replace(expert_major=mapping)
+            elif handle is not None and handle.expert_major is not None:
+                recv_x = expert_major_layout.expand(recv_x, handle.expert_major)
+            scope.keep(recv_x, recv_topk_idx, recv_topk_weights)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, out_handle, scope.event_overlap()
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -299,7 +318,8 @@ class Buffer:
         :meth:`low_latency_combine`, which takes the weighted sum itself).
 
         Args:
-            x: bf16 ``[Trecv, H]``, rows in the order dispatch returned them.
+            x: bf16 ``[Trecv, H]``, rows in the order dispatch returned them (with an expert-major
+                handle: the unweighted expert outputs in that layout; the weights are applied here).
             handle: the handle of that dispatch.
             topk_weights: optional float32 ``[Trecv, K]``, summed the same way.
             bias: ``None``, a bf16 ``[T, H]`` tensor, or a pair of them, added to the result.
@@ -311,8 +331,12 @@ class Buffer:
         try:
             if not isinstance(handle, DispatchHandle):
                 raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-            num_rows = handle.num_recv_rows
+            mapping = handle.expert_major
+            num_rows = handle.num_recv_rows if mapping is None else mapping.num_rows
             checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_rows, None), device=self.device)
+            if mapping is not None and topk_weights is not None:
+                raise EPInputError("topk_weights", "must be None with an expert-major handle (combine applies the "
+                                                   "weights of its entries)")
             if topk_weights is not None:
                 checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=self.device)
             num_tokens = handle.is_token_in_rank.shape[0]
@@ -333,6 +357,8 @@ class Buffer:
         self._backend.agree("combine", (("hidden", x.shape[1]),
                                         ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
         with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
+            if mapping is not None:  # weighted fold of the expert-major rows back onto the plain rows
+                x = expert_major_layout.fold(x, mapping, handle.num_recv_rows)
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, scope.event_overlap()

@@ -22,6 +22,8 @@ class DispatchHandle(NamedTuple):
             no host synchronisation was allowed).
         num_recv_rows: rows of ``recv_x`` (``num_worst_tokens`` when padding was asked for).
         backend_state: backend-private data (queue offsets, etc.); ``None`` for ``torch_dist``.
+        expert_major: the row mapping when dispatched with ``expert_major=True`` (see
+            :mod:`epcomm.expert_major`), else ``None``.
     """
 
     rank_prefix_matrix: torch.Tensor
@@ -30,6 +32,7 @@ class DispatchHandle(NamedTuple):
     num_recv_tokens: Any
     num_recv_rows: int
     backend_state: Optional[Any] = None
+    expert_major: Optional[Any] = None
 
 
 class LowLatencyHandle(NamedTuple):

@@ -138,7 +138,7 @@ class NormalBenchSettings:
     seed: int = 0
 
 
-def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts):
+def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts, extensions: bool = False):
     """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API)."""
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     dispatch_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -153,6 +153,8 @@ def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts)
         "dispatch, cached, FP8": lambda: buffer.dispatch(x_fp8, handle=fp8_handle, config=config),
         "combine, BF16": lambda: buffer.combine(expert_out, handle, config=config),
     }
+    if extensions:  # epcomm's own: the expert-major layout's cost beside the plain one
+        calls["dispatch, full, BF16, expert-major"] = lambda: buffer.dispatch(x, expert_major=True, **dispatch_args)
     return calls, recv_x, in_rank, handle
 
 
@@ -172,7 +174,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     for name, (buffer, config_cls) in buffers.items():
         config = config_cls(settings.sms, 8, 256)
         calls, recv_x, in_rank, handle = _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights,
-                                                       settings.num_experts)
+                                                       settings.num_experts, extensions=name == "epcomm")
         if name == "epcomm":
             epcomm_recv = recv_x
             baseline = NCCLBaseline(x, in_rank)

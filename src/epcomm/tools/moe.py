@@ -55,20 +55,21 @@ class MoEWeights:
 
 
 def ep_forward_normal(buffer, weights: MoEWeights, x: torch.Tensor) -> torch.Tensor:
-    """Normal-mode EP forward. Expert outputs are weighted on the expert side (combine is a plain sum)."""
+    """Normal-mode EP forward on the expert-major layout: each local expert's rows arrive as one
+    contiguous group (a grouped GEMM's input); combine applies the top-k weights at home."""
     topk_idx, topk_weights = weights.route(x)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, weights.num_experts)
-    recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+    rows, _, _, group_sizes, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights)
+        topk_idx=topk_idx, topk_weights=topk_weights, expert_major=True)
     num_local = weights.num_experts // buffer.group_size
-    y = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device)
-    for local in range(num_local):
-        row, k = (recv_idx == local).nonzero(as_tuple=True)
-        if row.numel():
-            out = weights.expert(buffer.rank * num_local + local, recv_x[row])
-            y.index_add_(0, row, out * recv_w[row, k].unsqueeze(1))
-    combined, _, _ = buffer.combine(y.to(torch.bfloat16), handle)
+    y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for local, size in enumerate(group_sizes):
+        if size:
+            y[start:start + size] = weights.expert(buffer.rank * num_local + local, rows[start:start + size])
+        start += size
+    combined, _, _ = buffer.combine(y, handle)
     return combined
 
 
