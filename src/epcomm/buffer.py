@@ -284,11 +284,12 @@ class Buffer:
         except EPInputError as err:
             self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
             raise
-        self._backend.agree("dispatch", (("x", "fp8" if is_fp8 else "bf16"), ("hidden", hidden),
-                                         ("handle", handle is not None), ("topk_idx", topk_idx is not None),
-                                         ("num_topk", None if topk_idx is None else topk_idx.shape[1]),
-                                         ("num_tokens_per_expert", None if handle is not None else num_experts),
-                                         ("num_worst_tokens", num_worst_tokens > 0)))
+        if self._backend.agrees:
+            self._backend.agree("dispatch", (("x", "fp8" if is_fp8 else "bf16"), ("hidden", hidden),
+                                             ("handle", handle is not None), ("topk_idx", topk_idx is not None),
+                                             ("num_topk", None if topk_idx is None else topk_idx.shape[1]),
+                                             ("num_tokens_per_expert", None if handle is not None else num_experts),
+                                             ("num_worst_tokens", num_worst_tokens > 0)))
         inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
         args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
@@ -354,8 +355,9 @@ class Buffer:
         except EPInputError as err:
             self._backend.agree("combine", None, err)  # every rank raises, not only this one
             raise
-        self._backend.agree("combine", (("hidden", x.shape[1]),
-                                        ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
+        if self._backend.agrees:
+            self._backend.agree("combine", (("hidden", x.shape[1]),
+                                            ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
         with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
             if mapping is not None:  # weighted fold of the expert-major rows back onto the plain rows
                 x = expert_major_layout.fold(x, mapping, handle.num_recv_rows)
@@ -431,10 +433,11 @@ class Buffer:
         except EPInputError as err:
             self._backend.agree("low_latency_dispatch", None, err, self._rank_mask)  # every rank raises
             raise
-        self._backend.agree("low_latency_dispatch", (
-            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-            ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
-            ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
+        if self._backend.agrees:
+            self._backend.agree("low_latency_dispatch", (
+                ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
+                ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
         self._next_phase()
         args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
@@ -505,10 +508,11 @@ class Buffer:
         except EPInputError as err:
             self._backend.agree("low_latency_combine", None, err, self._rank_mask)  # every rank raises
             raise
-        self._backend.agree("low_latency_combine", (
-            ("hidden", handle.hidden), ("num_experts", handle.num_experts),
-            ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
-            ("num_topk", topk_idx.shape[1])), rank_mask=self._rank_mask)
+        if self._backend.agrees:
+            self._backend.agree("low_latency_combine", (
+                ("hidden", handle.hidden), ("num_experts", handle.num_experts),
+                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
+                ("num_topk", topk_idx.shape[1])), rank_mask=self._rank_mask)
         self._next_phase()
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                      return_recv_hook, self._rank_mask)

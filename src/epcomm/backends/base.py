@@ -75,6 +75,7 @@ class Backend(abc.ABC):
     """Moves dispatch/combine payloads between the ranks of ``group``."""
 
     name: str = "?"
+    agrees: bool = False  # True when agree() does something (Buffer skips building fingerprints otherwise)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group

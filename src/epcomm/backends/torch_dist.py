@@ -33,6 +33,7 @@ class TorchDistBackend(Backend):
     for with the timeout too, and a failed one raises EPError instead of a raw gloo error."""
 
     name = "torch_dist"
+    agrees = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float = 100.0):
         super().__init__(group, device)
