@@ -174,6 +174,7 @@ VALIDATION_RULES = {
     "buffer_timeout_positive": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout=0)),
     "buffer_timeout_type": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout="10")),
     "buffer_backend_name": ("backend", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, backend="nvshmem")),
+    "buffer_ranks_per_node": ("ranks_per_node", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, ranks_per_node=3)),
     "layout_topk_dtype": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.int(), 8)),
     "layout_topk_ndim": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.flatten(), 8)),
     "layout_topk_range_high": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t + 8, 8)),
@@ -559,4 +560,37 @@ def low_latency_duplicate_experts(hidden: int = 128):
     combined = buffer.low_latency_combine(expert_out, topks[rank], weights[rank], handle)[0]
     want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
     torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2)
+    return True
+
+
+def virtual_nodes(ranks_per_node: int):
+    """ranks_per_node splits the group into nodes: get_dispatch_layout returns the tokens per node
+    (a token counts once per node it goes to), dispatch accepts and checks them, and the results
+    stay those of the reference."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, ranks_per_node=ranks_per_node)
+    num_nodes = R // ranks_per_node
+    assert (buffer.ranks_per_node, buffer.num_nodes) == (ranks_per_node, num_nodes)
+    for case in range(6):
+        num_experts = 2 * R
+        xs, topks, weights = make_routing(90 + case, SCENARIOS[case % len(SCENARIOS)], R, num_experts, 3, 20, 128)
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topks[rank], num_experts)
+        if num_nodes == 1:
+            assert per_node is None
+        else:
+            owner = torch.where(topks[rank] >= 0, topks[rank] // (num_experts // R), -1)
+            want = torch.tensor([int(((owner // ranks_per_node) == n).any(1).sum()) for n in range(num_nodes)],
+                                dtype=torch.int32)
+            assert torch.equal(per_node, want), (per_node, want)
+        recv_x = buffer.dispatch(xs[rank], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topks[rank],
+                                 topk_weights=weights[rank])[0]
+        assert torch.equal(recv_x, reference_dispatch(xs, topks, weights, num_experts)[rank]["recv_x"])
+        if per_node is not None:  # wrong per-node counts are rejected on every rank
+            try:
+                buffer.dispatch(xs[rank], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node + 1,
+                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+                raise AssertionError("wrong num_tokens_per_rdma_rank accepted")
+            except epcomm.EPInputError as err:
+                assert err.argument == "num_tokens_per_rdma_rank"
     return True

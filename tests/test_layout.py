@@ -1,5 +1,8 @@
 """Routing → layout against hand-counted loops."""
+import pytest
 import torch
+
+import ep_cases
 
 import epcomm
 from epcomm import layout
@@ -58,7 +61,6 @@ def test_public_names():
 
 
 def test_backend_choice_on_cpu(pools):
-    import ep_cases
     assert pools.get(2).run(ep_cases.backend_choice) == [("torch_dist", False)] * 2
 
 
@@ -71,3 +73,8 @@ def test_unpack_rows_with_one_row():
              torch.rand(1, 3)]
     for got, want in zip(unpack_rows(pack_rows(parts), [spec_of(p) for p in parts]), parts):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (4, 1), (4, 4), (8, 4)])
+def test_virtual_nodes_layout(pools, world_size, ranks_per_node):
+    assert all(pools.get(world_size).run(ep_cases.virtual_nodes, ranks_per_node))

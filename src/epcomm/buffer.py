@@ -44,6 +44,11 @@ class Buffer:
             ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
             A rank that times out in low-latency mode is masked either way.
         backend: ``"torch_dist"`` or ``"nvlink"``; default: chosen from the group.
+        ranks_per_node: group the ranks into nodes of this many consecutive ranks (virtual nodes on
+            one host for testing multi-node layouts; ``EPCOMM_RANKS_PER_NODE`` overrides it).
+            Default: one node. With several nodes, :meth:`get_dispatch_layout` returns
+            ``num_tokens_per_rdma_rank`` (tokens per node), as DeepEP does across nodes; the
+            reference backend supports it, the nvlink backend is one node only.
         timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` (normal
             mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
@@ -62,7 +67,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  timeout: Optional[float] = None, check_values: Optional[bool] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, ranks_per_node: Optional[int] = None):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
@@ -75,6 +80,14 @@ class Buffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        if os.environ.get("EPCOMM_RANKS_PER_NODE"):
+            ranks_per_node = int(os.environ["EPCOMM_RANKS_PER_NODE"])
+        ranks_per_node = self.group_size if ranks_per_node is None else ranks_per_node
+        checks.check_int("ranks_per_node", ranks_per_node, minimum=1)
+        if self.group_size % ranks_per_node:
+            raise EPInputError("ranks_per_node", f"{ranks_per_node} does not divide the group size {self.group_size}")
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.group_size // ranks_per_node
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
@@ -89,6 +102,9 @@ class Buffer:
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
         self.backend_name = default_backend_name(group, backend)
+        if self.num_nodes > 1 and self.backend_name != "torch_dist":
+            raise EPError(f"ranks_per_node={ranks_per_node} makes {self.num_nodes} nodes; the {self.backend_name} "
+                          f"backend runs on one node (multi-node: the torch_dist backend for now)")
         # Value checks read tensors (a host sync on CUDA): always on CPU and for the reference
         # backend, opt-in (check_values / EPCOMM_CHECK_VALUES=1) on the GPU fast path.
         if check_values is None:
@@ -202,7 +218,8 @@ class Buffer:
         checks.check_num_experts(num_experts, self.group_size)
         checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
         with self._stream_scope(previous_event, async_finish, (topk_idx,)) as scope:
-            per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts)
+            per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts,
+                                                                                         self.ranks_per_node)
             scope.keep(per_rank, per_rdma_rank, per_expert, in_rank)
         return per_rank, per_rdma_rank, per_expert, in_rank, scope.event_overlap()
 
@@ -252,7 +269,9 @@ class Buffer:
             if handle is not None:
                 if not isinstance(handle, DispatchHandle):
                     raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-                for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                                    ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
+                                    ("is_token_in_rank", is_token_in_rank),
                                     ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
                                     ("topk_weights", topk_weights)):
                     if value is not None:
@@ -267,6 +286,9 @@ class Buffer:
                 checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
                 checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
                 checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
+                if num_tokens_per_rdma_rank is not None:
+                    checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
+                                        shape=(self.num_nodes,), device=self.device)
                 num_experts = num_tokens_per_expert.numel()
                 if num_experts == 0 or num_experts % R:
                     raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
@@ -278,7 +300,8 @@ class Buffer:
                                           check_values=self._check_values)
                     checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
                 if self._check_values:
-                    checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R)
+                    checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R,
+                                                num_tokens_per_rdma_rank, self.ranks_per_node)
                 if expert_major and (topk_idx is None or num_worst_tokens):
                     raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
         except EPInputError as err:

@@ -80,7 +80,8 @@ def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: 
 
 
 def check_routing_counts(num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
-                         num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor], num_ranks: int) -> None:
+                         num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor], num_ranks: int,
+                         num_tokens_per_rdma_rank: Optional[torch.Tensor] = None, ranks_per_node: int = 0) -> None:
     """The counts a caller passes to dispatch must be what they summarise (they size the exchange:
     wrong ones return uninitialised rows or break the collectives). Reads values."""
     from .layout import tokens_per_expert, tokens_to_ranks
@@ -88,6 +89,13 @@ def check_routing_counts(num_tokens_per_rank: torch.Tensor, is_token_in_rank: to
     if not torch.equal(column_sums, num_tokens_per_rank):
         raise EPInputError("num_tokens_per_rank", f"{num_tokens_per_rank.tolist()} does not match the column sums of "
                                                   f"is_token_in_rank {column_sums.tolist()}")
+    if num_tokens_per_rdma_rank is not None:
+        num_nodes = num_ranks // ranks_per_node
+        per_node = is_token_in_rank.view(is_token_in_rank.shape[0], num_nodes, ranks_per_node).any(-1) \
+            .sum(0, dtype=torch.int32)
+        if not torch.equal(per_node, num_tokens_per_rdma_rank):
+            raise EPInputError("num_tokens_per_rdma_rank", f"{num_tokens_per_rdma_rank.tolist()} does not match "
+                                                           f"is_token_in_rank, which gives {per_node.tolist()} per node")
     if topk_idx is None:
         return
     num_experts = num_tokens_per_expert.numel()

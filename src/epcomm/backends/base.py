@@ -83,10 +83,11 @@ class Backend(abc.ABC):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
 
-    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank)``."""
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank)``;
+        ``num_tokens_per_rdma_rank`` (tokens per node) is None when all ranks form one node."""
         from ..layout import dispatch_layout
-        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks, ranks_per_node)
 
     def raise_pending(self) -> None:
         """Raise errors kernels reported since the last call (backends without any: nothing)."""

@@ -43,8 +43,8 @@ class NVLinkBackend(Backend):
         """Raise what kernels reported since the last call (timeouts, dropped input)."""
         self.mailbox.raise_pending(self.rank, self.timeout_s)
 
-    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        return self.normal.dispatch_layout(topk_idx, num_experts)
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
+        return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.normal.dispatch(args)
