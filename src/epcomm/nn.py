@@ -28,14 +28,15 @@ def _full_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> Tuple[t
     return router, w_in, w_out
 
 
-def _route(x: torch.Tensor, router: torch.Tensor, num_topk: int):
+def route(x: torch.Tensor, router: torch.Tensor, num_topk: int):
     """``(topk_idx [T, K] int64, topk_weights [T, K] float32)``: softmax over the top-k logits."""
     values, topk_idx = (x.float() @ router).topk(num_topk, dim=-1)
     return topk_idx, torch.softmax(values, dim=-1)
 
 
-def _expert(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-    return F.silu(rows.float() @ w_in) @ w_out
+def expert_mlp(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """One expert: ``silu(rows @ w_in) @ w_out`` in float32."""
+    return F.silu(rows.float() @ w_in.float()) @ w_out.float()
 
 
 class MoE(torch.nn.Module):
@@ -62,14 +63,14 @@ class MoE(torch.nn.Module):
         self.w_out = torch.nn.Parameter(w_out[first:first + self.num_local].to(device).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_idx, topk_weights = _route(x, self.router, self.num_topk)
+        topk_idx, topk_weights = route(x, self.router, self.num_topk)
         recv_x, recv_topk_idx, recv_topk_weights, handle = autograd.dispatch(self.buffer, x, topk_idx, topk_weights,
                                                                              self.num_experts)
         y = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device)
         for local in range(self.num_local):
             row, k = (recv_topk_idx == local).nonzero(as_tuple=True)
             if row.numel():
-                out = _expert(recv_x[row], self.w_in[local], self.w_out[local])
+                out = expert_mlp(recv_x[row], self.w_in[local], self.w_out[local])
                 y = y.index_add(0, row, out * recv_topk_weights[row, k].unsqueeze(1))
         return autograd.combine(self.buffer, y.to(torch.bfloat16), handle)
 
@@ -78,10 +79,10 @@ class MoE(torch.nn.Module):
         """The same layer in one process, float32, with all experts: ``(out [T, H], (router, w_in,
         w_out))``, the weights as leaf tensors that require gradients."""
         router, w_in, w_out = (w.requires_grad_(True) for w in _full_weights(hidden, ffn, num_experts, seed))
-        topk_idx, topk_weights = _route(x, router, num_topk)
+        topk_idx, topk_weights = route(x, router, num_topk)
         out = torch.zeros(x.shape, dtype=torch.float32)
         for e in range(num_experts):
             token, k = (topk_idx == e).nonzero(as_tuple=True)
             if token.numel():
-                out = out.index_add(0, token, _expert(x[token], w_in[e], w_out[e]) * topk_weights[token, k].unsqueeze(1))
+                out = out.index_add(0, token, expert_mlp(x[token], w_in[e], w_out[e]) * topk_weights[token, k].unsqueeze(1))
         return out, (router, w_in, w_out)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import fp8
+from ..nn import expert_mlp, route
 
 
 @dataclass
@@ -36,13 +36,11 @@ class MoEWeights:
 
     def route(self, x: torch.Tensor):
         """``(topk_idx [T, K] int64, topk_weights [T, K] float32)``: softmax over the top-k logits."""
-        logits = x.float() @ self.router
-        values, topk_idx = logits.topk(self.num_topk, dim=-1)
-        return topk_idx.to(torch.int64), torch.softmax(values, dim=-1)
+        return route(x, self.router, self.num_topk)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        """Expert ``e``'s MLP on float32 ``rows [N, H]``, computed in float32."""
-        return F.silu(rows.float() @ self.w_in[e].float()) @ self.w_out[e].float()
+        """Expert ``e``'s MLP on ``rows [N, H]``, computed in float32."""
+        return expert_mlp(rows, self.w_in[e], self.w_out[e])
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole layer in one process, float32 throughout; bf16 ``[T, H]`` result."""
