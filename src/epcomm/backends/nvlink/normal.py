@@ -57,6 +57,18 @@ def copy_block_shape(row_words: int) -> Tuple[int, int]:
     return max(COPY_TILE_WORDS // block_w, 1), block_w
 
 
+@triton.jit
+def copy_rows(src, dst, live, row_words, BLOCK_W: tl.constexpr):
+    """Copy ``row_words`` 8-byte words of each row: ``src``/``dst`` are [BLOCK_R] int64 pointers to
+    the rows' first words; rows where ``live`` is False are skipped. No ordering here: the
+    callers' arrival/wait steps (sync.py) bracket it."""
+    cols = tl.arange(0, BLOCK_W)
+    for start in range(0, row_words, BLOCK_W):
+        c = start + cols
+        m = live[:, None] & (c < row_words)[None, :]
+        tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
+
+
 # ====================================================================== get_dispatch_layout
 @triton.jit
 def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
@@ -219,7 +231,6 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                 tl.store(lists + position, tokens, mask=member)
                 running += tl.sum(member.to(tl.int32), axis=0)
     if pid >= first_copy:
-        cols = tl.arange(0, BLOCK_W)
         num_rows = tl.minimum(token_hi, num_tokens) - token_lo
         for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)  # staging row; token = token_lo + row
@@ -227,10 +238,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
             tokens = (token_lo + rows).to(tl.int64)
             src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words
             dst = (half + x_offset).to(tl.pointer_type(tl.int64)) + rows.to(tl.int64) * x_words
-            for start in range(0, x_words, BLOCK_W):
-                c = start + cols
-                m = live[:, None] & (c < x_words)[None, :]
-                tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
+            copy_rows(src, dst, live, x_words, BLOCK_W)
             if HAS_SCALES:
                 s = tl.arange(0, S_P2)
                 m = live[:, None] & (s < num_scales)[None, :]
@@ -288,7 +296,6 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
     num_recv = num_rows
     if INDEX:
         num_recv = tl.load(recv_info_ptr)
-    cols = tl.arange(0, BLOCK_W)
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows
@@ -313,10 +320,7 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
         rows64 = rows.to(tl.int64)
         sx = (staged + x_offset).to(tl.pointer_type(tl.int64)) + srow * x_words
         dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
-        for c0 in range(0, x_words, BLOCK_W):
-            c = c0 + cols
-            m = move[:, None] & (c < x_words)[None, :]
-            tl.store(dx[:, None] + c[None, :], tl.load(sx[:, None] + c[None, :], mask=m), mask=m)
+        copy_rows(sx, dx, move, x_words, BLOCK_W)
         if HAS_SCALES:
             s = tl.arange(0, S_P2)
             m = move[:, None] & (s < num_scales)[None, :]
@@ -360,7 +364,6 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes
-    cols = tl.arange(0, BLOCK_W)
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows
@@ -371,10 +374,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
         base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
         sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
         dx = (base + slots_x_offset).to(tl.pointer_type(tl.int64)) + slot * x_words
-        for c0 in range(0, x_words, BLOCK_W):
-            c = c0 + cols
-            m = move[:, None] & (c < x_words)[None, :]
-            tl.store(dx[:, None] + c[None, :], tl.load(sx[:, None] + c[None, :], mask=m), mask=m)
+        copy_rows(sx, dx, move, x_words, BLOCK_W)
         if HAS_WEIGHTS:
             k = tl.arange(0, K_P2)
             m = move[:, None] & (k < num_topk)[None, :]
