@@ -594,3 +594,56 @@ def virtual_nodes(ranks_per_node: int):
             except epcomm.EPInputError as err:
                 assert err.argument == "num_tokens_per_rdma_rank"
     return True
+
+
+def _misaligned_copy(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """``t``'s values in a tensor whose data starts ``offset`` bytes past a 16-byte boundary."""
+    nbytes = t.numel() * t.element_size()
+    flat = torch.empty(nbytes + 16, dtype=torch.uint8, device=t.device)
+    view = flat[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 == offset
+    return view
+
+
+def gpu_misaligned_inputs(hidden: int = 2048):
+    """Inputs not 16-byte aligned (8: the kernels' 8-byte path; 2: copied first) give results
+    identical to the same values in aligned tensors, in normal and low-latency mode (x, expert
+    outputs, out=) — no misaligned-address fault (copy.py)."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, K, M = 4 * R, 2, 64
+    xs, topks, weights = make_routing(31, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk, topk_weights=w)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
+    y = (recv_x.float() * 0.5).to(torch.bfloat16)
+    combined = buffer.combine(y, handle)[0]
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
+    ll = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    recv, _, ll_handle, _, _ = ll.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+    ll_out = ll.low_latency_combine((recv.float() * 0.5).to(torch.bfloat16), topk, w, ll_handle)[0].clone()
+    failures = []
+
+    def same(name, got, want):
+        if not torch.equal(got, want):
+            rows = (got != want).reshape(got.shape[0], -1).any(-1) if got.dim() > 1 else got != want
+            failures.append(f"{name}: {int(rows.sum())} of {got.shape[0]} rows differ")
+
+    same("dispatch again, aligned", buffer.dispatch(x, **kwargs)[0], recv_x)
+    for offset in (8, 2):
+        same(f"dispatch, x at +{offset}", buffer.dispatch(_misaligned_copy(x, offset), **kwargs)[0], recv_x)
+        same(f"combine, y at +{offset}", buffer.combine(_misaligned_copy(y, offset), handle)[0], combined)
+        # (low-latency rows within an expert come in arrival order: compared through the combine)
+        got, _, got_handle, _, _ = ll.low_latency_dispatch(_misaligned_copy(x, offset), topk, M, num_experts,
+                                                           use_fp8=False)
+        got_y = _misaligned_copy((got.float() * 0.5).to(torch.bfloat16), offset)
+        out = _misaligned_copy(torch.zeros(M, hidden, dtype=torch.bfloat16, device=dev), offset)
+        same(f"low-latency round trip, x, y and out at +{offset}",
+             ll.low_latency_combine(got_y, topk, w, got_handle, out=out)[0], ll_out)
+    assert not failures, failures
+    torch.cuda.synchronize()
+    return True

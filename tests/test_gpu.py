@@ -92,3 +92,7 @@ def test_moe_layer_matches_dense(gpu_pool):
 def test_expert_major_layout(gpu_pool):
     assert gpu_pool.run(training_cases.expert_major_against_reference, 8, 256, "cuda", timeout_s=300) == \
         [8] * gpu_pool.world_size
+
+
+def test_misaligned_inputs_take_the_8_byte_path(gpu_pool):
+    assert gpu_pool.run(ep_cases.gpu_misaligned_inputs, timeout_s=300) == [True] * gpu_pool.world_size

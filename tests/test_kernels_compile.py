@@ -18,19 +18,30 @@ def _cases():
     yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
-    for fp8, topk, lists in itertools.product([False, True], repeat=3):
-        yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, **copy), 16
-        yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, **copy), 16
-    for weights, num_bias in itertools.product([False, True], [0, 1, 2]):
-        yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8), 16
-        yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8), 16
-    for fp8, round_scale, ue8m0 in [(True, False, False), (True, True, False), (True, True, True), (False, False, False)]:
-        yield L.SEND, dict(USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0, BLOCK_H=8192, MSGS=8, BLOCK_E=256), 8
-        yield L.SEND, dict(USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0, BLOCK_H=8192, MSGS=4, BLOCK_E=256), 8
-    for stats, wait_stats in itertools.product([False, True], repeat=2):
-        yield L.RECV, dict(HAS_STATS=stats, HAS_WAIT_STATS=wait_stats, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8), 8
-        yield L.COMBINE_RECV, dict(HAS_WAIT_STATS=wait_stats, K_P2=8, BLOCK_C=1024, R_P2=8), 8
-    yield L.COMBINE_SEND, dict(BLOCK_W=2048, R_P2=8), 8
+    for fp8, topk, lists, al in itertools.product([False, True], repeat=4):
+        yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, ALIGNED=al, **copy), 16
+        yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, **copy), 16
+    for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
+        yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al), 16
+        yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=al), 16
+    for (fp8, round_scale, ue8m0), al in itertools.product(
+            [(True, False, False), (True, True, False), (True, True, True), (False, False, False)], [False, True]):
+        for send, receive, msgs in ((True, True, 8), (True, False, 4), (False, True, 8)):
+            yield L.DISPATCH, dict(SEND=send, RECEIVE=receive, USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0,
+                                   BLOCK_H=8192, MSGS=msgs, BLOCK_E=256, HAS_STATS=al, HAS_WAIT_STATS=not al,
+                                   BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=al), 8
+    for (send, receive), wait_stats, al in itertools.product([(True, True), (True, False), (False, True)],
+                                                             [False, True], [False, True]):
+        yield L.COMBINE, dict(SEND=send, RECEIVE=receive, HAS_WAIT_STATS=wait_stats, BLOCK_W=2048, K_P2=8,
+                              BLOCK_C=1024, R_P2=8, ALIGNED=al), 8
+
+
+def _access_widths(spec, constexprs, num_warps):
+    """Global load/store instructions of a compiled specialisation, by access width."""
+    import collections
+    import re
+    ptx = spec.compile(constexprs, num_warps, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return collections.Counter(re.findall(r"\b(?:st|ld)\.global((?:\.v[24])?\.b\d+)", ptx))
 
 
 @pytest.mark.parametrize("spec,constexprs,num_warps", list(_cases()),
@@ -45,3 +56,30 @@ def test_spec_rejects_wrong_type_count():
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="runtime parameters"):
         KernelSpec(N.ep_dispatch_layout, ["*i64"])
+
+
+# Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
+@pytest.mark.parametrize("spec,constexprs,num_warps", [
+    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, BLOCK_R=8, BLOCK_W=2048,
+                   S_P2=64, K_P2=8, R_P2=8), 16),
+    (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8), 16),
+    (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8), 16),
+    (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8), 16),
+    (L.DISPATCH, dict(SEND=True, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
+                      BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,
+                      R_P2=2), 8),
+    (L.COMBINE, dict(SEND=True, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=2), 8),
+], ids=lambda v: v.name if hasattr(v, "name") else None)
+def test_aligned_copies_use_16_byte_accesses(spec, constexprs, num_warps):
+    def wide(counts):  # vector accesses
+        return sum(n for width, n in counts.items() if width.startswith(".v"))
+    plain = _access_widths(spec, dict(constexprs, ALIGNED=False), num_warps)
+    aligned = _access_widths(spec, dict(constexprs, ALIGNED=True), num_warps)
+    assert wide(aligned) > wide(plain) and sum(aligned.values()) < sum(plain.values()), (plain, aligned)
+
+
+def test_messages_and_receive_rows_always_use_16_byte_accesses():
+    counts = _access_widths(L.DISPATCH, dict(SEND=False, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False,
+                                             BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False,
+                                             BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=2, ALIGNED=False), 8)
+    assert counts[".v2.b64"] >= 16, counts

@@ -25,3 +25,14 @@ def test_timeout_names_ranks():
         with pytest.raises(epcomm.EPTimeoutError) as info:
             pool.run(ep_cases.sleep_forever, timeout_s=2)
         assert info.value.peers == [0, 1]
+
+
+def test_programs_per_sm_counts_threads_registers_and_shared_memory():
+    pytest.importorskip("triton")
+    from epcomm.backends.nvlink.launch import programs_per_sm
+    # H100/H200: 2048 threads, 64K registers, 228 KB shared memory per SM
+    assert programs_per_sm(8, 32, 0, 2048, 65536, 233472) == 8  # threads bound
+    assert programs_per_sm(8, 128, 0, 2048, 65536, 233472) == 2  # registers bound
+    assert programs_per_sm(8, 125, 0, 2048, 65536, 233472) == 2  # registers round up to 8 per thread
+    assert programs_per_sm(4, 32, 100_000, 2048, 65536, 233472) == 2  # shared memory bound
+    assert programs_per_sm(16, 255, 0, 2048, 65536, 233472) == 1  # never below one

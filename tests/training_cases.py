@@ -6,6 +6,9 @@ import epcomm
 import epcomm.autograd
 from epcomm.testing.sweeps import SCENARIOS, make_routing, world
 
+# Enough for every case here (the nvlink backend stages tokens in it; torch_dist ignores it).
+NUM_NVL_BYTES = 64 << 20
+
 
 def _scale(experts: torch.Tensor) -> torch.Tensor:
     """Stand-in expert e multiplies its input by (e + 1) / 8; 0 where there is no expert."""
@@ -27,7 +30,7 @@ def autograd_against_dense(num_cases: int = 6, hidden: int = 128, device: str = 
     the gradients of x and topk_weights match the dense computation on every rank."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
     worst = 0.0
     for case in range(num_cases):
         num_experts = 4 * R
@@ -59,7 +62,7 @@ def moe_layer_against_dense(hidden: int = 64, ffn: int = 32, experts_per_rank: i
     layer in one process, on the same weights and tokens."""
     import epcomm.nn
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
     E = experts_per_rank * R
     layer = epcomm.nn.MoE(buffer, hidden, ffn, E, num_topk, seed=5)
     tokens = [10 + 3 * i for i in range(R)]
@@ -102,7 +105,7 @@ def expert_major_against_reference(num_cases: int = 8, hidden: int = 128, device
     from epcomm.testing.sweeps import FUZZ_SCENARIOS, expert_fn
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
     for case in range(num_cases):
         num_experts, alignment = 4 * R, (1, 4, 8)[case % 3]
         num_local = num_experts // R

@@ -39,10 +39,13 @@ class KernelSpec:
         types: Triton type string of each runtime parameter, in order (``"*i8"``, ``"*i32"``,
             ``"i32"``, ``"i64"``, ...).
         aligned: names of pointer parameters that are always 16-byte aligned (lets the compiler
-            vectorise accesses through them).
+            move 16 bytes per access through them; see copy.py).
+        aligned_if: ``{constexpr: names}``: pointer parameters declared 16-byte aligned only in
+            specialisations where that constexpr is True (e.g. user tensors the host checked).
     """
 
-    def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = ()):
+    def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
+                 aligned_if: Dict[str, Iterable[str]] = None):
         self.fn = fn
         self.name = fn.__name__
         params = fn.params
@@ -56,6 +59,11 @@ class KernelSpec:
         self.signature = dict(zip(runtime, types))
         self.signature.update({name: "constexpr" for name in self.constexpr_names})
         self.aligned = tuple(aligned)
+        self.aligned_if = {flag: tuple(names) for flag, names in (aligned_if or {}).items()}
+        unknown = (set(self.aligned).union(*self.aligned_if.values()) - set(runtime)) | \
+            (set(self.aligned_if) - set(self.constexpr_names))
+        if unknown:
+            raise EPError(f"{self.name}: no parameters named {sorted(unknown)}")
         self._bound: Dict[Tuple, "BoundKernel"] = {}
         self._lock = threading.Lock()
 
@@ -78,7 +86,11 @@ class KernelSpec:
         if missing:
             raise EPError(f"{self.name}: constexpr values missing for {sorted(missing)}")
         names = list(self.signature)
-        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in self.aligned}
+        aligned = list(self.aligned)
+        for flag, params in self.aligned_if.items():
+            if constexprs[flag]:
+                aligned += params
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
         source = ASTSource(self.fn, dict(self.signature), constexprs=dict(constexprs), attrs=attrs)
         if target is None:
             target = triton.runtime.driver.active.get_current_target()
@@ -92,13 +104,18 @@ class BoundKernel:
     pointers); ``stream`` is a raw CUDA stream handle (:func:`current_stream`).
     """
 
-    __slots__ = ("name", "_run", "_function", "_metadata", "_coop", "_pdl", "_constexprs", "_fallback")
+    __slots__ = ("name", "_run", "_function", "_metadata", "_coop", "_pdl", "_constexprs", "_fallback",
+                 "num_warps", "n_regs", "shared", "_max_resident")
 
     def __init__(self, spec: KernelSpec, constexprs: Dict, num_warps: int):
         self.name = spec.name
         self._constexprs = tuple(constexprs[name] for name in spec.constexpr_names)
         self._fallback = None
+        self._max_resident = None
+        self.num_warps = num_warps
         compiled = spec.compile(constexprs, num_warps)
+        self.n_regs = getattr(compiled, "n_regs", 255) or 255
+        self.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         try:
             compiled._init_handles()
             launcher = compiled.run
@@ -121,6 +138,68 @@ class BoundKernel:
         else:
             fn, constexprs, num_warps = self._fallback
             fn[(grid_x, grid_y, 1)](*args, num_warps=num_warps, **constexprs)
+
+    # ------------------------------------------------------------------ all programs at once
+    def resident_grid(self, items: int) -> int:
+        """A 1-D grid for ``items`` work items whose programs can all run at once (one launch
+        whose programs wait on each other): at most what the GPU's SMs hold of this kernel."""
+        if self._max_resident is None:
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            per_sm = 1 if self._fallback is not None else programs_per_sm(
+                self.num_warps, self.n_regs, self.shared, props.max_threads_per_multi_processor,
+                getattr(props, "regs_per_multiprocessor", 65536), props.shared_memory_per_multiprocessor)
+            self._max_resident = props.multi_processor_count * per_sm
+        return max(1, min(items, self._max_resident))
+
+    def launch_resident(self, grid_x: int, stream: int, *args) -> None:
+        """Launch ``grid_x`` (from :meth:`resident_grid`) programs that must all be resident: a
+        cooperative launch, so a grid the GPU cannot hold at once is refused instead of hanging.
+        Refused (another kernel's resources counted, an estimate off), the grid shrinks and the
+        launch is retried: the kernels take their items in turn, so any grid size is correct."""
+        if self._fallback is not None:
+            self.launch(grid_x, 1, stream, *args)
+            return
+        while True:
+            try:
+                self._run(grid_x, 1, 1, stream, self._function, 1, self._pdl, None, None,
+                          self._metadata, None, None, None, *args, *self._constexprs)
+                return
+            except RuntimeError as err:
+                if "COOPERATIVE" not in str(err).upper() or grid_x <= 1:
+                    raise
+                grid_x = max(1, grid_x // 2)
+                self._max_resident = grid_x
+
+
+class Specialisations(dict):
+    """The launchers of one kernel that differ only in a few flag constexprs, each compiled on first
+    use: ``kernels[flags]`` (a tuple, or one value for one flag) is a plain dict lookup once bound.
+
+    Args:
+        spec: the kernel.
+        flags: names of the constexprs the key supplies, in key order.
+        num_warps, fixed: the rest of the specialisation, the same for every key.
+    """
+
+    def __init__(self, spec: KernelSpec, flags: Iterable[str], num_warps: int, **fixed):
+        super().__init__()
+        self.spec, self.flags, self.num_warps, self.fixed = spec, tuple(flags), num_warps, fixed
+
+    def __missing__(self, key) -> "BoundKernel":
+        values = key if isinstance(key, tuple) else (key,)
+        bound = self.spec.bind(num_warps=self.num_warps, **self.fixed, **dict(zip(self.flags, values)))
+        self[key] = bound
+        return bound
+
+
+def programs_per_sm(num_warps: int, n_regs: int, shared: int, max_threads: int, regs: int, shared_per_sm: int) -> int:
+    """Programs of one kernel an SM holds at once, limited by threads, registers (allocated per
+    warp in units of 256) and shared memory (1 KB reserved per program); at least 1."""
+    warp_regs = -(-max(n_regs, 1) // 8) * 8 * 32
+    by_threads = max_threads // (num_warps * 32)
+    by_regs = regs // (warp_regs * num_warps)
+    by_shared = shared_per_sm // (shared + 1024)
+    return max(1, min(by_threads, by_regs, by_shared, 32))
 
 
 def current_stream(device_index: int) -> int:

@@ -1,20 +1,25 @@
-"""Low-latency mode (decode) on NVLink: two launches per call, kernels beside their launches.
+"""Low-latency mode (decode) on NVLink: one launch per call, kernels beside their launches.
 
-    low_latency_dispatch   ep_ll_dispatch_send  (messages + counts)  |  ep_ll_dispatch_recv  (wait + pack)
-    low_latency_combine    ep_ll_combine_send   (push + signal)      |  ep_ll_combine_recv   (wait + reduce)
+    low_latency_dispatch   ep_ll_dispatch   send messages + counts  ->  wait + pack
+    low_latency_combine    ep_ll_combine    push rows + signal      ->  wait + reduce
 
-``return_recv_hook=True`` returns after the first launch; ``hook()`` issues the second.
+Each kernel runs both phases in one launch, as a cooperative grid no larger than the GPU holds at
+once (launch.py): all programs are resident, so the receive phase's spin cannot starve the send
+phase it waits for.
+``return_recv_hook=True`` launches the send phase alone; ``hook()`` launches the receive phase.
 
-Dispatch: program t casts token t (FP8 fused) and stores one message per top-k expert (no
-dedup) into the receiver's fixed ``[E_local][R][M]`` slots — slot from a per-expert atomic
-counter. The program arriving last publishes, for every expert, ``(epoch << 32) | messages`` into
-the count word of the expert's rank with a release; no separate signal. The receiver acquires the
-count words of its experts (a word carrying this call's epoch means "all messages are there") and
-packs the rows of each (expert, source) into ``recv_x`` in source order.
+Dispatch: the programs take the tokens in turn; each casts its token (FP8 fused) and stores one
+message per top-k expert (no dedup) into the receiver's fixed ``[E_local][R][M]`` slots — slot
+from a per-expert atomic counter. The program arriving last publishes, for every expert,
+``(epoch << 32) | messages`` into the count word of the expert's rank with a release; no separate
+signal. The receive phase acquires the count words of its experts (a word carrying this call's
+epoch means "all messages are there") and packs the rows of each (expert, source) into ``recv_x``
+in source order.
 
-Combine: program (l, s) stores the rows of local expert l that came from source s into slot
-``token * K + k`` of s's combine area; the last program releases the epoch into every live peer's
-flag. The home acquires the flags and takes ``Σ_k w_k · slot(t, k)`` in float32.
+Combine: the programs take the (local expert l, source s) pairs in turn and store the rows of l
+that came from s into slot ``token * K + k`` of s's combine area; the last program releases the
+epoch into every live peer's flag. The home acquires the flags and takes ``Σ_k w_k · slot(t, k)``
+in float32.
 
 Halves alternate per call kind (dispatch, combine), so at most two results may be held at once;
 epochs live in device memory, so captured CUDA graphs replay correctly. A peer that does not
@@ -33,12 +38,13 @@ import triton.language as tl
 from ...errors import EPError
 from ...handle import LowLatencyHandle
 from . import sync
-from .launch import KernelSpec, current_stream
+from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
+from .launch import KernelSpec, Specialisations, current_stream
 from .normal import p2
-
-# Messages a dispatch-receive program packs per step.
-LL_PULL_MESSAGES = 4
 from .sync import arrive, poll_epochs, publish, report_late, signal_peers, wait_peers
+
+# Messages the dispatch's receive phase packs per step.
+LL_PULL_MESSAGES = 4
 
 
 @dataclass
@@ -49,7 +55,7 @@ class LowLatencyState:
     num_topk: int
 
 
-# ====================================================================== dispatch: send
+# ====================================================================== dispatch
 @triton.jit
 def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
     """[N] int8 (PER_WORD=8) or int16 (PER_WORD=4) → [N / PER_WORD] int64, little-endian: peer
@@ -61,126 +67,104 @@ def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
 
 
 @triton.jit
-def ep_ll_dispatch_send(x_ptr,  # [T, H] bf16
-                        topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
-                        counter_ptr,  # [E] int32 local, zero on entry: messages per expert (slot allocator)
-                        mask_ptr,  # [R] int32: masked ranks receive nothing
-                        bases_ptr,  # [R] int64: each rank's workspace
-                        state_ptr,  # [16] int64 local (sync.py)
-                        dropped_address,  # host mailbox: count of ids outside [-1, E)
-                        num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
-                        msg_bytes, x_bytes, half_offset, counts_offset, recv_offset, half,
-                        USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
-                        BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr):
-    # Program (t, j) casts token t once (FP8 per 128 channels, or BF16) and stores the messages of
-    # its top-k entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16
-    # 2H][H/128 f32 | H/512 UE8M0 int32 scales] — into slot (local expert, this rank, slot) of each
-    # expert's rank, as one tile (plain peer stores). The last program to arrive RELEASES the
-    # counts to the experts' ranks. (A pull variant — local stores, receivers load over NVLink —
-    # measured slower end to end on 2 x H200: round trip 1.9x DeepEP's against 0.95x.)
-    t = tl.program_id(0)
-    if t < num_tokens:
-        t64 = t.to(tl.int64)
-        ks = tl.program_id(1) * MSGS + tl.arange(0, MSGS)
-        in_k = ks < num_topk
-        expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=in_k, other=-1)
-        dropped = tl.sum((in_k & ((expert < -1) | (expert >= num_experts))).to(tl.int32), axis=0)
-        if dropped > 0:  # reported to the host; the entries are skipped
-            words = dropped_address.to(tl.pointer_type(tl.int64))
-            tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
-            tl.store(words - (num_ranks + 1), 1)
-        send = in_k & (expert >= 0) & (expert < num_experts)
-        dst = tl.where(send, expert // num_local, 0)
-        send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
-        slot = tl.atomic_add(counter_ptr + expert, tl.zeros_like(ks) + 1, mask=send, sem="relaxed")
-        slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
-        msg = tl.load(bases_ptr + dst, mask=send, other=0) + half_offset + recv_offset + \
-            (((expert % num_local) * num_ranks + rank) * max_tokens + slot).to(tl.int64) * msg_bytes
-        two = tl.arange(0, 2)
-        tl.store(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :],
-                 tl.where(two[None, :] == 0, t, ks[:, None]), mask=send[:, None])
-        payload = (msg + 16).to(tl.pointer_type(tl.int64))
-        cols = tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + t64 * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-        if USE_FP8:
-            groups = tl.reshape(x, (BLOCK_H // 128, 128))
-            amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
-            scale = tl.math.div_rn(amax, 448.0)
-            if ROUND_SCALE:  # next power of two
-                bits = scale.to(tl.int32, bitcast=True)
-                exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                scale = (exponent << 23).to(tl.float32, bitcast=True)
-            q = tl.math.div_rn(groups, scale[:, None])
-            q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
-            words = tl.arange(0, BLOCK_H // 8)
-            packed = _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8)
-            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 8)),
-                     mask=send[:, None] & (words < x_bytes // 8)[None, :])
-            scale_words = (payload + x_bytes // 8).to(tl.pointer_type(tl.int32), bitcast=True)
-            if UE8M0:
-                exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
-                packed_scales = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
-                ids = tl.arange(0, BLOCK_H // 512)
-                tl.store(scale_words[:, None] + ids[None, :],
-                         tl.broadcast_to(packed_scales[None, :], (MSGS, BLOCK_H // 512)),
-                         mask=send[:, None] & (ids < hidden // 512)[None, :])
-            else:
-                ids = tl.arange(0, BLOCK_H // 128)
-                tl.store(scale_words.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + ids[None, :],
-                         tl.broadcast_to(scale[None, :], (MSGS, BLOCK_H // 128)),
-                         mask=send[:, None] & (ids < hidden // 128)[None, :])
+def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, dropped_address,
+                   hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank, msg_bytes, x_words,
+                   half_offset, recv_offset,
+                   USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, BLOCK_H: tl.constexpr,
+                   MSGS: tl.constexpr):
+    """Cast token t once (FP8 per 128 channels, or BF16) and store the messages of its top-k
+    entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32
+    | H/512 UE8M0 int32 scales] — into slot (local expert, this rank, slot) of each expert's rank,
+    as one tile of plain peer stores. The slot comes from the expert's counter."""
+    t64 = t.to(tl.int64)
+    ks = j * MSGS + tl.arange(0, MSGS)
+    in_k = ks < num_topk
+    expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=in_k, other=-1)
+    dropped = tl.sum((in_k & ((expert < -1) | (expert >= num_experts))).to(tl.int32), axis=0)
+    if dropped > 0:  # reported to the host; the entries are skipped
+        words = dropped_address.to(tl.pointer_type(tl.int64))
+        tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
+        tl.store(words - (num_ranks + 1), 1)
+    send = in_k & (expert >= 0) & (expert < num_experts)
+    dst = tl.where(send, expert // num_local, 0)
+    send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
+    slot = tl.atomic_add(counter_ptr + expert, tl.zeros_like(ks) + 1, mask=send, sem="relaxed")
+    slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
+    msg = tl.load(bases_ptr + dst, mask=send, other=0) + half_offset + recv_offset + \
+        (((expert % num_local) * num_ranks + rank) * max_tokens + slot).to(tl.int64) * msg_bytes
+    two = tl.arange(0, 2)
+    tl.store(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :],
+             tl.where(two[None, :] == 0, t, ks[:, None]), mask=send[:, None])
+    payload = word_ptr(msg + 16, True)
+    cols = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + t64 * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    if USE_FP8:
+        groups = tl.reshape(x, (BLOCK_H // 128, 128))
+        amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+        scale = tl.math.div_rn(amax, 448.0)
+        if ROUND_SCALE:  # next power of two
+            bits = scale.to(tl.int32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
+        q = tl.math.div_rn(groups, scale[:, None])
+        q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), (BLOCK_H,))
+        words = tl.arange(0, BLOCK_H // 8)
+        packed = _pack_words(q.to(tl.int8, bitcast=True), BLOCK_H, 8)
+        tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 8)),
+                 mask=send[:, None] & (words < x_words)[None, :])
+        scale_words = (payload + x_words).to(tl.pointer_type(tl.int32), bitcast=True)
+        if UE8M0:
+            exps = tl.reshape((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, (BLOCK_H // 512, 4))
+            packed_scales = tl.sum(exps << (tl.arange(0, 4) * 8)[None, :], axis=1)
+            ids = tl.arange(0, BLOCK_H // 512)
+            tl.store(scale_words[:, None] + ids[None, :],
+                     tl.broadcast_to(packed_scales[None, :], (MSGS, BLOCK_H // 512)),
+                     mask=send[:, None] & (ids < hidden // 512)[None, :])
         else:
-            words = tl.arange(0, BLOCK_H // 4)
-            packed = _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4)
-            tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 4)),
-                     mask=send[:, None] & (words < x_bytes // 8)[None, :])
-    if arrive(state_ptr + sync.ARRIVE_LL_SEND, tl.num_programs(0) * tl.num_programs(1)):
-        # Every message of this call has been stored (acquired through the arrivals): RELEASE each
-        # expert's count, tagged with the epoch, to the expert's rank; reset the counters.
-        epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
-        tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
-        tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
-        for start in range(0, num_experts, BLOCK_E):
-            e = start + tl.arange(0, BLOCK_E)
-            in_e = e < num_experts
-            n = tl.load(counter_ptr + e, mask=in_e, other=0)
-            # Small E leaves each element replicated over several threads: all of them must have
-            # read the count before any resets it.
-            tl.debug_barrier()
-            tl.store(counter_ptr + e, tl.zeros_like(n), mask=in_e)
-            dst = e // num_local
-            live = in_e & (tl.load(mask_ptr + dst, mask=in_e, other=1) == 0)
-            word = tl.load(bases_ptr + dst, mask=live, other=0) + half_offset + counts_offset + \
-                ((rank * num_local + e % num_local) * 8).to(tl.int64)
-            publish(word, (epoch << 32) | n.to(tl.int64), live, (state_ptr + sync.SPARE).to(tl.int64))
+            ids = tl.arange(0, BLOCK_H // 128)
+            tl.store(scale_words.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + ids[None, :],
+                     tl.broadcast_to(scale[None, :], (MSGS, BLOCK_H // 128)),
+                     mask=send[:, None] & (ids < hidden // 128)[None, :])
+    else:
+        words = tl.arange(0, BLOCK_H // 4)
+        packed = _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4)
+        tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 4)),
+                 mask=send[:, None] & (words < x_words)[None, :])
 
 
-SEND = KernelSpec(ep_ll_dispatch_send, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64", "i32", "i32", "i32",
-                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i32"])
-
-
-# ====================================================================== dispatch: receive
 @triton.jit
-def ep_ll_dispatch_recv(state_ptr, mask_ptr,
-                        out_x_ptr,  # [E_local, R*M, x_bytes] bytes of recv_x
-                        out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
-                        src_info_ptr, slot_info_ptr,  # [E_local, R*M] int32: source token; home slot t*K+k
-                        layout_ptr,  # [E_local, R] int64: (offset << 32) | count
-                        recv_count_ptr,  # [E_local] int32
-                        stats_ptr,  # [E_local] int32 cumulative receive counts (HAS_STATS)
-                        wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
-                        bases_ptr,  # [R] int64: each rank's workspace
-                        half_offset, counts_offset, recv_offset, num_local, num_ranks, rank, max_tokens, num_topk,
-                        msg_bytes, x_bytes, scale_words, half, timeout_ns,
-                        HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
-    # Program (l, s): ACQUIRE the count words of local expert l from every live source (a word
-    # carrying this call's epoch means all its messages are stored here), then pack source s's
-    # messages for expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l,
-    # offset = messages of lower sources.
-    l = tl.program_id(0)
-    s = tl.program_id(1)
-    epoch = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half)
+def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank, half_offset,
+                    counts_offset, half, BLOCK_E: tl.constexpr):
+    """Run by the program arriving last, so every message of this call has been stored (acquired
+    through the arrivals): RELEASE each expert's count, tagged with the epoch, to the expert's
+    rank; reset the counters."""
+    tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
+    tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
+    for start in range(0, num_experts, BLOCK_E):
+        e = start + tl.arange(0, BLOCK_E)
+        in_e = e < num_experts
+        n = tl.load(counter_ptr + e, mask=in_e, other=0)
+        # Small E leaves each element replicated over several threads: all of them must have
+        # read the count before any resets it.
+        tl.debug_barrier()
+        tl.store(counter_ptr + e, tl.zeros_like(n), mask=in_e)
+        dst = e // num_local
+        live = in_e & (tl.load(mask_ptr + dst, mask=in_e, other=1) == 0)
+        word = tl.load(bases_ptr + dst, mask=live, other=0) + half_offset + counts_offset + \
+            ((rank * num_local + e % num_local) * 8).to(tl.int64)
+        publish(word, (epoch << 32) | n.to(tl.int64), live, (state_ptr + sync.SPARE).to(tl.int64))
+
+
+@triton.jit
+def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, slot_info_ptr, layout_ptr,
+                   recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, half_offset, counts_offset, recv_offset,
+                   num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns,
+                   HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
+    """ACQUIRE the count words of local expert l from every live source (a word carrying this
+    call's epoch means all its messages are stored here), then pack source s's messages for
+    expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l, offset = messages
+    of lower sources. A source that stays silent past the timeout is masked."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
     my_half = tl.load(bases_ptr + rank) + half_offset
@@ -203,7 +187,7 @@ def ep_ll_dispatch_recv(state_ptr, mask_ptr,
     xcols = tl.arange(0, BLOCK_X)
     scols = tl.arange(0, BLOCK_S)
     two = tl.arange(0, 2)
-    x_words = x_bytes // 8
+    x_words = multiple(x_bytes // 8, 2, True)  # messages and recv_x rows are 16-byte aligned (copy.py)
     for i0 in range(0, n, BLOCK_M):
         i = i0 + tl.arange(0, BLOCK_M)
         has = i < n
@@ -214,7 +198,7 @@ def ep_ll_dispatch_recv(state_ptr, mask_ptr,
         k = tl.sum(tl.where(two[None, :] == 1, header, 0), axis=1)
         tl.store(src_info_ptr + rows, token, mask=has)
         tl.store(slot_info_ptr + rows, token * num_topk + k, mask=has)
-        words_in = (msg + 16).to(tl.pointer_type(tl.int64))
+        words_in = word_ptr(msg + 16, True)
         words_out = out_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows * x_words
         for c0 in range(0, x_words, BLOCK_X):
             c = c0 + xcols
@@ -228,24 +212,75 @@ def ep_ll_dispatch_recv(state_ptr, mask_ptr,
             tl.store(dst, scales, mask=m)
 
 
-RECV = KernelSpec(ep_ll_dispatch_recv, ["*i64", "*i32", "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32",
-                                        "*i64", "*i64", "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
-                                        "i32", "i32", "i32", "i64"])
-
-
-# ====================================================================== combine: send
 @triton.jit
-def ep_ll_combine_send(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
-                       layout_ptr,  # [E_local, R] int64 (offset << 32) | count
-                       slot_info_ptr,  # [E_local, R*M] int32 home slot t*K+k
-                       mask_ptr, bases_ptr, state_ptr,
-                       num_local, num_ranks, rank, max_tokens, x_words, half_offset, combine_offset, half,
-                       BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
-    # Program (l, s): store the rows of local expert l that came from source s into their slots
-    # in s's combine area (plain peer stores); the last program to arrive RELEASES the epoch into
-    # every live peer's flag. The slots are free: s read them two combines ago (sync.py).
-    l = tl.program_id(0)
-    s = tl.program_id(1)
+def ep_ll_dispatch(x_ptr,  # [T, H] bf16
+                   topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
+                   counter_ptr,  # [E] int32 local, zero on entry: messages per expert (slot allocator)
+                   mask_ptr,  # [R] int32: masked ranks receive nothing / are not waited for
+                   bases_ptr,  # [R] int64: each rank's workspace
+                   state_ptr,  # [16] int64 local (sync.py)
+                   dropped_address,  # host mailbox: count of ids outside [-1, E)
+                   out_x_ptr,  # [E_local, R*M, x_bytes] bytes of recv_x
+                   out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
+                   src_info_ptr, slot_info_ptr,  # [E_local, R*M] int32: source token; home slot t*K+k
+                   layout_ptr,  # [E_local, R] int64: (offset << 32) | count
+                   recv_count_ptr,  # [E_local] int32
+                   stats_ptr,  # [E_local] int32 cumulative receive counts (HAS_STATS)
+                   wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
+                   num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
+                   msg_bytes, x_bytes, scale_words, half_offset, counts_offset, recv_offset, half, timeout_ns,
+                   SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                   UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
+                   HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    # SEND: programs take the (token, message group) items in turn (_send_messages); the program
+    # arriving last RELEASES the counts (_publish_counts). RECEIVE: programs take the (local
+    # expert, source) pairs in turn and ACQUIRE before packing (_pack_received). Both in one
+    # launch when no hook splits them: a cooperative grid the GPU holds at once, so every program
+    # is resident and the receivers' spin cannot starve the senders they wait for.
+    # hidden % 128 == 0 (host-checked) and messages are 16-byte aligned, so copies move 16 bytes
+    # (copy.py); ALIGNED: x is 16-byte aligned too.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    hidden = multiple(hidden, 128, True)
+    if SEND:
+        # Read before this program arrives, so before the last arriver stores epoch + 1.
+        epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
+        groups = tl.cdiv(num_topk, MSGS)
+        for item in range(pid, num_tokens * groups, num_programs):
+            _send_messages(item // groups, item % groups, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr,
+                           dropped_address, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
+                           msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset,
+                           USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS)
+        if arrive(state_ptr + sync.ARRIVE_LL_SEND, num_programs):
+            _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank,
+                            half_offset, counts_offset, half, BLOCK_E)
+    else:
+        # A hook's receive launch: the epoch its half was sent with (another dispatch may have
+        # used the other half since).
+        epoch = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half)
+    if RECEIVE:
+        for item in range(pid, num_local * num_ranks, num_programs):
+            _pack_received(item // num_ranks, item % num_ranks, epoch, mask_ptr, out_x_ptr, out_scales_ptr,
+                           src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
+                           bases_ptr, half_offset, counts_offset, recv_offset, num_local, num_ranks, rank, max_tokens,
+                           num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, HAS_STATS, HAS_WAIT_STATS, BLOCK_X,
+                           BLOCK_S, BLOCK_M, R_P2)
+
+
+DISPATCH = KernelSpec(ep_ll_dispatch, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64",
+                                       "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64",
+                                       "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64"],
+                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]})
+
+
+# ====================================================================== combine
+@triton.jit
+def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_ranks, max_tokens, x_words,
+               half_offset, combine_offset, BLOCK_W: tl.constexpr):
+    """Store the rows of local expert l that came from source s into their slots in s's combine
+    area (plain peer stores). The slots are free: s read them two combines ago (sync.py)."""
     if tl.load(mask_ptr + s) == 0:
         packed = tl.load(layout_ptr + l * num_ranks + s)
         offset = (packed >> 32).to(tl.int32)
@@ -256,45 +291,18 @@ def ep_ll_combine_send(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch
             row = (l * num_ranks * max_tokens + offset + i).to(tl.int64)
             slot = tl.load(slot_info_ptr + row).to(tl.int64)
             src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
-            dst = (home + slot * x_words * 8).to(tl.pointer_type(tl.int64))
+            dst = word_ptr(home + slot * x_words * 8, True)
             for c0 in range(0, x_words, BLOCK_W):
                 c = c0 + cols
                 tl.store(dst + c, tl.load(src + c, mask=c < x_words), mask=c < x_words)
-    if arrive(state_ptr + sync.ARRIVE_LL_PUSH, tl.num_programs(0) * tl.num_programs(1)):
-        epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1
-        tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
-        tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
-        signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
-                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
 
 
-COMBINE_SEND = KernelSpec(ep_ll_combine_send, ["*i8", "*i64", "*i32", "*i32", "*i64", "*i64", "i32", "i32", "i32",
-                                               "i32", "i32", "i64", "i64", "i32"])
-
-
-# ====================================================================== combine: receive
 @triton.jit
-def ep_ll_combine_recv(topk_ptr, weights_ptr,  # [T, K] int64 / float32, as given to dispatch
-                       mask_ptr, state_ptr,
-                       out_ptr,  # [T, H] bf16
-                       wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
-                       my_flags_address,  # this rank's LL-combine flag set
-                       slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
-                       num_tokens, hidden, num_topk, num_local, num_ranks, half, timeout_ns,
-                       HAS_WAIT_STATS: tl.constexpr, K_P2: tl.constexpr, BLOCK_C: tl.constexpr,
-                       R_P2: tl.constexpr):
-    # ACQUIRE every live peer's flag for this call, then out[t] = Σ_k w[t, k] · slot(t, k) in
-    # float32 over entries whose expert id is valid and whose rank is not masked.
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)
-    waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
-                        timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)
-    if HAS_WAIT_STATS:
-        if pid == 0:
-            peers = tl.arange(0, R_P2)
-            tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
-    slots = slots_address.to(tl.pointer_type(tl.bfloat16))
+def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens, hidden,
+                   num_topk, num_local, num_ranks, K_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[t] = Σ_k w[t, k] · slot(t, k) in float32 over entries whose expert id is valid and
+    whose rank is not masked, for this program's tokens."""
+    slots = ptr_at(slots_address, tl.bfloat16, True)  # slots are 16-byte aligned, hidden % 128 == 0
     ks = tl.arange(0, K_P2)
     cols = tl.arange(0, BLOCK_C)
     num_experts = num_local * num_ranks
@@ -313,30 +321,79 @@ def ep_ll_combine_recv(topk_ptr, weights_ptr,  # [T, K] int64 / float32, as give
             tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
 
 
-COMBINE_RECV = KernelSpec(ep_ll_combine_recv, ["*i64", "*fp32", "*i32", "*i64", "*bf16", "*i64", "i64", "i64", "i32",
-                                               "i32", "i32", "i32", "i32", "i32", "i64"])
+@triton.jit
+def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
+                  layout_ptr,  # [E_local, R] int64 (offset << 32) | count
+                  slot_info_ptr,  # [E_local, R*M] int32 home slot t*K+k
+                  topk_ptr, weights_ptr,  # [T, K] int64 / float32, as given to dispatch
+                  mask_ptr, bases_ptr, state_ptr,
+                  out_ptr,  # [T, H] bf16
+                  wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
+                  my_flags_address,  # this rank's LL-combine flag set
+                  slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
+                  num_tokens, hidden, num_topk, num_local, num_ranks, rank, max_tokens, x_words, half_offset,
+                  combine_offset, half, timeout_ns,
+                  SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
+                  K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    # SEND: programs take the (local expert, source) pairs in turn (_push_rows); the program
+    # arriving last RELEASES the epoch into every live peer's flag. RECEIVE: ACQUIRE every live
+    # peer's flag for this call, then reduce this program's tokens (_reduce_tokens). One launch
+    # when no hook splits them (a cooperative grid, all resident: see ep_ll_dispatch).
+    # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    hidden = multiple(hidden, 128, True)
+    if SEND:
+        epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
+        for item in range(pid, num_local * num_ranks, num_programs):
+            _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
+                       num_ranks, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset, BLOCK_W)
+        if arrive(state_ptr + sync.ARRIVE_LL_PUSH, num_programs):
+            tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
+            tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
+            signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
+                         (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True, R_P2=R_P2)  # RELEASE: rows -> homes
+    else:
+        epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
+    if RECEIVE:
+        waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
+                            timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
+        if HAS_WAIT_STATS:
+            if pid == 0:
+                peers = tl.arange(0, R_P2)
+                tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
+        _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens,
+                       hidden, num_topk, num_local, num_ranks, K_P2, BLOCK_C)
+
+
+COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
+                                     "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
+                                     "i64", "i32", "i64"],
+                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]})
 
 
 # ====================================================================== host side
 @dataclass(frozen=True)
 class DispatchPlan:
     layout: object  # workspace.LowLatencyLayout
-    send: object  # BoundKernel
-    send_programs_per_token: int
-    recv: dict  # (HAS_STATS, HAS_WAIT_STATS) -> BoundKernel
+    kernels: Specialisations  # (SEND, RECEIVE, HAS_STATS, HAS_WAIT_STATS, ALIGNED) -> ep_ll_dispatch
+    send_groups: int  # message groups (send items) per token
     counters: torch.Tensor  # [E] int32 slot counters, zero between calls
+    # Per buffer half: (src_info, slot_info, recv_layout, recv_count, handle), made on first use.
+    # A result lives until the second dispatch after it (the two halves), as DeepEP documents;
+    # reusing its index tensors spares four allocations per call. recv_x is fresh every call.
+    per_half: list
 
 
 @dataclass(frozen=True)
 class CombinePlan:
     layout: object
-    send: object
-    recv: dict  # HAS_WAIT_STATS -> BoundKernel
+    kernels: Specialisations  # (SEND, RECEIVE, HAS_WAIT_STATS, ALIGNED) -> ep_ll_combine
 
 
 class LowLatencyMode:
-    """Host orchestration of low-latency mode: per call, two bound launches and the outputs;
-    everything shape-dependent is computed once per shape (plans)."""
+    """Host orchestration of low-latency mode: per call, one bound launch (two with a receive hook)
+    and the outputs; everything shape-dependent is computed once per shape (plans)."""
 
     def __init__(self, backend):
         self.b = backend
@@ -346,6 +403,8 @@ class LowLatencyMode:
         self.R_P2 = p2(self.R)
         self.dev_index = backend.device.index
         self.device = backend.device
+        # The one-launch kernels keep every program resident: at most one per SM.
+        self.num_sms = torch.cuda.get_device_properties(backend.device).multi_processor_count
         self.bases = self.ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
         self.flags = self.ws.local_base + sync.FLAGS_LL_COMBINE * self.R * 8
@@ -353,9 +412,12 @@ class LowLatencyMode:
         self._dispatch_plans = {}
         self._combine_plans = {}
         self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
-        # Messages per dispatch-send program: all K of a token by default (one cast per token);
+        # Messages per send item: all K of a token by default (one cast per token);
         # EPCOMM_LL_SEND_MESSAGES overrides it for measurements.
         self.messages_per_program = int(os.environ.get("EPCOMM_LL_SEND_MESSAGES", 0))
+        # Calls without a hook: both phases in one launch (less host time), or the two phases as
+        # two launches (EPCOMM_LL_ONE_LAUNCH=0; no receive-phase spin while the send phase runs).
+        self.one_launch = os.environ.get("EPCOMM_LL_ONE_LAUNCH", "1") != "0"
 
     def _dispatch_plan(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, round_scale: bool,
                        use_ue8m0: bool) -> DispatchPlan:
@@ -366,12 +428,11 @@ class LowLatencyMode:
         if counters is None:
             counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=self.device)
         msgs = min(self.messages_per_program or p2(K), p2(K))
-        send = SEND.bind(num_warps=8, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
-                         MSGS=msgs, BLOCK_E=min(1024, p2(E)))
-        recv = {(stats, wait): RECV.bind(num_warps=8, HAS_STATS=stats, HAS_WAIT_STATS=wait, BLOCK_X=1024,
-                                         BLOCK_S=p2(layout.scale_words), BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2)
-                for stats in (False, True) for wait in (False, True)}
-        return DispatchPlan(layout, send, -(-K // msgs), recv, counters)
+        kernels = Specialisations(DISPATCH, ["SEND", "RECEIVE", "HAS_STATS", "HAS_WAIT_STATS", "ALIGNED"], 8,
+                                  USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
+                                  MSGS=msgs, BLOCK_E=min(1024, p2(E)), BLOCK_X=1024, BLOCK_S=p2(layout.scale_words),
+                                  BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2)
+        return DispatchPlan(layout, kernels, -(-K // msgs), counters, [None, None])
 
     def dispatch(self, args):
         R, rank, dev = self.R, self.rank, self.device
@@ -386,48 +447,54 @@ class LowLatencyMode:
         num_local = E // R
         half = self._calls[0] & 1
         self._calls[0] += 1
-        half_offset = self.ws.ll_offset + half * self.ws.ll_half
-        mask = args.rank_mask
-        b = self.b
-        plan.send.launch(max(num_tokens, 1), plan.send_programs_per_token, current_stream(self.dev_index), x, topk, plan.counters, mask,
-                         self.bases, self.state, b.mailbox.input_errors_address, num_tokens, hidden, K, E, num_local,
-                         M, R, rank, layout.msg_bytes, layout.x_bytes, half_offset, layout.counts, layout.recv, half)
-
         slots = R * M
         scale_words = layout.scale_words
         recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
                              device=dev)
-        scales = torch.empty((num_local, max(scale_words, 1), slots), device=dev,
-                             dtype=torch.int32 if args.use_ue8m0 else torch.float32)
-        src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
-        slot_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
-        recv_layout = torch.empty((num_local, R), dtype=torch.int64, device=dev)
-        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        # FP8 scales [E_local, R*M, S], column-major in the last two dims, as DeepEP returns them
+        scales = torch.empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots), device=dev,
+                                     dtype=torch.int32 if args.use_ue8m0 else torch.float32) if args.use_fp8 else recv_x
+        per_half = plan.per_half[half]
+        if per_half is None:
+            src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+            slot_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+            recv_layout = torch.empty((num_local, R), dtype=torch.int64, device=dev)
+            recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+            handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
+            per_half = plan.per_half[half] = (src_info, slot_info, recv_layout, recv_count, handle)
+        src_info, slot_info, recv_layout, recv_count, handle = per_half
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
-        recv = plan.recv[stats is not None, wait_stats is not None]
-        recv_args = (self.state, mask, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
-                     recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
-                     self.bases, half_offset, layout.counts, layout.recv, num_local, R, rank, M, K,
-                     layout.msg_bytes, layout.x_bytes, scale_words, half, b.timeout_ns)
+        launch_args = (x, topk, plan.counters, args.rank_mask, self.bases, self.state,
+                       self.b.mailbox.input_errors_address, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
+                       recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
+                       num_tokens, hidden, K, E, num_local, M, R, rank, layout.msg_bytes, layout.x_bytes, scale_words,
+                       self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half,
+                       self.b.timeout_ns)
+        send_items = num_tokens * plan.send_groups
+        packed = (recv_x, scales) if args.use_fp8 else recv_x
+        if args.return_recv_hook or not self.one_launch:
+            plan.kernels[True, False, False, False, is_aligned(x)].launch(
+                max(send_items, 1), 1, current_stream(self.dev_index), *launch_args)
+            receive_kernel = plan.kernels[False, True, stats is not None, wait_stats is not None, False]
 
-        def receive() -> None:
-            recv.launch(num_local, R, current_stream(self.dev_index), *recv_args)
-
-        packed = (recv_x, scales.transpose(1, 2)) if args.use_fp8 else recv_x
-        handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
-        if args.return_recv_hook:
-            return packed, recv_count, handle, receive
-        receive()
+            def receive() -> None:
+                receive_kernel.launch(num_local * R, 1, current_stream(self.dev_index), *launch_args)
+            if args.return_recv_hook:
+                return packed, recv_count, handle, receive
+            receive()
+            return packed, recv_count, handle, None
+        kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, is_aligned(x)]
+        kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * R)), current_stream(self.dev_index),
+                               *launch_args)
         return packed, recv_count, handle, None
 
     def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
         layout = self.ws.ll_layout(E, M, hidden, K, False, False)
-        send = COMBINE_SEND.bind(num_warps=8, BLOCK_W=min(4096, p2(hidden // 4)), R_P2=self.R_P2)
-        block_c = min(p2(hidden), max(8192 // p2(K), 16))
-        recv = {wait: COMBINE_RECV.bind(num_warps=8, HAS_WAIT_STATS=wait, K_P2=p2(K), BLOCK_C=block_c, R_P2=self.R_P2)
-                for wait in (False, True)}
-        return CombinePlan(layout, send, recv)
+        kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
+                                  BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
+                                  BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2)
+        return CombinePlan(layout, kernels)
 
     def combine(self, args):
         R, dev = self.R, self.device
@@ -435,7 +502,7 @@ class LowLatencyMode:
         state = handle.backend_state
         if state.__class__ is not LowLatencyState:
             raise EPError("this handle was not made by the nvlink backend")
-        x = args.x
+        x, x_aligned = for_word_copies(args.x)  # rows are copied in 8-byte words
         num_local, slots, hidden = x.shape
         K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
         if args.topk_idx.shape[1] != K:
@@ -447,26 +514,29 @@ class LowLatencyMode:
         half = self._calls[1] & 1
         self._calls[1] += 1
         half_offset = self.ws.ll_offset + half * self.ws.ll_half
-        mask = args.rank_mask
-        b = self.b
-        plan.send.launch(num_local, R, current_stream(self.dev_index), x, handle.recv_layout_range, state.slot_info, mask,
-                         self.bases, self.state, num_local, R, self.rank, M, hidden // 4, half_offset,
-                         plan.layout.combine, half)
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         wait_stats = args.combine_wait_recv_cost_stats
-        recv = plan.recv[wait_stats is not None]
-        recv_args = (args.topk_idx, args.topk_weights, mask, self.state, out,
-                     self.state if wait_stats is None else wait_stats, self.flags,
-                     self.ws.local_base + half_offset + plan.layout.combine, num_tokens, hidden, K, num_local, R, half,
-                     b.timeout_ns)
+        aligned = x_aligned and is_aligned(out)
+        launch_args = (x, handle.recv_layout_range, state.slot_info, args.topk_idx, args.topk_weights, args.rank_mask,
+                       self.bases, self.state, out, self.state if wait_stats is None else wait_stats, self.flags,
+                       self.ws.local_base + half_offset + plan.layout.combine, num_tokens, hidden, K, num_local, R,
+                       self.rank, M, hidden // 4, half_offset, plan.layout.combine, half, self.b.timeout_ns)
+        pairs = num_local * R
+        if args.return_recv_hook or not self.one_launch:
+            plan.kernels[True, False, False, aligned].launch(pairs, 1, current_stream(self.dev_index), *launch_args)
+            receive_kernel = plan.kernels[False, True, wait_stats is not None, aligned]
 
-        def receive() -> None:
-            recv.launch(max(1, min(num_tokens, 132)), 1, current_stream(self.dev_index), *recv_args)
-
-        if args.return_recv_hook:
-            return out, receive
-        receive()
+            def receive() -> None:
+                receive_kernel.launch(max(1, min(num_tokens, self.num_sms)), 1, current_stream(self.dev_index),
+                                      *launch_args)
+            if args.return_recv_hook:
+                return out, receive
+            receive()
+            return out, None
+        kernel = plan.kernels[True, True, wait_stats is not None, aligned]
+        kernel.launch_resident(kernel.resident_grid(max(pairs, num_tokens)), current_stream(self.dev_index),
+                               *launch_args)
         return out, None
 
     def clean(self) -> None:

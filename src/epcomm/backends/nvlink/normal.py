@@ -33,7 +33,8 @@ from ...errors import EPError
 from ...handle import DispatchHandle
 from ..base import DispatchArgs, DispatchResult
 from . import sync
-from .launch import KernelSpec, current_stream
+from .copy import copy_rows, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
+from .launch import KernelSpec, Specialisations, current_stream
 from .sync import arrive, signal_peers, store_release_sys, wait_peers
 
 # Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
@@ -55,18 +56,6 @@ def copy_block_shape(row_words: int) -> Tuple[int, int]:
     """(BLOCK_R, BLOCK_W) for rows of ``row_words`` 8-byte words: whole rows per step when they fit."""
     block_w = min(p2(row_words), COPY_TILE_WORDS)
     return max(COPY_TILE_WORDS // block_w, 1), block_w
-
-
-@triton.jit
-def copy_rows(src, dst, live, row_words, BLOCK_W: tl.constexpr):
-    """Copy ``row_words`` 8-byte words of each row: ``src``/``dst`` are [BLOCK_R] int64 pointers to
-    the rows' first words; rows where ``live`` is False are skipped. No ordering here: the
-    callers' arrival/wait steps (sync.py) bracket it."""
-    cols = tl.arange(0, BLOCK_W)
-    for start in range(0, row_words, BLOCK_W):
-        c = start + cols
-        m = live[:, None] & (c < row_words)[None, :]
-        tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
 
 
 # ====================================================================== get_dispatch_layout
@@ -208,12 +197,14 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                       half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
                       HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr):
+                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
     # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
     # first R programs write, for each destination j, the ascending list of tokens sent to j.
     # Then arrive and RELEASE the epoch to every rank: peers pull after acquiring it.
+    # ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
+    x_words = multiple(x_words, 2, ALIGNED)
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
@@ -237,7 +228,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
             live = rows < num_rows
             tokens = (token_lo + rows).to(tl.int64)
             src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words
-            dst = (half + x_offset).to(tl.pointer_type(tl.int64)) + rows.to(tl.int64) * x_words
+            dst = word_ptr(half + x_offset, ALIGNED) + rows.to(tl.int64) * x_words
             copy_rows(src, dst, live, x_words, BLOCK_W)
             if HAS_SCALES:
                 s = tl.arange(0, S_P2)
@@ -261,7 +252,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
 
 STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i64", "*i64",
                                        "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                       "i64", "i64", "i64", "i64", "i64", "i64"])
+                                       "i64", "i64", "i64", "i64", "i64", "i64"], aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== dispatch: pull
@@ -279,14 +270,16 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
                      num_local, timeout_ns,
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                     R_P2: tl.constexpr):
+                     R_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # ACQUIRE every rank's staged rows for this epoch, then for each received row r: its source
     # rank (from the prefix column: rows are grouped by source) and source token (read from the
     # source's token list for this rank) — with INDEX, written to the handle arrays; otherwise
     # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
     # staging half. Top-k ids become local ids (-1 for other ranks' experts, weight 0). Rows past
     # the received total (num_worst_tokens padding) get source index -1 and top-k -1.
+    # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     pid = tl.program_id(0)
+    x_words = multiple(x_words, 2, ALIGNED)
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
@@ -318,7 +311,7 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
         staged = tl.load(normal_bases_ptr + src, mask=move, other=0) + half_offset
         srow = (token - token_lo).to(tl.int64)
         rows64 = rows.to(tl.int64)
-        sx = (staged + x_offset).to(tl.pointer_type(tl.int64)) + srow * x_words
+        sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
         dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
         copy_rows(sx, dx, move, x_words, BLOCK_W)
         if HAS_SCALES:
@@ -344,7 +337,8 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
 
 PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
                                      "*fp32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64"])
+                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64"],
+                  aligned_if={"ALIGNED": ["recv_x_ptr"]})
 
 
 # ====================================================================== combine: push
@@ -356,12 +350,14 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
                     slots_w_offset,
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
-                    R_P2: tl.constexpr):
+                    R_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
     # stores), for tokens in [token_lo, token_hi); then arrive and RELEASE the epoch to every rank.
     # The slots are free: the home read them two barriers ago (double buffering, sync.py).
+    # ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    x_words = multiple(x_words, 2, ALIGNED)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
@@ -373,7 +369,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
         slot = (token - token_lo).to(tl.int64) * num_ranks + rank
         base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
         sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
-        dx = (base + slots_x_offset).to(tl.pointer_type(tl.int64)) + slot * x_words
+        dx = word_ptr(base + slots_x_offset, ALIGNED) + slot * x_words
         copy_rows(sx, dx, move, x_words, BLOCK_W)
         if HAS_WEIGHTS:
             k = tl.arange(0, K_P2)
@@ -388,7 +384,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
 
 
 PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",
-                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64"])
+                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64"], aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== combine: reduce
@@ -401,17 +397,19 @@ def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
                       num_tokens, token_lo, token_hi, hidden, num_topk, rank, num_ranks, half_bytes,
                       slots_x_offset, slots_w_offset, timeout_ns,
                       NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
-                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr):
+                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # ACQUIRE the rows pushed to this rank for this epoch, then for each token t of the round:
     # out[t] = Σ_j slot(t, j) over ranks j with is_token_in_rank[t, j], in float32, + biases.
+    # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
+    hidden = multiple(hidden, 8, ALIGNED)
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
     wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts_address.to(tl.pointer_type(tl.int64)), timeout_ns,
                HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)  # ACQUIRE: rows pushed here
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
-    slots_x = (half + slots_x_offset).to(tl.pointer_type(tl.bfloat16))
+    slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))
     ranks = tl.arange(0, R_P2)
     cols = tl.arange(0, BLOCK_C)
@@ -437,7 +435,8 @@ def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
 
 
 REDUCE = KernelSpec(ep_combine_reduce, ["*i8", "*bf16", "*fp32", "*bf16", "*bf16", "*i64", "*i64", "*i64", "i64",
-                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64"])
+                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64"],
+                    aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})
 
 
 # ====================================================================== host side
@@ -461,8 +460,9 @@ class DispatchPlan:
     offsets: Tuple[int, int, int]  # staging offsets of x, scales, top-k rows (half 0)
     round_tokens: int
     block_r: int
-    stage_lists: object  # BoundKernel: stage + token lists (round 0 of a full dispatch)
-    stage: object
+    rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
+    stage_lists: Specialisations  # ALIGNED -> stage + token lists (round 0 of a full dispatch)
+    stage: Specialisations  # ALIGNED -> stage
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
 
@@ -473,8 +473,9 @@ class CombinePlan:
     slots_w: int
     round_tokens: int
     block_r: int
-    push: object
-    reduce: object
+    rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
+    push: Specialisations  # ALIGNED (expert outputs aligned) -> push
+    reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
 
 
 class NormalMode:
@@ -532,11 +533,13 @@ class NormalMode:
         block_r, block_w = copy_block_shape(x_bytes // 8)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2)
+        rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
         return DispatchPlan(x_bytes // 8, num_scales, num_topk, topk_row_bytes, offsets, round_tokens, block_r,
-                            STAGE.bind(num_warps=COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024, **meta),
-                            STAGE.bind(num_warps=COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024, **meta),
-                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, **meta),
-                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, **meta))
+                            rows_aligned,
+                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024, **meta),
+                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024, **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned, **meta))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         b, ws, R, rank, dev = self.b, self.ws, self.R, self.rank, self.device
@@ -545,6 +548,7 @@ class NormalMode:
         x = args.x
         is_fp8 = x.__class__ is tuple
         x, scales = x if is_fp8 else (x, x)
+        x, x_aligned = for_word_copies(x)
         num_tokens, hidden = x.shape
         topk_idx = args.topk_idx if not cached else None
         num_topk = topk_idx.shape[1] if topk_idx is not None else 0
@@ -573,7 +577,7 @@ class NormalMode:
                 prefix, recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
                 ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment)
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
-            self._stage(plan, args, x, scales, 0, round_tokens, True, stream)
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream)
             if args.num_worst_tokens == 0:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
@@ -599,7 +603,7 @@ class NormalMode:
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if cached or round_idx > 0:
-                self._stage(plan, args, x, scales, lo, hi, False, stream)
+                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
@@ -616,14 +620,15 @@ class NormalMode:
         return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
                               handle)
 
-    def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, scales, lo: int, hi: int, write_lists: bool,
-               stream: int) -> None:
+    def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
+               write_lists: bool, stream: int) -> None:
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
         in_rank = args.is_token_in_rank if args.handle is None else args.handle.is_token_in_rank
         topk, weights = (args.topk_idx, args.topk_weights) if plan.num_topk else (x, x)
-        (plan.stage_lists if write_lists else plan.stage).launch(
+        kernels = plan.stage_lists if write_lists else plan.stage
+        kernels[plan.rows_aligned and x_aligned].launch(
             programs + (self.R if write_lists else 0), 1, stream,
             x, scales, scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             topk, weights, in_rank, self.bases, self.bases, self.state, num_tokens, lo, hi, plan.x_words,
@@ -638,11 +643,12 @@ class NormalMode:
         (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
         block_r, block_w = copy_block_shape(x_bytes // 8)
         block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
-        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r,
-                           PUSH.bind(num_warps=COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
-                                     K_P2=p2(num_topk), R_P2=self.R_P2),
-                           REDUCE.bind(num_warps=16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
-                                       HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk)))
+        rows_aligned = hidden % 8 == 0  # 16-byte accesses (copy.py) where x / the biases are aligned too
+        push = Specialisations(PUSH, ["ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
+                               BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2)
+        reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
+                                 HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
+        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned, push, reduce)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -671,12 +677,15 @@ class NormalMode:
         w_out = combined_w if num_topk else combined
         push_programs = max(1, min(config.num_sms, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
+        x, x_aligned = for_word_copies(x)
+        push = plan.push[plan.rows_aligned and x_aligned]
+        reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            plan.push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, self.bases,
+            push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, self.bases,
                              self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4, num_topk, half_bytes,
                              plan.slots_x, plan.slots_w)
-            plan.reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
+            reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
                                handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
                                self.state, b.mailbox.timeouts_address, num_tokens, lo, hi, hidden, num_topk, rank, R,
                                half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns)

@@ -120,7 +120,9 @@ class Workspace:
         per_token = sum(row_bytes)
         tokens = (self.payload_bytes - len(row_bytes) * ALIGN) // per_token if per_token else 0
         if tokens <= 0:
-            raise EPError(f"num_nvl_bytes is too small to stage one token of {per_token} bytes")
+            raise EPError(f"the Buffer's num_nvl_bytes leaves {self.payload_bytes} bytes per half for staging, "
+                          f"less than one token of {per_token} bytes: make the Buffer with a larger num_nvl_bytes "
+                          f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) gives DeepEP's size)")
         offsets, offset = [], self.payload_offset
         for nbytes in row_bytes:
             offsets.append(offset)

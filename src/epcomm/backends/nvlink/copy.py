@@ -1,0 +1,84 @@
+"""Row copies and address helpers shared by the nvlink kernels: 16-byte accesses where alignment allows.
+
+Triton moves 16 bytes per thread and access only where it can prove a pointer 16-byte aligned and
+a row length a multiple of 16 bytes. It cannot prove either for what epcomm copies: peer addresses
+are integers cast to pointers (the cast drops all alignment knowledge) and row lengths are runtime
+scalars (a ``tl.multiple_of`` hint on a scalar argument is not carried through). Without the proof
+every copy runs on 8-byte (or 2-byte bf16) accesses: twice (eight times) the memory instructions for
+the same bytes. The kernels therefore take an ``ALIGNED`` constexpr: the host sets it when every
+address involved is 16-byte aligned and every row length a multiple of 16 bytes (workspace offsets
+always are; user tensors are checked per call), and the helpers below then state it to the compiler:
+
+- :func:`word_ptr` / :func:`ptr_at`: an int64 byte address as a pointer, marked 16-byte aligned;
+- pointer arguments: ``KernelSpec(aligned_if={"ALIGNED": [...]})`` declares them aligned in the
+  ALIGNED specialisations (a ``tl.multiple_of`` on an argument inside the kernel is dropped);
+- :func:`multiple`: a length rewritten as ``(n // M) * M``, the form the compiler reads as a
+  multiple of ``M``.
+
+Marking something aligned that is not makes the GPU fault, so ``ALIGNED=False`` keeps the plain
+8-byte path for other inputs (same results, fewer bytes per access); an input the kernels copy in
+words that is not even 8-byte aligned is copied first (:func:`for_word_copies`).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def is_aligned(*tensors) -> bool:
+    """Host side: every tensor's data starts on a 16-byte boundary."""
+    for t in tensors:
+        if t.data_ptr() & 15:
+            return False
+    return True
+
+
+def for_word_copies(t):
+    """Host side: ``(t, aligned)`` for a tensor the kernels copy in 8-byte words — ``aligned`` when
+    it starts on a 16-byte boundary. A tensor not even 8-byte aligned (a view at an odd element
+    offset) is copied first: word loads from it would fault. Same values either way."""
+    offset = t.data_ptr() & 15
+    if offset & 7:
+        return t.clone(), True  # a fresh allocation: aligned
+    return t, offset == 0
+
+
+@triton.jit
+def ptr_at(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """int64 byte address(es) → pointer(s) to ``DTYPE``; marked 16-byte aligned when ``ALIGNED``.
+    (The mark must sit on an operation made here: on a value passed in, Triton drops it.)"""
+    ptr = address.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def word_ptr(address, ALIGNED: tl.constexpr):
+    """int64 byte address(es) → int64 pointer(s); marked 16-byte aligned when ``ALIGNED``."""
+    ptr = address.to(tl.pointer_type(tl.int64))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def multiple(n, M: tl.constexpr, ALIGNED: tl.constexpr):
+    """``n``, which the host checked is a multiple of ``M`` (a power of two), in the form
+    ``(n // M) * M`` that the compiler reads as one, when ``ALIGNED``."""
+    if ALIGNED:
+        n = (n // M) * M
+    return n
+
+
+@triton.jit
+def copy_rows(src, dst, live, row_words, BLOCK_W: tl.constexpr):
+    """Copy ``row_words`` 8-byte words of each row: ``src``/``dst`` are [BLOCK_R] int64 pointers to
+    the rows' first words; rows where ``live`` is False are skipped. With 16-byte aligned row
+    pointers and an even ``row_words`` (:func:`word_ptr`, :func:`multiple`) each access moves 16 bytes.
+    No ordering here: the callers' arrival/wait steps (sync.py) bracket it."""
+    cols = tl.arange(0, BLOCK_W)
+    for start in range(0, row_words, BLOCK_W):
+        c = start + cols
+        m = live[:, None] & (c < row_words)[None, :]
+        tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
