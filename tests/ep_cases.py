@@ -647,3 +647,16 @@ def gpu_misaligned_inputs(hidden: int = 2048):
     assert not failures, failures
     torch.cuda.synchronize()
     return True
+
+
+def gpu_low_latency_one_launch(hidden: int = 2048):
+    """EPCOMM_LL_ONE_LAUNCH=1: calls without a hook run both phases in one cooperative launch;
+    the randomized sweep (hooks included) and a CUDA graph still match the reference."""
+    import os
+    os.environ["EPCOMM_LL_ONE_LAUNCH"] = "1"
+    try:
+        R, _ = world()
+        size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, 8 * R)
+        return low_latency_sweep(8, 500, hidden, 8, 128, "cuda", size), gpu_low_latency_graph(2, hidden)
+    finally:
+        del os.environ["EPCOMM_LL_ONE_LAUNCH"]

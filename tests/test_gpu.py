@@ -96,3 +96,7 @@ def test_expert_major_layout(gpu_pool):
 
 def test_misaligned_inputs_take_the_8_byte_path(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_misaligned_inputs, timeout_s=300) == [True] * gpu_pool.world_size
+
+
+def test_low_latency_in_one_launch(gpu_pool):
+    assert gpu_pool.run(ep_cases.gpu_low_latency_one_launch, timeout_s=300) == [(8, 2)] * gpu_pool.world_size
