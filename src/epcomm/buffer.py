@@ -427,6 +427,11 @@ class Buffer:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
             an FP8 pair whose scales ``[E_local, R*M, H/128]`` (int32 ``H/512`` with UE8M0) are
             column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
+
+        Warning:
+            The buffer has two halves, used in turn: hold at most two low-latency results at once.
+            A dispatch's ``handle`` and ``recv_count`` (and its received data, until ``hook()``)
+            are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
         """
         self._check_low_latency()
         try:
