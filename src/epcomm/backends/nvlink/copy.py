@@ -55,11 +55,8 @@ def ptr_at(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def word_ptr(address, ALIGNED: tl.constexpr):
-    """int64 byte address(es) → int64 pointer(s); marked 16-byte aligned when ``ALIGNED``."""
-    ptr = address.to(tl.pointer_type(tl.int64))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
+    """:func:`ptr_at` for 8-byte words, what the row copies move."""
+    return ptr_at(address, tl.int64, ALIGNED)
 
 
 @triton.jit
