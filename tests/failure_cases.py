@@ -145,3 +145,100 @@ def low_latency_dead_rank(timeout: float = 2.0):
     assert status.tolist() == [1 if r == dead else 0 for r in range(R)], status.tolist()
     assert elapsed[0] < timeout + 5 and elapsed[-1] < 1.0, elapsed  # masked once, then not waited for
     return "masked"
+
+
+# ---------------------------------------------------------------------- the nvlink backend (2+ GPUs)
+GPU_CASES = {  # case -> the argument every rank's EPInputError must name
+    "hidden": "hidden", "x": "x", "num_topk": "num_topk", "handle": "handle",
+    "num_tokens_per_rank": "num_tokens_per_rank", "num_tokens_per_expert": "num_tokens_per_expert",
+    "rejected_dispatch": "x", "rejected_combine": "x",
+    "ll_num_experts": "num_experts", "ll_rejected": "x",
+}
+
+
+def gpu_contract(case: str, timeout: float = 3.0):
+    """One failure case on the nvlink backend: every rank raises EPInputError naming the argument —
+    in the call itself, or at the next call once the GPU ran the failing one (the kernels record,
+    the host raises; no extra synchronisation on the hot path) — and afterwards a new Buffer works
+    (the CUDA context survived). Returns ``(error class, argument)`` of this rank's first error."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, K, T, hidden = 4 * R, 2, 64, 256
+    xs, topks, weights = make_routing(70, "uniform", R, num_experts, K, T, 512, fixed_tokens=T)
+    x, topk, w = xs[rank][:, :hidden].contiguous().to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    ll = case.startswith("ll_")
+    ll_bytes = epcomm.Buffer.get_low_latency_rdma_size_hint(T, 512, R, 2 * num_experts) if ll else 0
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, num_rdma_bytes=ll_bytes, low_latency_mode=ll,
+                           timeout=timeout)
+    args = _layout_args(buffer, topk, num_experts)
+    odd = rank == R - 1  # the rank that differs
+
+    def dispatch(payload=x, **changes):
+        return buffer.dispatch(payload, **dict(args, topk_idx=topk, topk_weights=w, **changes))
+
+    def first_call():
+        if case == "hidden":
+            return dispatch(xs[rank][:, :384 if odd else hidden].contiguous().to(dev))
+        if case == "x":
+            return dispatch(epcomm.per_token_cast_to_fp8(x) if odd else x)
+        if case == "num_topk":
+            return buffer.dispatch(x, **args) if odd else dispatch()
+        if case == "handle":
+            first, second = dispatch()[4], dispatch()[4]
+            handle = second if odd else first
+            return buffer.combine(torch.ones(handle.num_recv_rows, hidden, dtype=torch.bfloat16, device=dev), handle)
+        if case == "num_tokens_per_rank":
+            return dispatch(num_tokens_per_rank=args["num_tokens_per_rank"] + (1 if odd else 0))
+        if case == "num_tokens_per_expert":
+            return dispatch(num_tokens_per_expert=torch.zeros_like(args["num_tokens_per_expert"]) if odd else
+                            args["num_tokens_per_expert"])
+        if case == "rejected_dispatch":
+            return dispatch(x.float() if odd else x)
+        if case == "rejected_combine":
+            handle = dispatch()[4]
+            y = torch.ones(handle.num_recv_rows + (1 if odd else 0), hidden, dtype=torch.bfloat16, device=dev)
+            return buffer.combine(y, handle)
+        if case == "ll_num_experts":
+            return buffer.low_latency_dispatch(x, topk, T, 2 * num_experts if odd else num_experts, use_fp8=False)
+        if case == "ll_rejected":
+            return buffer.low_latency_dispatch(torch.cat([x, x]) if odd else x, topk, T, num_experts, use_fp8=False)
+        raise ValueError(case)
+
+    def next_call():
+        if ll:
+            return buffer.low_latency_dispatch(x, topk, T, num_experts, use_fp8=False)
+        return dispatch()
+
+    outcome = _outcome(first_call)
+    if outcome[0] == "ok":
+        torch.cuda.synchronize()  # the failing call's kernels have run: the next call raises
+        outcome = _outcome(next_call)
+    torch.cuda.synchronize()
+    del buffer
+    fresh = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, timeout=timeout)
+    recv_x, _, _, _, handle, _ = fresh.dispatch(x, **_layout_args(fresh, topk, num_experts), topk_idx=topk,
+                                                topk_weights=w)
+    fresh.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    return outcome[:2]
+
+
+def gpu_out_of_range_expert():
+    """An expert id >= num_experts in topk_idx: no device assert; the layout kernel drops it and
+    the next call raises EPInputError naming topk_idx on that rank; the buffer stays usable."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * R
+    xs, topks, weights = make_routing(71, "uniform", R, num_experts, 2, 32, 256, fixed_tokens=32)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, timeout=3.0)
+    bad = topks[rank].to(dev).clone()
+    bad[0, 0] = num_experts + 5
+    buffer.get_dispatch_layout(bad, num_experts)
+    torch.cuda.synchronize()
+    outcome = _outcome(lambda: buffer.get_dispatch_layout(topks[rank].to(dev), num_experts))
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **_layout_args(buffer, topk, num_experts), topk_idx=topk,
+                                                 topk_weights=w)
+    buffer.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    return outcome[:2]

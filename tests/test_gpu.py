@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ep_cases
+import failure_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -100,3 +101,16 @@ def test_misaligned_inputs_take_the_8_byte_path(gpu_pool):
 
 def test_low_latency_in_one_launch(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_low_latency_one_launch, timeout_s=300) == [(8, 2)] * gpu_pool.world_size
+
+
+@pytest.mark.parametrize("case", sorted(failure_cases.GPU_CASES))
+def test_failure_contract_on_nvlink(gpu_pool, case):
+    """Disagreeing ranks, a rank that rejects its input, counts that do not match the routing:
+    every rank raises EPInputError naming the argument (no hang, no crash), and a new Buffer works."""
+    results = gpu_pool.run(failure_cases.gpu_contract, case, timeout_s=120)
+    assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * gpu_pool.world_size, results
+
+
+def test_out_of_range_expert_ids_raise_without_a_device_assert(gpu_pool):
+    assert gpu_pool.run(failure_cases.gpu_out_of_range_expert, timeout_s=120) == \
+        [("EPInputError", "topk_idx")] * gpu_pool.world_size

@@ -8,6 +8,7 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from epcomm.backends.nvlink import agreement as A  # noqa: E402
 from epcomm.backends.nvlink import low_latency as L  # noqa: E402
 from epcomm.backends.nvlink import normal as N  # noqa: E402
 from epcomm.backends.nvlink import sync as S  # noqa: E402
@@ -17,9 +18,11 @@ def _cases():
     yield S._probe_kernel, {}, 1
     yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
+    yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128), 4
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
     for fp8, topk, lists, al in itertools.product([False, True], repeat=4):
-        yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, ALIGNED=al, **copy), 16
+        yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128, ALIGNED=al,
+                             **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al), 16
@@ -60,7 +63,7 @@ def test_spec_rejects_wrong_type_count():
 
 # Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
 @pytest.mark.parametrize("spec,constexprs,num_warps", [
-    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, BLOCK_R=8, BLOCK_W=2048,
+    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
                    S_P2=64, K_P2=8, R_P2=8), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8), 16),

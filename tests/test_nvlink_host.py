@@ -4,6 +4,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from epcomm.backends.nvlink import agreement  # noqa: E402
 from epcomm.backends.nvlink.normal import cdiv, copy_block_shape, p2  # noqa: E402
 from epcomm.backends.nvlink.sync import HostMailbox  # noqa: E402
 from epcomm.errors import EPInputError, EPTimeoutError  # noqa: E402
@@ -42,7 +43,7 @@ def test_mailbox_notify_wait_is_bounded():
 def test_mailbox_notify_returns_counts():
     box = HostMailbox(2, 8, pinned=False)
     sequence = box.next_sequence()
-    notify = 2 + 2
+    notify = 3 * 2 + 4
     box.view[notify + 1], box.view[notify + 2] = 17, 9
     box.view[notify + 3:notify + 6] = [4, 8, 5]
     box.view[notify] = sequence  # published last, as the kernel does
@@ -55,3 +56,71 @@ def test_host_arithmetic_helpers():
     assert [cdiv(a, b) for a, b in ((0, 4), (1, 4), (8, 4), (9, 4))] == [0, 1, 2, 3]
     assert copy_block_shape(1792) == (8, 2048)  # H=7168 bf16 rows: 8 whole rows per step
     assert copy_block_shape(40000) == (1, 16384)
+
+
+def _post(box, rank, words, own):
+    """What check_fingerprints writes when ``rank``'s row differs from this rank's call ``own``."""
+    R = box.num_ranks
+    box.view[R + 2 + 2 * rank:R + 4 + 2 * rank] = words
+    box.view[R + 2 + 2 * R:R + 4 + 2 * R] = own
+    box.view[0] = 1
+
+
+def test_fingerprint_fields_round_trip():
+    words = agreement.pack(call=agreement.CALL_DISPATCH, hidden=7168, x=2, num_topk=8, num_experts=256,
+                           handle=12345, num_worst_tokens=1)
+    fields = agreement.unpack(words)
+    assert (fields["hidden"], fields["x"], fields["num_topk"], fields["num_experts"], fields["handle"]) == \
+        (7168, 2, 8, 256, 12345)
+    word, shift, mask = agreement.field("handle")
+    assert (words[word] >> shift) & mask == 12345
+    with pytest.raises(KeyError):
+        agreement.pack(hiden=1)
+
+
+def test_mailbox_disagreement_names_the_argument_and_ranks_and_stays_raised():
+    box = HostMailbox(3, 8, pinned=False)
+    own = agreement.pack(call=agreement.CALL_DISPATCH, hidden=256, x=1, num_topk=2, num_experts=12)
+    _post(box, 2, agreement.pack(call=agreement.CALL_DISPATCH, hidden=384, x=1, num_topk=2, num_experts=12), own)
+    for _ in range(2):  # sticky
+        with pytest.raises(EPInputError) as err:
+            box.raise_pending(0, 1.0)
+        assert err.value.argument == "hidden"
+        assert "ranks [0, 1]: 256" in str(err.value) and "ranks [2]: 384" in str(err.value)
+
+
+def test_mailbox_different_calls_name_the_call():
+    box = HostMailbox(2, 8, pinned=False)
+    own = agreement.pack(call=agreement.CALL_COMBINE, hidden=256, x=1)
+    _post(box, 1, agreement.pack(call=agreement.CALL_CACHED, hidden=256, x=1), own)
+    with pytest.raises(EPInputError, match="combine.*dispatch \\(cached\\)") as err:
+        box.raise_pending(0, 1.0)
+    assert err.value.argument == "call"
+
+
+def test_mailbox_abort_names_the_rejected_argument():
+    box = HostMailbox(2, 8, pinned=False)
+    own = agreement.pack(call=agreement.CALL_DISPATCH, hidden=256, x=1)
+    _post(box, 1, agreement.abort_words("topk_weights"), own)
+    with pytest.raises(EPInputError, match="rank 1 rejected its input") as err:
+        box.raise_pending(0, 1.0)
+    assert err.value.argument == "topk_weights"
+
+
+@pytest.mark.parametrize("code,argument", [(agreement.ABORT_NUM_TOKENS_PER_RANK, "num_tokens_per_rank"),
+                                           (agreement.ABORT_NUM_TOKENS_PER_EXPERT, "num_tokens_per_expert")])
+def test_mailbox_device_count_check_names_the_count(code, argument):
+    box = HostMailbox(2, 8, pinned=False)
+    own = agreement.pack(call=agreement.CALL_DISPATCH, hidden=256, x=1)
+    _post(box, 0, (own[0], own[1] | code), own)  # the staging kernel folded the code into rank 0's row
+    with pytest.raises(EPInputError, match="checked on device") as err:
+        box.raise_pending(0, 1.0)
+    assert err.value.argument == argument
+
+
+def test_mailbox_sticky_error_after_this_rank_aborted():
+    box = HostMailbox(2, 8, pinned=False)
+    box.sticky = EPInputError("x", "an earlier call was rejected")
+    for _ in range(2):
+        with pytest.raises(EPInputError, match="earlier"):
+            box.raise_pending(0, 1.0)

@@ -4,6 +4,7 @@ This class only wires the parts together; each concern has its own module:
 
     workspace.py     the symmetric-memory layout (the only owner of offsets and sizes)
     sync.py          flags, epochs, bounded waits, the host mailbox, the memory-ordering contract
+    agreement.py     call fingerprints (carried by every signal) and aborts: ranks raise together
     launch.py        kernels compiled once per specialisation, launched without Triton's binder
     normal.py        layout, dispatch and combine kernels (normal mode) and their launches
     low_latency.py   low-latency kernels and their launches
@@ -13,12 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...errors import EPInputError
 from ..base import Backend, DispatchArgs, DispatchResult
-from . import sync
+from . import agreement, sync
+from .launch import current_stream
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 from .sync import HostMailbox, check_host_mapping, device_state
-from .workspace import Workspace
+from .workspace import FINGERPRINTS_OFFSET, NUM_FP_SETS, Workspace
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
@@ -40,8 +43,31 @@ class NVLinkBackend(Backend):
         self.low_latency = LowLatencyMode(self)
 
     def raise_pending(self) -> None:
-        """Raise what kernels reported since the last call (timeouts, dropped input)."""
+        """Raise what kernels reported since the last call (disagreements, timeouts, dropped input)."""
         self.mailbox.raise_pending(self.rank, self.timeout_s)
+
+    def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
+        """Calls agree through the fingerprints their kernels carry (agreement.py); here only a
+        rejected input acts: the peers are told (:meth:`abort`), so every rank raises."""
+        if error is not None:
+            self.abort(kind, error)
+
+    def abort(self, kind: str, error: EPInputError) -> None:
+        """This rank rejected its input for a ``kind`` call its peers make: launch the abort kernel
+        (the peers' waits end and they raise naming ``error.argument``), and raise on every later
+        call here (the ranks' calls are no longer paired)."""
+        ll_shapes = [(self.ws.ll_half_offset(0), self.ws.ll_half_offset(1), experts // self.num_ranks)
+                     for experts in sorted(self.low_latency.num_experts_seen)] if self.ws.ll_half else []
+        shapes = torch.tensor(ll_shapes or [(0, 0, 0)], dtype=torch.int64).to(self.device, non_blocking=True)
+        fp0, fp1 = agreement.abort_words(error.argument)
+        r_p2 = 1 << (self.num_ranks - 1).bit_length()
+        agreement.ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS, R_P2=r_p2,
+                             BLOCK_L=128).launch(
+            1, 1, current_stream(self.device.index), self.ws.bases, self.state, FINGERPRINTS_OFFSET, shapes,
+            len(ll_shapes), fp0, fp1, self.rank, self.num_ranks)
+        self.mailbox.sticky = EPInputError(error.argument, f"an earlier {kind} call on rank {self.rank} was rejected "
+                                                           f"({error}); its peers raised too. The ranks' calls are no "
+                                                           f"longer paired: destroy this Buffer and create a new one")
 
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
         return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)

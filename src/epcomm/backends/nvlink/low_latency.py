@@ -37,11 +37,13 @@ import triton.language as tl
 
 from ...errors import EPError
 from ...handle import LowLatencyHandle
-from . import sync
+from . import agreement, sync
 from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
+from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
 from .normal import p2
-from .sync import arrive, poll_epochs, publish, report_late, signal_peers, wait_peers
+from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, poll_epochs, post_fingerprint, publish, report_dropped,
+                   report_late, signal_peers, wait_peers)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -53,6 +55,7 @@ class LowLatencyState:
 
     slot_info: torch.Tensor  # [E_local, R*M] int32: home slot token * K + k of each packed row
     num_topk: int
+    sequence: int = 0  # the dispatch's call number: the same on every rank (fingerprints)
 
 
 # ====================================================================== dispatch
@@ -67,7 +70,7 @@ def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
 
 
 @triton.jit
-def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, dropped_address,
+def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mailbox_address,
                    hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank, msg_bytes, x_words,
                    half_offset, recv_offset,
                    USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -82,9 +85,7 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, drop
     expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=in_k, other=-1)
     dropped = tl.sum((in_k & ((expert < -1) | (expert >= num_experts))).to(tl.int32), axis=0)
     if dropped > 0:  # reported to the host; the entries are skipped
-        words = dropped_address.to(tl.pointer_type(tl.int64))
-        tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
-        tl.store(words - (num_ranks + 1), 1)
+        report_dropped(mailbox_address, num_ranks, dropped)
     send = in_k & (expert >= 0) & (expert < num_experts)
     dst = tl.where(send, expert // num_local, 0)
     send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
@@ -133,13 +134,17 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, drop
 
 
 @triton.jit
-def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank, half_offset,
-                    counts_offset, half, BLOCK_E: tl.constexpr):
+def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, num_ranks, rank,
+                    half_offset, counts_offset, half, fp_rows, fp0, fp1, BLOCK_E: tl.constexpr, R_P2: tl.constexpr):
     """Run by the program arriving last, so every message of this call has been stored (acquired
     through the arrivals): RELEASE each expert's count, tagged with the epoch, to the expert's
-    rank; reset the counters."""
+    rank, with the call's fingerprint (``fp_rows``: bytes from a workspace to the rows of this
+    half); reset the counters."""
     tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
     tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
+    peers = tl.arange(0, R_P2)
+    to_peer = (peers < num_ranks) & (tl.load(mask_ptr + peers, mask=peers < num_ranks, other=1) == 0)
+    post_fingerprint(tl.load(bases_ptr + peers, mask=to_peer, other=0) + fp_rows, rank, to_peer, fp0, fp1, epoch)
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
         in_e = e < num_experts
@@ -157,14 +162,16 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
 
 @triton.jit
 def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, slot_info_ptr, layout_ptr,
-                   recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, half_offset, counts_offset, recv_offset,
-                   num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns,
+                   recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, mailbox_address, half_offset, counts_offset,
+                   recv_offset, num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words,
+                   timeout_ns, fp_rows, fp0, fp1,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
     """ACQUIRE the count words of local expert l from every live source (a word carrying this
     call's epoch means all its messages are stored here), then pack source s's messages for
     expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l, offset = messages
-    of lower sources. A source that stays silent past the timeout is masked."""
+    of lower sources. A source that stays silent past the timeout is masked; one whose call
+    differs (its fingerprint) sends nothing here, and the host raises (agreement.py)."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
     my_half = tl.load(bases_ptr + rank) + half_offset
@@ -174,7 +181,11 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     if HAS_WAIT_STATS:
         if l == 0:
             tl.atomic_add(wait_stats_ptr + s, tl.sum(tl.where(sources == s, waited, 0), axis=0), sem="relaxed")
-    counts = tl.where(live & (late == 0), words & 0xFFFFFFFF, 0).to(tl.int32)
+    _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+    # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
+    differ = check_fingerprints(tl.load(bases_ptr + rank) + fp_rows, sources, live, fp0, fp1, epoch, agreement,
+                                num_ranks)
+    counts = tl.where(live & (late == 0) & (differ == 0), words & 0xFFFFFFFF, 0).to(tl.int32)
     offset = tl.sum(tl.where(sources < s, counts, 0), axis=0)
     n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
     tl.store(layout_ptr + l * num_ranks + s, (offset.to(tl.int64) << 32) | n.to(tl.int64))
@@ -219,7 +230,7 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                    mask_ptr,  # [R] int32: masked ranks receive nothing / are not waited for
                    bases_ptr,  # [R] int64: each rank's workspace
                    state_ptr,  # [16] int64 local (sync.py)
-                   dropped_address,  # host mailbox: count of ids outside [-1, E)
+                   mailbox_address,  # host mailbox (sync.py)
                    out_x_ptr,  # [E_local, R*M, x_bytes] bytes of recv_x
                    out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
                    src_info_ptr, slot_info_ptr,  # [E_local, R*M] int32: source token; home slot t*K+k
@@ -229,6 +240,7 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                    wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
                    num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
                    msg_bytes, x_bytes, scale_words, half_offset, counts_offset, recv_offset, half, timeout_ns,
+                   fp_offset, fp0, fp1,
                    SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -243,18 +255,19 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     hidden = multiple(hidden, 128, True)
+    fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     if SEND:
         # Read before this program arrives, so before the last arriver stores epoch + 1.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
         groups = tl.cdiv(num_topk, MSGS)
         for item in range(pid, num_tokens * groups, num_programs):
             _send_messages(item // groups, item % groups, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr,
-                           dropped_address, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
+                           mailbox_address, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
                            msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset,
                            USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS)
         if arrive(state_ptr + sync.ARRIVE_LL_SEND, num_programs):
-            _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank,
-                            half_offset, counts_offset, half, BLOCK_E)
+            _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, num_ranks,
+                            rank, half_offset, counts_offset, half, fp_rows, fp0, fp1, BLOCK_E, R_P2)
     else:
         # A hook's receive launch: the epoch its half was sent with (another dispatch may have
         # used the other half since).
@@ -263,15 +276,15 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
         for item in range(pid, num_local * num_ranks, num_programs):
             _pack_received(item // num_ranks, item % num_ranks, epoch, mask_ptr, out_x_ptr, out_scales_ptr,
                            src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
-                           bases_ptr, half_offset, counts_offset, recv_offset, num_local, num_ranks, rank, max_tokens,
-                           num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, HAS_STATS, HAS_WAIT_STATS, BLOCK_X,
-                           BLOCK_S, BLOCK_M, R_P2)
+                           bases_ptr, mailbox_address, half_offset, counts_offset, recv_offset, num_local, num_ranks,
+                           rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, fp_rows, fp0, fp1,
+                           HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S, BLOCK_M, R_P2)
 
 
 DISPATCH = KernelSpec(ep_ll_dispatch, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64",
                                        "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64",
                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64"],
+                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
                       aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]})
 
 
@@ -331,18 +344,22 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
                   wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
                   my_flags_address,  # this rank's LL-combine flag set
                   slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
+                  mailbox_address,  # host mailbox (sync.py)
                   num_tokens, hidden, num_topk, num_local, num_ranks, rank, max_tokens, x_words, half_offset,
-                  combine_offset, half, timeout_ns,
+                  combine_offset, half, timeout_ns, fp_offset, fp0, fp1,
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # SEND: programs take the (local expert, source) pairs in turn (_push_rows); the program
-    # arriving last RELEASES the epoch into every live peer's flag. RECEIVE: ACQUIRE every live
-    # peer's flag for this call, then reduce this program's tokens (_reduce_tokens). One launch
+    # arriving last RELEASES the epoch, with the call's fingerprint, into every live peer's flag.
+    # RECEIVE: ACQUIRE every live peer's flag for this call and check the fingerprints (a
+    # difference: nothing is reduced, the host raises), then reduce this program's tokens
+    # (_reduce_tokens). One launch
     # when no hook splits them (a cooperative grid, all resident: see ep_ll_dispatch).
     # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     hidden = multiple(hidden, 128, True)
+    fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     if SEND:
         epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
         for item in range(pid, num_local * num_ranks, num_programs):
@@ -352,12 +369,19 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
             tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
             tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
             signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
-                         (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True, R_P2=R_P2)  # RELEASE: rows -> homes
+                         (state_ptr + sync.SPARE).to(tl.int64), fp_rows, fp0, fp1, HAS_MASK=True,
+                         R_P2=R_P2)  # RELEASE: rows -> homes
     else:
         epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
     if RECEIVE:
         waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
                             timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
+        peers = tl.arange(0, R_P2)
+        live = (peers < num_ranks) & (tl.load(mask_ptr + peers, mask=peers < num_ranks, other=1) == 0)
+        _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+        differ = check_fingerprints(tl.load(bases_ptr + rank) + fp_rows, peers, live, fp0, fp1, epoch, agreement,
+                                    num_ranks)
+        num_tokens = tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_tokens, 0)
         if HAS_WAIT_STATS:
             if pid == 0:
                 peers = tl.arange(0, R_P2)
@@ -367,8 +391,8 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
 
 
 COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
-                                     "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                     "i64", "i32", "i64"],
+                                     "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
                      aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]})
 
 
@@ -379,6 +403,7 @@ class DispatchPlan:
     kernels: Specialisations  # (SEND, RECEIVE, HAS_STATS, HAS_WAIT_STATS, ALIGNED) -> ep_ll_dispatch
     send_groups: int  # message groups (send items) per token
     counters: torch.Tensor  # [E] int32 slot counters, zero between calls
+    fingerprint: tuple  # agreement.py: the call's two words
     # Per buffer half: (src_info, slot_info, recv_layout, recv_count, handle), made on first use.
     # A result lives until the second dispatch after it (the two halves), as DeepEP documents;
     # reusing its index tensors spares four allocations per call. recv_x is fresh every call.
@@ -389,6 +414,7 @@ class DispatchPlan:
 class CombinePlan:
     layout: object
     kernels: Specialisations  # (SEND, RECEIVE, HAS_WAIT_STATS, ALIGNED) -> ep_ll_combine
+    fingerprint: tuple  # agreement.py: the call's two words (the handle's dispatch number added)
 
 
 class LowLatencyMode:
@@ -409,6 +435,7 @@ class LowLatencyMode:
         self.bases = self.ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
         self.flags = self.ws.local_base + sync.FLAGS_LL_COMBINE * self.R * 8
+        self.fingerprints = (self.ws.fingerprint_set(FP_LL_DISPATCH), self.ws.fingerprint_set(FP_LL_COMBINE))
         self._calls = [0, 0]  # dispatch, combine: which half the next call uses
         self._dispatch_plans = {}
         self._combine_plans = {}
@@ -435,7 +462,10 @@ class LowLatencyMode:
                                   USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
                                   MSGS=msgs, BLOCK_E=min(1024, p2(E)), BLOCK_X=1024, BLOCK_S=p2(layout.scale_words),
                                   BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2)
-        return DispatchPlan(layout, kernels, -(-K // msgs), counters, [None, None])
+        words = agreement.pack(call=agreement.CALL_LL_DISPATCH, hidden=hidden, x=1, num_topk=K, num_experts=E,
+                               num_max_dispatch_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
+                               use_ue8m0=use_ue8m0)
+        return DispatchPlan(layout, kernels, -(-K // msgs), counters, words, [None, None])
 
     def dispatch(self, args):
         R, rank, dev = self.R, self.rank, self.device
@@ -448,7 +478,8 @@ class LowLatencyMode:
             plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
         layout = plan.layout
         num_local = E // R
-        half = self._calls[0] & 1
+        sequence = self._calls[0]
+        half = sequence & 1
         self._calls[0] += 1
         slots = R * M
         scale_words = layout.scale_words
@@ -466,14 +497,14 @@ class LowLatencyMode:
             handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
             per_half = plan.per_half[half] = (src_info, slot_info, recv_layout, recv_count, handle)
         src_info, slot_info, recv_layout, recv_count, handle = per_half
+        handle.backend_state.sequence = sequence
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
-        launch_args = (x, topk, plan.counters, args.rank_mask, self.bases, self.state,
-                       self.b.mailbox.input_errors_address, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
+        launch_args = (x, topk, plan.counters, args.rank_mask, self.bases, self.state, self.b.mailbox.address, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
                        recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
                        num_tokens, hidden, K, E, num_local, M, R, rank, layout.msg_bytes, layout.x_bytes, scale_words,
                        self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half,
-                       self.b.timeout_ns)
+                       self.b.timeout_ns, self.fingerprints[0], *plan.fingerprint)
         send_items = num_tokens * plan.send_groups
         packed = (recv_x, scales) if args.use_fp8 else recv_x
         if args.return_recv_hook or not self.one_launch:
@@ -497,7 +528,8 @@ class LowLatencyMode:
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2)
-        return CombinePlan(layout, kernels)
+        return CombinePlan(layout, kernels, agreement.pack(call=agreement.CALL_LL_COMBINE, hidden=hidden, x=1, num_topk=K,
+                                                           num_experts=E, num_max_dispatch_tokens_per_rank=M))
 
     def combine(self, args):
         R, dev = self.R, self.device
@@ -521,10 +553,13 @@ class LowLatencyMode:
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         wait_stats = args.combine_wait_recv_cost_stats
         aligned = x_aligned and is_aligned(out)
+        fp0, fp1 = plan.fingerprint
+        fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         launch_args = (x, handle.recv_layout_range, state.slot_info, args.topk_idx, args.topk_weights, args.rank_mask,
                        self.bases, self.state, out, self.state if wait_stats is None else wait_stats, self.flags,
-                       self.ws.local_base + half_offset + plan.layout.combine, num_tokens, hidden, K, num_local, R,
-                       self.rank, M, hidden // 4, half_offset, plan.layout.combine, half, self.b.timeout_ns)
+                       self.ws.local_base + half_offset + plan.layout.combine, self.b.mailbox.address, num_tokens,
+                       hidden, K, num_local, R, self.rank, M, hidden // 4, half_offset, plan.layout.combine, half,
+                       self.b.timeout_ns, self.fingerprints[1], fp0, fp1)
         pairs = num_local * R
         if args.return_recv_hook or not self.one_launch:
             plan.kernels[True, False, False, aligned].launch(pairs, 1, current_stream(self.dev_index), *launch_args)
@@ -541,6 +576,11 @@ class LowLatencyMode:
         kernel.launch_resident(kernel.resident_grid(max(pairs, num_tokens)), current_stream(self.dev_index),
                                *launch_args)
         return out, None
+
+    @property
+    def num_experts_seen(self):
+        """The expert counts of the low-latency calls made so far (the abort kernel's count words)."""
+        return tuple(self._counters)
 
     def clean(self) -> None:
         """Reset halves and counters (all ranks, with no low-latency call in flight)."""

@@ -33,9 +33,12 @@ from ...errors import EPError
 from ...handle import DispatchHandle
 from ..base import DispatchArgs, DispatchResult
 from . import sync
+from . import agreement
 from .copy import copy_rows, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
-from .sync import arrive, signal_peers, store_release_sys, wait_peers
+from .workspace import FP_NORMAL
+from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, post_fingerprint, report_dropped,
+                   signal_peers, store_release_sys, wait_peers)
 
 # Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
 COPY_TILE_WORDS = 16384
@@ -66,7 +69,7 @@ def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
                        in_rank_ptr,  # out [T, R] int8 (bool): token t goes to rank j
                        partial_ptr,  # scratch [programs, E_P2 + R_P2] int32: each program's counts
                        state_ptr,  # [16] int64 local (arrival counter)
-                       dropped_address,  # host mailbox: count of ids outside [-1, E)
+                       mailbox_address,  # host mailbox (sync.py): count of ids outside [-1, E)
                        num_tokens, num_topk, num_experts, num_ranks, experts_per_rank,
                        BLOCK_T: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr,
                        SUM_ROWS: tl.constexpr):
@@ -95,9 +98,7 @@ def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
     tl.store(row + E_P2 + ranks, tl.sum(member, axis=0))
     dropped = tl.sum(((ids < -1) | (ids >= num_experts)).to(tl.int32), axis=None)
     if dropped > 0:
-        words = dropped_address.to(tl.pointer_type(tl.int64))
-        tl.atomic_add(words, dropped.to(tl.int64), sem="relaxed", scope="sys")
-        tl.store(words - (num_ranks + 1), 1)  # the mailbox's "pending" word
+        report_dropped(mailbox_address, num_ranks, dropped)
     if arrive(state_ptr + sync.ARRIVE_LAYOUT, num_programs):
         cols = tl.arange(0, E_P2)
         expert_total = tl.zeros([E_P2], tl.int32)
@@ -124,15 +125,16 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
               per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
               prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
               recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
-              mailbox_address,  # host mailbox: timeouts at +8, notify words at +8*(R+2)
+              mailbox_address,  # host mailbox (sync.py)
               num_tokens, num_experts, rank, num_ranks, half_bytes, counts_offset, timeout_ns, sequence,
-              expert_alignment,
+              expert_alignment, fp_offset, fp0, fp1,
               R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
-    # into row `rank` of peer p's count matrix (half = epoch % 2), RELEASE the epoch into p's flag,
-    # ACQUIRE p's flag here. The program arriving last then owns the complete matrix: it writes
+    # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
+    # p's fingerprint row; RELEASE the epoch into p's flag; ACQUIRE p's flag here and check p's
+    # fingerprint. The program arriving last then owns the complete matrix: it writes
     # rank_prefix_matrix, the receive sizes (device words and host mailbox) and, last, the mailbox
-    # sequence number with a release — the host polls that word.
+    # sequence number with a release — the host polls that word, then raises any disagreement.
     peer = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
@@ -144,15 +146,20 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         value += tl.load(per_expert_ptr + offs - num_ranks, mask=(offs >= num_ranks) & (offs < row_len - 1), other=0)
         value = tl.where(offs == row_len - 1, num_tokens, value)
         tl.store(dst + offs, value, mask=offs < row_len)
-    tl.debug_barrier()  # every thread's row stores precede the release
+    peers = tl.arange(0, R_P2)
+    one_peer = peers == peer
+    fp_rows = fingerprint_half(fp_offset, epoch % 2, num_ranks)  # this signal's half of the set
+    post_fingerprint(tl.load(flag_bases_ptr + peers, mask=one_peer, other=0) + fp_rows, rank, one_peer, fp0, fp1,
+                     epoch)  # (ends with a CTA barrier: every thread's row stores precede the release)
     peer_flag = (tl.load(flag_bases_ptr + peer) + (sync.FLAGS_NORMAL * num_ranks + rank) * 8).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(peer_flag, epoch, sem="release", scope="sys")  # RELEASE: row -> peer
+    tl.atomic_xchg(peer_flag, epoch, sem="release", scope="sys")  # RELEASE: row, fingerprint -> peer
     # ACQUIRE: peer p's row in this rank's matrix (a timeout is flagged in the mailbox)
-    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
-    one_peer = tl.arange(0, R_P2) == peer
-    timeouts = (mailbox_address + 8).to(tl.pointer_type(tl.int64))
+    my_base = tl.load(flag_bases_ptr + rank)
+    my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
     wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
                HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)
+    check_fingerprints(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch, agreement, num_ranks)
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
@@ -166,7 +173,6 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         max_tokens = tl.max(tl.load(counts + src * row_len + row_len - 1, mask=src < num_ranks, other=0), axis=0)
         tl.store(recv_info_ptr, num_recv)
         tl.store(recv_info_ptr + 1, max_tokens)
-        notify = (mailbox_address + 8 * (num_ranks + 2)).to(tl.pointer_type(tl.int64))
         num_local = num_experts // num_ranks
         for start in range(0, num_local, BLOCK):
             local = start + tl.arange(0, BLOCK)
@@ -179,11 +185,11 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         tl.store(notify + 1, num_recv.to(tl.int64))
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
-        store_release_sys(mailbox_address + 8 * (num_ranks + 2), sequence)  # RELEASE -> host
+        store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
 NOTIFY = KernelSpec(ep_notify, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "i64",
-                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32"])
+                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64"])
 
 
 # ====================================================================== dispatch: stage
@@ -192,16 +198,21 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                       scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32, any strides (FP8)
                       topk_ptr, weights_ptr,  # [T, K] int64 / float32 (full dispatch with top-k)
                       in_rank_ptr,  # [T, R] int8: is_token_in_rank (token lists)
+                      per_rank_ptr, per_expert_ptr,  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
                       normal_bases_ptr, flag_bases_ptr, state_ptr,
                       num_tokens, token_lo, token_hi, x_words, num_scales, num_topk, rank, num_ranks,
                       half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
+                      num_local, fp_offset, fp0, fp1,
                       HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
     # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
-    # first R programs write, for each destination j, the ascending list of tokens sent to j.
-    # Then arrive and RELEASE the epoch to every rank: peers pull after acquiring it.
+    # first R programs write, for each destination j, the ascending list of tokens sent to j, and
+    # check the caller's counts against what they summarise: the list's length against
+    # num_tokens_per_rank[j], and (HAS_TOPK) the top-k entries of j's experts against
+    # num_tokens_per_expert. Then arrive and RELEASE the epoch, with the call's fingerprint (its
+    # abort field naming a count found wrong), to every rank: peers pull after acquiring it.
     # ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -214,6 +225,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
         if pid < num_ranks:
             lists = (half + lists_offset).to(tl.pointer_type(tl.int32)) + pid.to(tl.int64) * list_cap
             running = 0
+            per_expert = tl.zeros([L_P2], tl.int32)
             for start in range(0, num_tokens, LIST_BLOCK):
                 tokens = start + tl.arange(0, LIST_BLOCK)
                 member = tl.load(in_rank_ptr + tokens.to(tl.int64) * num_ranks + pid, mask=tokens < num_tokens,
@@ -221,6 +233,21 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                 position = running + tl.cumsum(member.to(tl.int32), axis=0) - 1
                 tl.store(lists + position, tokens, mask=member)
                 running += tl.sum(member.to(tl.int32), axis=0)
+                if HAS_TOPK:  # the layout kernel's count: every valid entry of one of j's experts
+                    k = tl.arange(0, K_P2)
+                    ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
+                                  mask=(tokens < num_tokens)[:, None] & (k < num_topk)[None, :], other=-1)
+                    local = ids - pid * num_local
+                    mine = (ids >= 0) & (local >= 0) & (local < num_local)
+                    per_expert += tl.histogram(tl.reshape(tl.where(mine, local, 0).to(tl.int32), [LIST_BLOCK * K_P2]),
+                                               L_P2, mask=tl.reshape(mine, [LIST_BLOCK * K_P2]))
+            if running != tl.load(per_rank_ptr + pid):
+                tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_RANK)
+            if HAS_TOPK:
+                experts = tl.arange(0, L_P2)
+                given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
+                if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
+                    tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
     if pid >= first_copy:
         num_rows = tl.minimum(token_hi, num_tokens) - token_lo
         for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
@@ -246,13 +273,36 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                 tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        if WRITE_LISTS:  # acquired through the arrivals; folded into the fingerprint's abort field
+            fp1 |= tl.load(state_ptr + sync.COUNT_ERROR)
+            tl.store(state_ptr + sync.COUNT_ERROR, 0)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
+                     (state_ptr + sync.SPARE).to(tl.int64), fingerprint_half(fp_offset, epoch % 2, num_ranks),
+                     fp0, fp1, HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
 
 
-STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i64", "*i64",
-                                       "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                       "i64", "i64", "i64", "i64", "i64", "i64"], aligned_if={"ALIGNED": ["x_ptr"]})
+STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i32", "*i32", "*i64",
+                                       "*i64", "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
+                                       "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64"],
+                   aligned_if={"ALIGNED": ["x_ptr"]})
+
+
+# ====================================================================== the receivers' wait
+@triton.jit
+def _acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns, fp_offset,
+                       fp0, fp1, num_items, R_P2: tl.constexpr):
+    """ACQUIRE every rank's signal of ``epoch`` (a timeout is flagged in the mailbox), then check
+    the fingerprints they carried. Returns ``num_items``, or 0 when any rank's call differs: the
+    caller then moves nothing, and the host raises (agreement.py)."""
+    my_base = tl.load(flag_bases_ptr + rank)
+    my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, HAS_MASK=False, MASK_ON_TIMEOUT=False,
+               R_P2=R_P2)
+    peers = tl.arange(0, R_P2)
+    differ = check_fingerprints(my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks), peers, peers < num_ranks,
+                                fp0, fp1, epoch, agreement, num_ranks)
+    return tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_items, 0)
 
 
 # ====================================================================== dispatch: pull
@@ -264,14 +314,15 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
                      recv_x_ptr,  # [N, x_bytes] bytes
                      recv_scales_ptr,  # [N, S] float32
                      recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32
-                     timeouts_address,
+                     mailbox_address,
                      num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
                      lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
-                     num_local, timeout_ns,
+                     num_local, timeout_ns, fp_offset, fp0, fp1,
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                      R_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    # ACQUIRE every rank's staged rows for this epoch, then for each received row r: its source
+    # ACQUIRE every rank's staged rows for this epoch and check the ranks' fingerprints (on a
+    # mismatch nothing moves: the host raises). Then for each received row r: its source
     # rank (from the prefix column: rows are grouped by source) and source token (read from the
     # source's token list for this rank) — with INDEX, written to the handle arrays; otherwise
     # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
@@ -283,9 +334,8 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
-    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
-    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts_address.to(tl.pointer_type(tl.int64)), timeout_ns,
-               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)  # ACQUIRE: staged rows and lists
+    num_rows = _acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
+                                  fp_offset, fp0, fp1, num_rows, R_P2)  # ACQUIRE: staged rows and lists
     num_recv = num_rows
     if INDEX:
         num_recv = tl.load(recv_info_ptr)
@@ -337,7 +387,8 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
 
 PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
                                      "*fp32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64"],
+                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64", "i64", "i64",
+                                     "i64"],
                   aligned_if={"ALIGNED": ["recv_x_ptr"]})
 
 
@@ -348,7 +399,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
                     src_rank_ptr, src_idx_ptr,  # [N] int32: home rank and token of each row (-1 = padding)
                     normal_bases_ptr, flag_bases_ptr, state_ptr,
                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
-                    slots_w_offset,
+                    slots_w_offset, fp_offset, fp0, fp1,
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
                     R_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
@@ -380,11 +431,13 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+                     (state_ptr + sync.SPARE).to(tl.int64), fingerprint_half(fp_offset, epoch % 2, num_ranks),
+                     fp0, fp1, HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
 
 
 PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",
-                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64"], aligned_if={"ALIGNED": ["x_ptr"]})
+                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i64", "i64"],
+                  aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== combine: reduce
@@ -393,21 +446,22 @@ def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
                       out_ptr,  # [T, H] bf16
                       out_w_ptr,  # [T, K] float32 (HAS_WEIGHTS)
                       bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
-                      normal_bases_ptr, flag_bases_ptr, state_ptr, timeouts_address,
+                      normal_bases_ptr, flag_bases_ptr, state_ptr, mailbox_address,
                       num_tokens, token_lo, token_hi, hidden, num_topk, rank, num_ranks, half_bytes,
-                      slots_x_offset, slots_w_offset, timeout_ns,
+                      slots_x_offset, slots_w_offset, timeout_ns, fp_offset, fp0, fp1,
                       NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    # ACQUIRE the rows pushed to this rank for this epoch, then for each token t of the round:
+    # ACQUIRE the rows pushed to this rank for this epoch (nothing is reduced when a rank's call
+    # differs: the host raises), then for each token t of the round:
     # out[t] = Σ_j slot(t, j) over ranks j with is_token_in_rank[t, j], in float32, + biases.
     # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     hidden = multiple(hidden, 8, ALIGNED)
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
-    my_flags = (tl.load(flag_bases_ptr + rank) + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
-    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts_address.to(tl.pointer_type(tl.int64)), timeout_ns,
-               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)  # ACQUIRE: rows pushed here
+    token_hi = token_lo + _acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
+                                             timeout_ns, fp_offset, fp0, fp1, token_hi - token_lo,
+                                             R_P2)  # ACQUIRE: rows pushed here
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))
@@ -435,7 +489,8 @@ def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
 
 
 REDUCE = KernelSpec(ep_combine_reduce, ["*i8", "*bf16", "*fp32", "*bf16", "*bf16", "*i64", "*i64", "*i64", "i64",
-                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64"],
+                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64",
+                                        "i64", "i64", "i64"],
                     aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})
 
 
@@ -447,6 +502,7 @@ class PullState:
     recv_src_rank: torch.Tensor  # [N] int32 source (home) rank of each received row, -1 = padding
     recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
+    sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
 
 
 @dataclass(frozen=True)
@@ -461,10 +517,12 @@ class DispatchPlan:
     round_tokens: int
     block_r: int
     rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
-    stage_lists: Specialisations  # ALIGNED -> stage + token lists (round 0 of a full dispatch)
+    stage_lists: Specialisations  # (ALIGNED, L_P2) -> stage + token lists (round 0 of a full dispatch)
     stage: Specialisations  # ALIGNED -> stage
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
+    fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
+    fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
 
 
 @dataclass(frozen=True)
@@ -476,6 +534,7 @@ class CombinePlan:
     rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
     push: Specialisations  # ALIGNED (expert outputs aligned) -> push
     reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
+    fingerprint: Tuple[int, int]  # agreement.py: the call's words (handle added)
 
 
 class NormalMode:
@@ -494,6 +553,7 @@ class NormalMode:
         # persistent tensors go to the launcher as plain addresses
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
+        self.fingerprints = ws.fingerprint_set(FP_NORMAL)
         self._layout_plans = {}
         self._dispatch_plans = {}
         self._combine_plans = {}
@@ -518,7 +578,7 @@ class NormalMode:
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
         kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx, per_rank, per_expert, in_rank, scratch,
-                      self.state, self.b.mailbox.input_errors_address, num_tokens, num_topk, num_experts, R,
+                      self.state, self.b.mailbox.address, num_tokens, num_topk, num_experts, R,
                       num_experts // R)
         return per_rank, None, per_expert, in_rank
 
@@ -534,12 +594,17 @@ class NormalMode:
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
+        words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk)
         return DispatchPlan(x_bytes // 8, num_scales, num_topk, topk_row_bytes, offsets, round_tokens, block_r,
                             rows_aligned,
-                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024, **meta),
-                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024, **meta),
+                            Specialisations(STAGE, ["ALIGNED", "L_P2"], COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024,
+                                            **meta),
+                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024,
+                                            L_P2=1, **meta),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, **meta),
-                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned, **meta))
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned, **meta),
+                            agreement.pack(call=agreement.CALL_DISPATCH, **words),
+                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         b, ws, R, rank, dev = self.b, self.ws, self.R, self.rank, self.device
@@ -565,6 +630,8 @@ class NormalMode:
             num_rows, max_tokens, src_idx, prefix = handle.num_recv_rows, state.max_tokens, handle.recv_src_idx, \
                 handle.rank_prefix_matrix
             counts_list = None
+            fp0, fp1 = plan.fingerprint_cached
+            fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         else:
             num_experts = num_local * R
             ws.check_notify(num_experts, num_tokens)
@@ -572,12 +639,15 @@ class NormalMode:
             recv_info = torch.empty(2, dtype=torch.int32, device=dev)
             mailbox = b.mailbox
             sequence = mailbox.next_sequence()
+            fp0, fp1 = plan.fingerprint_full
+            fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
+            fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
             NOTIFY_BOUND[self.R_P2].launch(
                 R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
                 prefix, recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
-                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment)
+                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1)
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream)
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1)
             if args.num_worst_tokens == 0:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
@@ -588,7 +658,7 @@ class NormalMode:
                 num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
             src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
             src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
-            state = PullState(src_rank, recv_info, max_tokens)
+            state = PullState(src_rank, recv_info, max_tokens, sequence)
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
         recv_x = torch.empty((num_rows, hidden), dtype=x.dtype, device=dev)
@@ -603,14 +673,14 @@ class NormalMode:
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if cached or round_idx > 0:
-                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream)
+                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
-                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.timeouts_address,
+                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.address,
                 num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, num_topk, ws.normal_half_bytes,
                 ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
-                rank * num_local, num_local, b.timeout_ns)
+                rank * num_local, num_local, b.timeout_ns, self.fingerprints, fp0, fp1)
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
@@ -621,19 +691,28 @@ class NormalMode:
                               handle)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
-               write_lists: bool, stream: int) -> None:
+               write_lists: bool, stream: int, fp0: int, fp1: int) -> None:
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
-        in_rank = args.is_token_in_rank if args.handle is None else args.handle.is_token_in_rank
         topk, weights = (args.topk_idx, args.topk_weights) if plan.num_topk else (x, x)
-        kernels = plan.stage_lists if write_lists else plan.stage
-        kernels[plan.rows_aligned and x_aligned].launch(
-            programs + (self.R if write_lists else 0), 1, stream,
+        if write_lists:  # a full dispatch: the token lists and the count checks
+            num_local = args.num_tokens_per_expert.shape[0] // self.R
+            kernel = plan.stage_lists[plan.rows_aligned and x_aligned, p2(num_local)]
+            in_rank, per_rank, per_expert, programs = args.is_token_in_rank, args.num_tokens_per_rank, \
+                args.num_tokens_per_expert, programs + self.R
+        else:
+            num_local = 0
+            kernel = plan.stage[plan.rows_aligned and x_aligned]
+            in_rank = per_rank = per_expert = args.handle.is_token_in_rank if args.handle is not None else \
+                args.is_token_in_rank
+        kernel.launch(
+            programs, 1, stream,
             x, scales, scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
-            topk, weights, in_rank, self.bases, self.bases, self.state, num_tokens, lo, hi, plan.x_words,
-            plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes, self.ws.lists_offset,
-            self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes)
+            topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
+            plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
+            self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
+            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1)
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int) -> CombinePlan:
@@ -648,7 +727,8 @@ class NormalMode:
                                BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2)
         reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
                                  HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
-        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned, push, reduce)
+        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned, push, reduce,
+                           agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk))
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -680,15 +760,17 @@ class NormalMode:
         x, x_aligned = for_word_copies(x)
         push = plan.push[plan.rows_aligned and x_aligned]
         reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
+        fp0, fp1 = plan.fingerprint
+        fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, self.bases,
-                             self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4, num_topk, half_bytes,
-                             plan.slots_x, plan.slots_w)
+                        self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4, num_topk, half_bytes,
+                        plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
-                               handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
-                               self.state, b.mailbox.timeouts_address, num_tokens, lo, hi, hidden, num_topk, rank, R,
-                               half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns)
+                          handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
+                          self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
+                          half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1)
         return combined, combined_w
 
 

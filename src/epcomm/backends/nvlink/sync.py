@@ -39,6 +39,11 @@ reads of barrier ``e`` finished (stream order)::
     rank B:  write h0 | signal e | wait e | read h0 ----------> | signal e+1 | ...
                                             (B's reads of h0 end before A may write h0 again)
 
+Fingerprints. Every release also carries the two fingerprint words of the call that sends it
+(:func:`post_fingerprint`, plain stores before the fence), and every acquire is followed by a
+comparison of the senders' words with the receiver's own (:func:`check_fingerprints`): ranks in
+different calls, or with different arguments, move no data and raise instead (agreement.py).
+
 Host mailbox. Kernels report to the host through pinned, device-mapped host memory (under unified
 addressing a ``cudaHostAlloc`` pointer is valid on the device too): the notify kernel writes the
 receive counts and then a sequence number with ``st.release.sys``; the host polls that word
@@ -56,6 +61,11 @@ import triton.language as tl
 
 from ...errors import EPError, EPInputError, EPTimeoutError
 from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, NUM_FLAG_SETS  # noqa: F401 (used by the kernels)
+from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL, FP_ROW_BYTES  # noqa: F401 (used by the kernels)
+
+FP_ROW = tl.constexpr(FP_ROW_BYTES)
+# An epoch above any a wait can expect: a rank that rejected its input releases it (agreement.py).
+ABORT_EPOCH = tl.constexpr(1 << 30)
 
 # Device-side state words (int64, one small tensor per backend): epochs and arrival counters.
 EPOCH_NORMAL = 0
@@ -65,6 +75,7 @@ LL_DISPATCH_HALF_EPOCH = 3  # [2]: the epoch each low-latency dispatch half was 
 LL_COMBINE_HALF_EPOCH = 5  # [2]: the same for combine
 ARRIVE = 8  # arrival counters, one per kernel kind (below)
 ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
+COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsistent (agreement.py)
 SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
 NUM_STATE_WORDS = 16
 
@@ -109,17 +120,77 @@ def arrive(counter_ptr, num_programs):
 
 
 @triton.jit
-def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, spare_address,
+def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, spare_address, fp_offset, fp0, fp1,
                  HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
-    """Step 3: RELEASE ``epoch`` into word ``rank`` of every live peer's flag set (self included).
-    ``flag_bases_ptr``: [R] int64 byte address of each rank's flag region; ``flag_offset``: bytes
-    to the set."""
+    """Step 3: RELEASE ``epoch``, with the call's fingerprint ``(fp0, fp1)``, into word ``rank``
+    of every live peer's flag set (self included). ``flag_bases_ptr``: [R] int64 byte address of
+    each rank's workspace; ``flag_offset`` / ``fp_offset``: bytes from it to the flag set / to the
+    fingerprint rows of this signal's set and half."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     if HAS_MASK:
         live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
-    word = tl.load(flag_bases_ptr + peers, mask=live, other=0) + flag_offset + rank * 8
-    publish(word, tl.zeros([R_P2], tl.int64) + epoch, live, spare_address)
+    base = tl.load(flag_bases_ptr + peers, mask=live, other=0)
+    post_fingerprint(base + fp_offset, rank, live, fp0, fp1, epoch)
+    publish(base + flag_offset + rank * 8, tl.zeros([R_P2], tl.int64) + epoch, live, spare_address)
+
+
+@triton.jit
+def fingerprint_half(fp_offset, half, num_ranks):
+    """Bytes from a workspace to row 0 of ``half`` of the fingerprint set at ``fp_offset``."""
+    return fp_offset + (half * num_ranks * FP_ROW).to(tl.int64)
+
+
+@triton.jit
+def post_fingerprint(receivers, rank, live, fp0, fp1, epoch):
+    """Store the call's fingerprint words and the signal's epoch into row ``rank`` on the
+    receivers (``receivers``: byte address of the set's half on each, one lane per receiver, where
+    ``live``): plain stores, covered by the release that follows."""
+    words = (receivers + rank * FP_ROW).to(tl.pointer_type(tl.int64))
+    tl.store(words, tl.zeros_like(receivers) + fp0, mask=live)
+    tl.store(words + 1, tl.zeros_like(receivers) + fp1, mask=live)
+    tl.store(words + 2, tl.zeros_like(receivers) + epoch, mask=live)
+    tl.debug_barrier()  # every thread's stores precede the release (each thread fences there)
+
+
+@triton.jit
+def check_fingerprints(my_half_address, senders, live, fp0, fp1, epoch, agreement_ptr, num_ranks):
+    """After the ACQUIRE: compare the rows the live ``senders`` posted for ``epoch`` (or an
+    abort) with this call's words (``my_half_address``: this rank's rows of the set's half). A row
+    of an older epoch is not compared (a sender that timed out). Returns the mismatching lanes; any
+    mismatch is recorded in the mailbox (:func:`mailbox_words`): the senders' words, this rank's
+    own, and the pending word. The caller then moves no data for this call."""
+    tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
+    rows = my_half_address.to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
+    posted0 = tl.load(rows, mask=live, other=0)
+    posted1 = tl.load(rows + 1, mask=live, other=0)
+    posted_epoch = tl.load(rows + 2, mask=live, other=0)
+    current = (posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)
+    differ = live & current & ((posted0 != fp0) | (posted1 != fp1))
+    if tl.max(differ.to(tl.int32), axis=0) != 0:
+        tl.store(agreement_ptr + senders * 2, posted0, mask=differ)
+        tl.store(agreement_ptr + senders * 2 + 1, posted1, mask=differ)
+        tl.store(agreement_ptr + num_ranks * 2, fp0)
+        tl.store(agreement_ptr + num_ranks * 2 + 1, fp1)
+        tl.store(agreement_ptr - (num_ranks + 2), 1)  # the mailbox's "pending" word
+    return differ
+
+
+@triton.jit
+def report_dropped(mailbox_address, num_ranks, dropped):
+    """Count ``dropped`` (> 0) expert ids outside [-1, num_experts) in the mailbox; the host raises
+    EPInputError naming topk_idx (the kernels skip those entries)."""
+    _, dropped_ptr, _, _ = mailbox_words(mailbox_address, num_ranks)
+    tl.atomic_add(dropped_ptr, dropped.to(tl.int64), sem="relaxed", scope="sys")
+    tl.store(dropped_ptr - (num_ranks + 1), 1)  # the mailbox's "pending" word
+
+
+@triton.jit
+def mailbox_words(mailbox_address, num_ranks):
+    """int64 pointers to the mailbox's (timeouts, dropped-input count, agreement, notify) words
+    (layout: :class:`HostMailbox`)."""
+    words = mailbox_address.to(tl.pointer_type(tl.int64))
+    return words + 1, words + num_ranks + 1, words + num_ranks + 2, words + 3 * num_ranks + 4
 
 
 @triton.jit
@@ -185,33 +256,42 @@ def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constex
 class HostMailbox:
     """Pinned, device-mapped int64 words written by kernels and read by the host, no stream sync.
 
-    Layout (word index)::
+    Layout (word index; kernels find the parts with :func:`mailbox_words`)::
 
         0                 pending: nonzero once anything below was raised
         1 .. R            timeouts: word 1 + p set when a wait for peer p gave up
         R + 1             dropped input: count of expert ids outside [-1, num_experts)
-        R + 2             notify sequence number (written last, with a release)
-        R + 3, R + 4      notify: rows this rank receives, most tokens any rank sends
-        R + 5 ..          notify: per-local-expert receive counts (aligned)
+        R + 2 ..          agreement: [R + 1][2] fingerprints of the ranks whose call differed
+                          (pair R: this rank's own), see agreement.py
+        3R + 4            notify sequence number (written last, with a release)
+        3R + 5, 3R + 6    notify: rows this rank receives, most tokens any rank sends
+        3R + 7 ..         notify: per-local-expert receive counts (aligned)
     """
 
     def __init__(self, num_ranks: int, max_local_experts: int, pinned: bool = True):
-        self.num_ranks = num_ranks
+        self.num_ranks = R = num_ranks
         self.max_local_experts = max_local_experts
         # pinned=False only for tests of the host logic on machines without CUDA
-        self.words = torch.zeros(num_ranks + 5 + max_local_experts, dtype=torch.int64, pin_memory=pinned)
+        self.words = torch.zeros(3 * R + 7 + max_local_experts, dtype=torch.int64, pin_memory=pinned)
         self.view = self.words.numpy()
         self.address = self.words.data_ptr()
-        self.timeouts_address = self.address + 8  # pending word is timeouts[-1]
-        self.input_errors_address = self.address + 8 * (num_ranks + 1)
-        self.notify_address = self.address + 8 * (num_ranks + 2)
-        self._notify = num_ranks + 2
+        self._agreement = R + 2
+        self._notify = 3 * R + 4
+        self.notify_address = self.address + 8 * self._notify
         self.sequence = 0  # notify sequence numbers handed out
+        self.sticky = None  # an error every later call raises (set when this rank aborted a call)
 
     def raise_pending(self, rank: int, timeout_s: float) -> None:
         """Raise what kernels reported since the last call (cheap: one host-memory read)."""
         if self.view[0] == 0:
+            if self.sticky is not None:
+                raise self.sticky
             return
+        pairs = self.view[self._agreement:self._agreement + 2 * (self.num_ranks + 1)].reshape(-1, 2)
+        if pairs[self.num_ranks].any():  # sticky: the ranks' calls are no longer paired
+            from . import agreement  # (agreement.py's abort kernel uses this module)
+            posted = {r: (int(w0), int(w1)) for r, (w0, w1) in enumerate(pairs[:self.num_ranks]) if w0 or w1}
+            agreement.raise_disagreement(posted, (int(pairs[-1, 0]), int(pairs[-1, 1])), self.num_ranks)
         timeouts = self.view[1:1 + self.num_ranks]
         if timeouts.any():  # sticky: this buffer's peers can no longer be trusted to be in step
             peers = np.nonzero(timeouts)[0].tolist()

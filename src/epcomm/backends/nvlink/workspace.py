@@ -4,6 +4,7 @@ One allocation per rank, fixed for the Buffer's life, carved at the same offsets
 a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the offsets)::
 
     flags       int64 [NUM_FLAG_SETS][R]         word [s][i] is written by rank i (sync.py)
+    fingerprints int64 [NUM_FP_SETS][2][R][4]   row [s][h][i] is written by rank i (agreement.py)
     normal      two halves (barrier epoch % 2), each:
                   counts   int32 [R][row_cap]    notify: row i written by rank i
                   lists    int32 [R][list_cap]   dispatch: ascending tokens this rank sends to j
@@ -32,7 +33,14 @@ ALIGN = 256
 FLAGS_NORMAL = 0
 FLAGS_LL_COMBINE = 1
 NUM_FLAG_SETS = 2
-FLAGS_BYTES = 64 * 1024
+# Fingerprint sets, one per kind of signal: [set][half][R] rows of (word 0, word 1, epoch, 0) int64.
+FP_NORMAL = 0
+FP_LL_DISPATCH = 1
+FP_LL_COMBINE = 2
+NUM_FP_SETS = 3
+FINGERPRINTS_OFFSET = 32 * 1024
+FP_ROW_BYTES = 32
+FLAGS_BYTES = 64 * 1024  # flags and fingerprints
 NOTIFY_BYTES = 256 * 1024
 LISTS_BYTES = 4 << 20
 LL_MAX_TOPK = 32  # the size hint reserves combine slots for up to this many experts per token
@@ -85,8 +93,10 @@ class Workspace:
 
         self.rank = dist.get_rank(group)
         self.num_ranks = R = dist.get_world_size(group)
-        if NUM_FLAG_SETS * R * 8 > FLAGS_BYTES:
-            raise EPError(f"the nvlink backend supports at most {FLAGS_BYTES // (8 * NUM_FLAG_SETS)} ranks")
+        max_ranks = min(FINGERPRINTS_OFFSET // (8 * NUM_FLAG_SETS),
+                        (FLAGS_BYTES - FINGERPRINTS_OFFSET) // (NUM_FP_SETS * 2 * FP_ROW_BYTES))
+        if R > max_ranks:
+            raise EPError(f"the nvlink backend supports at most {max_ranks} ranks")
         # normal-mode halves
         self.row_cap = NOTIFY_BYTES // (4 * R)
         self.list_cap = LISTS_BYTES // (4 * R)
@@ -107,12 +117,17 @@ class Workspace:
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.local_base = self.buffer.data_ptr()
-        # Flags and low-latency count words start at zero everywhere before anyone signals.
+        # Flags, fingerprints and low-latency count words start at zero everywhere before anyone
+        # signals.
         self.buffer[:FLAGS_BYTES].zero_()
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
+
+    def fingerprint_set(self, fp_set: int) -> int:
+        """Bytes from a workspace base to fingerprint set ``fp_set`` (its half 0, row 0)."""
+        return FINGERPRINTS_OFFSET + fp_set * 2 * self.num_ranks * FP_ROW_BYTES
 
     # ------------------------------------------------------------------ normal mode
     def dispatch_round_tokens(self, row_bytes: Tuple[int, ...]) -> Tuple[Tuple[int, ...], int]:

@@ -1,0 +1,195 @@
+"""Collective agreement on NVLink: every call's fingerprint travels with its signals.
+
+The ``torch_dist`` backend agrees through the store before exchanging (../agreement.py); here that
+would cost a host round trip per call, so the fingerprint rides on the signals the kernels send
+anyway, and is checked where they are received:
+
+- **Post.** Before a release (sync.py, step 3), the signalling program stores this call's two
+  fingerprint words into row ``rank`` of each receiver's fingerprint area — plain stores that the
+  release covers, like the payload.
+- **Check.** After its acquire (step 4), each receiving program compares the rows of the live
+  senders with its own call's words. On a mismatch it moves no data and records the sender's words
+  (and its own) in the host mailbox. Every rank sees the mismatch (the comparison is symmetric), so
+  every rank raises :class:`EPInputError` naming the field and the ranks: at the next point where
+  the host reads the mailbox anyway (the count wait of a full dispatch), at the latest at the start
+  of the next call on the buffer.
+- **Abort.** The words have an ``abort`` field naming an argument. The kernels set it when the
+  counts a caller passed do not summarise the routing (``num_tokens_per_rank`` against
+  ``is_token_in_rank``, ``num_tokens_per_expert`` against ``topk_idx``; checked on device in the
+  staging kernel). A rank whose host validation rejects its input does not make the call; it
+  launches :func:`ep_abort` instead: abort words into every peer's areas and, into every flag and
+  count word it owns on its peers, an epoch no wait can be ahead of — so the peers' waits end at
+  once and they raise for that argument too.
+
+Errors are sticky (ranks' calls are no longer paired): destroy the Buffer and create a new one.
+
+Fingerprint area (in the workspace's flag region): int64 ``[set][half][R][2]``; half = the signal's
+epoch parity (normal mode) or the buffer half (low-latency mode), so a peer one call ahead never
+overwrites a row that is still being checked (the double-buffer argument of sync.py).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import triton
+import triton.language as tl
+
+from ...errors import EPInputError
+from . import sync
+from .launch import KernelSpec
+from .sync import fingerprint_half, post_fingerprint, publish
+
+# The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
+FIELDS = (
+    (("call", 4), ("hidden", 24), ("x", 2), ("num_topk", 8), ("num_experts", 22)),
+    (("abort", 8), ("handle", 28), ("num_worst_tokens", 1), ("num_max_dispatch_tokens_per_rank", 20),
+     ("use_fp8", 1), ("round_scale", 1), ("use_ue8m0", 1)),
+)
+CALLS = ("", "dispatch", "dispatch (cached)", "combine", "low_latency_dispatch", "low_latency_combine")
+CALL_DISPATCH, CALL_CACHED, CALL_COMBINE, CALL_LL_DISPATCH, CALL_LL_COMBINE = range(1, 6)
+CALL_ABORT = 15
+X_FORMATS = ("", "bf16", "fp8")
+
+# Arguments an abort can name (code = index + 1; the last code stands for any other).
+ARGUMENTS = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "x", "topk_idx", "topk_weights",
+             "handle", "num_experts", "num_max_dispatch_tokens_per_rank", "num_worst_tokens", "expert_alignment",
+             "use_fp8", "round_scale", "use_ue8m0", "bias", "out", "config", "previous_event", "expert_major",
+             "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "combine_wait_recv_cost_stats",
+             "zero_copy", "num_tokens_per_rdma_rank")
+ABORT_NUM_TOKENS_PER_RANK = 1  # set on device by the staging kernel
+ABORT_NUM_TOKENS_PER_EXPERT = 2
+ABORT_OTHER = 255
+
+
+def _layout() -> List[Dict[str, Tuple[int, int]]]:
+    out = []
+    for word in FIELDS:
+        shift, fields = 0, {}
+        for name, bits in word:
+            fields[name] = (shift, bits)
+            shift += bits
+        assert shift <= 63, word
+        out.append(fields)
+    return out
+
+
+_LAYOUT = _layout()
+assert _LAYOUT[1]["abort"] == (0, 8)  # kernels OR an abort code into word 1 as is
+
+
+def field(name: str) -> Tuple[int, int, int]:
+    """``(word, shift, mask)`` of a field, for hot paths that add one value to precomputed words:
+    ``words[word] | ((value & mask) << shift)``."""
+    for index, fields in enumerate(_LAYOUT):
+        if name in fields:
+            shift, bits = fields[name]
+            return index, shift, (1 << bits) - 1
+    raise KeyError(name)
+
+
+_, HANDLE_SHIFT, HANDLE_MASK = field("handle")  # word 1
+_, EXPERTS_SHIFT, EXPERTS_MASK = field("num_experts")  # word 0
+_, WORST_SHIFT, _ = field("num_worst_tokens")  # word 1
+
+
+def pack(**values: int) -> Tuple[int, int]:
+    """The two fingerprint words of a call; absent fields are 0, values wrap at their width."""
+    words = [0, 0]
+    for index, fields in enumerate(_LAYOUT):
+        for name, (shift, bits) in fields.items():
+            words[index] |= (int(values.pop(name, 0)) & ((1 << bits) - 1)) << shift
+    if values:
+        raise KeyError(f"no fingerprint fields {sorted(values)}")
+    return words[0], words[1]
+
+
+def unpack(words: Tuple[int, int]) -> Dict[str, int]:
+    return {name: (int(words[index]) >> shift) & ((1 << bits) - 1)
+            for index, fields in enumerate(_LAYOUT) for name, (shift, bits) in fields.items()}
+
+
+def abort_code(argument: str) -> int:
+    return ARGUMENTS.index(argument) + 1 if argument in ARGUMENTS else ABORT_OTHER
+
+
+def abort_words(argument: str) -> Tuple[int, int]:
+    return pack(call=CALL_ABORT, abort=abort_code(argument))
+
+
+def _show(name: str, value: int) -> str:
+    if name == "call":
+        return "abort" if value == CALL_ABORT else CALLS[value] if value < len(CALLS) else str(value)
+    if name == "x":
+        return X_FORMATS[value] if value < len(X_FORMATS) else str(value)
+    return str(value)
+
+
+def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int], num_ranks: int) -> None:
+    """Raise EPInputError for what the kernels recorded: ``posted`` holds the words of the ranks
+    whose rows differed from ``own`` (this rank's call), this rank's own row included when the
+    kernels set its abort field."""
+    fields = {r: unpack(words) for r, words in posted.items()}
+    mine = unpack(own)
+    everyone = {r: fields.get(r, mine) for r in range(num_ranks)}
+    aborts = {r: f["abort"] for r, f in everyone.items() if f["abort"]}
+    if aborts:
+        first, code = min(aborts.items())
+        argument = ARGUMENTS[code - 1] if code <= len(ARGUMENTS) else "an argument"
+        if code in (ABORT_NUM_TOKENS_PER_RANK, ABORT_NUM_TOKENS_PER_EXPERT):
+            summarised = "is_token_in_rank" if code == ABORT_NUM_TOKENS_PER_RANK else "topk_idx"
+            why = f"rank {first}'s {argument} does not match its {summarised} (checked on device)"
+        else:
+            why = f"rank {first} rejected its input"
+        raise EPInputError(argument, f"{why}; every rank raises (ranks {sorted(aborts)}). The ranks' calls are no "
+                                     f"longer paired: destroy this Buffer and create a new one")
+    for name in [n for word in FIELDS for n, _ in word if n != "abort"]:
+        values = {r: _show(name, f[name]) for r, f in everyone.items()}
+        if len(set(values.values())) > 1:
+            groups: Dict[str, list] = {}
+            for r, value in sorted(values.items()):
+                groups.setdefault(value, []).append(r)
+            shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+            raise EPInputError(name, f"ranks disagree in {_show('call', mine['call'])}: {shown}. The ranks' calls "
+                                     f"are no longer paired: destroy this Buffer and create a new one")
+    raise EPInputError("call", f"ranks disagree on a call (fingerprints {posted} against {own})")
+
+
+
+
+# ---------------------------------------------------------------------- a rank that rejected its input
+# sync.ABORT_EPOCH as a low-latency count word: (epoch << 32) | 0 messages.
+ABORT_COUNT_WORD = tl.constexpr(1 << 62)
+
+
+@triton.jit
+def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
+             state_ptr,  # [16] int64 local (a spare word for masked-off lanes)
+             fingerprints_offset,  # bytes from a workspace to its fingerprint area
+             ll_counts_ptr,  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
+             num_shapes, fp0, fp1, rank, num_ranks,
+             NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr):
+    # On every peer (self included): the abort words into each fingerprint row this rank owns (all
+    # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
+    # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
+    # abort words (the release covers them) and names the argument.
+    peers = tl.arange(0, R_P2)
+    live = peers < num_ranks
+    base = tl.load(bases_ptr + peers, mask=live, other=0)
+    spare = (state_ptr + sync.SPARE).to(tl.int64)
+    epoch = tl.zeros([R_P2], tl.int64) + sync.ABORT_EPOCH
+    for row in range(0, NUM_ROWS):  # (set, half) pairs
+        post_fingerprint(base + fingerprint_half(fingerprints_offset, row, num_ranks), rank, live, fp0, fp1, epoch)
+    for flag_set in range(0, NUM_FLAG_SETS):
+        publish(base + ((flag_set * num_ranks + rank) * 8).to(tl.int64), epoch, live, spare)
+    experts = tl.arange(0, BLOCK_L)
+    for shape in range(0, num_shapes * 2):
+        counts_offset = tl.load(ll_counts_ptr + (shape // 2) * 3 + shape % 2)
+        num_local = tl.load(ll_counts_ptr + (shape // 2) * 3 + 2)
+        for first in range(0, num_local, BLOCK_L):
+            local = first + experts
+            words = base[:, None] + counts_offset + ((rank * num_local + local) * 8).to(tl.int64)[None, :]
+            lanes = live[:, None] & (local < num_local)[None, :]
+            publish(words, tl.zeros([R_P2, BLOCK_L], tl.int64) + ABORT_COUNT_WORD, lanes, spare)
+
+
+ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64", "i32", "i32"])
