@@ -42,8 +42,8 @@ from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
 from .normal import p2
-from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, poll_epochs, post_fingerprint, publish, report_dropped,
-                   report_late, signal_peers, wait_peers)
+from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, poll_epochs,
+                   post_fingerprint_to_peers, publish, report_dropped, report_late, signal_peers, wait_peers)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -134,17 +134,13 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mail
 
 
 @triton.jit
-def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, num_ranks, rank,
-                    half_offset, counts_offset, half, fp_rows, fp0, fp1, BLOCK_E: tl.constexpr, R_P2: tl.constexpr):
-    """Run by the program arriving last, so every message of this call has been stored (acquired
-    through the arrivals): RELEASE each expert's count, tagged with the epoch, to the expert's
-    rank, with the call's fingerprint (``fp_rows``: bytes from a workspace to the rows of this
-    half); reset the counters."""
+def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank, half_offset,
+                    counts_offset, half, BLOCK_E: tl.constexpr):
+    """Run by the program arriving last, so every message of this call, and the fingerprint, has
+    been stored (acquired through the arrivals): RELEASE each expert's count, tagged with the
+    epoch, to the expert's rank; reset the counters."""
     tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
     tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
-    peers = tl.arange(0, R_P2)
-    to_peer = (peers < num_ranks) & (tl.load(mask_ptr + peers, mask=peers < num_ranks, other=1) == 0)
-    post_fingerprint(tl.load(bases_ptr + peers, mask=to_peer, other=0) + fp_rows, rank, to_peer, fp0, fp1, epoch)
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
         in_e = e < num_experts
@@ -185,7 +181,8 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
     differ = check_fingerprints(tl.load(bases_ptr + rank) + fp_rows, sources, live, fp0, fp1, epoch, agreement,
                                 num_ranks)
-    counts = tl.where(live & (late == 0) & (differ == 0), words & 0xFFFFFFFF, 0).to(tl.int32)
+    # At most M per source: duplicate experts in a token's top-k share the last slot (_send_messages).
+    counts = tl.where(live & (late == 0) & (differ == 0), tl.minimum(words & 0xFFFFFFFF, max_tokens), 0).to(tl.int32)
     offset = tl.sum(tl.where(sources < s, counts, 0), axis=0)
     n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
     tl.store(layout_ptr + l * num_ranks + s, (offset.to(tl.int64) << 32) | n.to(tl.int64))
@@ -259,6 +256,9 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
     if SEND:
         # Read before this program arrives, so before the last arriver stores epoch + 1.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
+        if pid == 0:
+            post_fingerprint_to_peers(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, HAS_MASK=True,
+                                      R_P2=R_P2)
         groups = tl.cdiv(num_topk, MSGS)
         for item in range(pid, num_tokens * groups, num_programs):
             _send_messages(item // groups, item % groups, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr,
@@ -266,8 +266,8 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                            msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset,
                            USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS)
         if arrive(state_ptr + sync.ARRIVE_LL_SEND, num_programs):
-            _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, num_ranks,
-                            rank, half_offset, counts_offset, half, fp_rows, fp0, fp1, BLOCK_E, R_P2)
+            _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank,
+                            half_offset, counts_offset, half, BLOCK_E)
     else:
         # A hook's receive launch: the epoch its half was sent with (another dispatch may have
         # used the other half since).
@@ -362,6 +362,9 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
     fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     if SEND:
         epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
+        if pid == 0:
+            post_fingerprint_to_peers(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, HAS_MASK=True,
+                                      R_P2=R_P2)
         for item in range(pid, num_local * num_ranks, num_programs):
             _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
                        num_ranks, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset, BLOCK_W)
@@ -369,8 +372,8 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
             tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
             tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
             signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
-                         (state_ptr + sync.SPARE).to(tl.int64), fp_rows, fp0, fp1, HAS_MASK=True,
-                         R_P2=R_P2)  # RELEASE: rows -> homes
+                         (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True,
+                         R_P2=R_P2)  # RELEASE: rows, fingerprint -> homes
     else:
         epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
     if RECEIVE:

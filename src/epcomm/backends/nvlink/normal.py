@@ -37,8 +37,8 @@ from . import agreement
 from .copy import copy_rows, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_NORMAL
-from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, post_fingerprint, report_dropped,
-                   signal_peers, store_release_sys, wait_peers)
+from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, post_fingerprint,
+                   post_fingerprint_to_peers, report_dropped, signal_peers, store_release_sys, wait_peers)
 
 # Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
 COPY_TILE_WORDS = 16384
@@ -219,6 +219,10 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
+    fp_rows = fingerprint_half(fp_offset, epoch % 2, num_ranks)
+    if pid == 0:
+        post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1, epoch, HAS_MASK=False,
+                                  R_P2=R_P2)
     first_copy = 0
     if WRITE_LISTS:
         first_copy = num_ranks
@@ -273,12 +277,15 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                 tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
-        if WRITE_LISTS:  # acquired through the arrivals; folded into the fingerprint's abort field
-            fp1 |= tl.load(state_ptr + sync.COUNT_ERROR)
-            tl.store(state_ptr + sync.COUNT_ERROR, 0)
+        if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
+            count_error = tl.load(state_ptr + sync.COUNT_ERROR)
+            if count_error != 0:
+                tl.store(state_ptr + sync.COUNT_ERROR, 0)
+                post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1 | count_error,
+                                          epoch, HAS_MASK=False, R_P2=R_P2)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     (state_ptr + sync.SPARE).to(tl.int64), fingerprint_half(fp_offset, epoch % 2, num_ranks),
-                     fp0, fp1, HAS_MASK=False, R_P2=R_P2)  # RELEASE: staged rows and lists -> every rank
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
+                     R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
 
 
 STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i32", "*i32", "*i64",
@@ -411,6 +418,9 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
     x_words = multiple(x_words, 2, ALIGNED)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes
+    if pid == 0:
+        post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank, num_ranks,
+                                  state_ptr, fp0, fp1, epoch, HAS_MASK=False, R_P2=R_P2)
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows
@@ -431,8 +441,8 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                     (state_ptr + sync.SPARE).to(tl.int64), fingerprint_half(fp_offset, epoch % 2, num_ranks),
-                     fp0, fp1, HAS_MASK=False, R_P2=R_P2)  # RELEASE: pushed rows -> their homes
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
+                     R_P2=R_P2)  # RELEASE: pushed rows, fingerprint -> their homes
 
 
 PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",

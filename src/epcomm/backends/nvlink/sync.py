@@ -120,19 +120,35 @@ def arrive(counter_ptr, num_programs):
 
 
 @triton.jit
-def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, spare_address, fp_offset, fp0, fp1,
-                 HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
-    """Step 3: RELEASE ``epoch``, with the call's fingerprint ``(fp0, fp1)``, into word ``rank``
-    of every live peer's flag set (self included). ``flag_bases_ptr``: [R] int64 byte address of
-    each rank's workspace; ``flag_offset`` / ``fp_offset``: bytes from it to the flag set / to the
-    fingerprint rows of this signal's set and half."""
+def live_peers(mask_ptr, num_ranks, HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
+    """``(peers, live)``: the [R_P2] lanes and which of them are ranks that are not masked."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     if HAS_MASK:
         live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
-    base = tl.load(flag_bases_ptr + peers, mask=live, other=0)
-    post_fingerprint(base + fp_offset, rank, live, fp0, fp1, epoch)
-    publish(base + flag_offset + rank * 8, tl.zeros([R_P2], tl.int64) + epoch, live, spare_address)
+    return peers, live
+
+
+@triton.jit
+def signal_peers(flag_bases_ptr, flag_offset, rank, num_ranks, epoch, mask_ptr, spare_address,
+                 HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
+    """Step 3: RELEASE ``epoch`` into word ``rank`` of every live peer's flag set (self included).
+    ``flag_bases_ptr``: [R] int64 byte address of each rank's workspace; ``flag_offset``: bytes
+    from it to the flag set. The release also covers the fingerprint the kernel posted."""
+    peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK, R_P2)
+    word = tl.load(flag_bases_ptr + peers, mask=live, other=0) + flag_offset + rank * 8
+    publish(word, tl.zeros([R_P2], tl.int64) + epoch, live, spare_address)
+
+
+@triton.jit
+def post_fingerprint_to_peers(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch,
+                              HAS_MASK: tl.constexpr, R_P2: tl.constexpr):
+    """Post the call's fingerprint into row ``rank`` of every live peer (``fp_rows``: bytes from a
+    workspace to the set's half). Kernels do it in program 0 at their start, off the critical
+    path: the rows of this half were last read two signals ago (sync.py's double-buffer argument,
+    as for the payload), and the arrivals carry program 0's stores to the releasing program."""
+    peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK, R_P2)
+    post_fingerprint(tl.load(bases_ptr + peers, mask=live, other=0) + fp_rows, rank, live, fp0, fp1, epoch)
 
 
 @triton.jit
@@ -159,7 +175,8 @@ def check_fingerprints(my_half_address, senders, live, fp0, fp1, epoch, agreemen
     abort) with this call's words (``my_half_address``: this rank's rows of the set's half). A row
     of an older epoch is not compared (a sender that timed out). Returns the mismatching lanes; any
     mismatch is recorded in the mailbox (:func:`mailbox_words`): the senders' words, this rank's
-    own, and the pending word. The caller then moves no data for this call."""
+    own, and the pending word. The caller then moves no data from those senders. (Lane-wise,
+    without a reduction or branch: this sits on the receivers' critical path.)"""
     tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
     rows = my_half_address.to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
     posted0 = tl.load(rows, mask=live, other=0)
@@ -167,12 +184,12 @@ def check_fingerprints(my_half_address, senders, live, fp0, fp1, epoch, agreemen
     posted_epoch = tl.load(rows + 2, mask=live, other=0)
     current = (posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)
     differ = live & current & ((posted0 != fp0) | (posted1 != fp1))
-    if tl.max(differ.to(tl.int32), axis=0) != 0:
-        tl.store(agreement_ptr + senders * 2, posted0, mask=differ)
-        tl.store(agreement_ptr + senders * 2 + 1, posted1, mask=differ)
-        tl.store(agreement_ptr + num_ranks * 2, fp0)
-        tl.store(agreement_ptr + num_ranks * 2 + 1, fp1)
-        tl.store(agreement_ptr - (num_ranks + 2), 1)  # the mailbox's "pending" word
+    tl.store(agreement_ptr + senders * 2, posted0, mask=differ)
+    tl.store(agreement_ptr + senders * 2 + 1, posted1, mask=differ)
+    zeros = tl.zeros_like(senders)
+    tl.store(agreement_ptr + num_ranks * 2 + zeros, zeros.to(tl.int64) + fp0, mask=differ)
+    tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
+    tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
     return differ
 
 
