@@ -42,8 +42,9 @@ from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
 from .normal import p2
-from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, poll_epochs,
-                   post_fingerprint_to_peers, publish, report_dropped, report_late, signal_peers, wait_peers)
+from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
+                   poll_epochs, post_fingerprint_to_peers, publish, report_dropped, report_late, signal_peers,
+                   wait_peers)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -170,8 +171,10 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     differs (its fingerprint) sends nothing here, and the host raises (agreement.py)."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
-    my_half = tl.load(bases_ptr + rank) + half_offset
+    my_base = tl.load(bases_ptr + rank)
+    my_half = my_base + half_offset
     count_words = (my_half + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
+    settled = fingerprints_settled(my_base + fp_rows, sources, live, fp0, fp1, epoch)
     words, waited, late = poll_epochs(count_words, live, epoch, timeout_ns, EPOCH_SHIFT=32)  # ACQUIRE
     report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
     if HAS_WAIT_STATS:
@@ -179,8 +182,7 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
             tl.atomic_add(wait_stats_ptr + s, tl.sum(tl.where(sources == s, waited, 0), axis=0), sem="relaxed")
     _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
-    differ = check_fingerprints(tl.load(bases_ptr + rank) + fp_rows, sources, live, fp0, fp1, epoch, agreement,
-                                num_ranks)
+    differ = check_fingerprints(my_base + fp_rows, sources, live, settled, fp0, fp1, epoch, agreement, num_ranks)
     # At most M per source: duplicate experts in a token's top-k share the last slot (_send_messages).
     counts = tl.where(live & (late == 0) & (differ == 0), tl.minimum(words & 0xFFFFFFFF, max_tokens), 0).to(tl.int32)
     offset = tl.sum(tl.where(sources < s, counts, 0), axis=0)
@@ -377,13 +379,13 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
     else:
         epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
     if RECEIVE:
+        peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
+        my_rows = tl.load(bases_ptr + rank) + fp_rows
+        settled = fingerprints_settled(my_rows, peers, live, fp0, fp1, epoch)
         waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
                             timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
-        peers = tl.arange(0, R_P2)
-        live = (peers < num_ranks) & (tl.load(mask_ptr + peers, mask=peers < num_ranks, other=1) == 0)
         _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
-        differ = check_fingerprints(tl.load(bases_ptr + rank) + fp_rows, peers, live, fp0, fp1, epoch, agreement,
-                                    num_ranks)
+        differ = check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
         num_tokens = tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_tokens, 0)
         if HAS_WAIT_STATS:
             if pid == 0:

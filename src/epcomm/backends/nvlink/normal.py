@@ -37,7 +37,7 @@ from . import agreement
 from .copy import copy_rows, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_NORMAL
-from .sync import (arrive, check_fingerprints, fingerprint_half, mailbox_words, post_fingerprint,
+from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words, post_fingerprint,
                    post_fingerprint_to_peers, report_dropped, signal_peers, store_release_sys, wait_peers)
 
 # Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
@@ -157,9 +157,10 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
     my_base = tl.load(flag_bases_ptr + rank)
     my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
     timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
+    settled = fingerprints_settled(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch)
     wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
                HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)
-    check_fingerprints(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch, agreement, num_ranks)
+    check_fingerprints(my_base + fp_rows, peers, one_peer, settled, fp0, fp1, epoch, agreement, num_ranks)
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
@@ -304,11 +305,12 @@ def _acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, 
     my_base = tl.load(flag_bases_ptr + rank)
     my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
     timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+    peers = tl.arange(0, R_P2)
+    fp_rows = my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)
+    settled = fingerprints_settled(fp_rows, peers, peers < num_ranks, fp0, fp1, epoch)
     wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, HAS_MASK=False, MASK_ON_TIMEOUT=False,
                R_P2=R_P2)
-    peers = tl.arange(0, R_P2)
-    differ = check_fingerprints(my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks), peers, peers < num_ranks,
-                                fp0, fp1, epoch, agreement, num_ranks)
+    differ = check_fingerprints(fp_rows, peers, peers < num_ranks, settled, fp0, fp1, epoch, agreement, num_ranks)
     return tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_items, 0)
 
 

@@ -170,15 +170,28 @@ def post_fingerprint(receivers, rank, live, fp0, fp1, epoch):
 
 
 @triton.jit
-def check_fingerprints(my_half_address, senders, live, fp0, fp1, epoch, agreement_ptr, num_ranks):
+def fingerprints_settled(my_half_address, senders, live, fp0, fp1, epoch):
+    """Before the ACQUIRE (plain loads, off the critical path: senders post at the start of their
+    kernels): the lanes whose row already holds ``epoch`` and this call's words. Such a row is
+    final — a row changes only two epochs later — so :func:`check_fingerprints` skips it."""
+    rows = my_half_address.to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
+    posted_epoch = tl.load(rows + 2, mask=live, other=-1)
+    return (posted_epoch == epoch) & (tl.load(rows, mask=live, other=0) == fp0) & \
+        (tl.load(rows + 1, mask=live, other=0) == fp1)
+
+
+@triton.jit
+def check_fingerprints(my_half_address, senders, live, settled, fp0, fp1, epoch, agreement_ptr, num_ranks):
     """After the ACQUIRE: compare the rows the live ``senders`` posted for ``epoch`` (or an
-    abort) with this call's words (``my_half_address``: this rank's rows of the set's half). A row
-    of an older epoch is not compared (a sender that timed out). Returns the mismatching lanes; any
-    mismatch is recorded in the mailbox (:func:`mailbox_words`): the senders' words, this rank's
-    own, and the pending word. The caller then moves no data from those senders. (Lane-wise,
-    without a reduction or branch: this sits on the receivers' critical path.)"""
+    abort) with this call's words (``my_half_address``: this rank's rows of the set's half), except
+    lanes already ``settled`` (:func:`fingerprints_settled`; usually all, so no load waits here).
+    A row of an older epoch is not compared (a sender that timed out). Returns the mismatching
+    lanes; any mismatch is recorded in the mailbox (:func:`mailbox_words`): the senders' words,
+    this rank's own, and the pending word. The caller then moves no data from those senders.
+    (Lane-wise, without a reduction or branch: this sits on the receivers' critical path.)"""
     tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
     rows = my_half_address.to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
+    live &= settled == 0
     posted0 = tl.load(rows, mask=live, other=0)
     posted1 = tl.load(rows + 1, mask=live, other=0)
     posted_epoch = tl.load(rows + 2, mask=live, other=0)
