@@ -385,8 +385,9 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
         waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
                             timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
         _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
-        differ = check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
-        num_tokens = tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_tokens, 0)
+        # Recorded only: the reduction reads this rank's own slots, in bounds whatever a differing
+        # peer pushed, and the host raises; skipping would cost a reduction on the critical path.
+        check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
         if HAS_WAIT_STATS:
             if pid == 0:
                 peers = tl.arange(0, R_P2)
