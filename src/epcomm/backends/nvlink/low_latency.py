@@ -351,12 +351,12 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
                   combine_offset, half, timeout_ns, fp_offset, fp0, fp1,
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    # SEND: programs take the (local expert, source) pairs in turn (_push_rows); the program
-    # arriving last RELEASES the epoch, with the call's fingerprint, into every live peer's flag.
-    # RECEIVE: ACQUIRE every live peer's flag for this call and check the fingerprints (a
-    # difference: nothing is reduced, the host raises), then reduce this program's tokens
-    # (_reduce_tokens). One launch
-    # when no hook splits them (a cooperative grid, all resident: see ep_ll_dispatch).
+    # SEND: program 0 posts the call's fingerprint; programs take the (local expert, source) pairs
+    # in turn (_push_rows); the program arriving last RELEASES the epoch into every live peer's
+    # flag. RECEIVE: ACQUIRE every live peer's flag for this call, check the fingerprints (a
+    # difference is recorded: the host raises), then reduce this program's tokens
+    # (_reduce_tokens). One launch when no hook splits them (a cooperative grid, all resident:
+    # see ep_ll_dispatch).
     # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
