@@ -12,8 +12,10 @@ class EPError(RuntimeError):
 class EPInputError(EPError, ValueError):
     """An argument of a public call is invalid.
 
-    Raised before any communication starts, so the buffer stays usable. The message names the
-    argument (``argument`` holds it as well).
+    Raised before any communication starts on the rejecting rank; its peers raise it too (the
+    call's fingerprint or an abort tells them). The message names the argument (``argument`` holds
+    it as well). On the reference backend the buffer stays usable; on nvlink, after ranks
+    disagreed or one rejected its input, the buffer raises on every later call: make a new one.
     """
 
     def __init__(self, argument: str, message: str):
