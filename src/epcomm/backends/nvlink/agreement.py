@@ -4,15 +4,19 @@ The ``torch_dist`` backend agrees through the store before exchanging (../agreem
 would cost a host round trip per call, so the fingerprint rides on the signals the kernels send
 anyway, and is checked where they are received:
 
-- **Post.** Before a release (sync.py, step 3), the signalling program stores this call's two
-  fingerprint words into row ``rank`` of each receiver's fingerprint area — plain stores that the
-  release covers, like the payload.
+- **Post.** Program 0 of each signalling kernel stores this call's two fingerprint words and the
+  signal's epoch into row ``rank`` of each receiver's fingerprint area, at the kernel's start (off
+  the critical path) — plain stores that the kernel's release (sync.py, step 3) covers, like the
+  payload. (The staging kernel posts again before its release when its count check failed.)
 - **Check.** After its acquire (step 4), each receiving program compares the rows of the live
-  senders with its own call's words. On a mismatch it moves no data and records the sender's words
-  (and its own) in the host mailbox. Every rank sees the mismatch (the comparison is symmetric), so
-  every rank raises :class:`EPInputError` naming the field and the ranks: at the next point where
-  the host reads the mailbox anyway (the count wait of a full dispatch), at the latest at the start
-  of the next call on the buffer.
+  senders with its own call's words; rows it already read with this epoch and these words before
+  the acquire are not loaded again (a row changes only two epochs later). On a mismatch it moves
+  no data from that sender and records the sender's words (and its own) in the host mailbox. Every
+  rank sees the mismatch (the comparison is symmetric), so every rank raises :class:`EPInputError`
+  naming the field and the ranks: at the next point where the host reads the mailbox anyway (the
+  count wait of a full dispatch), otherwise at the next call once the GPU has run the failing one.
+  (The early read is not ordered by the release: in principle it could pair a row's new epoch with
+  its previous words and miss a mismatch on this rank — the sender's own check still sees it.)
 - **Abort.** The words have an ``abort`` field naming an argument. The kernels set it when the
   counts a caller passed do not summarise the routing (``num_tokens_per_rank`` against
   ``is_token_in_rank``, ``num_tokens_per_expert`` against ``topk_idx``; checked on device in the
@@ -23,7 +27,8 @@ anyway, and is checked where they are received:
 
 Errors are sticky (ranks' calls are no longer paired): destroy the Buffer and create a new one.
 
-Fingerprint area (in the workspace's flag region): int64 ``[set][half][R][2]``; half = the signal's
+Fingerprint area (in the workspace's flag region): int64 ``[set][half][R][4]`` rows of (word 0,
+word 1, epoch, 0); half = the signal's
 epoch parity (normal mode) or the buffer half (low-latency mode), so a peer one call ahead never
 overwrites a row that is still being checked (the double-buffer argument of sync.py).
 """

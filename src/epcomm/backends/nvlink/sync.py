@@ -39,10 +39,11 @@ reads of barrier ``e`` finished (stream order)::
     rank B:  write h0 | signal e | wait e | read h0 ----------> | signal e+1 | ...
                                             (B's reads of h0 end before A may write h0 again)
 
-Fingerprints. Every release also carries the two fingerprint words of the call that sends it
-(:func:`post_fingerprint`, plain stores before the fence), and every acquire is followed by a
-comparison of the senders' words with the receiver's own (:func:`check_fingerprints`): ranks in
-different calls, or with different arguments, move no data and raise instead (agreement.py).
+Fingerprints. Every release also covers the two fingerprint words of the call that sends it
+(:func:`post_fingerprint_to_peers`, plain stores by program 0 at the kernel's start, carried to the
+releasing program by the arrivals), and every acquire is followed by a comparison of the senders'
+words with the receiver's own (:func:`check_fingerprints`): ranks in different calls, or with
+different arguments, move no data and raise instead (agreement.py).
 
 Host mailbox. Kernels report to the host through pinned, device-mapped host memory (under unified
 addressing a ``cudaHostAlloc`` pointer is valid on the device too): the notify kernel writes the
