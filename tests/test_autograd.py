@@ -18,4 +18,4 @@ def test_moe_layer_matches_dense(pools, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_expert_major_layout(pools, world_size):
-    assert pools.get(world_size).run(training_cases.expert_major_against_reference) == [8] * world_size
+    assert pools.get(world_size).run(training_cases.expert_major_against_reference, fp8=True) == [8] * world_size

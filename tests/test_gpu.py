@@ -90,9 +90,16 @@ def test_moe_layer_matches_dense(gpu_pool):
     assert all(max(e.values()) <= 2e-2 for e in errors), errors
 
 
-def test_expert_major_layout(gpu_pool):
-    assert gpu_pool.run(training_cases.expert_major_against_reference, 8, 256, "cuda", timeout_s=300) == \
-        [8] * gpu_pool.world_size
+@pytest.mark.parametrize("shape", [
+    dict(),  # 4 experts per rank, top-3, up to 16 tokens; FP8 on odd cases
+    dict(num_nvl_bytes=8192),  # a few tokens per round: several stage/pull rounds
+    dict(experts_per_rank=128, num_topk=8, max_tokens=300),  # 256 experts: several position programs
+], ids=["small", "rounds", "wide"])
+def test_expert_major_layout(gpu_pool, shape):
+    """The nvlink kernels' expert-major rows (pull) and fold (combine push) against the reference
+    and the torch re-layout of a plain dispatch, bf16 and FP8."""
+    assert gpu_pool.run(training_cases.expert_major_against_reference, 8, 256, "cuda", fp8=True, timeout_s=300,
+                        **shape) == [8] * gpu_pool.world_size
 
 
 def test_misaligned_inputs_take_the_8_byte_path(gpu_pool):

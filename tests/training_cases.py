@@ -97,40 +97,58 @@ def moe_layer_against_dense(hidden: int = 64, ffn: int = 32, experts_per_rank: i
     return errors
 
 
-def expert_major_against_reference(num_cases: int = 8, hidden: int = 128, device: str = "cpu"):
+def expert_major_against_reference(num_cases: int = 8, hidden: int = 128, device: str = "cpu",
+                                   num_nvl_bytes: int = NUM_NVL_BYTES, experts_per_rank: int = 4, num_topk: int = 3,
+                                   max_tokens: int = 16, fp8: bool = False):
     """dispatch(expert_major=True): rows grouped by local expert (padded to the alignment, group
-    sizes in the returned list), each (token, local expert) entry once, in plain row order inside a
-    group; combine of the unweighted expert outputs equals the weighted top-k sum at home."""
+    sizes in the returned list), each (token, local expert) entry once, in plain (row, k) order
+    inside a group, equal to the torch re-layout of a plain dispatch (expert_major.py) — bf16, or
+    also FP8 values and scales; combine of the unweighted expert outputs equals the weighted top-k
+    sum at home. A small ``num_nvl_bytes`` makes the nvlink backend take several rounds."""
+    from epcomm import expert_major as layout
+    from epcomm.fp8 import per_token_cast_to_fp8
     from epcomm.testing import reference_dispatch, reference_low_latency_combine
     from epcomm.testing.sweeps import FUZZ_SCENARIOS, expert_fn
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
     for case in range(num_cases):
-        num_experts, alignment = 4 * R, (1, 4, 8)[case % 3]
-        num_local = num_experts // R
+        num_experts, alignment = experts_per_rank * R, (1, 4, 8)[case % 3]
         xs, topks, weights = make_routing(400 + case, FUZZ_SCENARIOS[case % len(FUZZ_SCENARIOS)], R, num_experts,
-                                          min(3, num_experts), 16, hidden)
+                                          min(num_topk, num_experts), max_tokens, hidden)
         x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
         args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                     topk_idx=topk, topk_weights=w, expert_alignment=alignment)
         rows, experts, row_weights, sizes, handle, _ = buffer.dispatch(x, expert_major=True, **args)
         assert torch.equal(buffer.dispatch(x, handle=handle)[0], rows), "cached dispatch keeps the layout"
-        global_expert = torch.where(experts >= 0, experts + rank * num_local, experts)
+        plain = buffer.dispatch(x, **args)
+        relaid = layout.plan(plain[1], plain[2], plain[3])
+        assert torch.equal(layout.expand(plain[0], relaid), rows) and torch.equal(relaid.row_experts, experts) and \
+            torch.equal(relaid.row_weights, row_weights) and torch.equal(relaid.dest, handle.expert_major.dest), \
+            f"case {case}: expert-major rows differ from the re-laid plain dispatch"
+        if fp8 and case % 2:  # FP8 rows and scales take the same layout
+            x8 = per_token_cast_to_fp8(x)
+            rows8, _, _, sizes8, handle8, _ = buffer.dispatch(x8, expert_major=True, **args)
+            want8 = layout.expand(buffer.dispatch(x8, **args)[0], relaid)
+            assert sizes8 == sizes and torch.equal(rows8[0].view(torch.uint8), want8[0].view(torch.uint8)) and \
+                torch.equal(rows8[1], want8[1]), f"case {case}: FP8 expert-major rows"
+            cached8 = buffer.dispatch(x8, handle=handle8)[0]
+            assert torch.equal(cached8[0].view(torch.uint8), want8[0].view(torch.uint8)), f"case {case}: cached FP8"
+        global_expert = torch.where(experts >= 0, experts + rank * experts_per_rank, experts)
         y = expert_fn(global_expert.clamp_min(0), rows.float()).to(torch.bfloat16)  # unweighted outputs
         combined = buffer.combine(y, handle)[0].cpu()
         rows, experts, row_weights = rows.cpu(), experts.cpu(), row_weights.cpu()
-        plain = reference_dispatch(xs, topks, weights, num_experts, alignment)[rank]
-        assert sizes == plain["num_recv_tokens_per_expert_list"] and rows.shape[0] == sum(sizes)
+        reference = reference_dispatch(xs, topks, weights, num_experts, alignment)[rank]
+        assert sizes == reference["num_recv_tokens_per_expert_list"] and rows.shape[0] == sum(sizes)
         start = 0
         for local, size in enumerate(sizes):
-            r, k = (plain["recv_topk_idx"] == local).nonzero(as_tuple=True)  # entries in plain row order
+            r, k = (reference["recv_topk_idx"] == local).nonzero(as_tuple=True)  # entries in plain row order
             group = slice(start, start + size)
-            assert torch.equal(rows[group][:r.numel()], plain["recv_x"][r]), f"case {case} expert {local} rows"
+            assert torch.equal(rows[group][:r.numel()], reference["recv_x"][r]), f"case {case} expert {local} rows"
             assert (rows[group][r.numel():] == 0).all() and (experts[group][r.numel():] == -1).all()
             assert (experts[group][:r.numel()] == local).all()
-            assert torch.equal(row_weights[group][:r.numel()], plain["recv_topk_weights"][r, k])
+            assert torch.equal(row_weights[group][:r.numel()], reference["recv_topk_weights"][r, k])
             start += size
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
         torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")

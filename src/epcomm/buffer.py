@@ -276,6 +276,9 @@ class Buffer:
                                     ("topk_weights", topk_weights)):
                     if value is not None:
                         raise EPInputError(name, "must be None in cached mode (a handle was given)")
+                if expert_major and handle.expert_major is None:
+                    raise EPInputError("expert_major", "this handle comes from a plain dispatch; a cached dispatch "
+                                                       "returns the layout of the dispatch that made the handle")
                 if handle.is_token_in_rank.shape[0] != num_tokens:
                     raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
             else:
@@ -317,19 +320,20 @@ class Buffer:
         args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
                             topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
-                            num_worst_tokens=num_worst_tokens, config=config)
+                            num_worst_tokens=num_worst_tokens, config=config,
+                            expert_major=expert_major or (handle is not None and handle.expert_major is not None))
         with self._stream_scope(previous_event, async_finish, inputs) as scope:
             result = self._backend.dispatch(args)
             recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
             counts, out_handle = result.num_recv_tokens_per_expert_list, result.handle
-            if expert_major:
-                mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, len(counts), expert_alignment,
-                                                   counts)
-                recv_x = expert_major_layout.expand(recv_x, mapping)
-                recv_topk_idx, recv_topk_weights = expert_major_layout.entry_fields(mapping)
-                out_handle = out_handle._replace(expert_major=mapping)
-            elif handle is not None and handle.expert_major is not None:
-                recv_x = expert_major_layout.expand(recv_x, handle.expert_major)
+            if not self._backend.native_expert_major:  # re-laid here from the plain rows
+                if expert_major:
+                    mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)
+                    recv_x = expert_major_layout.expand(recv_x, mapping)
+                    recv_topk_idx, recv_topk_weights = mapping.row_experts, mapping.row_weights
+                    out_handle = out_handle._replace(expert_major=mapping)
+                elif handle is not None and handle.expert_major is not None:
+                    recv_x = expert_major_layout.expand(recv_x, handle.expert_major)
             scope.keep(recv_x, recv_topk_idx, recv_topk_weights)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, out_handle, scope.event_overlap()
 
@@ -382,8 +386,8 @@ class Buffer:
             self._backend.agree("combine", (("hidden", x.shape[1]),
                                             ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
         with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
-            if mapping is not None:  # weighted fold of the expert-major rows back onto the plain rows
-                x = expert_major_layout.fold(x, mapping, handle.num_recv_rows)
+            if mapping is not None and not self._backend.native_expert_major:
+                x = expert_major_layout.fold(x, mapping)  # weighted fold back onto the plain rows
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, scope.event_overlap()

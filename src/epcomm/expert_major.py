@@ -4,59 +4,80 @@ The plain layout has one row per received token (rows grouped by source rank) an
 local experts in ``recv_topk_idx``; a grouped GEMM wants rows grouped by expert instead. Here
 every ``(row, k)`` entry with a local expert becomes one row of expert ``recv_topk_idx[row, k]``'s
 group (a token appears once per local expert it chose — twice if it lists one twice); groups come
-in local-expert order, keep the plain row order inside, and are padded with zero rows to
+in local-expert order, keep the plain ``(row, k)`` order inside, and are padded with zero rows to
 ``expert_alignment``. ``num_recv_tokens_per_expert_list`` holds the padded group sizes, so group
 ``l`` starts at the sum of the sizes before it.
 
 Combine takes that layout back: the home's result is ``Σ_k topk_weights[t, k] · y[row of (t, k)]``
-in float32 — the weights are applied here (expert outputs are passed unweighted), then the plain
+in float32 — the weights are applied there (expert outputs are passed unweighted), then the plain
 cross-rank sum of :meth:`epcomm.Buffer.combine` runs on the folded rows.
 
-Built from torch ops on the plain layout, so every backend supports it; the cost is one gather
-(dispatch) and one scatter-add (combine) of the received rows.
+One mapping serves every backend (:class:`ExpertMajor`, kept in the handle). Backends that build
+the layout in their own kernels (``Backend.native_expert_major``: nvlink writes each received row
+straight to its expert groups and folds inside its combine) produce it themselves; for the others
+:func:`plan`, :func:`expand` and :func:`fold` build it from torch ops on the plain layout.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple
 
 import torch
 
 
 class ExpertMajor(NamedTuple):
-    """How a dispatch's plain rows map to its expert-major rows (kept in the handle)."""
+    """How a dispatch's plain rows map to its expert-major rows (kept in the handle).
 
-    entry_row: torch.Tensor  # [N_entries] int64: plain row of each entry, in expert-major order
-    entry_dest: torch.Tensor  # [N_entries] int64: its expert-major row
-    entry_weight: torch.Tensor  # [N_entries] float32: its top-k weight
-    entry_expert: torch.Tensor  # [N_entries] int64: its local expert
-    num_rows: int  # expert-major rows, padding included
-    group_sizes: List[int]  # padded rows per local expert
+    Fields:
+        dest: ``[N, K]`` int32: expert-major row of plain entry ``(row, k)``; ``-1`` where the
+            entry's expert is not local.
+        row_experts: ``[M]`` int64: each expert-major row's local expert, ``-1`` on padding.
+        row_weights: ``[M]`` float32: each expert-major row's top-k weight, ``0`` on padding.
+        num_rows: ``M``, padding included.
+        group_sizes: padded rows per local expert (``num_recv_tokens_per_expert_list``).
+    """
+
+    dest: torch.Tensor
+    row_experts: torch.Tensor
+    row_weights: torch.Tensor
+    num_rows: int
+    group_sizes: List[int]
 
 
-def plan(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, num_local_experts: int,
-         expert_alignment: int, group_sizes: List[int]) -> ExpertMajor:
-    """The mapping for one dispatch. ``group_sizes``: the padded per-expert counts the dispatch
-    returned (``num_recv_tokens_per_expert_list``), so no extra host synchronisation is needed."""
-    row, k = (recv_topk_idx >= 0).nonzero(as_tuple=True)
-    expert = recv_topk_idx[row, k]
-    order = torch.sort(expert, stable=True).indices  # group by expert, plain row order inside
-    row, k, expert = row[order], k[order], expert[order]
-    counts = torch.bincount(expert, minlength=num_local_experts)
-    starts = torch.zeros(num_local_experts, dtype=torch.int64, device=row.device)
-    padded = torch.tensor(group_sizes, dtype=torch.int64, device=row.device)
-    starts[1:] = padded.cumsum(0)[:-1]
-    first_entry = counts.cumsum(0) - counts
-    position = torch.arange(row.numel(), device=row.device) - first_entry[expert]
-    return ExpertMajor(row, starts[expert] + position, recv_topk_weights[row, k].float(), expert,
-                       int(sum(group_sizes)), list(group_sizes))
+def plan(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, group_sizes: List[int]) -> ExpertMajor:
+    """The mapping for one dispatch from its plain top-k outputs (``[N, K]`` local ids / weights).
+    ``group_sizes``: the padded per-expert counts the dispatch returned, so no host sync is needed."""
+    device = recv_topk_idx.device
+    num_local = len(group_sizes)
+    flat = recv_topk_idx.reshape(-1)
+    entries = (flat >= 0).nonzero().squeeze(1)  # (row, k) entries in plain order
+    expert = flat[entries]
+    order = torch.sort(expert, stable=True).indices  # group by expert, plain order inside
+    entries, expert = entries[order], expert[order]
+    counts = torch.bincount(expert, minlength=num_local)
+    padded = torch.tensor(group_sizes, dtype=torch.int64, device=device)
+    group_start = padded.cumsum(0) - padded
+    position = torch.arange(entries.numel(), device=device) - (counts.cumsum(0) - counts)[expert]
+    row = group_start[expert] + position
+    num_rows = int(sum(group_sizes))
+    dest = torch.full((flat.numel(),), -1, dtype=torch.int32, device=device)
+    dest[entries] = row.to(torch.int32)
+    row_experts = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    row_weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    row_experts[row] = expert
+    row_weights[row] = recv_topk_weights.reshape(-1)[entries].float()
+    return ExpertMajor(dest.view(recv_topk_idx.shape), row_experts, row_weights, num_rows, list(group_sizes))
 
 
 def expand(recv_x, mapping: ExpertMajor):
     """Plain rows → expert-major rows (padding rows zero). ``recv_x``: bf16 ``[N, H]`` or an FP8
     pair ``(values [N, H], scales [N, S])``."""
+    mine = mapping.dest >= 0
+    plain_row = mine.nonzero()[:, 0]
+    dest = mapping.dest[mine].long()
+
     def gather(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((mapping.num_rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        out[mapping.entry_dest] = t[mapping.entry_row]
+        out[dest] = t[plain_row]
         return out
     if isinstance(recv_x, tuple):
         values = gather(recv_x[0].view(torch.uint8)).view(recv_x[0].dtype)
@@ -64,20 +85,14 @@ def expand(recv_x, mapping: ExpertMajor):
     return gather(recv_x)
 
 
-def entry_fields(mapping: ExpertMajor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per expert-major row: ``(local expert [M] int64, -1 on padding; weight [M] float32, 0 on padding)``."""
-    device = mapping.entry_row.device
-    experts = torch.full((mapping.num_rows,), -1, dtype=torch.int64, device=device)
-    weights = torch.zeros(mapping.num_rows, dtype=torch.float32, device=device)
-    experts[mapping.entry_dest] = mapping.entry_expert
-    weights[mapping.entry_dest] = mapping.entry_weight
-    return experts, weights
-
-
-def fold(y: torch.Tensor, mapping: ExpertMajor, num_plain_rows: int) -> torch.Tensor:
-    """Expert-major outputs → plain rows: ``row[r] = Σ_entries of r weight · y[entry]`` (float32,
-    rounded to bf16 for the cross-rank combine)."""
-    rows = torch.zeros(num_plain_rows, y.shape[1], dtype=torch.float32, device=y.device)
-    rows.index_add_(0, mapping.entry_row, y[mapping.entry_dest].float() * mapping.entry_weight.unsqueeze(1))
+def fold(y: torch.Tensor, mapping: ExpertMajor) -> torch.Tensor:
+    """Expert-major outputs ``[M, H]`` → plain rows ``[N, H]``: ``row[r] = Σ_k w · y[dest[r, k]]``,
+    in float32, rounded to bf16 for the cross-rank combine."""
+    num_plain, num_topk = mapping.dest.shape
+    rows = torch.zeros(num_plain, y.shape[1], dtype=torch.float32, device=y.device)
+    for k in range(num_topk):
+        dest = mapping.dest[:, k].long()
+        mine = dest >= 0
+        d = dest[mine]
+        rows[mine] += y[d].float() * mapping.row_weights[d].unsqueeze(1)
     return rows.to(torch.bfloat16)
-

@@ -33,6 +33,7 @@ class DispatchArgs:
     expert_alignment: int
     num_worst_tokens: int
     config: Config
+    expert_major: bool = False  # rows grouped by local expert (expert_major.py), full or cached
 
 
 @dataclass
@@ -76,6 +77,9 @@ class Backend(abc.ABC):
 
     name: str = "?"
     agrees: bool = False  # True when agree() does something (Buffer skips building fingerprints otherwise)
+    # True when dispatch/combine build the expert-major layout themselves (args.expert_major, the
+    # handle's mapping); otherwise Buffer re-lays the plain rows with torch ops (expert_major.py).
+    native_expert_major: bool = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group

@@ -154,7 +154,10 @@ def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts,
         "combine, BF16": lambda: buffer.combine(expert_out, handle, config=config),
     }
     if extensions:  # epcomm's own: the expert-major layout's cost beside the plain one
+        em_rows, _, _, _, em_handle, _ = buffer.dispatch(x, expert_major=True, **dispatch_args)
         calls["dispatch, full, BF16, expert-major"] = lambda: buffer.dispatch(x, expert_major=True, **dispatch_args)
+        calls["dispatch, cached, BF16, expert-major"] = lambda: buffer.dispatch(x, handle=em_handle, config=config)
+        calls["combine, BF16, expert-major"] = lambda: buffer.combine(em_rows, em_handle, config=config)
     return calls, recv_x, in_rank, handle
 
 

@@ -29,6 +29,7 @@ MAX_LOCAL_EXPERTS = 4096
 
 class NVLinkBackend(Backend):
     name = "nvlink"
+    native_expert_major = True  # the pull writes expert-major rows, the push folds them (normal.py)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
                  timeout_s: float = 100.0):

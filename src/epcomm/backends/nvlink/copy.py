@@ -79,3 +79,21 @@ def copy_rows(src, dst, live, row_words, BLOCK_W: tl.constexpr):
         c = start + cols
         m = live[:, None] & (c < row_words)[None, :]
         tl.store(dst[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), mask=m)
+
+
+@triton.jit
+def copy_rows_to_each(src, dst, dest_rows, live, num_topk, row_words, BLOCK_W: tl.constexpr):
+    """Copy each source row to several destination rows (the expert-major layout: one per local
+    expert of the token), loading it once: ``src`` [BLOCK_R] pointers to the rows; ``dst`` the
+    destination, row ``i`` at ``dst + i * row_words``; ``dest_rows`` [BLOCK_R] pointers to each
+    row's ``num_topk`` int32 destination rows (-1 = none), read per use (a [BLOCK_R, K] tensor of
+    them would cost registers the tile needs); rows where ``live`` is False are skipped."""
+    cols = tl.arange(0, BLOCK_W)
+    for start in range(0, row_words, BLOCK_W):
+        c = start + cols
+        cm = c < row_words
+        values = tl.load(src[:, None] + c[None, :], mask=live[:, None] & cm[None, :])
+        for k in range(0, num_topk):
+            row = tl.load(dest_rows + k, mask=live, other=-1)
+            tl.store(dst + row.to(tl.int64)[:, None] * row_words + c[None, :], values,
+                     mask=(row >= 0)[:, None] & cm[None, :])

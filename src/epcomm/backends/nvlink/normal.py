@@ -31,10 +31,11 @@ import triton.language as tl
 
 from ...errors import EPError
 from ...handle import DispatchHandle
+from ...expert_major import ExpertMajor
 from ..base import DispatchArgs, DispatchResult
 from . import sync
 from . import agreement
-from .copy import copy_rows, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
+from .copy import copy_rows, copy_rows_to_each, for_word_copies, is_aligned, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_NORMAL
 from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words, post_fingerprint,
@@ -44,6 +45,16 @@ from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_se
 COPY_TILE_WORDS = 16384
 COPY_WARPS = 16
 LAYOUT_BLOCK_T = 128  # tokens per program of the layout kernel
+POSITION_TOKENS = 64  # tokens per program of the expert-major positions (_expert_positions)
+POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
+POSITION_ELEMENTS = 16384  # the positions' [SUB, K, E] one-hot tile: SUB = this // (K * E), at least 1
+# The expert-major pull and fold store (read) each row once per local entry of its token — about
+# K * L / E times the plain layout's local bytes — so they run on this many times Config.num_sms
+# programs (bounded by the device's SMs): with num_sms programs alone the local stores, not NVLink,
+# would set their speed.
+EXPERT_MAJOR_SM_FACTOR = 6
+EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
+FOLD_COLUMNS = tl.constexpr(512)  # bf16 columns per chunk of the expert-major fold (_fold_expert_major)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,9 +136,10 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
               per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
               prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
               recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
+              table_ptr,  # out [R + 2, L] int32 (write_table): the expert-major group table, below
               mailbox_address,  # host mailbox (sync.py)
               num_tokens, num_experts, rank, num_ranks, half_bytes, counts_offset, timeout_ns, sequence,
-              expert_alignment, fp_offset, fp0, fp1,
+              expert_alignment, fp_offset, fp0, fp1, write_table,
               R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
     # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
@@ -135,6 +147,9 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
     # fingerprint. The program arriving last then owns the complete matrix: it writes
     # rank_prefix_matrix, the receive sizes (device words and host mailbox) and, last, the mailbox
     # sequence number with a release — the host polls that word, then raises any disagreement.
+    # With write_table, also the expert-major layout's group table for local expert e: row i < R
+    # the first row of source i's entries (group start + entries of lower sources), row R the end
+    # of the group's entries, row R + 1 the end of its padding (groups padded to expert_alignment).
     peer = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
@@ -175,6 +190,7 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         tl.store(recv_info_ptr, num_recv)
         tl.store(recv_info_ptr + 1, max_tokens)
         num_local = num_experts // num_ranks
+        group_start = 0  # of the expert-major groups
         for start in range(0, num_local, BLOCK):
             local = start + tl.arange(0, BLOCK)
             total = tl.zeros([BLOCK], tl.int32)
@@ -183,17 +199,67 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
                                  other=0)
             aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
             tl.store(notify + 3 + local, aligned.to(tl.int64), mask=local < num_local)
+            if write_table != 0:
+                first = group_start + tl.cumsum(aligned, axis=0) - aligned
+                for i in range(0, num_ranks):
+                    tl.store(table_ptr + i * num_local + local, first, mask=local < num_local)
+                    first += tl.load(counts + i * row_len + num_ranks + rank * num_local + local,
+                                     mask=local < num_local, other=0)
+                tl.store(table_ptr + num_ranks * num_local + local, first, mask=local < num_local)
+                tl.store(table_ptr + (num_ranks + 1) * num_local + local, first - total + aligned,
+                         mask=local < num_local)
+                group_start += tl.sum(tl.where(local < num_local, aligned, 0), axis=0)
         tl.store(notify + 1, num_recv.to(tl.int64))
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ep_notify, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "i64",
-                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64"])
+NOTIFY = KernelSpec(ep_notify, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i64",
+                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64",
+                                "i32"])
 
 
 # ====================================================================== dispatch: stage
+@triton.jit
+def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_lo, num_topk, num_experts,
+                      HIST_T: tl.constexpr, SUB: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
+    """For the entries (t, k) of tokens [first, last): the number of entries with the same expert
+    before it in (token, k) order over this rank's batch — its place among the rows this rank sends
+    that expert (the receiver adds the rows of lower ranks and the groups before: expert-major
+    layout). Stored as int32 ``[K]`` at ``pos_address + (t - token_lo) * pos_row_bytes``.
+
+        running[e] = entries of e in tokens [0, first)            (histograms, HIST_T tokens a step)
+        for each SUB tokens:  hit[t, k, e] = (id[t, k] == e)
+            before[t, e] = running[e] + entries of e in earlier tokens of the step   (cumsum over t)
+            pos[t, k]    = before[t, id[t, k]] + #{k' < k : id[t, k'] == id[t, k]}
+    """
+    ks = tl.arange(0, K_P2)
+    experts = tl.arange(0, E_P2)
+    running = tl.zeros([E_P2], tl.int32)
+    for start in range(0, first, HIST_T):
+        t = start + tl.arange(0, HIST_T)
+        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :],
+                      mask=(t < first)[:, None] & (ks < num_topk)[None, :], other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        running += tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [HIST_T * K_P2]), E_P2,
+                                mask=tl.reshape(valid, [HIST_T * K_P2]))
+    for start in range(first, last, SUB):
+        t = start + tl.arange(0, SUB)
+        live = (t < last)[:, None] & (ks < num_topk)[None, :]
+        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :], mask=live, other=-1)
+        ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
+        hit = ids[:, :, None] == experts[None, None, :]  # [SUB, K_P2, E_P2]
+        per_token = tl.sum(hit.to(tl.int32), axis=1)  # [SUB, E_P2]
+        before = running[None, :] + tl.cumsum(per_token, axis=0) - per_token
+        pos = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)  # [SUB, K_P2]
+        same = (ids[:, :, None] == ids[:, None, :]) & (ks[None, None, :] < ks[None, :, None])
+        pos += tl.sum(same.to(tl.int32), axis=2)
+        running += tl.sum(per_token, axis=0)
+        rows = pos_address + (t - token_lo).to(tl.int64) * pos_row_bytes
+        tl.store(rows.to(tl.pointer_type(tl.int32))[:, None] + ks[None, :], pos, mask=live & (ids >= 0))
+
+
 @triton.jit
 def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
                       scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32, any strides (FP8)
@@ -203,10 +269,12 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                       normal_bases_ptr, flag_bases_ptr, state_ptr,
                       num_tokens, token_lo, token_hi, x_words, num_scales, num_topk, rank, num_ranks,
                       half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
-                      num_local, fp_offset, fp0, fp1,
+                      num_local, fp_offset, fp0, fp1, num_position_programs,
                       HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr):
+                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+                      EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+                      E_P2: tl.constexpr):
     # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
     # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
     # first R programs write, for each destination j, the ascending list of tokens sent to j, and
@@ -214,7 +282,8 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
     # num_tokens_per_rank[j], and (HAS_TOPK) the top-k entries of j's experts against
     # num_tokens_per_expert. Then arrive and RELEASE the epoch, with the call's fingerprint (its
     # abort field naming a count found wrong), to every rank: peers pull after acquiring it.
-    # ALIGNED: x and its rows are 16-byte aligned (copy.py).
+    # EXPERT_MAJOR: the next num_position_programs programs add each top-k entry's position
+    # (_expert_positions) to the staged top-k rows. ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
     num_programs = tl.num_programs(0)
@@ -253,6 +322,14 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                 given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
                 if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
                     tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+    if EXPERT_MAJOR:
+        first_position = first_copy
+        first_copy += num_position_programs
+        if (pid >= first_position) & (pid < first_copy):
+            first = token_lo + (pid - first_position) * POSITION_TOKENS
+            _expert_positions(topk_ptr, half + topk_offset + num_topk * 12, topk_row_bytes, first,
+                              tl.minimum(first + POSITION_TOKENS, tl.minimum(token_hi, num_tokens)), token_lo,
+                              num_topk, num_local * num_ranks, POSITION_HIST_ENTRIES // K_P2, POSITION_SUB, K_P2, E_P2)
     if pid >= first_copy:
         num_rows = tl.minimum(token_hi, num_tokens) - token_lo
         for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
@@ -291,7 +368,7 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
 
 STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i32", "*i32", "*i64",
                                        "*i64", "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                       "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64"],
+                                       "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64", "i32"],
                    aligned_if={"ALIGNED": ["x_ptr"]})
 
 
@@ -322,14 +399,16 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
                      src_rank_ptr, src_idx_ptr,  # [N] int32: written with INDEX, read otherwise
                      recv_x_ptr,  # [N, x_bytes] bytes
                      recv_scales_ptr,  # [N, S] float32
-                     recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32
+                     recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32 (expert-major: [M])
                      mailbox_address,
+                     table_ptr,  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify)
+                     dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
                      num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
                      lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
-                     num_local, timeout_ns, fp_offset, fp0, fp1,
+                     num_local, timeout_ns, fp_offset, fp0, fp1, num_em_rows, zero_padding,
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                     R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # ACQUIRE every rank's staged rows for this epoch and check the ranks' fingerprints (on a
     # mismatch nothing moves: the host raises). Then for each received row r: its source
     # rank (from the prefix column: rows are grouped by source) and source token (read from the
@@ -337,6 +416,10 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
     # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
     # staging half. Top-k ids become local ids (-1 for other ranks' experts, weight 0). Rows past
     # the received total (num_worst_tokens padding) get source index -1 and top-k -1.
+    # EXPERT_MAJOR: the outputs are the expert-major rows (expert_major.py): entry (r, k) of a
+    # local expert e goes to row table[src][e] + its position on the source (_expert_positions) —
+    # written to dest with HAS_TOPK, read from it in a cached dispatch — and each pulled row is
+    # stored once per entry; with zero_padding the groups' padding rows are zeroed too.
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -371,50 +454,125 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
         srow = (token - token_lo).to(tl.int64)
         rows64 = rows.to(tl.int64)
         sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
-        dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
-        copy_rows(sx, dx, move, x_words, BLOCK_W)
-        if HAS_SCALES:
-            s = tl.arange(0, S_P2)
-            m = move[:, None] & (s < num_scales)[None, :]
-            ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
-            tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :], tl.load(ss[:, None] + s[None, :], mask=m),
-                     mask=m)
-        if HAS_TOPK:
-            k = tl.arange(0, K_P2)
-            m = move[:, None] & (k < num_topk)[None, :]
-            trow = staged + topk_offset + srow * topk_row_bytes
-            ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
-            weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=m,
-                              other=0.0)
-            local = ids - expert_lo
-            mine = (ids >= 0) & (local >= 0) & (local < num_local)
-            out = rows64[:, None] * num_topk + k[None, :]
-            write = (move[:, None] | (in_out & (token < 0))[:, None]) & (k < num_topk)[None, :]
-            tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=write)
-            tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=write)
+        if EXPERT_MAJOR:
+            _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, recv_topk_ptr,
+                               recv_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset,
+                               topk_offset, topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES, HAS_TOPK,
+                               BLOCK_W, S_P2, K_P2)
+        else:
+            dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
+            copy_rows(sx, dx, move, x_words, BLOCK_W)
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                m = move[:, None] & (s < num_scales)[None, :]
+                ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :], tl.load(ss[:, None] + s[None, :], mask=m),
+                         mask=m)
+            if HAS_TOPK:
+                k = tl.arange(0, K_P2)
+                m = move[:, None] & (k < num_topk)[None, :]
+                trow = staged + topk_offset + srow * topk_row_bytes
+                ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
+                weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=m,
+                                  other=0.0)
+                local = ids - expert_lo
+                mine = (ids >= 0) & (local >= 0) & (local < num_local)
+                out = rows64[:, None] * num_topk + k[None, :]
+                write = (move[:, None] | (in_out & (token < 0))[:, None]) & (k < num_topk)[None, :]
+                tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=write)
+                tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=write)
+    if EXPERT_MAJOR:
+        if zero_padding != 0:
+            _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
+                          num_em_rows, x_words, num_scales, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2)
+
+
+@triton.jit
+def _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, row_experts_ptr,
+                       row_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset, topk_offset,
+                       topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES: tl.constexpr,
+                       HAS_TOPK: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    """ep_dispatch_pull's rows in the expert-major layout: each row read once from its source and
+    stored to the row of each of its local entries."""
+    if HAS_TOPK:
+        k = tl.arange(0, K_P2)
+        entries = move[:, None] & (k < num_topk)[None, :]  # this dispatch's rows: the source's position plus this rank's group table
+        trow = staged + topk_offset + srow * topk_row_bytes
+        ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=entries, other=-1)
+        weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=entries,
+                          other=0.0)
+        position = tl.load((trow + num_topk * 12).to(tl.pointer_type(tl.int32))[:, None] + k[None, :], mask=entries,
+                           other=0)
+        local = ids - expert_lo
+        mine = entries & (ids >= 0) & (local >= 0) & (local < num_local)
+        dest = tl.load(table_ptr + src[:, None] * num_local + local, mask=mine, other=0) + position
+        mine = mine & (dest >= 0) & (dest < num_em_rows)  # (the counts behind the table were checked on device)
+        tl.store(dest_ptr + rows64[:, None] * num_topk + k[None, :], tl.where(mine, dest, -1), mask=entries)
+        tl.store(row_experts_ptr + dest, local.to(tl.int64), mask=mine)
+        tl.store(row_weights_ptr + dest, weights, mask=mine)
+        tl.debug_barrier()  # the copies below read these rows back (CTA-wide visibility)
+    # (a cached dispatch: the rows its handle's dispatch computed)
+    dest_rows = dest_ptr + rows64 * num_topk
+    copy_rows_to_each(sx, recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), dest_rows, move, num_topk, x_words,
+                      BLOCK_W)
+    if HAS_SCALES:
+        ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+        copy_rows_to_each(ss, recv_scales_ptr, dest_rows, move, num_topk, num_scales, S_P2)
+
+
+@triton.jit
+def _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, row_experts_ptr, row_weights_ptr, num_ranks, num_local,
+                  num_em_rows, x_words, num_scales, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr):
+    """Zero the padding rows of the expert-major groups this program owns (expert e: rows
+    table[R][e] .. table[R + 1][e]); with HAS_TOPK their expert is -1 and weight 0."""
+    pid = tl.program_id(0)
+    x_rows = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    cols = tl.arange(0, BLOCK_W)
+    for expert in range(pid, num_local, tl.num_programs(0)):
+        first = tl.maximum(tl.load(table_ptr + num_ranks * num_local + expert), 0)
+        end = tl.minimum(tl.load(table_ptr + (num_ranks + 1) * num_local + expert), num_em_rows)
+        for block in range(first, end, BLOCK_R):
+            rows = block + tl.arange(0, BLOCK_R)
+            live = rows < end
+            rows64 = rows.to(tl.int64)
+            for start in range(0, x_words, BLOCK_W):
+                c = start + cols
+                tl.store(x_rows + rows64[:, None] * x_words + c[None, :], tl.zeros([BLOCK_R, BLOCK_W], tl.int64),
+                         mask=live[:, None] & (c < x_words)[None, :])
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
+                         tl.zeros([BLOCK_R, S_P2], tl.float32), mask=live[:, None] & (s < num_scales)[None, :])
+            if HAS_TOPK:
+                tl.store(row_experts_ptr + rows64, tl.full([BLOCK_R], -1, tl.int64), mask=live)
+                tl.store(row_weights_ptr + rows64, tl.zeros([BLOCK_R], tl.float32), mask=live)
 
 
 PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
-                                     "*fp32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                     "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64", "i64", "i64",
-                                     "i64"],
+                                     "*fp32", "i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64", "i64",
+                                     "i64", "i64", "i32", "i32"],
                   aligned_if={"ALIGNED": ["recv_x_ptr"]})
 
 
 # ====================================================================== combine: push
 @triton.jit
-def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order)
-                    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
+                    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
                     src_rank_ptr, src_idx_ptr,  # [N] int32: home rank and token of each row (-1 = padding)
+                    dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
                     normal_bases_ptr, flag_bases_ptr, state_ptr,
                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
                     slots_w_offset, fp_offset, fp0, fp1,
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
-                    R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+                    R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
     # stores), for tokens in [token_lo, token_hi); then arrive and RELEASE the epoch to every rank.
     # The slots are free: the home read them two barriers ago (double buffering, sync.py).
-    # ALIGNED: x and its rows are 16-byte aligned (copy.py).
+    # EXPERT_MAJOR: row r is first folded from the expert-major rows of its entries,
+    # Σ_k weight · x[dest[r, k]] in float32 (expert_major.py, fold). ALIGNED: x and its rows are
+    # 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -431,9 +589,14 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
         move = in_out & (token >= token_lo) & (token < token_hi)
         slot = (token - token_lo).to(tl.int64) * num_ranks + rank
         base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
-        sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
-        dx = word_ptr(base + slots_x_offset, ALIGNED) + slot * x_words
-        copy_rows(sx, dx, move, x_words, BLOCK_W)
+        if EXPERT_MAJOR:
+            _fold_expert_major(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True), weights_ptr, dest_ptr,
+                               rows.to(tl.int64), move, ptr_at(base + slots_x_offset, tl.bfloat16, ALIGNED) +
+                               slot * (x_words * 4), x_words * 4, num_topk, K_P2)
+        else:
+            sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
+            dx = word_ptr(base + slots_x_offset, ALIGNED) + slot * x_words
+            copy_rows(sx, dx, move, x_words, BLOCK_W)
         if HAS_WEIGHTS:
             k = tl.arange(0, K_P2)
             m = move[:, None] & (k < num_topk)[None, :]
@@ -447,8 +610,28 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
                      R_P2=R_P2)  # RELEASE: pushed rows, fingerprint -> their homes
 
 
-PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32", "i32",
-                                    "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i64", "i64"],
+@triton.jit
+def _fold_expert_major(y_ptr, row_weights_ptr, dest_ptr, rows64, move, dst, hidden, num_topk, K_P2: tl.constexpr):
+    """dst[r] = Σ_k row_weights[d] · y[d] over d = dest[r, k] >= 0, in float32, k ascending, rounded
+    to bf16 (``dst`` [BLOCK_R] bf16 row pointers; rows where ``move`` is False are skipped). The k
+    loop is unrolled so that the K loads of a chunk are in flight together (narrow chunks keep
+    them in registers)."""
+    cols = tl.arange(0, FOLD_COLUMNS)
+    for start in range(0, hidden, FOLD_COLUMNS):
+        c = start + cols
+        cm = c < hidden
+        acc = tl.zeros([rows64.shape[0], FOLD_COLUMNS], tl.float32)
+        for k in tl.static_range(K_P2):
+            row = tl.load(dest_ptr + rows64 * num_topk + k, mask=move & (k < num_topk), other=-1)
+            weight = tl.load(row_weights_ptr + row, mask=row >= 0, other=0.0)
+            values = tl.load(y_ptr + row.to(tl.int64)[:, None] * hidden + c[None, :],
+                             mask=(row >= 0)[:, None] & cm[None, :], other=0.0)
+            acc += values.to(tl.float32) * weight[:, None]
+        tl.store(dst[:, None] + c[None, :], acc.to(tl.bfloat16), mask=move[:, None] & cm[None, :])
+
+
+PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32",
+                                    "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i64", "i64"],
                   aligned_if={"ALIGNED": ["x_ptr"]})
 
 
@@ -515,6 +698,7 @@ class PullState:
     recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
+    expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify)
 
 
 @dataclass(frozen=True)
@@ -529,8 +713,10 @@ class DispatchPlan:
     round_tokens: int
     block_r: int
     rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
-    stage_lists: Specialisations  # (ALIGNED, L_P2) -> stage + token lists (round 0 of a full dispatch)
-    stage: Specialisations  # ALIGNED -> stage
+    expert_major: bool  # outputs in the expert-major layout (expert_major.py)
+    stage_lists: Specialisations  # (ALIGNED, L_P2, E_P2, POSITION_SUB) -> stage + token lists (a full
+    # dispatch's round 0); E_P2, POSITION_SUB: the expert-major positions' shape (1, 1 in the plain layout)
+    stage: Specialisations  # (ALIGNED, E_P2, POSITION_SUB) -> stage
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
@@ -544,6 +730,7 @@ class CombinePlan:
     round_tokens: int
     block_r: int
     rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
+    expert_major: bool  # x in the expert-major layout: the push folds it first
     push: Specialisations  # ALIGNED (expert outputs aligned) -> push
     reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
     fingerprint: Tuple[int, int]  # agreement.py: the call's words (handle added)
@@ -562,6 +749,7 @@ class NormalMode:
         self.R_P2 = p2(self.R)
         self.dev_index = backend.device.index
         self.device = backend.device
+        self.device_sms = torch.cuda.get_device_properties(backend.device).multi_processor_count
         # persistent tensors go to the launcher as plain addresses
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
@@ -595,26 +783,36 @@ class NormalMode:
         return per_rank, None, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_plan(self, x_bytes: int, num_scales: int, num_topk: int) -> DispatchPlan:
+    def _dispatch_plan(self, x_bytes: int, num_scales: int, num_topk: int, expert_major_topk: int) -> DispatchPlan:
+        """``num_topk``: top-k width staged (0 in a cached dispatch); ``expert_major_topk``: the
+        width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
             raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
-        topk_row_bytes = (num_topk * 12 + 15) // 16 * 16
+        expert_major = expert_major_topk > 0
+        # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
+        topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
         row_bytes = (x_bytes,) + ((num_scales * 4,) if num_scales else ()) + ((topk_row_bytes,) if num_topk else ())
         offsets, round_tokens = self.ws.dispatch_round_tokens(row_bytes)
         offsets = (offsets[0], offsets[1] if num_scales else 0, offsets[-1] if num_topk else 0)
         block_r, block_w = copy_block_shape(x_bytes // 8)
+        if expert_major:
+            block_w = min(block_w, EXPERT_MAJOR_BLOCK_W)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
-                    S_P2=p2(num_scales), K_P2=p2(num_topk), R_P2=self.R_P2)
+                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
+        positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
-        words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk)
+        words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
+                     expert_major=int(expert_major))
         return DispatchPlan(x_bytes // 8, num_scales, num_topk, topk_row_bytes, offsets, round_tokens, block_r,
-                            rows_aligned,
-                            Specialisations(STAGE, ["ALIGNED", "L_P2"], COPY_WARPS, WRITE_LISTS=True, LIST_BLOCK=1024,
-                                            **meta),
-                            Specialisations(STAGE, ["ALIGNED"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                            L_P2=1, **meta),
-                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, **meta),
-                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned, **meta),
+                            rows_aligned, expert_major,
+                            Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=True,
+                                            LIST_BLOCK=1024, **meta, **positions),
+                            Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024,
+                                            L_P2=1, **meta, **positions),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
+                                      **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
+                                      EXPERT_MAJOR=expert_major, **meta),
                             agreement.pack(call=agreement.CALL_DISPATCH, **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
@@ -629,13 +827,16 @@ class NormalMode:
         num_tokens, hidden = x.shape
         topk_idx = args.topk_idx if not cached else None
         num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-        key = (hidden * x.element_size(), hidden // 128 if is_fp8 else 0, num_topk)
+        mapping = handle.expert_major if cached else None
+        expert_major_topk = 0 if not args.expert_major else mapping.dest.shape[1] if cached else num_topk
+        key = (hidden * x.element_size(), hidden // 128 if is_fp8 else 0, num_topk, expert_major_topk)
         plan = self._dispatch_plans.get(key)
         if plan is None:
             plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
         stream = current_stream(self.dev_index)
         round_tokens = plan.round_tokens
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
+        expert_major = plan.expert_major
 
         if cached:
             state: PullState = handle.backend_state
@@ -649,6 +850,7 @@ class NormalMode:
             ws.check_notify(num_experts, num_tokens)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             recv_info = torch.empty(2, dtype=torch.int32, device=dev)
+            table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
             mailbox = b.mailbox
             sequence = mailbox.next_sequence()
             fp0, fp1 = plan.fingerprint_full
@@ -656,8 +858,9 @@ class NormalMode:
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
             NOTIFY_BOUND[self.R_P2].launch(
                 R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
-                prefix, recv_info, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
-                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1)
+                prefix, recv_info, table, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
+                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1,
+                int(expert_major))
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
             self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1)
             if args.num_worst_tokens == 0:
@@ -670,17 +873,31 @@ class NormalMode:
                 num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
             src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
             src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
-            state = PullState(src_rank, recv_info, max_tokens, sequence)
+            state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None)
+            if expert_major:
+                mapping = ExpertMajor(torch.empty((num_rows, num_topk), dtype=torch.int32, device=dev),
+                                      torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
+                                      torch.empty(sum(counts_list), dtype=torch.float32, device=dev),
+                                      sum(counts_list), counts_list)
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
-        recv_x = torch.empty((num_rows, hidden), dtype=x.dtype, device=dev)
-        recv_scales = torch.empty((num_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
-        if num_topk:
+        out_rows = mapping.num_rows if expert_major else num_rows
+        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
+        recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
+        if expert_major:
+            recv_topk, recv_weights, dest, table = mapping.row_experts, mapping.row_weights, mapping.dest, \
+                state.expert_table
+        elif num_topk:
             recv_topk = torch.empty((num_rows, num_topk), dtype=torch.int64, device=dev)
             recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
         else:
             recv_topk = recv_weights = recv_x
+        if not expert_major:
+            dest = table = prefix  # (unused)
+        num_local_rows = len(mapping.group_sizes) if expert_major else num_local
         num_sms = args.config.num_sms
+        if expert_major:
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
         pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
@@ -689,16 +906,17 @@ class NormalMode:
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
-                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.address,
-                num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, num_topk, ws.normal_half_bytes,
-                ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
-                rank * num_local, num_local, b.timeout_ns, self.fingerprints, fp0, fp1)
+                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.address, table,
+                dest, num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, num_topk or expert_major_topk,
+                ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
+                plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
+                out_rows, int(round_idx == 0))
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
             return DispatchResult(recv, None, None, None, handle)
         num_recv_tokens = num_rows if max_tokens >= 0 else state.recv_info[0]
-        handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state)
+        handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
         return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
                               handle)
 
@@ -708,14 +926,20 @@ class NormalMode:
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
         topk, weights = (args.topk_idx, args.topk_weights) if plan.num_topk else (x, x)
+        aligned = plan.rows_aligned and x_aligned
+        num_local = 0 if args.handle is not None else args.num_tokens_per_expert.shape[0] // self.R
+        e_p2, sub, num_position_programs = 1, 1, 0
+        if plan.expert_major and plan.num_topk:  # positions of the entries (expert-major layout)
+            e_p2 = p2(num_local * self.R)
+            sub = max(1, POSITION_ELEMENTS // (p2(plan.num_topk) * e_p2))
+            num_position_programs = cdiv(rows, POSITION_TOKENS)
+            programs += num_position_programs
         if write_lists:  # a full dispatch: the token lists and the count checks
-            num_local = args.num_tokens_per_expert.shape[0] // self.R
-            kernel = plan.stage_lists[plan.rows_aligned and x_aligned, p2(num_local)]
+            kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
             in_rank, per_rank, per_expert, programs = args.is_token_in_rank, args.num_tokens_per_rank, \
                 args.num_tokens_per_expert, programs + self.R
         else:
-            num_local = 0
-            kernel = plan.stage[plan.rows_aligned and x_aligned]
+            kernel = plan.stage[aligned, e_p2, sub]
             in_rank = per_rank = per_expert = args.handle.is_token_in_rank if args.handle is not None else \
                 args.is_token_in_rank
         kernel.launch(
@@ -724,10 +948,10 @@ class NormalMode:
             topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
             plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
             self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
-            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1)
+            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1, num_position_programs)
 
     # ------------------------------------------------------------------ combine
-    def _combine_plan(self, hidden: int, num_topk: int, num_bias: int) -> CombinePlan:
+    def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
         x_bytes = hidden * 2
         if x_bytes % 8:
             raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
@@ -736,11 +960,14 @@ class NormalMode:
         block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
         rows_aligned = hidden % 8 == 0  # 16-byte accesses (copy.py) where x / the biases are aligned too
         push = Specialisations(PUSH, ["ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
-                               BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2)
+                               BLOCK_W=block_w, K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
+                               EXPERT_MAJOR=expert_major_topk > 0)
         reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
                                  HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
-        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned, push, reduce,
-                           agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk))
+        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
+                           expert_major_topk > 0, push, reduce,
+                           agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
+                                          expert_major=int(expert_major_topk > 0)))
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -751,7 +978,8 @@ class NormalMode:
         num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
         num_rows = handle.num_recv_rows
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        key = (hidden, num_topk, len(bias))
+        mapping = handle.expert_major  # x: the expert-major rows, folded by the push
+        key = (hidden, num_topk, len(bias), 0 if mapping is None else mapping.dest.shape[1])
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._combine_plans[key] = self._combine_plan(*key)
@@ -765,9 +993,13 @@ class NormalMode:
         stream = current_stream(self.dev_index)
         bias0 = bias[0] if len(bias) >= 1 else combined
         bias1 = bias[1] if len(bias) >= 2 else combined
-        w_in = topk_weights if num_topk else x
+        w_in = topk_weights if num_topk else x if mapping is None else mapping.row_weights
         w_out = combined_w if num_topk else combined
-        push_programs = max(1, min(config.num_sms, cdiv(num_rows, plan.block_r)))
+        dest = handle.recv_src_idx if mapping is None else mapping.dest
+        num_sms = config.num_sms
+        if mapping is not None:
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
+        push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
         x, x_aligned = for_word_copies(x)
         push = plan.push[plan.rows_aligned and x_aligned]
@@ -776,8 +1008,9 @@ class NormalMode:
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, self.bases,
-                        self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4, num_topk, half_bytes,
+            push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, dest, self.bases,
+                        self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
+                        num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
                         plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
                           handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
