@@ -153,6 +153,8 @@ GPU_CASES = {  # case -> the argument every rank's EPInputError must name
     "num_tokens_per_rank": "num_tokens_per_rank", "num_tokens_per_expert": "num_tokens_per_expert",
     "rejected_dispatch": "x", "rejected_combine": "x",
     "ll_num_experts": "num_experts", "ll_rejected": "x",
+    # limits of the nvlink backend itself (Backend.check_*), met on one rank only
+    "backend_rows": "x", "ll_backend_hidden": "x",
 }
 
 
@@ -200,6 +202,11 @@ def gpu_contract(case: str, timeout: float = 3.0):
             return buffer.combine(y, handle)
         if case == "ll_num_experts":
             return buffer.low_latency_dispatch(x, topk, T, 2 * num_experts if odd else num_experts, use_fp8=False)
+        if case == "backend_rows":  # 258 bf16 = 516-byte rows: not whole 8-byte words
+            return dispatch(xs[rank][:, :258 if odd else hidden].contiguous().to(dev))
+        if case == "ll_backend_hidden":  # BF16 rows of 192: fine for Buffer, not for the nvlink kernels
+            return buffer.low_latency_dispatch(xs[rank][:, :192 if odd else hidden].contiguous().to(dev), topk, T,
+                                               num_experts, use_fp8=False)
         if case == "ll_rejected":
             return buffer.low_latency_dispatch(torch.cat([x, x]) if odd else x, topk, T, num_experts, use_fp8=False)
         raise ValueError(case)
@@ -209,11 +216,14 @@ def gpu_contract(case: str, timeout: float = 3.0):
             return buffer.low_latency_dispatch(x, topk, T, num_experts, use_fp8=False)
         return dispatch()
 
+    started = time.monotonic()
     outcome = _outcome(first_call)
     if outcome[0] == "ok":
         torch.cuda.synchronize()  # the failing call's kernels have run: the next call raises
         outcome = _outcome(next_call)
     torch.cuda.synchronize()
+    elapsed = time.monotonic() - started
+    assert elapsed <= timeout + 5, f"rank {rank}: the error took {elapsed:.1f} s (timeout {timeout} s)"
     del buffer
     fresh = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, timeout=timeout)
     recv_x, _, _, _, handle, _ = fresh.dispatch(x, **_layout_args(fresh, topk, num_experts), topk_idx=topk,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ep_cases
+import epcomm
 import failure_cases
 import training_cases
 from epcomm.testing import WorkerPool
@@ -85,6 +86,11 @@ def test_autograd_gradients_match_dense(gpu_pool):
     assert max(errors) <= 2e-2, errors
 
 
+def test_autograd_on_a_side_stream(gpu_pool):
+    errors = gpu_pool.run(training_cases.autograd_against_dense, 3, 256, "cuda", side_stream=True, timeout_s=300)
+    assert max(errors) <= 2e-2, errors
+
+
 def test_moe_layer_matches_dense(gpu_pool):
     errors = gpu_pool.run(training_cases.moe_layer_against_dense, 256, 128, 2, 2, "cuda", timeout_s=300)
     assert all(max(e.values()) <= 2e-2 for e in errors), errors
@@ -116,6 +122,18 @@ def test_failure_contract_on_nvlink(gpu_pool, case):
     every rank raises EPInputError naming the argument (no hang, no crash), and a new Buffer works."""
     results = gpu_pool.run(failure_cases.gpu_contract, case, timeout_s=120)
     assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * gpu_pool.world_size, results
+
+
+def test_fuzz_on_nvlink(gpu_pool):
+    """The failure contract's fuzz on the GPU backend: >= 1000 valid normal-mode cases (expert-major
+    on every fifth) and >= 1000 low-latency cases against the reference, with empty ranks, -1
+    holes, skewed and one-rank routings, duplicate experts, zero tokens and NaN/inf rows."""
+    from epcomm.testing.sweeps import normal_mode_sweep
+    assert gpu_pool.run(normal_mode_sweep, 1000, 50_000, 128, 4, 24, True, "cuda", timeout_s=900) == \
+        [1000] * gpu_pool.world_size
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(16, 512, gpu_pool.world_size, 4 * gpu_pool.world_size)
+    assert gpu_pool.run(ep_cases.low_latency_sweep, 1000, 60_000, 512, 4, 16, "cuda", size, True, timeout_s=900) == \
+        [1000] * gpu_pool.world_size
 
 
 def test_out_of_range_expert_ids_raise_without_a_device_assert(gpu_pool):

@@ -25,9 +25,12 @@ def dense_gradients(x, topk, weights, grad_out):
     return x.grad, w.grad
 
 
-def autograd_against_dense(num_cases: int = 6, hidden: int = 128, device: str = "cpu"):
+def autograd_against_dense(num_cases: int = 6, hidden: int = 128, device: str = "cpu", side_stream: bool = False):
     """dispatch → weighted stand-in experts → combine, differentiated through epcomm.autograd;
-    the gradients of x and topk_weights match the dense computation on every rank."""
+    the gradients of x and topk_weights match the dense computation on every rank. With
+    ``side_stream`` (GPU) forward and backward run on a non-default stream: epcomm's calls follow
+    the current stream, as the forward calls do."""
+    import contextlib
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
@@ -39,13 +42,19 @@ def autograd_against_dense(num_cases: int = 6, hidden: int = 128, device: str = 
         x = xs[rank].to(dev).clone().requires_grad_(True)
         w = weights[rank].to(dev).clone().requires_grad_(True)
         grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(900 + case * 31 + rank))
-        recv_x, recv_topk_idx, recv_w, handle = epcomm.autograd.dispatch(buffer, x, topks[rank].to(dev), w,
-                                                                         num_experts)
-        local = recv_topk_idx
-        scale = _scale(torch.where(local >= 0, local + rank * (num_experts // R), local)).float()
-        out = ((recv_w * scale).sum(1, keepdim=True) * recv_x.float()).to(torch.bfloat16)
-        combined = epcomm.autograd.combine(buffer, out, handle)
-        (combined.float() * grad_out.to(dev)).sum().backward()
+        stream = torch.cuda.Stream(dev) if side_stream else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            recv_x, recv_topk_idx, recv_w, handle = epcomm.autograd.dispatch(buffer, x, topks[rank].to(dev), w,
+                                                                             num_experts)
+            local = recv_topk_idx
+            scale = _scale(torch.where(local >= 0, local + rank * (num_experts // R), local)).float()
+            out = ((recv_w * scale).sum(1, keepdim=True) * recv_x.float()).to(torch.bfloat16)
+            combined = epcomm.autograd.combine(buffer, out, handle)
+            (combined.float() * grad_out.to(dev)).sum().backward()
+        if stream is not None:
+            torch.cuda.current_stream(dev).wait_stream(stream)
         want_x, want_w = dense_gradients(xs[rank], topks[rank], weights[rank], grad_out)
         for got, want, name in ((x.grad, want_x, "x"), (w.grad, want_w, "topk_weights")):
             assert got is not None and got.shape == want.shape, name

@@ -307,6 +307,12 @@ class Buffer:
                                                 num_tokens_per_rdma_rank, self.ranks_per_node)
                 if expert_major and (topk_idx is None or num_worst_tokens):
                     raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
+            args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                                is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                                topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
+                                num_worst_tokens=num_worst_tokens, config=config,
+                                expert_major=expert_major or (handle is not None and handle.expert_major is not None))
+            self._backend.check_dispatch(args)
         except EPInputError as err:
             self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
             raise
@@ -317,11 +323,6 @@ class Buffer:
                                              ("num_tokens_per_expert", None if handle is not None else num_experts),
                                              ("num_worst_tokens", num_worst_tokens > 0)))
         inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
-        args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
-                            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
-                            topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
-                            num_worst_tokens=num_worst_tokens, config=config,
-                            expert_major=expert_major or (handle is not None and handle.expert_major is not None))
         with self._stream_scope(previous_event, async_finish, inputs) as scope:
             result = self._backend.dispatch(args)
             recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
@@ -379,6 +380,7 @@ class Buffer:
             for i, b in enumerate(biases):
                 checks.check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]), device=self.device)
             config = self._resolve_config(config, Buffer.get_combine_config)
+            self._backend.check_combine(x, handle, topk_weights, biases)
         except EPInputError as err:
             self._backend.agree("combine", None, err)  # every rank raises, not only this one
             raise
@@ -462,6 +464,10 @@ class Buffer:
             if dispatch_wait_recv_cost_stats is not None:
                 checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     dtype=torch.int64, shape=(R,), device=self.device)
+            args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                          round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
+            self._backend.check_low_latency_dispatch(args)
         except EPInputError as err:
             self._backend.agree("low_latency_dispatch", None, err, self._rank_mask)  # every rank raises
             raise
@@ -471,9 +477,6 @@ class Buffer:
                 ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
                 ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
         self._next_phase()
-        args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                      round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
         with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
             recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
             scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
@@ -537,6 +540,9 @@ class Buffer:
                                     dtype=torch.int64, shape=(R,), device=self.device)
             if zero_copy:
                 x = self.get_next_low_latency_combine_buffer(handle)
+            args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                                         return_recv_hook, self._rank_mask)
+            self._backend.check_low_latency_combine(args)
         except EPInputError as err:
             self._backend.agree("low_latency_combine", None, err, self._rank_mask)  # every rank raises
             raise
@@ -546,8 +552,6 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("num_topk", topk_idx.shape[1])), rank_mask=self._rank_mask)
         self._next_phase()
-        args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
-                                     return_recv_hook, self._rank_mask)
         with self._stream_scope(None, async_finish, (x, topk_idx, topk_weights)) as scope:
             combined_x, hook = self._backend.low_latency_combine(args)
             scope.keep(combined_x)

@@ -101,6 +101,23 @@ class Backend(abc.ABC):
         disagree on ``fingerprint`` (``(argument, value)`` pairs), when a rank rejected its own input
         (``error``), or when a rank does not arrive in time (see agreement.py). Default: nothing."""
 
+    # Backend-specific limits of one call (row sizes, buffer capacity, handles of another backend),
+    # checked before anything is exchanged: Buffer calls these inside its argument validation, so a
+    # rejection on one rank reaches every rank through agree(kind, None, error). Raise EPInputError
+    # naming the argument. Default: no limits beyond Buffer's own checks.
+    def check_dispatch(self, args: DispatchArgs) -> None:
+        """Limits of a normal-mode dispatch."""
+
+    def check_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                      bias: Tuple[torch.Tensor, ...]) -> None:
+        """Limits of a normal-mode combine."""
+
+    def check_low_latency_dispatch(self, args: "LowLatencyDispatchArgs") -> None:
+        """Limits of a low-latency dispatch."""
+
+    def check_low_latency_combine(self, args: "LowLatencyCombineArgs") -> None:
+        """Limits of a low-latency combine."""
+
     @abc.abstractmethod
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """Normal-mode dispatch (full, or cached when ``args.handle`` is given)."""

@@ -93,11 +93,18 @@ def _equal_payload(got, want, what):
 
 
 def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_topk: int = 4, max_tokens: int = 40,
-                      unusual: bool = False):
-    """Randomized normal-mode dispatch + combine (full and cached) against the reference.
-    ``unusual``: also duplicate experts in a token's top-k and NaN/inf rows (the fuzz)."""
+                      unusual: bool = False, device: str = "cpu", num_nvl_bytes: int = 256 << 20):
+    """Randomized normal-mode dispatch + combine (full and cached) against the reference; every
+    fifth case also the expert-major layout against the re-laid plain rows. ``unusual``: also
+    duplicate experts in a token's top-k and NaN/inf rows (the fuzz). On ``device="cuda"`` the
+    group's GPU backend runs and results are compared on the CPU."""
+    from .. import expert_major as layout
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
+
+    def to_dev(value):
+        return tuple(to_dev(v) for v in value) if isinstance(value, tuple) else value.to(dev)
     checked = 0
     for case in range(num_cases):
         seed = seed0 + case
@@ -114,33 +121,42 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
         ins = [to_fp8_input(x, column_major) for x in xs] if use_fp8 else xs
         ref = reference_dispatch(ins, topks, weights, num_experts, alignment)[rank]
 
-        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topks[rank], num_experts)
+        x_in, topk, w = to_dev(ins[rank]), topks[rank].to(dev), weights[rank].to(dev)
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
         assert per_rdma is None
-        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
-            ins[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topks[rank], topk_weights=weights[rank], expert_alignment=alignment)
-        _equal_payload(recv_x, ref["recv_x"], f"case {case} ({scenario}) recv_x")
-        assert torch.equal(recv_idx, ref["recv_topk_idx"]), f"case {case} recv_topk_idx"
-        assert torch.equal(recv_w, ref["recv_topk_weights"]), f"case {case} recv_topk_weights"
+        routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=topk, topk_weights=w, expert_alignment=alignment)
+        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(x_in, **routing)
+        _equal_payload(_to_cpu(recv_x), ref["recv_x"], f"case {case} ({scenario}) recv_x")
+        assert torch.equal(recv_idx.cpu(), ref["recv_topk_idx"]), f"case {case} recv_topk_idx"
+        assert torch.equal(recv_w.cpu(), ref["recv_topk_weights"]), f"case {case} recv_topk_weights"
         assert counts == ref["num_recv_tokens_per_expert_list"], f"case {case} counts {counts}"
-        assert torch.equal(handle[0], ref["rank_prefix_matrix"]), f"case {case} rank_prefix_matrix"
-        assert torch.equal(handle.recv_src_idx, ref["recv_src_idx"]), f"case {case} recv_src_idx"
+        assert torch.equal(handle[0].cpu(), ref["rank_prefix_matrix"]), f"case {case} rank_prefix_matrix"
+        assert torch.equal(handle.recv_src_idx.cpu(), ref["recv_src_idx"]), f"case {case} recv_src_idx"
 
         # Cached mode reproduces recv_x without top-k outputs.
-        cached = buffer.dispatch(ins[rank], handle=handle)
-        _equal_payload(cached[0], ref["recv_x"], f"case {case} cached recv_x")
+        cached = buffer.dispatch(x_in, handle=handle)
+        _equal_payload(_to_cpu(cached[0]), ref["recv_x"], f"case {case} cached recv_x")
         assert cached[1] is None and cached[2] is None and cached[3] is None
+
+        if case % 5 == 2:  # the expert-major layout: the plain rows re-laid
+            rows, row_experts, row_weights, em_counts, _, _ = buffer.dispatch(x_in, expert_major=True, **routing)
+            want = layout.plan(ref["recv_topk_idx"], ref["recv_topk_weights"], counts)
+            assert em_counts == counts and torch.equal(row_experts.cpu(), want.row_experts) and \
+                torch.equal(row_weights.cpu(), want.row_weights), f"case {case} expert-major entries"
+            _equal_payload(_to_cpu(rows), layout.expand(ref["recv_x"], want), f"case {case} expert-major rows")
 
         # Combine: plain sum of what each receiving rank sends back (+ optional biases).
         values = recv_x[0] if use_fp8 else recv_x
         if use_fp8:
             values = fp8.per_token_cast_back(recv_x[0], recv_x[1])
-        expert_out = rank_fn(rank, values)
+        expert_out = rank_fn(rank, values.cpu()).to(dev)
         num_bias = case % 3
         biases = [torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(seed + b)).to(torch.bfloat16)
                   for b in range(num_bias)]
-        bias_arg = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
+        bias_arg = None if num_bias == 0 else (biases[0].to(dev) if num_bias == 1 else to_dev(tuple(biases)))
         combined, combined_w, _ = buffer.combine(expert_out, handle, topk_weights=recv_w, bias=bias_arg)
+        combined, combined_w = combined.cpu(), combined_w.cpu()
         home = xs[rank] if not use_fp8 else fp8.per_token_cast_back(*ins[rank])
         want = reference_combine(home, topks[rank], num_experts, R, rank_fn, biases)
         assert combined.dtype == torch.bfloat16 and combined.shape == xs[rank].shape

@@ -73,6 +73,18 @@ class NVLinkBackend(Backend):
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
         return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)
 
+    def check_dispatch(self, args: DispatchArgs) -> None:
+        self.normal.check_dispatch(args)
+
+    def check_combine(self, x, handle, topk_weights, bias) -> None:
+        self.normal.check_combine(x, handle, topk_weights, bias)
+
+    def check_low_latency_dispatch(self, args) -> None:
+        self.low_latency.check_dispatch(args)
+
+    def check_low_latency_combine(self, args) -> None:
+        self.low_latency.check_combine(args)
+
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.normal.dispatch(args)
 

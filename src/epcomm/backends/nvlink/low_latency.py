@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import EPError
+from ...errors import EPInputError
 from ...handle import LowLatencyHandle
 from . import agreement, sync
 from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
@@ -455,10 +455,22 @@ class LowLatencyMode:
         # EPCOMM_LL_ONE_LAUNCH=1 picks the one launch (one launch less of host time per call).
         self.one_launch = os.environ.get("EPCOMM_LL_ONE_LAUNCH", "0") == "1"
 
+    def check_dispatch(self, args) -> None:
+        """This backend's limits (hidden % 128, the buffer's size for this shape): EPInputError."""
+        self._dispatch_plan_of(args)
+
+    def _dispatch_plan_of(self, args) -> DispatchPlan:
+        key = (args.num_experts, args.num_max_dispatch_tokens_per_rank, args.x.shape[1], args.topk_idx.shape[1],
+               args.use_fp8, args.round_scale, args.use_ue8m0)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        return plan
+
     def _dispatch_plan(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, round_scale: bool,
                        use_ue8m0: bool) -> DispatchPlan:
         if hidden % 128:
-            raise EPError(f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
+            raise EPInputError("x", f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
         layout = self.ws.ll_layout(E, M, hidden, K, use_fp8, use_ue8m0)
         counters = self._counters.get(E)
         if counters is None:
@@ -478,10 +490,7 @@ class LowLatencyMode:
         x, topk = args.x, args.topk_idx
         num_tokens, hidden = x.shape
         E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
-        key = (E, M, hidden, K, args.use_fp8, args.round_scale, args.use_ue8m0)
-        plan = self._dispatch_plans.get(key)
-        if plan is None:
-            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        plan = self._dispatch_plan_of(args)
         layout = plan.layout
         num_local = E // R
         sequence = self._calls[0]
@@ -537,21 +546,32 @@ class LowLatencyMode:
         return CombinePlan(layout, kernels, agreement.pack(call=agreement.CALL_LL_COMBINE, hidden=hidden, x=1, num_topk=K,
                                                            num_experts=E, num_max_dispatch_tokens_per_rank=M))
 
-    def combine(self, args):
-        R, dev = self.R, self.device
-        handle = args.handle
-        state = handle.backend_state
+    def check_combine(self, args) -> None:
+        """The handle is this backend's, topk_idx as wide as the dispatch's: EPInputError."""
+        state = args.handle.backend_state
         if state.__class__ is not LowLatencyState:
-            raise EPError("this handle was not made by the nvlink backend")
-        x, x_aligned = for_word_copies(args.x)  # rows are copied in 8-byte words
-        num_local, slots, hidden = x.shape
-        K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
-        if args.topk_idx.shape[1] != K:
-            raise EPError(f"topk_idx has {args.topk_idx.shape[1]} columns, the dispatch had {K}")
-        key = (handle.num_experts, M, hidden, K)
+            raise EPInputError("handle", "was not made by the nvlink backend")
+        if args.topk_idx.shape[1] != state.num_topk:
+            raise EPInputError("topk_idx", f"has {args.topk_idx.shape[1]} columns, the dispatch had {state.num_topk}")
+        self._combine_plan_of(args)
+
+    def _combine_plan_of(self, args) -> CombinePlan:
+        handle = args.handle
+        key = (handle.num_experts, handle.num_max_dispatch_tokens_per_rank, args.x.shape[2], args.topk_idx.shape[1])
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._combine_plans[key] = self._combine_plan(*key)
+        return plan
+
+    def combine(self, args):
+        """(Buffer called check_combine first.)"""
+        R, dev = self.R, self.device
+        handle = args.handle
+        state = handle.backend_state
+        x, x_aligned = for_word_copies(args.x)  # rows are copied in 8-byte words
+        num_local, slots, hidden = x.shape
+        K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
+        plan = self._combine_plan_of(args)
         half = self._calls[1] & 1
         self._calls[1] += 1
         half_offset = self.ws.ll_offset + half * self.ws.ll_half

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import EPError
+from ...errors import EPInputError
 from ...handle import DispatchHandle
 from ...expert_major import ExpertMajor
 from ..base import DispatchArgs, DispatchResult
@@ -787,7 +787,7 @@ class NormalMode:
         """``num_topk``: top-k width staged (0 in a cached dispatch); ``expert_major_topk``: the
         width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
-            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
+            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -816,7 +816,35 @@ class NormalMode:
                             agreement.pack(call=agreement.CALL_DISPATCH, **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
+    def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
+        x = args.x[0] if args.x.__class__ is tuple else args.x
+        hidden = x.shape[1]
+        handle = args.handle
+        num_topk = args.topk_idx.shape[1] if handle is None and args.topk_idx is not None else 0
+        expert_major_topk = 0 if not args.expert_major else num_topk if handle is None else \
+            handle.expert_major.dest.shape[1]
+        key = (hidden * x.element_size(), hidden // 128 if args.x.__class__ is tuple else 0, num_topk,
+               expert_major_topk)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        return plan
+
+    def check_dispatch(self, args: DispatchArgs) -> None:
+        """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
+        plan = self._dispatch_plan_of(args)
+        if args.handle is not None:
+            if args.handle.backend_state.__class__ is not PullState:
+                raise EPInputError("handle", "was not made by the nvlink backend")
+            return
+        num_tokens = (args.x[0] if args.x.__class__ is tuple else args.x).shape[0]
+        self.ws.check_notify(args.num_tokens_per_expert.shape[0], num_tokens)
+        if args.num_worst_tokens and num_tokens > plan.round_tokens:
+            raise EPInputError("num_worst_tokens", f"needs the batch to fit the buffer in one round: {num_tokens} "
+                                                   f"tokens > {plan.round_tokens}; raise num_nvl_bytes")
+
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """(Buffer called check_dispatch first.)"""
         b, ws, R, rank, dev = self.b, self.ws, self.R, self.rank, self.device
         handle = args.handle
         cached = handle is not None
@@ -825,14 +853,10 @@ class NormalMode:
         x, scales = x if is_fp8 else (x, x)
         x, x_aligned = for_word_copies(x)
         num_tokens, hidden = x.shape
-        topk_idx = args.topk_idx if not cached else None
-        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        num_topk = args.topk_idx.shape[1] if not cached and args.topk_idx is not None else 0
         mapping = handle.expert_major if cached else None
         expert_major_topk = 0 if not args.expert_major else mapping.dest.shape[1] if cached else num_topk
-        key = (hidden * x.element_size(), hidden // 128 if is_fp8 else 0, num_topk, expert_major_topk)
-        plan = self._dispatch_plans.get(key)
-        if plan is None:
-            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        plan = self._dispatch_plan_of(args)
         stream = current_stream(self.dev_index)
         round_tokens = plan.round_tokens
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
@@ -847,7 +871,6 @@ class NormalMode:
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         else:
             num_experts = num_local * R
-            ws.check_notify(num_experts, num_tokens)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             recv_info = torch.empty(2, dtype=torch.int32, device=dev)
             table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
@@ -867,9 +890,6 @@ class NormalMode:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
             else:
-                if num_tokens > round_tokens:
-                    raise EPError(f"with num_worst_tokens the batch must fit the buffer in one round: {num_tokens} "
-                                  f"tokens > {round_tokens}; raise num_nvl_bytes")
                 num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
             src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
             src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
@@ -954,7 +974,7 @@ class NormalMode:
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
         x_bytes = hidden * 2
         if x_bytes % 8:
-            raise EPError(f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
         (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
         block_r, block_w = copy_block_shape(x_bytes // 8)
         block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
@@ -969,23 +989,37 @@ class NormalMode:
                            agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
                                           expert_major=int(expert_major_topk > 0)))
 
+    def _combine_plan_of(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                         bias: Tuple[torch.Tensor, ...]) -> CombinePlan:
+        mapping = handle.expert_major
+        key = (x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
+               0 if mapping is None else mapping.dest.shape[1])
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            plan = self._combine_plans[key] = self._combine_plan(*key)
+        return plan
+
+    def check_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                      bias: Tuple[torch.Tensor, ...]) -> None:
+        """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
+        if handle.backend_state.__class__ is not PullState:
+            raise EPInputError("handle", "was not made by the nvlink backend")
+        plan = self._combine_plan_of(x, handle, topk_weights, bias)
+        if handle.backend_state.max_tokens < 0 and handle.is_token_in_rank.shape[0] > plan.round_tokens:
+            raise EPInputError("handle", "comes from a num_worst_tokens dispatch: its combine must fit the buffer "
+                                         "in one round; raise num_nvl_bytes")
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(Buffer called check_combine first.)"""
         b, R, rank, dev = self.b, self.R, self.rank, self.device
         state = handle.backend_state
-        if state.__class__ is not PullState:
-            raise EPError("this handle was not made by the nvlink backend")
         num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
         num_rows = handle.num_recv_rows
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         mapping = handle.expert_major  # x: the expert-major rows, folded by the push
-        key = (hidden, num_topk, len(bias), 0 if mapping is None else mapping.dest.shape[1])
-        plan = self._combine_plans.get(key)
-        if plan is None:
-            plan = self._combine_plans[key] = self._combine_plan(*key)
+        plan = self._combine_plan_of(x, handle, topk_weights, bias)
         round_tokens = plan.round_tokens
-        if state.max_tokens < 0 and num_tokens > round_tokens:
-            raise EPError("with num_worst_tokens the combine must fit the buffer in one round; raise num_nvl_bytes")
         max_tokens = state.max_tokens if state.max_tokens >= 0 else round_tokens
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
         combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)

@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from ...errors import EPError
+from ...errors import EPError, EPInputError
 from ...layout import align_up
 
 ALIGN = 256
@@ -135,7 +135,7 @@ class Workspace:
         per_token = sum(row_bytes)
         tokens = (self.payload_bytes - len(row_bytes) * ALIGN) // per_token if per_token else 0
         if tokens <= 0:
-            raise EPError(f"the Buffer's num_nvl_bytes leaves {self.payload_bytes} bytes per half for staging, "
+            raise EPInputError("x", f"the Buffer's num_nvl_bytes leaves {self.payload_bytes} bytes per half for staging, "
                           f"less than one token of {per_token} bytes: make the Buffer with a larger num_nvl_bytes "
                           f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) gives DeepEP's size)")
         offsets, offset = [], self.payload_offset
@@ -150,9 +150,10 @@ class Workspace:
 
     def check_notify(self, num_experts: int, num_tokens: int) -> None:
         if self.num_ranks + num_experts + 1 > self.row_cap:
-            raise EPError(f"too many experts for the notify area ({num_experts} > {self.row_cap - self.num_ranks - 1})")
+            raise EPInputError("num_tokens_per_expert", f"too many experts for the notify area ({num_experts} > "
+                                                        f"{self.row_cap - self.num_ranks - 1})")
         if num_tokens > self.list_cap:
-            raise EPError(f"{num_tokens} tokens exceed the token-list capacity {self.list_cap} per rank")
+            raise EPInputError("x", f"{num_tokens} tokens exceed the token-list capacity {self.list_cap} per rank")
 
     # ------------------------------------------------------------------ low-latency mode
     def ll_layout(self, num_experts: int, max_tokens: int, hidden: int, num_topk: int, use_fp8: bool,
@@ -165,8 +166,9 @@ class Workspace:
             _, _, bf16_msg = ll_message_bytes(hidden, False, False)
             need, combine = ll_half_bytes(num_experts, max_tokens, hidden, num_topk, bf16_msg)
             if need > self.ll_half:
-                raise EPError(f"low-latency mode needs num_rdma_bytes >= {2 * (need + ALIGN)} for M={max_tokens}, "
-                              f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * (self.ll_half + ALIGN)})")
+                raise EPInputError("num_max_dispatch_tokens_per_rank",
+                                   f"low-latency mode needs num_rdma_bytes >= {2 * (need + ALIGN)} for M={max_tokens}, "
+                                   f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * (self.ll_half + ALIGN)})")
             layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(num_experts * 8), combine)
             self._ll_layouts[key] = layout
         return layout
