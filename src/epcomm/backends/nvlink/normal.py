@@ -45,7 +45,7 @@ from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_se
 COPY_TILE_WORDS = 16384
 COPY_WARPS = 16
 LAYOUT_BLOCK_T = 128  # tokens per program of the layout kernel
-POSITION_TOKENS = 64  # tokens per program of the expert-major positions (_expert_positions)
+POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
 POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
 POSITION_ELEMENTS = 16384  # the positions' [SUB, K, E] one-hot tile: SUB = this // (K * E), at least 1
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
