@@ -250,7 +250,9 @@ class Buffer:
                 ``recv_topk_idx`` / ``recv_topk_weights`` become ``[rows]`` (each row's local expert
                 and weight; -1 / 0 on padding). :meth:`combine` then applies the weights itself. A
                 cached dispatch with such a handle returns the same layout. Needs top-k arguments
-                and ``num_worst_tokens == 0``.
+                and ``num_worst_tokens == 0``. (The NVLink backend builds it in its kernels; its
+                pull and fold then run on up to 6× ``config.num_sms`` programs, since every row is
+                stored once per local expert.)
 
         Returns:
             ``(recv_x, recv_topk_idx [Trecv, K] | None, recv_topk_weights [Trecv, K] | None,
