@@ -16,6 +16,18 @@ def _layout_args(buffer, topk, num_experts):
     return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
 
 
+def _reference_buffer(device: str, **kwargs):
+    """The reference backend on ``device``: gloo ranks on CPU, NCCL ranks on GPU (torch_dist)."""
+    if device == "cuda":
+        return epcomm.Buffer(dist.group.WORLD, backend="torch_dist", **kwargs)
+    return epcomm.Buffer(dist.group.WORLD, **kwargs)
+
+
+def _on(device: str, *tensors):
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return tuple(t.to(dev) for t in tensors)
+
+
 def _outcome(fn):
     """``("ok", value)`` or ``(error class name, argument or peers, message)``."""
     try:
@@ -26,14 +38,14 @@ def _outcome(fn):
         return "EPTimeoutError", err.peers, str(err)
 
 
-def disagreement(case: str):
+def disagreement(case: str, device: str = "cpu"):
     """Ranks call with different arguments; every rank must raise EPInputError naming it."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
+    buffer = _reference_buffer(device, low_latency_mode=True, timeout=20)
     num_experts = 4 * R
     hidden = 256 if case != "hidden" or rank == 0 else 384
     xs, topks, weights = make_routing(3, "uniform", R, num_experts, 2, 8, hidden, fixed_tokens=8)
-    x, topk, w = xs[rank], topks[rank], weights[rank]
+    x, topk, w = _on(device, xs[rank], topks[rank], weights[rank])
 
     def call():
         if case in ("hidden", "topk_idx"):
@@ -55,63 +67,71 @@ def disagreement(case: str):
 
     result = _outcome(call)
     # the buffer stays usable: a valid call afterwards works on every rank
-    args = _layout_args(buffer, topks[rank], num_experts)
+    args = _layout_args(buffer, topk, num_experts)
     xs2, _, _ = make_routing(3, "uniform", R, num_experts, 2, 8, 256, fixed_tokens=8)
-    assert buffer.dispatch(xs2[rank], **args)[0].shape[1] == 256
+    assert buffer.dispatch(*_on(device, xs2[rank]), **args)[0].shape[1] == 256
     return result[:2] + (result[2][:300],) if len(result) == 3 else result
 
 
-def one_rank_bad_argument():
+def one_rank_bad_argument(device: str = "cpu"):
     """Only rank 1's input is invalid: it raises before communicating, and so do all the others
     (abort fingerprint), instead of pairing with its next call."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, timeout=20)
+    buffer = _reference_buffer(device, timeout=20)
     num_experts = 4 * R
     xs, topks, weights = make_routing(4, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
-    args = _layout_args(buffer, topks[rank], num_experts)
-    x = xs[rank].float() if rank == 1 else xs[rank]  # float32 is invalid
+    x_ok, topk = _on(device, xs[rank], topks[rank])
+    args = _layout_args(buffer, topk, num_experts)
+    x = x_ok.float() if rank == 1 else x_ok  # float32 is invalid
     result = _outcome(lambda: buffer.dispatch(x, **args))
-    ok = buffer.dispatch(xs[rank], **args)[0]  # usable afterwards, calls still paired
+    ok = buffer.dispatch(x_ok, **args)[0]  # usable afterwards, calls still paired
     assert ok.dtype == torch.bfloat16
     return result[:2]
 
 
-def absent_rank(call: str, timeout: float = 2.0):
+def absent_rank(call: str, timeout: float = 2.0, device: str = "cpu"):
     """The last rank builds the buffer but never makes the call (stalled, crashed in expert code,
     or skipped it): every other rank raises EPTimeoutError naming it, within timeout + 5 s."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
+    buffer = _reference_buffer(device, low_latency_mode=True, timeout=timeout)
     num_experts = 4 * R
     xs, topks, weights = make_routing(5, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
-    args = _layout_args(buffer, topks[rank], num_experts)
-    handle = buffer.dispatch(xs[rank], **args)[4] if call == "combine" else None
+    x, topk = _on(device, xs[rank], topks[rank])
+    args = _layout_args(buffer, topk, num_experts)
+    handle = buffer.dispatch(x, **args)[4] if call == "combine" else None
     if rank == R - 1:
         return ("absent",)
     started = time.monotonic()
     if call == "dispatch":
-        result = _outcome(lambda: buffer.dispatch(xs[rank], **args))
+        result = _outcome(lambda: buffer.dispatch(x, **args))
     else:
-        result = _outcome(lambda: buffer.combine(torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16), handle))
+        y = torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16, device=x.device)
+        result = _outcome(lambda: buffer.combine(y, handle))
     return result[:2] + (time.monotonic() - started,)
 
 
-def inconsistent_counts(case: str):
-    """Counts that do not summarise the routing they come with raise EPInputError naming them."""
+def inconsistent_counts(case: str, device: str = "cpu"):
+    """Counts that do not summarise the routing they come with raise EPInputError naming them;
+    ``topk_idx``: an expert id >= num_experts (no device assert on GPU)."""
     R, rank = world()
-    buffer = epcomm.Buffer(dist.group.WORLD, timeout=20)
+    buffer = _reference_buffer(device, timeout=20)
     num_experts = 4 * R
     xs, topks, weights = make_routing(6, "uniform", R, num_experts, 2, 12, 128, fixed_tokens=12)
-    args = _layout_args(buffer, topks[rank], num_experts)
+    x, topk, w = _on(device, xs[rank], topks[rank], weights[rank])
+    args = _layout_args(buffer, topk, num_experts)
     if case == "num_tokens_per_rank":
         args["num_tokens_per_rank"] = args["num_tokens_per_rank"] + 1
+    elif case == "topk_idx":
+        topk = topk.clone()
+        topk[0, 0] = num_experts + 5
     elif case == "is_token_in_rank":  # taken from another routing
-        other = make_routing(60, "skewed", R, num_experts, 2, 12, 128, fixed_tokens=12)[1][rank]
+        other, = _on(device, make_routing(60, "skewed", R, num_experts, 2, 12, 128, fixed_tokens=12)[1][rank])
         other_args = _layout_args(buffer, other, num_experts)
         args["is_token_in_rank"], args["num_tokens_per_rank"] = other_args["is_token_in_rank"], \
             other_args["num_tokens_per_rank"]
     elif case == "num_tokens_per_expert":
         args["num_tokens_per_expert"] = torch.zeros_like(args["num_tokens_per_expert"])
-    result = _outcome(lambda: buffer.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=weights[rank], **args))
+    result = _outcome(lambda: buffer.dispatch(x, topk_idx=topk, topk_weights=w, **args))
     return result[:2]
 
 

@@ -27,7 +27,7 @@ def test_absent_rank_is_named_within_the_timeout(pools, call):
         assert seconds < 2.0 + 5.0, seconds
 
 
-@pytest.mark.parametrize("case", ["num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"])
+@pytest.mark.parametrize("case", ["num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx"])
 def test_counts_that_do_not_match_the_routing_are_rejected(pools, case):
     assert pools.get(2).run(failure_cases.inconsistent_counts, case, timeout_s=120) == [("EPInputError", case)] * 2
 

@@ -124,6 +124,28 @@ def test_failure_contract_on_nvlink(gpu_pool, case):
     assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * gpu_pool.world_size, results
 
 
+@pytest.mark.parametrize("case", ["disagree_hidden", "disagree_x", "disagree_num_topk", "one_rank_bad",
+                                  "absent_dispatch", "absent_combine", "counts_num_tokens_per_rank",
+                                  "counts_num_tokens_per_expert", "counts_topk_idx"])
+def test_failure_contract_on_torch_dist_nccl(gpu_pool, case):
+    """The reference backend on GPU tensors (NCCL): the same contract as on CPU ranks."""
+    kind, _, detail = case.partition("_")
+    R = gpu_pool.world_size
+    if kind == "disagree":
+        for got, argument, message in gpu_pool.run(failure_cases.disagreement, detail, "cuda", timeout_s=120):
+            assert (got, argument) == ("EPInputError", detail), (got, argument, message)
+    elif kind == "one":
+        assert gpu_pool.run(failure_cases.one_rank_bad_argument, "cuda", timeout_s=120) == [("EPInputError", "x")] * R
+    elif kind == "absent":
+        results = gpu_pool.run(failure_cases.absent_rank, detail, 2.0, "cuda", timeout_s=120)
+        assert results[-1] == ("absent",)
+        for got, peers, seconds in results[:-1]:
+            assert got == "EPTimeoutError" and peers == [R - 1] and seconds < 2.0 + 5.0, (got, peers, seconds)
+    else:
+        assert gpu_pool.run(failure_cases.inconsistent_counts, detail, "cuda", timeout_s=120) == \
+            [("EPInputError", detail)] * R
+
+
 def test_fuzz_on_nvlink(gpu_pool):
     """The failure contract's fuzz on the GPU backend: >= 1000 valid normal-mode cases (expert-major
     on every fifth) and >= 1000 low-latency cases against the reference, with empty ranks, -1
