@@ -272,3 +272,39 @@ def gpu_out_of_range_expert():
     buffer.combine(recv_x, handle)
     torch.cuda.synchronize()
     return outcome[:2]
+
+
+def exited_rank_main(rank: int, world_size: int, port: int, call: str, results) -> None:
+    """A process of its own (not a WorkerPool rank, whose pool stops when a rank exits): the last
+    rank exits after building its buffer; the others' next call must raise EPTimeoutError naming
+    it within timeout + 5 s, not a raw gloo error. Puts ``(rank, error class, peers, seconds)``."""
+    import datetime
+    import os
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        buffer = epcomm.Buffer(dist.group.WORLD, timeout=2.0)
+        num_experts = 4 * world_size
+        xs, topks, _ = make_routing(8, "uniform", world_size, num_experts, 2, 8, 128, fixed_tokens=8)
+        args = _layout_args(buffer, topks[rank], num_experts)
+        handle = buffer.dispatch(xs[rank], **args)[4]
+        dist.barrier()
+        if rank == world_size - 1:
+            os._exit(0)  # gone: its sockets close
+        time.sleep(1.0)
+        started = time.monotonic()
+        try:
+            if call == "dispatch":
+                buffer.dispatch(xs[rank], **args)
+            else:
+                buffer.combine(torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16), handle)
+            results.put((rank, "ok", None, time.monotonic() - started))
+        except epcomm.EPTimeoutError as err:
+            results.put((rank, "EPTimeoutError", err.peers, time.monotonic() - started))
+        except Exception as err:  # noqa: BLE001 - reported, the test names what it was
+            results.put((rank, type(err).__name__, str(err)[:200], time.monotonic() - started))
+    finally:
+        results.close()
+        results.join_thread()  # the result is flushed before the process goes
+        os._exit(0)  # no teardown: the group has a dead member

@@ -27,6 +27,30 @@ def test_absent_rank_is_named_within_the_timeout(pools, call):
         assert seconds < 2.0 + 5.0, seconds
 
 
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_exited_rank_is_named_within_the_timeout(call):
+    """A rank whose process exits (sockets closed): the others raise EPTimeoutError naming it."""
+    import torch.multiprocessing as mp
+    from epcomm.testing.launcher import _free_port
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=failure_cases.exited_rank_main, args=(r, 3, port, call, results), daemon=True)
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=90) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank, kind, peers, seconds in got:
+        assert kind == "EPTimeoutError" and peers == [2], (rank, kind, peers)
+        assert seconds < 2.0 + 5.0, seconds
+
+
 @pytest.mark.parametrize("case", ["num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx"])
 def test_counts_that_do_not_match_the_routing_are_rejected(pools, case):
     assert pools.get(2).run(failure_cases.inconsistent_counts, case, timeout_s=120) == [("EPInputError", case)] * 2
