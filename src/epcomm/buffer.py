@@ -248,7 +248,8 @@ class Buffer:
                 extension; :mod:`epcomm.expert_major`): one row per (token, local expert) entry,
                 groups padded to ``expert_alignment`` whose sizes are the returned list;
                 ``recv_topk_idx`` / ``recv_topk_weights`` become ``[rows]`` (each row's local expert
-                and weight; -1 / 0 on padding). :meth:`combine` then applies the weights itself. A
+                and weight; -1 / 0 on padding). :meth:`combine` then applies these weights itself
+                (the handle keeps the returned tensor: do not modify it in place before combine). A
                 cached dispatch with such a handle returns the same layout. Needs top-k arguments
                 and ``num_worst_tokens == 0``. (The NVLink backend builds it in its kernels; its
                 pull and fold then run on up to 6× ``config.num_sms`` programs, since every row is

@@ -466,8 +466,8 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
                 s = tl.arange(0, S_P2)
                 m = move[:, None] & (s < num_scales)[None, :]
                 ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
-                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :], tl.load(ss[:, None] + s[None, :], mask=m),
-                         mask=m)
+                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
+                         tl.load(ss[:, None] + s[None, :], mask=m), mask=m)
             if HAS_TOPK:
                 k = tl.arange(0, K_P2)
                 m = move[:, None] & (k < num_topk)[None, :]
@@ -494,9 +494,9 @@ def _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_sca
                        HAS_TOPK: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     """ep_dispatch_pull's rows in the expert-major layout: each row read once from its source and
     stored to the row of each of its local entries."""
-    if HAS_TOPK:
+    if HAS_TOPK:  # this dispatch's rows: the source's position plus this rank's group table
         k = tl.arange(0, K_P2)
-        entries = move[:, None] & (k < num_topk)[None, :]  # this dispatch's rows: the source's position plus this rank's group table
+        entries = move[:, None] & (k < num_topk)[None, :]
         trow = staged + topk_offset + srow * topk_row_bytes
         ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=entries, other=-1)
         weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=entries,
@@ -707,7 +707,8 @@ class DispatchPlan:
 
     x_words: int
     num_scales: int
-    num_topk: int
+    num_topk: int  # top-k width staged (0 in a cached dispatch)
+    entry_topk: int  # width of the top-k entries the pull reads: num_topk, or the expert-major map's
     topk_row_bytes: int
     offsets: Tuple[int, int, int]  # staging offsets of x, scales, top-k rows (half 0)
     round_tokens: int
@@ -803,12 +804,12 @@ class NormalMode:
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
         words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
                      expert_major=int(expert_major))
-        return DispatchPlan(x_bytes // 8, num_scales, num_topk, topk_row_bytes, offsets, round_tokens, block_r,
-                            rows_aligned, expert_major,
-                            Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=True,
-                                            LIST_BLOCK=1024, **meta, **positions),
-                            Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                            L_P2=1, **meta, **positions),
+        return DispatchPlan(x_bytes // 8, num_scales, num_topk, max(num_topk, expert_major_topk), topk_row_bytes,
+                            offsets, round_tokens, block_r, rows_aligned, expert_major,
+                            Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
+                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions),
+                            Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
+                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
                                       **meta),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
@@ -853,10 +854,9 @@ class NormalMode:
         x, scales = x if is_fp8 else (x, x)
         x, x_aligned = for_word_copies(x)
         num_tokens, hidden = x.shape
-        num_topk = args.topk_idx.shape[1] if not cached and args.topk_idx is not None else 0
-        mapping = handle.expert_major if cached else None
-        expert_major_topk = 0 if not args.expert_major else mapping.dest.shape[1] if cached else num_topk
         plan = self._dispatch_plan_of(args)
+        num_topk = plan.num_topk
+        mapping = handle.expert_major if cached else None
         stream = current_stream(self.dev_index)
         round_tokens = plan.round_tokens
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
@@ -927,7 +927,7 @@ class NormalMode:
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
                 state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.address, table,
-                dest, num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, num_topk or expert_major_topk,
+                dest, num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
                 ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
                 plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
                 out_rows, int(round_idx == 0))
