@@ -274,10 +274,11 @@ def gpu_out_of_range_expert():
     return outcome[:2]
 
 
-def exited_rank_main(rank: int, world_size: int, port: int, call: str, results) -> None:
+def exited_rank_main(rank: int, world_size: int, port: int, call: str, results, done) -> None:
     """A process of its own (not a WorkerPool rank, whose pool stops when a rank exits): the last
     rank exits after building its buffer; the others' next call must raise EPTimeoutError naming
-    it within timeout + 5 s, not a raw gloo error. Puts ``(rank, error class, peers, seconds)``."""
+    it within timeout + 5 s, not a raw gloo error. Puts ``(rank, error class, peers, seconds)``;
+    the live ranks stay until ``done`` is set (rank 0 hosts the store the others still use)."""
     import datetime
     import os
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -307,4 +308,5 @@ def exited_rank_main(rank: int, world_size: int, port: int, call: str, results) 
     finally:
         results.close()
         results.join_thread()  # the result is flushed before the process goes
+        done.wait(60)
         os._exit(0)  # no teardown: the group has a dead member

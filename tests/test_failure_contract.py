@@ -33,15 +33,16 @@ def test_exited_rank_is_named_within_the_timeout(call):
     import torch.multiprocessing as mp
     from epcomm.testing.launcher import _free_port
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, done = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=failure_cases.exited_rank_main, args=(r, 3, port, call, results), daemon=True)
+    procs = [ctx.Process(target=failure_cases.exited_rank_main, args=(r, 3, port, call, results, done), daemon=True)
              for r in range(3)]
     for p in procs:
         p.start()
     try:
         got = sorted(results.get(timeout=90) for _ in range(2))
     finally:
+        done.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ..errors import EPInputError, EPTimeoutError
+from ..errors import EPError, EPInputError, EPTimeoutError
 
 _buffer_numbers: Dict[str, itertools.count] = {}
 
@@ -68,7 +68,11 @@ class StoreAgreement:
             try:
                 self.store.wait(others, self.timeout)
             except Exception:  # the store's timeout error type differs between torch versions
-                missing = [r for r in present if r != self.rank and not self.store.check([self._key(call, r)])]
+                try:
+                    missing = [r for r in present if r != self.rank and not self.store.check([self._key(call, r)])]
+                except Exception as err:  # the store itself is gone: its host (rank 0 of the group) exited
+                    raise EPError(f"rank {self.rank}: {kind}: the process group's store is unreachable (its host "
+                                  f"rank exited?): {str(err).splitlines()[0][:200]}") from None
                 if rank_mask is None:
                     raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
                                          f"which did not make the call (stalled, exited, or skipped it)",
