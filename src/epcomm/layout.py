@@ -45,8 +45,8 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
     num_tokens_per_rdma_rank = None
     if num_ranks_per_node is not None and num_ranks_per_node < num_ranks:
-        num_nodes = num_ranks // num_ranks_per_node
-        in_node = is_token_in_rank.view(-1, num_nodes, num_ranks_per_node).any(-1)
+        from .hierarchy import Topology, node_membership
+        in_node = node_membership(is_token_in_rank, Topology(num_ranks, num_ranks_per_node))
         num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
     return num_tokens_per_rank, num_tokens_per_rdma_rank, tokens_per_expert(topk_idx, num_experts), is_token_in_rank
 

@@ -16,6 +16,10 @@ pointer is assumed 16-byte aligned unless the spec says so (``aligned``).
 Pointer arguments may be tensors or plain ``int`` addresses (peer memory, host-mapped memory):
 the launcher passes an int straight through. Constexpr parameters come last in every kernel.
 
+Kernels that call a device library (NVSHMEM's device functions for the multi-node backend) name it
+with ``KernelSpec(library=...)``: its bitcode is linked at compile time and each loaded module is
+initialised by the library (:class:`DeviceLibrary`).
+
 If the Triton in use lacks the internals this relies on (it was written against Triton 3.4–3.6),
 launches fall back to ``kernel[grid](...)``: the same compiled code, only slower to launch;
 :func:`launch_mode` reports which path runs.
@@ -23,12 +27,27 @@ launches fall back to ``kernel[grid](...)``: the same compiled code, only slower
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import triton
 
 from ...errors import EPError
+
+
+class DeviceLibrary:
+    """A device library some kernels call (LLVM bitcode linked into them) and what each loaded
+    module needs before its first launch. Subclasses say where the bitcode is and how to set a
+    module up; both are asked only when a kernel is compiled, never at import."""
+
+    name: str = "?"
+
+    def path(self) -> str:
+        """Path of the library's ``.bc`` file."""
+        raise NotImplementedError
+
+    def init_module(self, compiled) -> None:
+        """Prepare a loaded module (``compiled.module``, a CUmodule handle) for launches."""
 
 
 class KernelSpec:
@@ -42,11 +61,13 @@ class KernelSpec:
             move 16 bytes per access through them; see copy.py).
         aligned_if: ``{constexpr: names}``: pointer parameters declared 16-byte aligned only in
             specialisations where that constexpr is True (e.g. user tensors the host checked).
+        library: a :class:`DeviceLibrary` the kernel calls into (linked, and each module set up).
     """
 
     def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
-                 aligned_if: Dict[str, Iterable[str]] = None):
+                 aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None):
         self.fn = fn
+        self.library = library
         self.name = fn.__name__
         params = fn.params
         runtime = [p.name for p in params if not p.is_constexpr]
@@ -94,7 +115,10 @@ class KernelSpec:
         source = ASTSource(self.fn, dict(self.signature), constexprs=dict(constexprs), attrs=attrs)
         if target is None:
             target = triton.runtime.driver.active.get_current_target()
-        return triton.compile(source, target=target, options={"num_warps": num_warps})
+        options = {"num_warps": num_warps}
+        if self.library is not None:
+            options["extern_libs"] = {self.library.name: self.library.path()}
+        return triton.compile(source, target=target, options=options)
 
 
 class BoundKernel:
@@ -118,6 +142,8 @@ class BoundKernel:
         self.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         try:
             compiled._init_handles()
+            if spec.library is not None:
+                spec.library.init_module(compiled)
             launcher = compiled.run
             self._run = launcher.launch
             self._function = compiled.function
@@ -126,6 +152,9 @@ class BoundKernel:
             self._pdl = launcher.launch_pdl
             scratch = (launcher.global_scratch_size, launcher.profile_scratch_size)
         except AttributeError:
+            if spec.library is not None:  # kernel[grid](...) would not link the library
+                raise EPError(f"{self.name} calls {spec.library.name}, which needs Triton's launcher internals "
+                              f"(Triton 3.4-3.6); this Triton lacks them")
             self._fallback = (spec.fn, dict(constexprs), num_warps)
             return
         if any(scratch):

@@ -1,0 +1,134 @@
+"""The two-level (multi-node) layout math against hand-written loops and the one-level reference."""
+import pytest
+import torch
+
+from epcomm import EPInputError, fp8, hierarchy as hy, layout
+from epcomm.testing import (random_weights, reference_combine, reference_dispatch, single_rank_topk, skewed_topk,
+                            uniform_topk, with_holes)
+from epcomm.testing.two_level import two_level_combine, two_level_dispatch
+
+
+def test_topology():
+    topo = hy.Topology(8, 4)
+    assert topo.num_nodes == 2 and topo.node_of(5) == 1 and topo.local_of(5) == 1 and topo.rank_of(1, 1) == 5
+    assert topo.rail(5) == [1, 5] and topo.node_ranks(1) == [4, 5, 6, 7]
+    assert hy.Topology(4, 1).rail(2) == [0, 1, 2, 3]
+    for bad in ((8, 3), (8, 0), (64, 64)):
+        with pytest.raises(EPInputError, match="ranks_per_node"):
+            hy.Topology(*bad)
+
+
+def test_channel_prefix_matrix_matches_loops():
+    g = torch.Generator().manual_seed(1)
+    for T, C in ((0, 3), (1, 4), (10, 3), (37, 5), (8, 8), (5, 16)):
+        membership = torch.rand(T, 6, generator=g) < 0.4
+        bounds = hy.channel_bounds(T, C).tolist()
+        per = -(-T // C)
+        assert bounds == [min(c * per, T) for c in range(C + 1)]
+        got = hy.channel_prefix_matrix(membership, C)
+        assert got.shape == (6, C) and got.dtype == torch.int32
+        for d in range(6):
+            running = 0
+            for c in range(C):
+                running += int(membership[bounds[c]:bounds[c + 1], d].sum())
+                assert got[d, c] == running
+    with pytest.raises(EPInputError, match="num_channels"):
+        hy.channel_bounds(4, 0)
+
+
+def test_in_node_masks_and_forward_rows():
+    topo = hy.Topology(64, 32)  # bit 31 is the int32 sign bit
+    in_rank = torch.zeros(3, 64, dtype=torch.bool)
+    in_rank[0, [0, 31]] = True
+    in_rank[1, [33, 63]] = True
+    in_rank[2, 5] = True
+    masks = hy.in_node_masks(in_rank, topo)
+    assert masks.dtype == torch.int32
+    for t in range(3):
+        for n in range(2):
+            want = [j for j in range(32) if in_rank[t, n * 32 + j]]
+            assert [j for j in range(32) if (int(masks[t, n]) >> j) & 1] == want
+    assert hy.forward_rows(masks[:, 0], 31).tolist() == [0]
+    assert hy.forward_rows(masks[:, 1], 31).tolist() == [1]
+    assert hy.forward_rows(masks[:, 0], 5).tolist() == [2]
+
+
+def test_send_layout_counts_nodes_once():
+    topk = torch.tensor([[0, 5], [2, 3], [-1, -1], [7, 6], [1, 2]])
+    in_rank = layout.tokens_to_ranks(topk, 8, 4)  # experts 2 per rank, ranks 2 per node
+    plan = hy.send_layout(in_rank, hy.Topology(4, 2), num_channels=2)
+    assert plan.num_tokens_per_rdma_rank.tolist() == [3, 2]
+    assert plan.is_token_in_node.tolist() == [[True, True], [True, False], [False, False], [False, True],
+                                              [True, False]]
+    assert plan.in_node_masks.tolist() == [[1, 1], [2, 0], [0, 0], [0, 2], [3, 0]]
+    assert plan.rdma_channel_prefix_matrix.tolist() == [[2, 3], [1, 2]]  # channels: tokens 0-2, 3-4
+    assert plan.gbl_channel_prefix_matrix.tolist() == [[1, 2], [1, 2], [1, 1], [0, 1]]
+    assert layout.dispatch_layout(topk, 8, 4, num_ranks_per_node=2)[1].tolist() == [3, 2]
+    assert hy.network_rows(plan.num_tokens_per_rdma_rank, 0, hy.Topology(4, 2)) == 2
+    assert hy.min_network_rows(in_rank, 0, hy.Topology(4, 2)) == 2
+
+
+def _routing(seed, R, E, K, T, kind, hidden=64):
+    g = torch.Generator().manual_seed(seed)
+    topks = []
+    for rank in range(R):
+        t = T if kind != "some_empty" or rank % 2 else 0
+        if kind == "skewed":
+            topk = skewed_topk(t, E, K, generator=g)
+        elif kind == "one_rank":
+            topk = single_rank_topk(t, E, K, target_rank=R - 1, num_ranks=R, generator=g)
+        else:
+            topk = uniform_topk(t, E, K, generator=g)
+        if kind in ("holes", "some_empty"):
+            topk = with_holes(topk, 0.3, generator=g)
+        topks.append(topk)
+    xs = [torch.randn(len(t), hidden, generator=g).to(torch.bfloat16) for t in topks]
+    return xs, topks, [random_weights(t, generator=g) for t in topks]
+
+
+CASES = [(R, k, kind) for R, k in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8))
+         for kind in ("uniform", "skewed", "holes", "one_rank", "some_empty")]
+
+
+@pytest.mark.parametrize("R,k,kind", CASES)
+def test_two_level_dispatch_and_combine_equal_one_level(R, k, kind):
+    E, K, T = 4 * R, min(6, 4 * R), 40
+    xs, topks, weights = _routing(R * 100 + k, R, E, K, T, kind)
+    model = two_level_dispatch(xs, topks, weights, E, ranks_per_node=k)
+    want = reference_dispatch(xs, topks, weights, E)
+    for rank in range(R):
+        got = model.results[rank]
+        for key in ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix"):
+            assert torch.equal(got[key], want[rank][key]), (rank, key)
+    # each (token, other node) pair crosses the network exactly once
+    assert model.network_rows == model.min_network_rows
+    # and never more often than a one-level dispatch would send it there (once per rank)
+    topo = hy.Topology(R, k)
+    for rank in range(R):
+        in_rank = layout.tokens_to_ranks(topks[rank], E, R)
+        other = [r for r in range(R) if topo.node_of(r) != topo.node_of(rank)]
+        assert model.network_rows[rank] <= int(in_rank[:, other].sum())
+
+    def rank_fn(j, rows):  # a different function per receiving rank, as expert outputs differ
+        return (rows.float() * (j + 1) / R).to(torch.bfloat16)
+
+    ys = [rank_fn(d, model.results[d]["recv_x"]) for d in range(R)]
+    combined = two_level_combine(model, ys, [len(t) for t in topks])
+    for rank in range(R):
+        torch.testing.assert_close(combined[rank], reference_combine(xs[rank], topks[rank], E, R, rank_fn),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def test_two_level_fp8_rows_and_dedup_saves_network_rows():
+    R, k, E, K, T = 8, 4, 64, 8, 200
+    xs, topks, weights = _routing(7, R, E, K, T, "uniform", hidden=256)
+    xs = [fp8.per_token_cast_to_fp8(x) for x in xs]
+    model = two_level_dispatch(xs, topks, weights, E, ranks_per_node=k)
+    want = reference_dispatch(xs, topks, weights, E)
+    for rank in range(R):
+        assert torch.equal(model.results[rank]["recv_x"][0].view(torch.uint8), want[rank]["recv_x"][0].view(torch.uint8))
+        assert torch.equal(model.results[rank]["recv_x"][1], want[rank]["recv_x"][1])
+    topo = hy.Topology(R, k)
+    flat = sum(int(layout.tokens_to_ranks(topks[r], E, R)[:, [d for d in range(R) if topo.node_of(d) != topo.node_of(r)]]
+                   .sum()) for r in range(R))
+    assert sum(model.network_rows) < 0.6 * flat  # K=8 over 4 ranks a node: most tokens need several there
