@@ -132,3 +132,29 @@ def test_two_level_fp8_rows_and_dedup_saves_network_rows():
     flat = sum(int(layout.tokens_to_ranks(topks[r], E, R)[:, [d for d in range(R) if topo.node_of(d) != topo.node_of(r)]]
                    .sum()) for r in range(R))
     assert sum(model.network_rows) < 0.6 * flat  # K=8 over 4 ranks a node: most tokens need several there
+
+
+def test_model_legs_match_the_two_level_model():
+    from epcomm.tools.internode_model import rank_legs
+    R, k, E, K = 8, 2, 32, 4
+    xs, topks, weights = _routing(11, R, E, K, 50, "holes")
+    model = two_level_dispatch(xs, topks, weights, E, ranks_per_node=k)
+    legs = rank_legs(topks, E, k)
+    topo = hy.Topology(R, k)
+    for r, leg in enumerate(legs):
+        assert leg.network_out == model.network_rows[r] == leg.min_network_out
+        assert leg.network_out <= leg.one_level_network_out
+        # the rows r receives: from its own forwarder area (local) and from its node peers' (NVLink)
+        sources = model.sources[r]
+        from_self = int((sources[:, 0] == r).sum())
+        assert (leg.local, leg.nvlink_in) == (from_self, len(sources) - from_self)
+        area = model.areas[r]
+        assert leg.network_in == sum(area.block(n).stop - area.block(n).start for n in range(topo.num_nodes)
+                                     if n != topo.node_of(r))
+
+
+def test_model_command_prints_a_table(capsys):
+    from epcomm.tools.cli import main
+    assert main(["model", "--nodes", "2", "--ranks-per-node", "2", "--tokens", "64", "--experts", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 x 2 | dispatch FP8 |" in out and "| 2 x 2 | combine BF16 |" in out

@@ -93,3 +93,18 @@ def test_messages_and_receive_rows_always_use_16_byte_accesses():
                                              BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False,
                                              BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=2, ALIGNED=False), 8)
     assert counts[".v2.b64"] >= 16, counts
+
+
+def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
+    """Kernels calling NVSHMEM (backends/nvshmem/device.py; here the probe's) compile for sm_90 with
+    the calls left to the device library that the GPU machine links (ptxas --compile-only)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import nvshmem_probe
+    for spec in (nvshmem_probe.PUT, nvshmem_probe.WAIT):
+        assert spec.library is not None and spec.library.name == "libnvshmem_device"
+        compiled = spec.compile({}, 4, target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only")
+        assert compiled.asm["cubin"]
+    assert "nvshmemx_putmem_signal_block" in nvshmem_probe.PUT.compile(
+        {}, 4, target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only").asm["ptx"]

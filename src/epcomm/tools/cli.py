@@ -1,4 +1,4 @@
-"""Command line: ``epcomm demo | info | check | bench``.
+"""Command line: ``epcomm demo | info | check | bench | model``.
 
 Every option has help text and shows its default (``epcomm <command> --help``); invalid values
 end in a one-line usage error, not a traceback.
@@ -104,6 +104,10 @@ def main(argv=None) -> int:
                            help="host/gpu/synced µs per call beside the NCCL baseline and optionally DeepEP (GPU)")
     from .bench import add_arguments
     add_arguments(bench)
+    model = sub.add_parser("model", formatter_class=formatter,
+                           help="multi-node normal-mode time from the two-level plan's bytes and per-leg rates (CPU)")
+    from . import internode_model
+    internode_model.add_arguments(model)
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from .bench import run
         return run(args)
+    if args.command == "model":
+        return internode_model.run(args)
     return 2
 
 
