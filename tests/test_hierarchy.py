@@ -158,3 +158,18 @@ def test_model_command_prints_a_table(capsys):
     assert main(["model", "--nodes", "2", "--ranks-per-node", "2", "--tokens", "64", "--experts", "16"]) == 0
     out = capsys.readouterr().out
     assert "| 2 x 2 | dispatch FP8 |" in out and "| 2 x 2 | combine BF16 |" in out
+
+
+def test_multinode_row_and_count_row_layouts():
+    pytest.importorskip("triton")
+    from epcomm.backends.nvshmem.normal import MetaRow, RowLayout
+    meta = MetaRow(num_ranks=16, num_experts=256, num_nodes=2, num_channels=12)
+    parts = [(meta.per_rank, 16), (meta.per_expert, 256), (meta.per_node, 2), (meta.num_tokens, 1),
+             (meta.gbl_prefix, 16 * 12), (meta.rdma_prefix, 2 * 12)]
+    assert [start for start, _ in parts] == [sum(n for _, n in parts[:i]) for i in range(len(parts))]
+    assert meta.length == sum(n for _, n in parts)
+    for x_bytes, scales, topk in ((14336, 0, 8), (7168, 56, 8), (8, 0, 0), (7168, 56, 0)):
+        row = RowLayout(x_bytes, scales, topk)
+        assert row.ids % 8 == 0 and row.ids >= x_bytes + 4 * scales
+        assert row.weights == row.ids + 8 * topk and row.mask == row.src + 4
+        assert row.row_bytes % 16 == 0 and row.row_bytes >= row.mask + 4

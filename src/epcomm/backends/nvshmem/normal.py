@@ -1,0 +1,270 @@
+"""Multi-node normal-mode dispatch kernels: hop 1 over NVSHMEM, hop 2 over NVLink (in progress).
+
+The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU.
+Written and compiled (tests/test_kernels_compile.py), not yet run or wired into a backend: the
+session that wrote them had no GPU. Still to come: the count exchange (``ml_notify``) that writes
+the count rows read here, the combine kernels, and the backend class.
+
+Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table: row
+``s`` is what rank ``s`` sent (:class:`MetaRow` gives the offsets): its per-rank, per-expert and
+per-node counts, its token count, its ``gbl_channel_prefix_matrix [R, C]`` and its
+``rdma_channel_prefix_matrix [N, C]``. Every offset below is derived from that table on the device.
+
+Rows. A dispatched row is packed once, for both hops (:class:`RowLayout`): x, the FP8 scales, the
+top-k ids and weights, the source token index and the in-node mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ..nvlink.copy import copy_rows, word_ptr
+from ..nvlink.launch import KernelSpec
+from ..nvlink.sync import load_acquire_sys, now_ns, store_release_sys
+from . import device as nvshmem
+
+ROW_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class MetaRow:
+    """Offsets (int32 words) within one rank's count row."""
+
+    num_ranks: int
+    num_experts: int
+    num_nodes: int
+    num_channels: int
+
+    @property
+    def per_rank(self) -> int:
+        return 0
+
+    @property
+    def per_expert(self) -> int:
+        return self.num_ranks
+
+    @property
+    def per_node(self) -> int:
+        return self.num_ranks + self.num_experts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.per_node + self.num_nodes
+
+    @property
+    def gbl_prefix(self) -> int:
+        return self.num_tokens + 1
+
+    @property
+    def rdma_prefix(self) -> int:
+        return self.gbl_prefix + self.num_ranks * self.num_channels
+
+    @property
+    def length(self) -> int:
+        return self.rdma_prefix + self.num_nodes * self.num_channels
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte offsets within one packed row; ``row_bytes`` is a multiple of 16."""
+
+    x_bytes: int  # a multiple of 8 (Buffer's checks: rows of whole words)
+    num_scales: int
+    num_topk: int
+
+    @property
+    def scales(self) -> int:
+        return self.x_bytes
+
+    @property
+    def ids(self) -> int:
+        return -(-(self.scales + 4 * self.num_scales) // 8) * 8
+
+    @property
+    def weights(self) -> int:
+        return self.ids + 8 * self.num_topk
+
+    @property
+    def src(self) -> int:
+        return self.weights + 4 * self.num_topk
+
+    @property
+    def mask(self) -> int:
+        return self.src + 4
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-(self.mask + 4) // ROW_ALIGN) * ROW_ALIGN
+
+
+@triton.jit
+def _channel_range(prefix_row, c):
+    """``[lo, hi)`` of channel ``c`` from an inclusive prefix row over channels."""
+    lo = tl.load(prefix_row + c - 1, mask=c > 0, other=0)
+    return lo, tl.load(prefix_row + c)
+
+
+@triton.jit
+def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_per_node):
+    """Where block ``node`` starts in the receive area of forwarder ``(dest_node, local)``: the rows
+    its rail peers on nodes ``0..node-1`` send to ``dest_node`` (recv_rdma_rank_prefix_sum[node - 1])."""
+    start = 0
+    for m in range(0, node):
+        start += tl.load(meta_ptr + (m * ranks_per_node + local) * meta_len + per_node_at + dest_node)
+    return start
+
+
+# ====================================================================== hop 1: send
+@triton.jit
+def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
+                     scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
+                     topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
+                     node_tokens_ptr,  # [N, T] int32: row n = the tokens going to node n, ascending
+                     masks_ptr,  # [T, N] int32: in-node masks (hierarchy.in_node_masks)
+                     meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
+                     send_area, recv_area, signals,  # int64 addresses of this half (symmetric memory)
+                     epoch, rank, num_ranks, ranks_per_node, num_tokens, x_words, num_scales, num_topk,
+                     row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
+                     rdma_prefix_at, num_channels,
+                     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    # Program (c, n): the rows of channel c for node n (rows [lo, hi) of this rank's block there),
+    # packed (x, scales, top-k, source index, in-node mask) and delivered to the forwarder
+    # (n, local). Another node: packed into this rank's send area, then one put_signal — NVSHMEM
+    # delivers the rows before it SETs the forwarder's signal [this node][c] to epoch, and the
+    # forwarder's node peers ACQUIRE that word before reading the rows (ml_dispatch_forward).
+    # This node: this rank is the forwarder; the rows go straight into its receive area and the
+    # program RELEASEs the signal itself (st.release.sys after a CTA barrier: the same hand-off).
+    c = tl.program_id(0)
+    n = tl.program_id(1)
+    node = rank // ranks_per_node
+    local = rank % ranks_per_node
+    lo, hi = _channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
+    block_start = _block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
+    here = n == node
+    # row r of the block: at the forwarder (here) or in the send area (another node)
+    base = tl.where(here, recv_area + block_start.to(tl.int64) * row_bytes,
+                    send_area + (n * send_cap).to(tl.int64) * row_bytes)
+    for first in range(lo, hi, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        live = rows < hi
+        tokens = tl.load(node_tokens_ptr + n * num_tokens + rows, mask=live, other=0).to(tl.int64)
+        row = base + rows.to(tl.int64) * row_bytes
+        copy_rows(x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words, word_ptr(row, False), live,
+                  x_words, BLOCK_W)
+        if HAS_SCALES:
+            s = tl.arange(0, S_P2)
+            m = live[:, None] & (s < num_scales)[None, :]
+            values = tl.load(scales_ptr + tokens[:, None] * scale_stride_t + s[None, :] * scale_stride_c, mask=m)
+            tl.store((row + scales_at).to(tl.pointer_type(tl.float32))[:, None] + s[None, :], values, mask=m)
+        if HAS_TOPK:
+            k = tl.arange(0, K_P2)
+            m = live[:, None] & (k < num_topk)[None, :]
+            tl.store((row + ids_at).to(tl.pointer_type(tl.int64))[:, None] + k[None, :],
+                     tl.load(topk_ptr + tokens[:, None] * num_topk + k[None, :], mask=m), mask=m)
+            tl.store((row + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
+                     tl.load(weights_ptr + tokens[:, None] * num_topk + k[None, :], mask=m), mask=m)
+        tl.store((row + src_at).to(tl.pointer_type(tl.int32)), tokens.to(tl.int32), mask=live)
+        tl.store((row + mask_at).to(tl.pointer_type(tl.int32)),
+                 tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
+    tl.debug_barrier()  # every thread's row stores precede the release / the put
+    signal_word = signals + (node * num_channels + c).to(tl.int64) * 8
+    if here:
+        store_release_sys(signal_word, epoch)  # RELEASE: the rows -> this node's ranks
+    else:
+        forwarder = n * ranks_per_node + local
+        if hi > lo:
+            nvshmem.put_signal(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
+                               send_area + (n * send_cap + lo).to(tl.int64) * row_bytes,
+                               (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, nvshmem.SIGNAL_SET, forwarder)
+        else:
+            nvshmem.signal(signal_word, epoch, nvshmem.SIGNAL_SET, forwarder)
+
+
+SEND = KernelSpec(ml_dispatch_send, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "i64",
+                                     "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"],
+                  library=nvshmem.NVSHMEM)
+
+
+# ====================================================================== hop 2: forward
+@triton.jit
+def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
+                        area_offset, signals_offset,  # bytes from a base to this half's receive area / signals
+                        meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
+                        prefix_ptr,  # [R, R] int32 rank_prefix_matrix (the count exchange)
+                        recv_x_ptr,  # [num_recv, x_words] int64 words
+                        recv_scales_ptr,  # [num_recv, S] float32 (HAS_SCALES)
+                        recv_topk_ptr, recv_weights_ptr,  # [num_recv, K] int64 local ids / float32 (HAS_TOPK)
+                        recv_src_ptr,  # [num_recv] int32 source token index
+                        timeouts_ptr,  # the host mailbox's timeout words (sync.mailbox_words)
+                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, x_words, num_scales, num_topk,
+                        num_local_experts, row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, meta_len,
+                        per_node_at, gbl_prefix_at, rdma_prefix_at, num_channels,
+                        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    # Program (s, c) at destination d = (node, j): the rows of source s = (m, l), channel c, that
+    # d needs. They sit in block m of forwarder f = (node, l) — put there by s over the network,
+    # or stored by s itself when m == node. ACQUIRE f's signal [m][c] over NVLink (bounded: a
+    # timeout is flagged for s in the host mailbox and nothing moves), then scan the channel's
+    # rows, keep those whose in-node mask has bit j, and copy them to recv_x from row
+    # rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order:
+    # exactly the one-level dispatch's order (hierarchy.py).
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    node = rank // ranks_per_node
+    j = rank % ranks_per_node
+    m = s // ranks_per_node
+    forwarder = node * ranks_per_node + s % ranks_per_node
+    base = tl.load(peer_bases_ptr + forwarder)
+    signal_word = base + signals_offset + (m * num_channels + c).to(tl.int64) * 8
+    start = now_ns()
+    seen = load_acquire_sys(signal_word)
+    while (seen < epoch) & (now_ns() - start < timeout_ns):
+        seen = load_acquire_sys(signal_word)  # ACQUIRE: the rows of block m, channel c
+    tl.debug_barrier()  # the polling thread's acquire precedes every thread's row loads
+    if seen < epoch:
+        tl.store(timeouts_ptr + s, 1)
+        tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
+    else:
+        meta_s = meta_ptr + s * meta_len
+        lo, hi = _channel_range(meta_s + rdma_prefix_at + node * num_channels, c)
+        block_start = _block_start(meta_ptr, meta_len, per_node_at, m, node, s % ranks_per_node, ranks_per_node)
+        out, _ = _channel_range(meta_s + gbl_prefix_at + rank * num_channels, c)
+        out += tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
+        area = base + area_offset + block_start.to(tl.int64) * row_bytes
+        running = out
+        for first in range(lo, hi, BLOCK_R):
+            rows = first + tl.arange(0, BLOCK_R)
+            row = area + rows.to(tl.int64) * row_bytes
+            mask = tl.load((row + mask_at).to(tl.pointer_type(tl.int32)), mask=rows < hi, other=0)
+            take = (rows < hi) & (((mask >> j) & 1) != 0)
+            dest = (running + tl.cumsum(take.to(tl.int32), axis=0) - 1).to(tl.int64)
+            running += tl.sum(take.to(tl.int32), axis=0)
+            copy_rows(word_ptr(row, False), recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + dest * x_words,
+                      take, x_words, BLOCK_W)
+            if HAS_SCALES:
+                sc = tl.arange(0, S_P2)
+                mk = take[:, None] & (sc < num_scales)[None, :]
+                values = tl.load((row + scales_at).to(tl.pointer_type(tl.float32))[:, None] + sc[None, :], mask=mk)
+                tl.store(recv_scales_ptr + dest[:, None] * num_scales + sc[None, :], values, mask=mk)
+            if HAS_TOPK:
+                k = tl.arange(0, K_P2)
+                mk = take[:, None] & (k < num_topk)[None, :]
+                ids = tl.load((row + ids_at).to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=mk, other=-1)
+                weights = tl.load((row + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=mk,
+                                  other=0.0)
+                local_ids = ids - rank * num_local_experts
+                mine = (ids >= 0) & (local_ids >= 0) & (local_ids < num_local_experts)
+                tl.store(recv_topk_ptr + dest[:, None] * num_topk + k[None, :], tl.where(mine, local_ids, -1), mask=mk)
+                tl.store(recv_weights_ptr + dest[:, None] * num_topk + k[None, :], tl.where(mine, weights, 0.0),
+                         mask=mk)
+            tl.store(recv_src_ptr + dest, tl.load((row + src_at).to(tl.pointer_type(tl.int32)), mask=take), mask=take)
+
+
+FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
+                                           "*i32", "*i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
+                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                           "i32", "i32"])
