@@ -113,6 +113,8 @@ def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
 @pytest.mark.parametrize("fp8,topk", list(itertools.product([False, True], repeat=2)))
 def test_multinode_dispatch_kernels_compile(fp8, topk):
     from epcomm.backends.nvshmem import normal as M
+    assert M.NOTIFY.compile(dict(R_P2=16, BLOCK_E=128), 4, target=GPUTarget("cuda", 90, 32),
+                            ptx_options="--compile-only").asm["cubin"]
     for spec in (M.SEND, M.FORWARD):
         compiled = spec.compile(dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8), 8,
                                 target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only")

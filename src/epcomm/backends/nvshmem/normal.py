@@ -2,8 +2,7 @@
 
 The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU.
 Written and compiled (tests/test_kernels_compile.py), not yet run or wired into a backend: the
-session that wrote them had no GPU. Still to come: the count exchange (``ml_notify``) that writes
-the count rows read here, the combine kernels, and the backend class.
+session that wrote them had no GPU. Still to come: the combine kernels and the backend class.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table: row
 ``s`` is what rank ``s`` sent (:class:`MetaRow` gives the offsets): its per-rank, per-expert and
@@ -22,7 +21,7 @@ import triton.language as tl
 
 from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
-from ..nvlink.sync import load_acquire_sys, now_ns, store_release_sys
+from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
 
 ROW_ALIGN = 16
@@ -114,6 +113,57 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
     for m in range(0, node):
         start += tl.load(meta_ptr + (m * ranks_per_node + local) * meta_len + per_node_at + dest_node)
     return start
+
+
+# ====================================================================== count exchange
+@triton.jit
+def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (MetaRow)
+              table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
+              table_ptr,  # the same table as a pointer (read after the wait)
+              state_ptr,  # int64 local arrival counter
+              prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
+              mailbox_address,  # host mailbox (nvlink/sync.py): receive counts, then the sequence number
+              epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
+              R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
+    # [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
+    # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
+    # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
+    # mailbox and, last, the sequence number with a release — the host polls that word.
+    p = tl.program_id(0)
+    nvshmem.put_signal(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
+                       signals + rank * 8, epoch, nvshmem.SIGNAL_SET, p)
+    peers = tl.arange(0, R_P2)
+    one = peers == p
+    timeouts, _, _, notify = mailbox_words(mailbox_address, num_ranks)
+    _, _, late = poll_epochs((signals + peers * 8).to(tl.pointer_type(tl.int64)), one, epoch, timeout_ns,
+                             EPOCH_SHIFT=0)  # ACQUIRE: rank p's row here
+    report_late(late, peers, timeouts, timeouts, MASK_ON_TIMEOUT=False)
+    if arrive(state_ptr, num_ranks):
+        src = tl.arange(0, R_P2)
+        live = (src[:, None] < num_ranks) & (src[None, :] < num_ranks)
+        sends = tl.load(table_ptr + src[:, None] * meta_len + src[None, :], mask=live, other=0)  # per-rank counts
+        prefix = tl.cumsum(sends, axis=0)
+        tl.store(prefix_ptr + src[:, None] * num_ranks + src[None, :], prefix, mask=live)
+        num_recv = tl.sum(tl.where((src[:, None] == num_ranks - 1) & (src[None, :] == rank), prefix, 0), axis=None)
+        max_tokens = tl.max(tl.load(table_ptr + src * meta_len + num_tokens_at, mask=src < num_ranks, other=0), axis=0)
+        tl.store(notify + 1, num_recv.to(tl.int64))
+        tl.store(notify + 2, max_tokens.to(tl.int64))
+        num_local = num_experts // num_ranks
+        for first in range(0, num_local, BLOCK_E):  # entries each local expert receives, aligned
+            e = first + tl.arange(0, BLOCK_E)
+            total = tl.zeros([BLOCK_E], tl.int32)
+            for i in range(0, num_ranks):
+                total += tl.load(table_ptr + i * meta_len + num_ranks + rank * num_local + e, mask=e < num_local,
+                                 other=0)
+            aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
+            tl.store(notify + 3 + e, aligned.to(tl.int64), mask=e < num_local)
+        tl.debug_barrier()  # all mailbox words precede the sequence number
+        store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
+
+
+NOTIFY = KernelSpec(ml_notify, ["*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
+                                "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM)
 
 
 # ====================================================================== hop 1: send
