@@ -130,6 +130,17 @@ LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i8", "*i32", 
 
 # ====================================================================== notify (count exchange)
 @triton.jit
+def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks, expert_alignment):
+    """Entries the local experts ``local`` ([BLOCK] ids) receive, summed over the ranks' count rows
+    (``first_count_ptr``: rank 0's count of local expert 0; rows ``row_len`` words apart), and
+    those totals rounded up to ``expert_alignment``: ``(total, aligned)``."""
+    total = tl.zeros(local.shape, tl.int32)
+    for i in range(0, num_ranks):
+        total += tl.load(first_count_ptr + i * row_len + local, mask=local < num_local, other=0)
+    return total, (total + expert_alignment - 1) // expert_alignment * expert_alignment
+
+
+@triton.jit
 def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
               flag_bases_ptr,  # [R] int64: each rank's flag region
               state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
@@ -193,11 +204,8 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         group_start = 0  # of the expert-major groups
         for start in range(0, num_local, BLOCK):
             local = start + tl.arange(0, BLOCK)
-            total = tl.zeros([BLOCK], tl.int32)
-            for i in range(0, num_ranks):
-                total += tl.load(counts + i * row_len + num_ranks + rank * num_local + local, mask=local < num_local,
-                                 other=0)
-            aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
+            total, aligned = expert_receive_counts(counts + num_ranks + rank * num_local, row_len, local, num_local,
+                                                   num_ranks, expert_alignment)
             tl.store(notify + 3 + local, aligned.to(tl.int64), mask=local < num_local)
             if write_table != 0:
                 first = group_start + tl.cumsum(aligned, axis=0) - aligned

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
+from ..nvlink.normal import expert_receive_counts
 from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
 
@@ -152,11 +153,8 @@ def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's c
         num_local = num_experts // num_ranks
         for first in range(0, num_local, BLOCK_E):  # entries each local expert receives, aligned
             e = first + tl.arange(0, BLOCK_E)
-            total = tl.zeros([BLOCK_E], tl.int32)
-            for i in range(0, num_ranks):
-                total += tl.load(table_ptr + i * meta_len + num_ranks + rank * num_local + e, mask=e < num_local,
-                                 other=0)
-            aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
+            _, aligned = expert_receive_counts(table_ptr + num_ranks + rank * num_local, meta_len, e, num_local,
+                                               num_ranks, expert_alignment)
             tl.store(notify + 3 + e, aligned.to(tl.int64), mask=e < num_local)
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
