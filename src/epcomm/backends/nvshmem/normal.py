@@ -153,8 +153,8 @@ def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's c
         num_local = num_experts // num_ranks
         for first in range(0, num_local, BLOCK_E):  # entries each local expert receives, aligned
             e = first + tl.arange(0, BLOCK_E)
-            _, aligned = expert_receive_counts(table_ptr + num_ranks + rank * num_local, meta_len, e, num_local,
-                                               num_ranks, expert_alignment)
+            totals, aligned = expert_receive_counts(table_ptr + num_ranks + rank * num_local, meta_len, e, num_local,
+                                                    num_ranks, expert_alignment)
             tl.store(notify + 3 + e, aligned.to(tl.int64), mask=e < num_local)
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
