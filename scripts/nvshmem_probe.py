@@ -1,7 +1,7 @@
 """Probe NVSHMEM from Triton through epcomm's launch layer (issue 14's first GPU step).
 
-Run on a GPU machine: ``python3 scripts/nvshmem_probe.py`` (one process per GPU; with one GPU the
-put goes to itself). Prints, per phase, what worked: PyTorch's NVSHMEM symmetric memory
+Run on a GPU machine: ``python3 scripts/nvshmem_probe.py`` (one process per GPU, or ``--ranks N``
+processes over the GPUs). Prints, per phase, what worked: PyTorch's NVSHMEM symmetric memory
 (``set_backend("NVSHMEM")``, ``empty``, ``rendezvous``, peer pointers), a put with signal from a
 kernel compiled by ``KernelSpec(library=NVSHMEM)``, a bounded acquire-poll of the signal, the data,
 and the rate of a 64 MiB put. Exits 1 if any phase failed.
@@ -54,10 +54,14 @@ def worker(rank, world, port, results):
     report = {}
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=60))
+        gpus = torch.cuda.device_count()
+        dev = torch.device("cuda", rank % gpus)
+        torch.cuda.set_device(dev)
+        if world <= gpus:
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                                    timeout=datetime.timedelta(seconds=60))
+        else:  # several processes per GPU: NCCL refuses that; the rendezvous only needs a store
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
         import torch.distributed._symmetric_memory as symm_mem
         report["available"] = nvshmem.nvshmem_available()
         symm_mem.set_backend("NVSHMEM")
@@ -75,7 +79,7 @@ def worker(rank, world, port, results):
         dist.barrier()
         peer, sender = (rank + 1) % world, (rank - 1) % world
         waited = torch.zeros(1, dtype=torch.int64, device=dev)
-        stream = current_stream(rank)
+        stream = current_stream(dev.index)
         put, wait = PUT.bind(num_warps=4), WAIT.bind(num_warps=1)
         started = time.time()
         put.launch(32, 1, stream, dst, src, half, signals, 1, peer)
@@ -105,7 +109,9 @@ def worker(rank, world, port, results):
 
 
 def main() -> int:
-    world = max(torch.cuda.device_count(), 1)
+    # ranks: one per GPU, or ``--ranks N`` processes spread over the GPUs (several per GPU is only a
+    # functional check: PyTorch's NVSHMEM rendezvous needs at least two ranks)
+    world = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else max(torch.cuda.device_count(), 1)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, 29611, results)) for r in range(world)]

@@ -1,12 +1,10 @@
-"""Where the host time of each call goes (rank 0): primitive costs, then cProfile of each call.
+"""Where the host time of each call goes (rank 0): primitive costs, then each call split into its
+front end (Buffer), the backend's glue and its kernel launches.
 
 Run on a GPU machine: ``python3 scripts/profile_host.py [tokens]``. Host cost is the risk of a
 Python design (docs/PERFORMANCE.md); this shows which Python lines a call spends it on.
 """
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -16,12 +14,85 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
-def _per_call_us(fn, n=2000):
+def _per_call_us(fn, n=2000, burst=40):
+    """Median host µs per call over bursts of ``burst`` calls, the GPU drained between bursts (not
+    timed): a burst never fills the launch queue, so a call slower on the GPU than on the host
+    still shows its host cost."""
     fn()
-    started = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - started) / n * 1e6
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(max(1, n // burst)):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        per_call.append((time.perf_counter() - started) / burst)
+    torch.cuda.synchronize()
+    return sorted(per_call)[len(per_call) // 2] * 1e6
+
+
+def _breakdown(fn, backend, method: str, n: int = 400):
+    """(full, backend, launches, number of launches), µs per call: ``fn`` timed as it is; the
+    backend's ``method`` and the kernel launches of one call recorded, then each replayed alone."""
+    from epcomm.backends.nvlink.launch import BoundKernel
+    recorded_call, recorded_launches = [], []
+    original_method = getattr(backend, method)
+    original_launch = BoundKernel.launch
+
+    def record_call(*args, **kwargs):
+        recorded_call.append((args, kwargs))
+        return original_method(*args, **kwargs)
+
+    def record_launch(self, *args):
+        recorded_launches.append((self, args))
+        return original_launch(self, *args)
+    setattr(backend, method, record_call)
+    BoundKernel.launch = record_launch
+    try:
+        result = fn()
+        hook = result[-1] if isinstance(result, tuple) and callable(result[-1]) else None
+        if hook is not None:
+            hook()
+    finally:
+        BoundKernel.launch = original_launch
+        del backend.__dict__[method]
+    torch.cuda.synchronize()
+    full = _per_call_us(fn, n)
+    torch.cuda.synchronize()
+    args, kwargs = recorded_call[0]
+    backend_us = _per_call_us(lambda: original_method(*args, **kwargs), n)
+    torch.cuda.synchronize()
+
+    def replay():
+        for kernel, launch_args in recorded_launches:
+            original_launch(kernel, *launch_args)
+    launches = _per_call_us(replay, n)
+    torch.cuda.synchronize()
+    return full, backend_us, launches, recorded_launches
+
+
+def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
+    """The recorded launches of one call replayed with their arguments as given and with every
+    tensor replaced by its address (Triton's launcher asks the driver about each tensor pointer),
+    interleaved burst by burst (a shared host drifts). µs per call, medians."""
+    def as_ints(args):
+        return tuple(a if a.__class__ is int else a.data_ptr() for a in args)
+    launches = [(kernel, args[:3], tuple(args[3:]), as_ints(args[3:])) for kernel, args in recorded_launches]
+
+    def replay(int_args):
+        for kernel, grid_stream, args, ints in launches:
+            kernel.launch(*grid_stream, *(ints if int_args else args))
+    times = {"as given": [], "int pointers": []}
+    for _ in range(rounds):
+        for name, int_args in (("as given", False), ("int pointers", True)):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(burst):
+                replay(int_args)
+            times[name].append((time.perf_counter() - started) / burst * 1e6)
+    torch.cuda.synchronize()
+    tensors = [sum(a.__class__ is not int for a in args) for _, _, args, _ in launches]
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, tensors
 
 
 def profile_rank(tokens: int):
@@ -51,12 +122,12 @@ def profile_rank(tokens: int):
     lrecv, _, lhandle, _, _ = ll.low_latency_dispatch(xl, tl_, M, E, use_fp8=True)
     y = torch.zeros(E // R, R * M, H, dtype=torch.bfloat16, device=dev)
     calls = {
-        "get_dispatch_layout": lambda: buf.get_dispatch_layout(topk, E),
-        "dispatch cached bf16": lambda: buf.dispatch(x, handle=handle, config=cfg),
-        "dispatch cached fp8": lambda: buf.dispatch(x8, handle=handle8, config=cfg),
-        "combine": lambda: buf.combine(recv, handle, config=cfg),
-        "ll dispatch": lambda: ll.low_latency_dispatch(xl, tl_, M, E, use_fp8=True),
-        "ll combine": lambda: ll.low_latency_combine(y, tl_, wl, lhandle),
+        "get_dispatch_layout": (lambda: buf.get_dispatch_layout(topk, E), "dispatch_layout"),
+        "dispatch cached bf16": (lambda: buf.dispatch(x, handle=handle, config=cfg), "dispatch"),
+        "dispatch cached fp8": (lambda: buf.dispatch(x8, handle=handle8, config=cfg), "dispatch"),
+        "combine": (lambda: buf.combine(recv, handle, config=cfg), "combine"),
+        "ll dispatch": (lambda: ll.low_latency_dispatch(xl, tl_, M, E, use_fp8=True), "low_latency_dispatch"),
+        "ll combine": (lambda: ll.low_latency_combine(y, tl_, wl, lhandle), "low_latency_combine"),
     }
     report = []
     if rank == 0:
@@ -84,31 +155,25 @@ def profile_rank(tokens: int):
                 ("x.data_ptr()", lambda: x.data_ptr())):
             report.append(f"  {name:<34} {_per_call_us(fn):7.2f}")
         torch.cuda.synchronize()
-    for name, fn in calls.items():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        profiler = cProfile.Profile() if rank == 0 else None
-        started = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        for _ in range(200):
-            fn()
-        if profiler:
-            profiler.disable()
-        elapsed = (time.perf_counter() - started) / 200 * 1e6
-        torch.cuda.synchronize()
-        dist.barrier()
-        plain = _per_call_us(fn, 200)
-        torch.cuda.synchronize()
-        dist.barrier()
-        if profiler:
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
-            lines = [ln for ln in out.getvalue().splitlines() if ln.strip() and not ln.startswith(("   Ordered", "   List"))]
-            report.append(f"\n== {name}: {plain:.1f} µs/call plain, {elapsed:.1f} under cProfile")
-            report += lines[-15:]
+    report.append("\nper call (µs): full = Buffer method; backend = the backend's method alone on the same arguments;"
+                  "\nlaunches = its kernel launches replayed alone; front = full - backend; glue = backend - launches")
+    report.append(f"  {'call':<22} {'full':>6} {'front':>6} {'backend':>8} {'glue':>6} {'launches':>9} {'n':>2}")
+    paths = {}
+    for name, (fn, method) in calls.items():
+        try:
+            full, backend, launches, recorded = _breakdown(fn, buf._backend if not name.startswith("ll") else
+                                                           ll._backend, method)
+            count = len(recorded)
+            paths[name] = _launch_paths(recorded)
+        except Exception as err:  # a replayed launch may upset the kernels' pairing: report, go on
+            report.append(f"  {name:<22} failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        report.append(f"  {name:<22} {full:6.1f} {full - backend:6.1f} {backend:8.1f} {backend - launches:6.1f} "
+                      f"{launches:9.1f} {count:2d}")
+    report.append("\nthe same launches, arguments as given / tensors as int addresses, interleaved (µs per call):")
+    for name, (times, tensors) in paths.items():
+        report.append(f"  {name:<22} tensor arguments per launch {tensors}: " +
+                      "  ".join(f"{path} {t:.1f}" for path, t in times.items()))
     buf.destroy()
     ll.destroy()
     return "\n".join(report)
