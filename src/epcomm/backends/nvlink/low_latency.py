@@ -38,7 +38,7 @@ import triton.language as tl
 from ...errors import EPInputError
 from ...handle import LowLatencyHandle
 from . import agreement, sync
-from .copy import for_word_copies, is_aligned, multiple, ptr_at, word_ptr
+from .copy import for_word_copies, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
 from .normal import p2
@@ -57,6 +57,7 @@ class LowLatencyState:
     slot_info: torch.Tensor  # [E_local, R*M] int32: home slot token * K + k of each packed row
     num_topk: int
     sequence: int = 0  # the dispatch's call number: the same on every rank (fingerprints)
+    addresses: tuple = ()  # of the handle's recv_layout_range and of slot_info (the combine's launch arguments)
 
 
 # ====================================================================== dispatch
@@ -409,11 +410,20 @@ class DispatchPlan:
     kernels: Specialisations  # (SEND, RECEIVE, HAS_STATS, HAS_WAIT_STATS, ALIGNED) -> ep_ll_dispatch
     send_groups: int  # message groups (send items) per token
     counters: torch.Tensor  # [E] int32 slot counters, zero between calls
+    counters_address: int
     fingerprint: tuple  # agreement.py: the call's two words
-    # Per buffer half: (src_info, slot_info, recv_layout, recv_count, handle), made on first use.
-    # A result lives until the second dispatch after it (the two halves), as DeepEP documents;
-    # reusing its index tensors spares four allocations per call. recv_x is fresh every call.
+    # Per buffer half: a _DispatchHalf, made on first use. A result lives until the second
+    # dispatch after it (the two halves), as DeepEP documents; reusing its index tensors spares
+    # four allocations per call. recv_x is fresh every call.
     per_half: list
+
+
+@dataclass(frozen=True)
+class _DispatchHalf:
+    handle: LowLatencyHandle  # its recv_src_info / recv_layout_range / slot_info are this half's
+    recv_count: torch.Tensor  # [E_local] int32
+    indices: tuple  # addresses of src_info, slot_info, recv_layout, recv_count
+    sizes: tuple  # the kernel's arguments from hidden on: fixed for the plan and half
 
 
 @dataclass(frozen=True)
@@ -421,6 +431,9 @@ class CombinePlan:
     layout: object
     kernels: Specialisations  # (SEND, RECEIVE, HAS_WAIT_STATS, ALIGNED) -> ep_ll_combine
     fingerprint: tuple  # agreement.py: the call's two words (the handle's dispatch number added)
+    # Per buffer half: (this rank's flags and combine slots, mailbox) and the arguments from hidden
+    # to the fingerprint set: fixed for the plan and half.
+    per_half: tuple
 
 
 class LowLatencyMode:
@@ -483,68 +496,87 @@ class LowLatencyMode:
         words = agreement.pack(call=agreement.CALL_LL_DISPATCH, hidden=hidden, x=1, num_topk=K, num_experts=E,
                                num_max_dispatch_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
                                use_ue8m0=use_ue8m0)
-        return DispatchPlan(layout, kernels, -(-K // msgs), counters, words, [None, None])
+        return DispatchPlan(layout, kernels, -(-K // msgs), counters, counters.data_ptr(), words, [None, None])
+
+    def _dispatch_half(self, plan: DispatchPlan, half: int, E: int, M: int, hidden: int, K: int) -> "_DispatchHalf":
+        """One buffer half's index tensors, handle and the launch arguments that never change."""
+        R, dev, layout = self.R, self.device, plan.layout
+        num_local, slots = E // R, R * M
+        src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+        slot_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+        recv_layout = torch.empty((num_local, R), dtype=torch.int64, device=dev)
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        # Pointers go to the launcher as addresses: it would ask the driver about every tensor, twice a call.
+        indices = (src_info.data_ptr(), slot_info.data_ptr(), recv_layout.data_ptr(), recv_count.data_ptr())
+        handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E,
+                                  LowLatencyState(slot_info, K, addresses=(indices[2], indices[1])))
+        sizes = (hidden, K, E, num_local, M, R, self.rank, layout.msg_bytes, layout.x_bytes, layout.scale_words,
+                 self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.b.timeout_ns,
+                 self.fingerprints[0], *plan.fingerprint)
+        return _DispatchHalf(handle, recv_count, indices, sizes)
 
     def dispatch(self, args):
-        R, rank, dev = self.R, self.rank, self.device
         x, topk = args.x, args.topk_idx
         num_tokens, hidden = x.shape
-        E, M, K = args.num_experts, args.num_max_dispatch_tokens_per_rank, topk.shape[1]
         plan = self._dispatch_plan_of(args)
         layout = plan.layout
-        num_local = E // R
         sequence = self._calls[0]
         half = sequence & 1
         self._calls[0] += 1
-        slots = R * M
-        scale_words = layout.scale_words
+        per_half = plan.per_half[half]
+        if per_half is None:
+            per_half = plan.per_half[half] = self._dispatch_half(plan, half, args.num_experts,
+                                                                 args.num_max_dispatch_tokens_per_rank, hidden,
+                                                                 topk.shape[1])
+        handle = per_half.handle
+        handle.backend_state.sequence = sequence
+        num_local, slots, scale_words = handle.recv_src_info.shape[0], handle.recv_src_info.shape[1], layout.scale_words
+        dev = self.device
         recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
                              device=dev)
         # FP8 scales [E_local, R*M, S], column-major in the last two dims, as DeepEP returns them
         scales = torch.empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots), device=dev,
                                      dtype=torch.int32 if args.use_ue8m0 else torch.float32) if args.use_fp8 else recv_x
-        per_half = plan.per_half[half]
-        if per_half is None:
-            src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
-            slot_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
-            recv_layout = torch.empty((num_local, R), dtype=torch.int64, device=dev)
-            recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
-            handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E, LowLatencyState(slot_info, K))
-            per_half = plan.per_half[half] = (src_info, slot_info, recv_layout, recv_count, handle)
-        src_info, slot_info, recv_layout, recv_count, handle = per_half
-        handle.backend_state.sequence = sequence
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
-        launch_args = (x, topk, plan.counters, args.rank_mask, self.bases, self.state, self.b.mailbox.address, recv_x, scales, src_info, slot_info, recv_layout, recv_count,
-                       recv_count if stats is None else stats, recv_layout if wait_stats is None else wait_stats,
-                       num_tokens, hidden, K, E, num_local, M, R, rank, layout.msg_bytes, layout.x_bytes, scale_words,
-                       self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half,
-                       self.b.timeout_ns, self.fingerprints[0], *plan.fingerprint)
+        x_address = x.data_ptr()
+        src_info, slot_info, recv_layout, recv_count = per_half.indices
+        launch_args = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases,
+                       self.state, self.b.mailbox.address, recv_x.data_ptr(), scales.data_ptr(), src_info, slot_info,
+                       recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
+                       recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes
         send_items = num_tokens * plan.send_groups
         packed = (recv_x, scales) if args.use_fp8 else recv_x
+        stream = current_stream(self.dev_index)
         if args.return_recv_hook or not self.one_launch:
-            plan.kernels[True, False, False, False, is_aligned(x)].launch(
-                max(send_items, 1), 1, current_stream(self.dev_index), *launch_args)
+            plan.kernels[True, False, False, False, x_address & 15 == 0].launch(max(send_items, 1), 1, stream,
+                                                                                *launch_args)
             receive_kernel = plan.kernels[False, True, stats is not None, wait_stats is not None, False]
+            if not args.return_recv_hook:
+                receive_kernel.launch(num_local * self.R, 1, stream, *launch_args)
+                return packed, per_half.recv_count, handle, None
 
             def receive() -> None:
-                receive_kernel.launch(num_local * R, 1, current_stream(self.dev_index), *launch_args)
-            if args.return_recv_hook:
-                return packed, recv_count, handle, receive
-            receive()
-            return packed, recv_count, handle, None
-        kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, is_aligned(x)]
-        kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * R)), current_stream(self.dev_index),
-                               *launch_args)
-        return packed, recv_count, handle, None
+                receive_kernel.launch(num_local * self.R, 1, current_stream(self.dev_index), *launch_args)
+            return packed, per_half.recv_count, handle, receive
+        kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
+        kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * self.R)), stream, *launch_args)
+        return packed, per_half.recv_count, handle, None
 
     def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
         layout = self.ws.ll_layout(E, M, hidden, K, False, False)
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2)
+        per_half = []
+        for half in (0, 1):
+            half_offset = self.ws.ll_offset + half * self.ws.ll_half
+            per_half.append(((self.flags, self.ws.local_base + half_offset + layout.combine, self.b.mailbox.address),
+                             (hidden, K, E // self.R, self.R, self.rank, M, hidden // 4, half_offset, layout.combine,
+                              half, self.b.timeout_ns, self.fingerprints[1])))
         return CombinePlan(layout, kernels, agreement.pack(call=agreement.CALL_LL_COMBINE, hidden=hidden, x=1, num_topk=K,
-                                                           num_experts=E, num_max_dispatch_tokens_per_rank=M))
+                                                           num_experts=E, num_max_dispatch_tokens_per_rank=M),
+                           tuple(per_half))
 
     def check_combine(self, args) -> None:
         """The handle is this backend's, topk_idx as wide as the dispatch's: EPInputError."""
@@ -565,42 +597,42 @@ class LowLatencyMode:
 
     def combine(self, args):
         """(Buffer called check_combine first.)"""
-        R, dev = self.R, self.device
         handle = args.handle
         state = handle.backend_state
         x, x_aligned = for_word_copies(args.x)  # rows are copied in 8-byte words
-        num_local, slots, hidden = x.shape
-        K, M = state.num_topk, handle.num_max_dispatch_tokens_per_rank
         plan = self._combine_plan_of(args)
         half = self._calls[1] & 1
         self._calls[1] += 1
-        half_offset = self.ws.ll_offset + half * self.ws.ll_half
-        num_tokens = args.topk_idx.shape[0]
-        out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        topk = args.topk_idx
+        num_tokens = topk.shape[0]
+        out = args.out if args.out is not None else torch.empty((num_tokens, x.shape[2]), dtype=torch.bfloat16,
+                                                                device=self.device)
+        out_address = out.data_ptr()
         wait_stats = args.combine_wait_recv_cost_stats
-        aligned = x_aligned and is_aligned(out)
+        aligned = x_aligned and out_address & 15 == 0
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-        launch_args = (x, handle.recv_layout_range, state.slot_info, args.topk_idx, args.topk_weights, args.rank_mask,
-                       self.bases, self.state, out, self.state if wait_stats is None else wait_stats, self.flags,
-                       self.ws.local_base + half_offset + plan.layout.combine, self.b.mailbox.address, num_tokens,
-                       hidden, K, num_local, R, self.rank, M, hidden // 4, half_offset, plan.layout.combine, half,
-                       self.b.timeout_ns, self.fingerprints[1], fp0, fp1)
-        pairs = num_local * R
+        areas, sizes = plan.per_half[half]
+        # Pointers as addresses (see _dispatch_half).
+        launch_args = (x.data_ptr(), *state.addresses, topk.data_ptr(), args.topk_weights.data_ptr(),
+                       args.rank_mask.data_ptr(), self.bases, self.state, out_address,
+                       self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0,
+                       fp1)
+        pairs = x.shape[0] * self.R
+        stream = current_stream(self.dev_index)
         if args.return_recv_hook or not self.one_launch:
-            plan.kernels[True, False, False, aligned].launch(pairs, 1, current_stream(self.dev_index), *launch_args)
+            plan.kernels[True, False, False, aligned].launch(pairs, 1, stream, *launch_args)
             receive_kernel = plan.kernels[False, True, wait_stats is not None, aligned]
+            receive_programs = max(1, min(num_tokens, self.num_sms))
+            if not args.return_recv_hook:
+                receive_kernel.launch(receive_programs, 1, stream, *launch_args)
+                return out, None
 
             def receive() -> None:
-                receive_kernel.launch(max(1, min(num_tokens, self.num_sms)), 1, current_stream(self.dev_index),
-                                      *launch_args)
-            if args.return_recv_hook:
-                return out, receive
-            receive()
-            return out, None
+                receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
+            return out, receive
         kernel = plan.kernels[True, True, wait_stats is not None, aligned]
-        kernel.launch_resident(kernel.resident_grid(max(pairs, num_tokens)), current_stream(self.dev_index),
-                               *launch_args)
+        kernel.launch_resident(kernel.resident_grid(max(pairs, num_tokens)), stream, *launch_args)
         return out, None
 
     @property

@@ -707,6 +707,10 @@ class PullState:
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
     expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify)
+    # Addresses of the handle's tensors the kernels read, in this order: rank_prefix_matrix,
+    # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank.
+    # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each tensor.
+    addresses: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -777,18 +781,19 @@ class NormalMode:
             e_p2 = p2(num_experts)
             kernel = LAYOUT.bind(num_warps=4, BLOCK_T=LAYOUT_BLOCK_T, E_P2=e_p2, K_P2=p2(num_topk), R_P2=self.R_P2,
                                  SUM_ROWS=min(64, p2(8192 // (e_p2 + self.R_P2) + 1) // 2))
-            plan = self._layout_plans[key] = [kernel, None, e_p2]
-        kernel, scratch, e_p2 = plan
+            plan = self._layout_plans[key] = [kernel, None, e_p2, 0]
+        kernel, scratch, e_p2, scratch_address = plan
         num_programs = max(1, cdiv(num_tokens, LAYOUT_BLOCK_T))
         if scratch is None or scratch.shape[0] < num_programs:
             scratch = plan[1] = torch.empty(max(num_programs, 64), e_p2 + self.R_P2, dtype=torch.int32,
                                             device=self.device)
+            scratch_address = plan[3] = scratch.data_ptr()
         per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
-        kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx, per_rank, per_expert, in_rank, scratch,
-                      self.state, self.b.mailbox.address, num_tokens, num_topk, num_experts, R,
-                      num_experts // R)
+        kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx.data_ptr(), per_rank.data_ptr(),
+                      per_expert.data_ptr(), in_rank.data_ptr(), scratch_address, self.state, self.b.mailbox.address,
+                      num_tokens, num_topk, num_experts, R, num_experts // R)
         return per_rank, None, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
@@ -872,8 +877,7 @@ class NormalMode:
 
         if cached:
             state: PullState = handle.backend_state
-            num_rows, max_tokens, src_idx, prefix = handle.num_recv_rows, state.max_tokens, handle.recv_src_idx, \
-                handle.rank_prefix_matrix
+            num_rows, max_tokens = handle.num_recv_rows, state.max_tokens
             counts_list = None
             fp0, fp1 = plan.fingerprint_cached
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
@@ -907,21 +911,27 @@ class NormalMode:
                                       torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
                                       torch.empty(sum(counts_list), dtype=torch.float32, device=dev),
                                       sum(counts_list), counts_list)
+            state.addresses = (prefix.data_ptr(), recv_info.data_ptr(), src_rank.data_ptr(), src_idx.data_ptr(),
+                               table.data_ptr(), (mapping.dest if expert_major else prefix).data_ptr(),
+                               args.is_token_in_rank.data_ptr())
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
         out_rows = mapping.num_rows if expert_major else num_rows
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
         if expert_major:
-            recv_topk, recv_weights, dest, table = mapping.row_experts, mapping.row_weights, mapping.dest, \
-                state.expert_table
+            recv_topk, recv_weights = mapping.row_experts, mapping.row_weights
         elif num_topk:
             recv_topk = torch.empty((num_rows, num_topk), dtype=torch.int64, device=dev)
             recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
         else:
             recv_topk = recv_weights = recv_x
-        if not expert_major:
-            dest = table = prefix  # (unused)
+        prefix_address, recv_info_address, src_rank_address, src_idx_address, table_address, dest_address, _ = \
+            state.addresses
+        recv_x_address = recv_x.data_ptr()
+        outputs = (recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
+                   recv_topk.data_ptr() if num_topk else recv_x_address,
+                   recv_weights.data_ptr() if num_topk else recv_x_address)
         num_local_rows = len(mapping.group_sizes) if expert_major else num_local
         num_sms = args.config.num_sms
         if expert_major:
@@ -933,9 +943,9 @@ class NormalMode:
                 self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
-                pull_programs, 1, stream, self.bases, self.bases, self.state, prefix, state.recv_info,
-                state.recv_src_rank, src_idx, recv_x, recv_scales, recv_topk, recv_weights, b.mailbox.address, table,
-                dest, num_rows, rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
+                pull_programs, 1, stream, self.bases, self.bases, self.state, prefix_address, recv_info_address,
+                src_rank_address, src_idx_address, *outputs, b.mailbox.address, table_address, dest_address, num_rows,
+                rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
                 ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
                 plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
                 out_rows, int(round_idx == 0))
@@ -953,7 +963,10 @@ class NormalMode:
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
-        topk, weights = (args.topk_idx, args.topk_weights) if plan.num_topk else (x, x)
+        x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
+        scales_address = scales.data_ptr() if plan.num_scales else x_address
+        topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
+            (x_address, x_address)
         aligned = plan.rows_aligned and x_aligned
         num_local = 0 if args.handle is not None else args.num_tokens_per_expert.shape[0] // self.R
         e_p2, sub, num_position_programs = 1, 1, 0
@@ -964,15 +977,16 @@ class NormalMode:
             programs += num_position_programs
         if write_lists:  # a full dispatch: the token lists and the count checks
             kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
-            in_rank, per_rank, per_expert, programs = args.is_token_in_rank, args.num_tokens_per_rank, \
-                args.num_tokens_per_expert, programs + self.R
+            in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
+                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
         else:
             kernel = plan.stage[aligned, e_p2, sub]
-            in_rank = per_rank = per_expert = args.handle.is_token_in_rank if args.handle is not None else \
-                args.is_token_in_rank
+            in_rank = per_rank = per_expert = args.handle.backend_state.addresses[6] if args.handle is not None \
+                else args.is_token_in_rank.data_ptr()
         kernel.launch(
             programs, 1, stream,
-            x, scales, scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
+            x_address, scales_address, scales.stride(0) if plan.num_scales else 0,
+            scales.stride(1) if plan.num_scales else 0,
             topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
             plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
             self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
@@ -1033,29 +1047,33 @@ class NormalMode:
         combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
         stream = current_stream(self.dev_index)
-        bias0 = bias[0] if len(bias) >= 1 else combined
-        bias1 = bias[1] if len(bias) >= 2 else combined
-        w_in = topk_weights if num_topk else x if mapping is None else mapping.row_weights
-        w_out = combined_w if num_topk else combined
-        dest = handle.recv_src_idx if mapping is None else mapping.dest
+        # addresses, not tensors (PullState.addresses says why)
+        _, _, src_rank_address, src_idx_address, _, dest_address, in_rank_address = state.addresses
+        combined_address = combined.data_ptr()
+        bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
+        bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
+        w_out = combined_w.data_ptr() if num_topk else combined_address
+        dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
         if mapping is not None:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
         push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
         x, x_aligned = for_word_copies(x)
+        x_address = x.data_ptr()
+        w_in = topk_weights.data_ptr() if num_topk else x_address if mapping is None else mapping.row_weights.data_ptr()
         push = plan.push[plan.rows_aligned and x_aligned]
         reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            push.launch(push_programs, 1, stream, x, w_in, state.recv_src_rank, handle.recv_src_idx, dest, self.bases,
+            push.launch(push_programs, 1, stream, x_address, w_in, src_rank_address, src_idx_address, dest, self.bases,
                         self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
                         num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
                         plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
-                          handle.is_token_in_rank, combined, w_out, bias0, bias1, self.bases, self.bases,
+                          in_rank_address, combined_address, w_out, bias0, bias1, self.bases, self.bases,
                           self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
                           half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1)
         return combined, combined_w
