@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
 def _per_call_us(fn, n=2000, burst=40):
-    """Median host µs per call over bursts of ``burst`` calls, the GPU drained between bursts (not
-    timed): a burst never fills the launch queue, so a call slower on the GPU than on the host
-    still shows its host cost."""
+    """Host µs per call: the least over bursts of ``burst`` calls, the GPU drained between bursts
+    (not timed). A burst never fills the launch queue, so a call slower on the GPU than on the host
+    still shows its host cost; the least, because a shared host's interference only adds time."""
     fn()
     torch.cuda.synchronize()
     per_call = []
@@ -28,7 +28,7 @@ def _per_call_us(fn, n=2000, burst=40):
             fn()
         per_call.append((time.perf_counter() - started) / burst)
     torch.cuda.synchronize()
-    return sorted(per_call)[len(per_call) // 2] * 1e6
+    return min(per_call) * 1e6
 
 
 def _breakdown(fn, backend, method: str, n: int = 400):
@@ -74,7 +74,7 @@ def _breakdown(fn, backend, method: str, n: int = 400):
 def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
     """The recorded launches of one call replayed with their arguments as given and with every
     tensor replaced by its address (Triton's launcher asks the driver about each tensor pointer),
-    interleaved burst by burst (a shared host drifts). µs per call, medians."""
+    interleaved burst by burst (a shared host drifts). µs per call, least over bursts."""
     def as_ints(args):
         return tuple(a if a.__class__ is int else a.data_ptr() for a in args)
     launches = [(kernel, args[:3], tuple(args[3:]), as_ints(args[3:])) for kernel, args in recorded_launches]
@@ -92,7 +92,7 @@ def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
             times[name].append((time.perf_counter() - started) / burst * 1e6)
     torch.cuda.synchronize()
     tensors = [sum(a.__class__ is not int for a in args) for _, _, args, _ in launches]
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, tensors
+    return {name: min(t) for name, t in times.items()}, tensors
 
 
 def profile_rank(tokens: int):

@@ -23,6 +23,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 from .types import Payload
 
 DEFAULT_TIMEOUT_S = 100.0
+_INLINE_SCOPE = StreamScope(None, None, False)  # a synchronous call without previous_event (events.py)
 
 
 class Buffer:
@@ -189,6 +190,8 @@ class Buffer:
             pass
 
     def _stream_scope(self, previous_event, async_finish, inputs=()) -> StreamScope:
+        if previous_event is None and not async_finish:
+            return _INLINE_SCOPE  # runs on the caller's stream; keeps no state, so one object serves every call
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise EPInputError("previous_event", f"must be an EventOverlap, got {type(previous_event).__name__}")
         return StreamScope(self._comm_stream, previous_event, bool(async_finish), inputs)

@@ -34,6 +34,7 @@ class DispatchArgs:
     num_worst_tokens: int
     config: Config
     expert_major: bool = False  # rows grouped by local expert (expert_major.py), full or cached
+    plan: object = None  # what the backend's check_dispatch worked out for this call (its own type)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class LowLatencyDispatchArgs:
     dispatch_wait_recv_cost_stats: Optional[torch.Tensor]
     return_recv_hook: bool
     rank_mask: torch.Tensor  # [R] int32, nonzero = rank is masked out
+    plan: object = None  # what the backend's check worked out for this call (its own type)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class LowLatencyCombineArgs:
     combine_wait_recv_cost_stats: Optional[torch.Tensor]
     return_recv_hook: bool
     rank_mask: torch.Tensor
+    plan: object = None  # what the backend's check worked out for this call (its own type)
 
 
 class Backend(abc.ABC):

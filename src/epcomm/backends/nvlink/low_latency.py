@@ -470,7 +470,7 @@ class LowLatencyMode:
 
     def check_dispatch(self, args) -> None:
         """This backend's limits (hidden % 128, the buffer's size for this shape): EPInputError."""
-        self._dispatch_plan_of(args)
+        args.plan = self._dispatch_plan_of(args)
 
     def _dispatch_plan_of(self, args) -> DispatchPlan:
         key = (args.num_experts, args.num_max_dispatch_tokens_per_rank, args.x.shape[1], args.topk_idx.shape[1],
@@ -518,7 +518,7 @@ class LowLatencyMode:
     def dispatch(self, args):
         x, topk = args.x, args.topk_idx
         num_tokens, hidden = x.shape
-        plan = self._dispatch_plan_of(args)
+        plan = args.plan if args.plan is not None else self._dispatch_plan_of(args)
         layout = plan.layout
         sequence = self._calls[0]
         half = sequence & 1
@@ -585,7 +585,7 @@ class LowLatencyMode:
             raise EPInputError("handle", "was not made by the nvlink backend")
         if args.topk_idx.shape[1] != state.num_topk:
             raise EPInputError("topk_idx", f"has {args.topk_idx.shape[1]} columns, the dispatch had {state.num_topk}")
-        self._combine_plan_of(args)
+        args.plan = self._combine_plan_of(args)
 
     def _combine_plan_of(self, args) -> CombinePlan:
         handle = args.handle
@@ -600,7 +600,7 @@ class LowLatencyMode:
         handle = args.handle
         state = handle.backend_state
         x, x_aligned = for_word_copies(args.x)  # rows are copied in 8-byte words
-        plan = self._combine_plan_of(args)
+        plan = args.plan if args.plan is not None else self._combine_plan_of(args)
         half = self._calls[1] & 1
         self._calls[1] += 1
         topk = args.topk_idx

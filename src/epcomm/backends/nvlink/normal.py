@@ -846,7 +846,7 @@ class NormalMode:
 
     def check_dispatch(self, args: DispatchArgs) -> None:
         """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
-        plan = self._dispatch_plan_of(args)
+        plan = args.plan = self._dispatch_plan_of(args)
         if args.handle is not None:
             if args.handle.backend_state.__class__ is not PullState:
                 raise EPInputError("handle", "was not made by the nvlink backend")
@@ -867,7 +867,7 @@ class NormalMode:
         x, scales = x if is_fp8 else (x, x)
         x, x_aligned = for_word_copies(x)
         num_tokens, hidden = x.shape
-        plan = self._dispatch_plan_of(args)
+        plan = args.plan if args.plan is not None else self._dispatch_plan_of(args)
         num_topk = plan.num_topk
         mapping = handle.expert_major if cached else None
         stream = current_stream(self.dev_index)
