@@ -119,3 +119,24 @@ def test_multinode_dispatch_kernels_compile(fp8, topk):
         compiled = spec.compile(dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8), 8,
                                 target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only")
         assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("weights,num_bias", [(False, 0), (True, 2)])
+def test_multinode_combine_kernels_compile(weights, num_bias):
+    from epcomm.backends.nvshmem import combine as C
+    target = GPUTarget("cuda", 90, 32)
+    for spec, constexprs in (
+            (C.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=1024, K_P2=8)),
+            (C.FORWARD, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8, LOCAL_P2=8)),
+            (C.REDUCE, dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=8, SIGNALS_P2=64))):
+        assert spec.compile(constexprs, 8, target=target, ptx_options="--compile-only").asm["cubin"], spec.name
+    assert "nvshmemx_putmem_signal_block" in C.FORWARD.compile(
+        dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8, LOCAL_P2=8), 8, target=target,
+        ptx_options="--compile-only").asm["ptx"]
+
+
+def test_combine_row_offsets():
+    from epcomm.backends.nvshmem.combine import CombineRow
+    row = CombineRow(hidden=7168, num_topk=8)
+    assert (row.x_bytes, row.weights, row.row_bytes) == (14336, 14336, 14368)
+    assert CombineRow(hidden=4, num_topk=0).row_bytes == 16

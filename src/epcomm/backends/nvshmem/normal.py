@@ -2,7 +2,8 @@
 
 The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU.
 Written and compiled (tests/test_kernels_compile.py), not yet run or wired into a backend: the
-session that wrote them had no GPU. Still to come: the combine kernels and the backend class.
+sessions that wrote them had no two GPUs. The combine kernels are in combine.py; the backend
+class is still to come.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table: row
 ``s`` is what rank ``s`` sent (:class:`MetaRow` gives the offsets): its per-rank, per-expert and
@@ -171,6 +172,7 @@ def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes
                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
                      node_tokens_ptr,  # [N, T] int32: row n = the tokens going to node n, ascending
                      masks_ptr,  # [T, N] int32: in-node masks (hierarchy.in_node_masks)
+                     node_row_ptr,  # out [T, N] int32: token t's row in its block for node n (combine.py reads it)
                      meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
                      send_area, recv_area, signals,  # int64 addresses of this half (symmetric memory)
                      epoch, rank, num_ranks, ranks_per_node, num_tokens, x_words, num_scales, num_topk,
@@ -217,6 +219,7 @@ def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes
         tl.store((row + src_at).to(tl.pointer_type(tl.int32)), tokens.to(tl.int32), mask=live)
         tl.store((row + mask_at).to(tl.pointer_type(tl.int32)),
                  tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
+        tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
     signal_word = signals + (node * num_channels + c).to(tl.int64) * 8
     if here:
@@ -231,7 +234,8 @@ def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes
             nvshmem.signal(signal_word, epoch, nvshmem.SIGNAL_SET, forwarder)
 
 
-SEND = KernelSpec(ml_dispatch_send, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "i64",
+SEND = KernelSpec(ml_dispatch_send, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
+                                     "i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"],
                   library=nvshmem.NVSHMEM)
@@ -247,6 +251,8 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
                         recv_scales_ptr,  # [num_recv, S] float32 (HAS_SCALES)
                         recv_topk_ptr, recv_weights_ptr,  # [num_recv, K] int64 local ids / float32 (HAS_TOPK)
                         recv_src_ptr,  # [num_recv] int32 source token index
+                        recv_area_row_ptr,  # out [num_recv] int32: each row's row in its forwarder's receive area
+                        area_masks_ptr,  # out [area rows] int32: the in-node mask of each row of this rank's area
                         timeouts_ptr,  # the host mailbox's timeout words (sync.mailbox_words)
                         epoch, timeout_ns, rank, num_ranks, ranks_per_node, x_words, num_scales, num_topk,
                         num_local_experts, row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, meta_len,
@@ -259,7 +265,9 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
     # timeout is flagged for s in the host mailbox and nothing moves), then scan the channel's
     # rows, keep those whose in-node mask has bit j, and copy them to recv_x from row
     # rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order:
-    # exactly the one-level dispatch's order (hierarchy.py).
+    # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
+    # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
+    # in-node mask of each row of its own area.
     s = tl.program_id(0)
     c = tl.program_id(1)
     node = rank // ranks_per_node
@@ -310,9 +318,12 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
                 tl.store(recv_weights_ptr + dest[:, None] * num_topk + k[None, :], tl.where(mine, weights, 0.0),
                          mask=mk)
             tl.store(recv_src_ptr + dest, tl.load((row + src_at).to(tl.pointer_type(tl.int32)), mask=take), mask=take)
+            tl.store(recv_area_row_ptr + dest, block_start + rows, mask=take)
+            if j == s % ranks_per_node:  # this rank is the forwarder of these rows
+                tl.store(area_masks_ptr + block_start + rows, mask, mask=rows < hi)
 
 
 FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
-                                           "*i32", "*i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
+                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
                                            "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                            "i32", "i32"])

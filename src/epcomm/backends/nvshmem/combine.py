@@ -1,0 +1,252 @@
+"""Multi-node normal-mode combine kernels: reduce within the node first, one row per token and
+node over the network (in progress: compiled, not yet run or wired into a backend).
+
+The data flow is the one :func:`epcomm.testing.two_level.two_level_combine` simulates (CPU-tested
+against the one-level reference, tests/test_hierarchy.py). Rank names: ``s = (m, l)`` a home
+rank (node m, local index l), ``f = (n, l)`` its forwarder on node n, ``d = (n, j)`` a rank of
+node n that received some of s's tokens. What each rank kept from the dispatch (normal.py):
+
+    at d: recv_area_row [num_recv]   each received row's row in its forwarder's receive area
+    at f: area_masks [area rows]     each area row's in-node mask (bit j: rank (n, j) has it)
+    at s: node_row [T, N]            token t's row in its block for node n (the block's order)
+          masks [T, N]               in-node masks (nonzero: node n received t)
+    all:  the count table [R, meta_len] of that dispatch (normal.MetaRow)
+
+Three launches, C channels of contiguous tokens as in the dispatch:
+
+    ml_combine_push     at d, grid (R, C): program (s, c) stores d's rows of source s, channel c
+                        into the forwarder's slots (area row, j) over NVLink, then RELEASEs the
+                        forwarder's flag [m][c][j].
+    ml_combine_forward  at f, grid (N, C): program (m, c) ACQUIREs the k flags [m][c][*], sums each
+                        area row's slots over the ranks in its mask (float32, ascending j), rounds
+                        to bf16 and delivers the partial rows to home s = (m, l), block n, rows
+                        [lo, hi): one put_signal (NVSHMEM orders the rows before the signal), or,
+                        when s is f itself, local stores and a RELEASE of the signal.
+    ml_combine_reduce   at s, grid over tokens: ACQUIRE the N x C signals of this call, then per
+                        token sum the partials of the nodes in its mask (float32, ascending node),
+                        add the biases, round to bf16.
+
+Rows (slots and partials, :class:`CombineRow`): bf16 [H], then float32 [K] top-k weights when
+they are combined too; 16-byte multiples. Signals carry the call's epoch; a wait that passes the
+timeout flags the late rank in the host mailbox (nvlink/sync.py) and moves nothing. Reusing a half
+of the slot and partial areas two calls later is the backend's business (docs/MULTINODE.md:
+"reached call" signals).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ..nvlink.copy import copy_rows, word_ptr
+from ..nvlink.launch import KernelSpec
+from ..nvlink.sync import load_acquire_sys, mailbox_words, poll_epochs, report_late, store_release_sys
+from . import device as nvshmem
+from .normal import ROW_ALIGN, _block_start, _channel_range
+
+
+@dataclass(frozen=True)
+class CombineRow:
+    """Byte offsets within one slot / partial row."""
+
+    hidden: int
+    num_topk: int  # 0 when no top-k weights are combined
+
+    @property
+    def x_bytes(self) -> int:
+        return 2 * self.hidden
+
+    @property
+    def weights(self) -> int:
+        return self.x_bytes  # a multiple of 8: Buffer's checks ask for rows of whole words
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-(self.weights + 4 * self.num_topk) // ROW_ALIGN) * ROW_ALIGN
+
+
+# ====================================================================== at each receiving rank
+@triton.jit
+def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
+                    weights_ptr,  # [num_recv, K] float32 (HAS_WEIGHTS)
+                    recv_area_row_ptr,  # [num_recv] int32 (the dispatch's ml_dispatch_forward)
+                    meta_ptr,  # [R, meta_len] int32: the dispatch's count table
+                    prefix_ptr,  # [R, R] int32 rank_prefix_matrix
+                    peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
+                    slots_offset, flags_offset,  # bytes from a base to this half's slots / push flags
+                    epoch, rank, num_ranks, ranks_per_node, x_words, num_topk, row_bytes, weights_at, meta_len,
+                    gbl_prefix_at, num_channels,
+                    HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr):
+    # Program (s, c) at d = (node, j): the rows d received from s in channel c are rows
+    # [rank_prefix_matrix[s - 1][d] + gbl_prefix[s][d][c - 1], ... + gbl_prefix[s][d][c]) of y.
+    # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
+    # CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
+    # whoever acquires the flag). Every (s, c) program releases, with rows or without.
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    node = rank // ranks_per_node
+    j = rank % ranks_per_node
+    m = s // ranks_per_node
+    forwarder = node * ranks_per_node + s % ranks_per_node
+    base = tl.load(peer_bases_ptr + forwarder)
+    lo, hi = _channel_range(meta_ptr + s * meta_len + gbl_prefix_at + rank * num_channels, c)
+    first_row = tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
+    for first in range(first_row + lo, first_row + hi, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        live = rows < first_row + hi
+        area_rows = tl.load(recv_area_row_ptr + rows, mask=live, other=0).to(tl.int64)
+        slot = base + slots_offset + (area_rows * ranks_per_node + j) * row_bytes
+        copy_rows(y_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words,
+                  word_ptr(slot, False), live, x_words, BLOCK_W)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            mk = live[:, None] & (k < num_topk)[None, :]
+            tl.store((slot + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
+                     tl.load(weights_ptr + rows[:, None] * num_topk + k[None, :], mask=mk), mask=mk)
+    tl.debug_barrier()  # every thread's slot stores precede the release
+    store_release_sys(base + flags_offset + ((m * num_channels + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
+
+
+PUSH = KernelSpec(ml_combine_push, ["*i64", "*fp32", "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i64", "i32",
+                                    "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
+
+
+# ====================================================================== at each forwarder
+@triton.jit
+def ml_combine_forward(area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
+                       meta_ptr,  # [R, meta_len] int32: the dispatch's count table
+                       slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
+                       partials,  # int64 local address of this half's outgoing partial rows [area rows]
+                       home_area, home_signals,  # int64 symmetric addresses (any rank's: puts and local stores)
+                       mailbox_address,  # host mailbox (nvlink/sync.py)
+                       epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
+                       home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
+                       HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
+    # Program (m, c) at f = (node, l), for home s = (m, l): ACQUIRE the flags [m][c][0..k) that the
+    # node's ranks released after pushing (bounded; a late rank is flagged in the mailbox and
+    # nothing is sent: the home's wait times out too and names f). Rows [lo, hi) of s's block in
+    # this rank's area: the float32 sum over the ranks j in each row's mask, in ascending j,
+    # rounded to bf16 — the same sums, in the same order, as two_level_combine. The partial rows
+    # go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
+    # [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
+    m = tl.program_id(0)
+    c = tl.program_id(1)
+    node = rank // ranks_per_node
+    local = rank % ranks_per_node
+    s = m * ranks_per_node + local
+    lanes = tl.arange(0, LOCAL_P2)
+    timeouts, _, _, _ = mailbox_words(mailbox_address, num_ranks)
+    flag_words = flags + ((m * num_channels + c) * ranks_per_node + lanes).to(tl.int64) * 8
+    _, _, late = poll_epochs(flag_words, lanes < ranks_per_node, epoch, timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE
+    report_late(late, node * ranks_per_node + lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
+    if tl.max(late.to(tl.int32), axis=0) == 0:
+        lo, hi = _channel_range(meta_ptr + s * meta_len + rdma_prefix_at + node * num_channels, c)
+        block_start = _block_start(meta_ptr, meta_len, per_node_at, m, node, local, ranks_per_node)
+        here = m == node
+        # partial row r: straight into the home area when s is this rank, else staged for the put
+        out_base = tl.where(here, home_area + (node * home_cap).to(tl.int64) * row_bytes,
+                            partials + block_start.to(tl.int64) * row_bytes)
+        for first in range(lo, hi, BLOCK_R):
+            rows = first + tl.arange(0, BLOCK_R)
+            live = rows < hi
+            area_rows = (block_start + rows).to(tl.int64)
+            masks = tl.load(area_masks_ptr + area_rows, mask=live, other=0)
+            out_rows = out_base + rows.to(tl.int64) * row_bytes
+            for col in range(0, hidden, BLOCK_C):
+                cols = col + tl.arange(0, BLOCK_C)
+                mc = live[:, None] & (cols < hidden)[None, :]
+                acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+                for jj in range(0, ranks_per_node):
+                    take = mc & (((masks >> jj) & 1) != 0)[:, None]
+                    slot = (slots + (area_rows * ranks_per_node + jj) * row_bytes).to(tl.pointer_type(tl.bfloat16))
+                    acc += tl.load(slot[:, None] + cols[None, :], mask=take, other=0.0).to(tl.float32)
+                tl.store(out_rows.to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                         mask=mc)
+            if HAS_WEIGHTS:
+                k = tl.arange(0, K_P2)
+                mk = live[:, None] & (k < num_topk)[None, :]
+                acc_w = tl.zeros((BLOCK_R, K_P2), dtype=tl.float32)
+                for jj in range(0, ranks_per_node):
+                    take = mk & (((masks >> jj) & 1) != 0)[:, None]
+                    slot = slots + (area_rows * ranks_per_node + jj) * row_bytes + weights_at
+                    acc_w += tl.load(slot.to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=take, other=0.0)
+                tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
+        tl.debug_barrier()  # every thread's partial rows precede the release / the put
+        signal_word = home_signals + (node * num_channels + c).to(tl.int64) * 8
+        if here:
+            store_release_sys(signal_word, epoch)  # RELEASE: the partials of this node -> this rank
+        elif hi > lo:
+            nvshmem.put_signal(home_area + (node * home_cap + lo).to(tl.int64) * row_bytes,
+                               partials + (block_start + lo).to(tl.int64) * row_bytes,
+                               (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, nvshmem.SIGNAL_SET, s)
+        else:
+            nvshmem.signal(signal_word, epoch, nvshmem.SIGNAL_SET, s)
+
+
+FORWARD = KernelSpec(ml_combine_forward, ["*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
+                                          "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                          "i32", "i32"], library=nvshmem.NVSHMEM)
+
+
+# ====================================================================== at home
+@triton.jit
+def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
+                      node_row_ptr,  # [T, N] int32 (the dispatch's ml_dispatch_send)
+                      out_ptr,  # [T, H] bf16
+                      out_weights_ptr,  # [T, K] float32 (HAS_WEIGHTS)
+                      bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
+                      home_area, home_signals,  # int64 local addresses of this half: partials [N][cap], [N][C] signals
+                      mailbox_address,  # host mailbox (nvlink/sync.py)
+                      epoch, timeout_ns, rank, num_ranks, ranks_per_node, num_tokens, hidden, num_topk, row_bytes,
+                      weights_at, home_cap, num_channels,
+                      HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
+    # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
+    # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
+    # program writes nothing), then takes its tokens: the float32 sum over the nodes in each
+    # token's mask, in ascending node order, of the partial row at node_row[t][n] of block n,
+    # plus the biases, rounded to bf16.
+    pid = tl.program_id(0)
+    num_nodes = num_ranks // ranks_per_node
+    local = rank % ranks_per_node
+    lanes = tl.arange(0, SIGNALS_P2)
+    timeouts, _, _, _ = mailbox_words(mailbox_address, num_ranks)
+    _, _, late = poll_epochs(home_signals + lanes.to(tl.int64) * 8, lanes < num_nodes * num_channels, epoch,
+                             timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
+    report_late(late, (lanes // num_channels) * ranks_per_node + local, timeouts, timeouts, MASK_ON_TIMEOUT=False)
+    if tl.max(late.to(tl.int32), axis=0) == 0:
+        tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = tokens < num_tokens
+        for col in range(0, hidden, BLOCK_C):
+            cols = col + tl.arange(0, BLOCK_C)
+            mc = live[:, None] & (cols < hidden)[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+            for n in range(0, num_nodes):
+                has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
+                row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
+                partial = (home_area + (n * home_cap + row) * row_bytes).to(tl.pointer_type(tl.bfloat16))
+                acc += tl.load(partial[:, None] + cols[None, :], mask=mc & has[:, None], other=0.0).to(tl.float32)
+            offsets = tokens[:, None].to(tl.int64) * hidden + cols[None, :]
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mc)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            mk = live[:, None] & (k < num_topk)[None, :]
+            acc_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
+            for n in range(0, num_nodes):
+                has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
+                row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
+                partial = home_area + (n * home_cap + row) * row_bytes + weights_at
+                acc_w += tl.load(partial.to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
+                                 mask=mk & has[:, None], other=0.0)
+            tl.store(out_weights_ptr + tokens[:, None] * num_topk + k[None, :], acc_w, mask=mk)
+
+
+REDUCE = KernelSpec(ml_combine_reduce, ["*i32", "*i32", "*bf16", "*fp32", "*bf16", "*bf16", "i64", "i64", "i64",
+                                        "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                        "i32"])
