@@ -556,7 +556,8 @@ class LowLatencyMode:
                 receive_kernel.launch(num_local * self.R, 1, stream, *launch_args)
                 return packed, per_half.recv_count, handle, None
 
-            def receive() -> None:
+            # The launch arguments are addresses: the hook holds the tensors they point into.
+            def receive(_keep=(recv_x, scales, stats, wait_stats)) -> None:
                 receive_kernel.launch(num_local * self.R, 1, current_stream(self.dev_index), *launch_args)
             return packed, per_half.recv_count, handle, receive
         kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
@@ -628,7 +629,8 @@ class LowLatencyMode:
                 receive_kernel.launch(receive_programs, 1, stream, *launch_args)
                 return out, None
 
-            def receive() -> None:
+            # The launch arguments are addresses: the hook holds the tensors they point into.
+            def receive(_keep=(x, out, topk, args.topk_weights, wait_stats)) -> None:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return out, receive
         kernel = plan.kernels[True, True, wait_stats is not None, aligned]
