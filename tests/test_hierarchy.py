@@ -161,8 +161,7 @@ def test_model_command_prints_a_table(capsys):
 
 
 def test_multinode_row_and_count_row_layouts():
-    pytest.importorskip("triton")
-    from epcomm.backends.nvshmem.normal import MetaRow, RowLayout
+    from epcomm.backends.nvshmem.rows import CombineRow, MetaRow, RowLayout
     meta = MetaRow(num_ranks=16, num_experts=256, num_nodes=2, num_channels=12)
     parts = [(meta.per_rank, 16), (meta.per_expert, 256), (meta.per_node, 2), (meta.num_tokens, 1),
              (meta.gbl_prefix, 16 * 12), (meta.rdma_prefix, 2 * 12)]
@@ -173,3 +172,40 @@ def test_multinode_row_and_count_row_layouts():
         assert row.ids % 8 == 0 and row.ids >= x_bytes + 4 * scales
         assert row.weights == row.ids + 8 * topk and row.mask == row.src + 4
         assert row.row_bytes % 16 == 0 and row.row_bytes >= row.mask + 4
+    combine_row = CombineRow(hidden=7168, num_topk=8)
+    assert (combine_row.x_bytes, combine_row.weights, combine_row.row_bytes) == (14336, 14336, 14368)
+    assert CombineRow(hidden=4, num_topk=0).row_bytes == 16
+
+
+# ---------------------------------------------------------------- the multi-node workspace layout
+@pytest.mark.parametrize("ranks,per_node,hidden,fp8,topk", [(16, 8, 7168, False, 8), (16, 8, 7168, True, 8),
+                                                            (4, 2, 2048, False, 0), (2, 1, 512, True, 4)])
+def test_multinode_workspace_areas_fit_without_overlap(ranks, per_node, hidden, fp8, topk):
+    from epcomm.backends.nvshmem.workspace import ALIGN, normal_layout
+    half = 256 << 20
+    layout = normal_layout(half, ranks, per_node, 256, 12, hidden, hidden if fp8 else 2 * hidden,
+                           hidden // 128 if fp8 else 0, topk)
+    N, k, C, cap = ranks // per_node, per_node, 12, layout.token_cap
+    sizes = {"table": ranks * layout.meta.length * 4, "notify_signals": ranks * 8, "dispatch_signals": N * C * 8,
+             "send": N * cap * layout.row.row_bytes, "recv": N * cap * layout.row.row_bytes,
+             "slots": N * cap * k * layout.combine_row.row_bytes, "push_flags": N * C * k * 8,
+             "partials": N * cap * layout.combine_row.row_bytes, "home": N * cap * layout.combine_row.row_bytes,
+             "home_signals": N * C * 8}
+    spans = sorted((getattr(layout, name), getattr(layout, name) + size) for name, size in sizes.items())
+    assert all(start % ALIGN == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= layout.half_bytes <= half
+    # the token capacity is the largest that fits (up to the areas' alignment padding)
+    per_token = sum(size // cap for name, size in sizes.items() if name in ("send", "recv", "slots", "partials", "home"))
+    assert layout.half_bytes + per_token > half - 5 * ALIGN
+
+def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
+    from epcomm.backends.nvshmem.workspace import bytes_for_tokens, normal_layout
+    from epcomm.errors import EPInputError
+    need = bytes_for_tokens(4096, 16, 8, 256, 12, 7168, 8)
+    assert normal_layout(need // 2, 16, 8, 256, 12, 7168, 14336, 0, 8).token_cap >= 4096
+    assert normal_layout(need // 2 - 4096, 16, 8, 256, 12, 7168, 14336, 0, 8).token_cap < 4096
+    assert normal_layout(need // 2, 16, 8, 256, 12, 7168, 7168, 56, 8).token_cap >= 4096  # FP8 rows fit too
+    with pytest.raises(EPInputError) as err:
+        normal_layout(1 << 16, 16, 8, 256, 12, 7168, 14336, 0, 8)
+    assert err.value.argument == "num_rdma_bytes"

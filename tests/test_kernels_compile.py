@@ -134,9 +134,3 @@ def test_multinode_combine_kernels_compile(weights, num_bias):
         dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8, LOCAL_P2=8), 8, target=target,
         ptx_options="--compile-only").asm["ptx"]
 
-
-def test_combine_row_offsets():
-    from epcomm.backends.nvshmem.combine import CombineRow
-    row = CombineRow(hidden=7168, num_topk=8)
-    assert (row.x_bytes, row.weights, row.row_bytes) == (14336, 14336, 14368)
-    assert CombineRow(hidden=4, num_topk=0).row_bytes == 16

@@ -10,7 +10,7 @@ node n that received some of s's tokens. What each rank kept from the dispatch (
     at f: area_masks [area rows]     each area row's in-node mask (bit j: rank (n, j) has it)
     at s: node_row [T, N]            token t's row in its block for node n (the block's order)
           masks [T, N]               in-node masks (nonzero: node n received t)
-    all:  the count table [R, meta_len] of that dispatch (normal.MetaRow)
+    all:  the count table [R, meta_len] of that dispatch (rows.MetaRow)
 
 Three launches, C channels of contiguous tokens as in the dispatch:
 
@@ -26,15 +26,13 @@ Three launches, C channels of contiguous tokens as in the dispatch:
                         token sum the partials of the nodes in its mask (float32, ascending node),
                         add the biases, round to bf16.
 
-Rows (slots and partials, :class:`CombineRow`): bf16 [H], then float32 [K] top-k weights when
+Rows (slots and partials, :class:`rows.CombineRow`): bf16 [H], then float32 [K] top-k weights when
 they are combined too; 16-byte multiples. Signals carry the call's epoch; a wait that passes the
 timeout flags the late rank in the host mailbox (nvlink/sync.py) and moves nothing. Reusing a half
 of the slot and partial areas two calls later is the backend's business (docs/MULTINODE.md:
 "reached call" signals).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -43,27 +41,7 @@ from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
 from ..nvlink.sync import load_acquire_sys, mailbox_words, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
-from .normal import ROW_ALIGN, _block_start, _channel_range
-
-
-@dataclass(frozen=True)
-class CombineRow:
-    """Byte offsets within one slot / partial row."""
-
-    hidden: int
-    num_topk: int  # 0 when no top-k weights are combined
-
-    @property
-    def x_bytes(self) -> int:
-        return 2 * self.hidden
-
-    @property
-    def weights(self) -> int:
-        return self.x_bytes  # a multiple of 8: Buffer's checks ask for rows of whole words
-
-    @property
-    def row_bytes(self) -> int:
-        return -(-(self.weights + 4 * self.num_topk) // ROW_ALIGN) * ROW_ALIGN
+from .normal import _block_start, _channel_range
 
 
 # ====================================================================== at each receiving rank

@@ -5,17 +5,15 @@ Written and compiled (tests/test_kernels_compile.py), not yet run or wired into 
 sessions that wrote them had no two GPUs. The combine kernels are in combine.py; the backend
 class is still to come.
 
-Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table: row
-``s`` is what rank ``s`` sent (:class:`MetaRow` gives the offsets): its per-rank, per-expert and
-per-node counts, its token count, its ``gbl_channel_prefix_matrix [R, C]`` and its
+Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table:
+row ``s`` is what rank ``s`` sent (:class:`rows.MetaRow` gives the offsets): its per-rank,
+per-expert and per-node counts, its token count, its ``gbl_channel_prefix_matrix [R, C]`` and its
 ``rdma_channel_prefix_matrix [N, C]``. Every offset below is derived from that table on the device.
 
-Rows. A dispatched row is packed once, for both hops (:class:`RowLayout`): x, the FP8 scales, the
-top-k ids and weights, the source token index and the in-node mask.
+Rows. A dispatched row is packed once, for both hops (:class:`rows.RowLayout`): x, the FP8
+scales, the top-k ids and weights, the source token index and the in-node mask.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -25,79 +23,6 @@ from ..nvlink.launch import KernelSpec
 from ..nvlink.normal import expert_receive_counts
 from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
-
-ROW_ALIGN = 16
-
-
-@dataclass(frozen=True)
-class MetaRow:
-    """Offsets (int32 words) within one rank's count row."""
-
-    num_ranks: int
-    num_experts: int
-    num_nodes: int
-    num_channels: int
-
-    @property
-    def per_rank(self) -> int:
-        return 0
-
-    @property
-    def per_expert(self) -> int:
-        return self.num_ranks
-
-    @property
-    def per_node(self) -> int:
-        return self.num_ranks + self.num_experts
-
-    @property
-    def num_tokens(self) -> int:
-        return self.per_node + self.num_nodes
-
-    @property
-    def gbl_prefix(self) -> int:
-        return self.num_tokens + 1
-
-    @property
-    def rdma_prefix(self) -> int:
-        return self.gbl_prefix + self.num_ranks * self.num_channels
-
-    @property
-    def length(self) -> int:
-        return self.rdma_prefix + self.num_nodes * self.num_channels
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Byte offsets within one packed row; ``row_bytes`` is a multiple of 16."""
-
-    x_bytes: int  # a multiple of 8 (Buffer's checks: rows of whole words)
-    num_scales: int
-    num_topk: int
-
-    @property
-    def scales(self) -> int:
-        return self.x_bytes
-
-    @property
-    def ids(self) -> int:
-        return -(-(self.scales + 4 * self.num_scales) // 8) * 8
-
-    @property
-    def weights(self) -> int:
-        return self.ids + 8 * self.num_topk
-
-    @property
-    def src(self) -> int:
-        return self.weights + 4 * self.num_topk
-
-    @property
-    def mask(self) -> int:
-        return self.src + 4
-
-    @property
-    def row_bytes(self) -> int:
-        return -(-(self.mask + 4) // ROW_ALIGN) * ROW_ALIGN
 
 
 @triton.jit
@@ -119,7 +44,7 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (MetaRow)
+def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
               table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
               table_ptr,  # the same table as a pointer (read after the wait)
               state_ptr,  # int64 local arrival counter
@@ -324,6 +249,4 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
 
 
 FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
-                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32",
-                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                           "i32", "i32"])
+                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64"] + ["i32"] * 18)

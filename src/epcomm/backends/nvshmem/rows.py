@@ -1,0 +1,100 @@
+"""What one row of each multi-node area holds (byte and word offsets; no GPU code, so CPU tests
+cover them): the count row every rank sends in the count exchange, the dispatched row that crosses
+both hops, and the combine row (slots and partials).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROW_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class MetaRow:
+    """Offsets (int32 words) within one rank's count row."""
+
+    num_ranks: int
+    num_experts: int
+    num_nodes: int
+    num_channels: int
+
+    @property
+    def per_rank(self) -> int:
+        return 0
+
+    @property
+    def per_expert(self) -> int:
+        return self.num_ranks
+
+    @property
+    def per_node(self) -> int:
+        return self.num_ranks + self.num_experts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.per_node + self.num_nodes
+
+    @property
+    def gbl_prefix(self) -> int:
+        return self.num_tokens + 1
+
+    @property
+    def rdma_prefix(self) -> int:
+        return self.gbl_prefix + self.num_ranks * self.num_channels
+
+    @property
+    def length(self) -> int:
+        return self.rdma_prefix + self.num_nodes * self.num_channels
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte offsets within one packed row; ``row_bytes`` is a multiple of 16."""
+
+    x_bytes: int  # a multiple of 8 (Buffer's checks: rows of whole words)
+    num_scales: int
+    num_topk: int
+
+    @property
+    def scales(self) -> int:
+        return self.x_bytes
+
+    @property
+    def ids(self) -> int:
+        return -(-(self.scales + 4 * self.num_scales) // 8) * 8
+
+    @property
+    def weights(self) -> int:
+        return self.ids + 8 * self.num_topk
+
+    @property
+    def src(self) -> int:
+        return self.weights + 4 * self.num_topk
+
+    @property
+    def mask(self) -> int:
+        return self.src + 4
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-(self.mask + 4) // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclass(frozen=True)
+class CombineRow:
+    """Byte offsets within one slot / partial row."""
+
+    hidden: int
+    num_topk: int  # 0 when no top-k weights are combined
+
+    @property
+    def x_bytes(self) -> int:
+        return 2 * self.hidden
+
+    @property
+    def weights(self) -> int:
+        return self.x_bytes  # a multiple of 8: Buffer's checks ask for rows of whole words
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-(self.weights + 4 * self.num_topk) // ROW_ALIGN) * ROW_ALIGN
