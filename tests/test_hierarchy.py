@@ -196,7 +196,8 @@ def test_multinode_workspace_areas_fit_without_overlap(ranks, per_node, hidden, 
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     assert spans[-1][1] <= layout.half_bytes <= half
     # the token capacity is the largest that fits (up to the areas' alignment padding)
-    per_token = sum(size // cap for name, size in sizes.items() if name in ("send", "recv", "slots", "partials", "home"))
+    per_token = sum(size // cap for name, size in sizes.items()
+                    if name in ("send", "recv", "slots", "partials", "home"))
     assert layout.half_bytes + per_token > half - 5 * ALIGN
 
 def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
@@ -209,3 +210,29 @@ def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
     with pytest.raises(EPInputError) as err:
         normal_layout(1 << 16, 16, 8, 256, 12, 7168, 14336, 0, 8)
     assert err.value.argument == "num_rdma_bytes"
+
+
+@pytest.mark.parametrize("ranks,per_node,channels", [(16, 8, 12), (4, 2, 3), (2, 1, 1), (8, 4, 5)])
+def test_count_row_and_node_token_lists(ranks, per_node, channels):
+    """What a rank puts into the count exchange and the per-node token lists its send kernel reads,
+    against hierarchy.py's functions (which the two-level model checks against the reference)."""
+    from epcomm.backends.nvshmem.rows import MetaRow, count_row, node_tokens
+    topology = hy.Topology(ranks, per_node)
+    T, E = 37, 4 * ranks
+    topk = with_holes(uniform_topk(T, E, 4, torch.Generator().manual_seed(ranks)),
+                      generator=torch.Generator().manual_seed(1))
+    in_rank = layout.tokens_to_ranks(topk, E, ranks)
+    plan = hy.send_layout(in_rank, topology, channels)
+    meta = MetaRow(ranks, E, topology.num_nodes, channels)
+    row = count_row(meta, in_rank.sum(0, dtype=torch.int32), layout.tokens_per_expert(topk, E),
+                    plan.num_tokens_per_rdma_rank, plan.gbl_channel_prefix_matrix, plan.rdma_channel_prefix_matrix, T)
+    assert row.dtype == torch.int32 and row.numel() == meta.length
+    assert torch.equal(row[meta.per_rank:meta.per_expert], in_rank.sum(0, dtype=torch.int32))
+    assert torch.equal(row[meta.per_node:meta.num_tokens], plan.num_tokens_per_rdma_rank)
+    assert int(row[meta.num_tokens]) == T
+    assert torch.equal(row[meta.gbl_prefix:meta.rdma_prefix].view(ranks, channels), plan.gbl_channel_prefix_matrix)
+    assert torch.equal(row[meta.rdma_prefix:].view(topology.num_nodes, channels), plan.rdma_channel_prefix_matrix)
+    lists = node_tokens(plan.is_token_in_node)
+    for n, block in enumerate(hy.node_blocks(plan.is_token_in_node)):
+        assert torch.equal(lists[n, :len(block)].long(), block)
+        assert sorted(lists[n].tolist()) == list(range(T))

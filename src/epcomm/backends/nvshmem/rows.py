@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 ROW_ALIGN = 16
 
 
@@ -98,3 +100,24 @@ class CombineRow:
     @property
     def row_bytes(self) -> int:
         return -(-(self.weights + 4 * self.num_topk) // ROW_ALIGN) * ROW_ALIGN
+
+
+def count_row(meta: MetaRow, num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+              num_tokens_per_rdma_rank: torch.Tensor, gbl_channel_prefix_matrix: torch.Tensor,
+              rdma_channel_prefix_matrix: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """This rank's count row (``[meta.length] int32``, :class:`MetaRow`'s order) from its layout:
+    ``[R]``, ``[E]``, ``[N]`` int32 counts and the ``[R, C]`` / ``[N, C]`` int32 channel prefix
+    matrices (hierarchy.send_layout)."""
+    token_count = torch.full((1,), num_tokens, dtype=torch.int32, device=num_tokens_per_rank.device)
+    row = torch.cat([num_tokens_per_rank, num_tokens_per_expert, num_tokens_per_rdma_rank, token_count,
+                     gbl_channel_prefix_matrix.flatten(), rdma_channel_prefix_matrix.flatten()]).to(torch.int32)
+    if row.numel() != meta.length:
+        raise ValueError(f"count row of {row.numel()} words, the layout says {meta.length}")
+    return row
+
+
+def node_tokens(is_token_in_node: torch.Tensor) -> torch.Tensor:
+    """``[N, T] int32``: row n starts with the tokens that go to node n, ascending (the order of the
+    block there; ml_dispatch_send reads its first ``num_tokens_per_rdma_rank[n]`` entries), then
+    the others. One stable sort, so it runs where the routing is."""
+    return torch.sort((~is_token_in_node).to(torch.int8), dim=0, stable=True).indices.t().to(torch.int32).contiguous()
