@@ -181,35 +181,50 @@ def test_multinode_row_and_count_row_layouts():
 @pytest.mark.parametrize("ranks,per_node,hidden,fp8,topk", [(16, 8, 7168, False, 8), (16, 8, 7168, True, 8),
                                                             (4, 2, 2048, False, 0), (2, 1, 512, True, 4)])
 def test_multinode_workspace_areas_fit_without_overlap(ranks, per_node, hidden, fp8, topk):
-    from epcomm.backends.nvshmem.workspace import ALIGN, normal_layout
-    half = 256 << 20
-    layout = normal_layout(half, ranks, per_node, 256, 12, hidden, hidden if fp8 else 2 * hidden,
-                           hidden // 128 if fp8 else 0, topk)
-    N, k, C, cap = ranks // per_node, per_node, 12, layout.token_cap
-    sizes = {"table": ranks * layout.meta.length * 4, "notify_signals": ranks * 8, "dispatch_signals": N * C * 8,
-             "send": N * cap * layout.row.row_bytes, "recv": N * cap * layout.row.row_bytes,
-             "slots": N * cap * k * layout.combine_row.row_bytes, "push_flags": N * C * k * 8,
-             "partials": N * cap * layout.combine_row.row_bytes, "home": N * cap * layout.combine_row.row_bytes,
-             "home_signals": N * C * 8}
-    spans = sorted((getattr(layout, name), getattr(layout, name) + size) for name, size in sizes.items())
-    assert all(start % ALIGN == 0 for start, _ in spans)
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= layout.half_bytes <= half
-    # the token capacity is the largest that fits (up to the areas' alignment padding)
-    per_token = sum(size // cap for name, size in sizes.items()
-                    if name in ("send", "recv", "slots", "partials", "home"))
-    assert layout.half_bytes + per_token > half - 5 * ALIGN
+    """The fixed signal areas, then a dispatch's or a combine's areas over the same data region:
+    aligned, disjoint, inside the workspace, with the largest token capacity that fits."""
+    from epcomm.backends.nvshmem.workspace import (ALIGN, MAX_CHANNELS, STEP_ROW_BYTES, combine_layout,
+                                                   dispatch_layout, preamble)
+    total = 256 << 20
+    N, k, C = ranks // per_node, per_node, 12
+    fixed = preamble(ranks, per_node)
+    fixed_sizes = {"step_rows": ranks * STEP_ROW_BYTES, "fingerprint": STEP_ROW_BYTES, "notify_signals": ranks * 8,
+                   "dispatch_signals": N * MAX_CHANNELS * 8, "push_flags": N * MAX_CHANNELS * k * 8,
+                   "home_signals": N * MAX_CHANNELS * 8}
+    d = dispatch_layout(total, ranks, per_node, 256, C, hidden if fp8 else 2 * hidden, hidden // 128 if fp8 else 0,
+                        topk)
+    c = combine_layout(total, ranks, per_node, hidden, topk)
+    d_sizes = {"table": ranks * d.meta.length * 4, "count_row": d.meta.length * 4,
+               "send": N * d.token_cap * d.row.row_bytes, "recv": N * d.token_cap * d.row.row_bytes}
+    c_sizes = {"slots": N * c.token_cap * k * c.row.row_bytes, "partials": N * c.token_cap * c.row.row_bytes,
+               "home": N * c.token_cap * c.row.row_bytes}
+    for layout, sizes in ((d, d_sizes), (c, c_sizes)):
+        spans = sorted([(getattr(fixed, name), getattr(fixed, name) + size) for name, size in fixed_sizes.items()] +
+                       [(getattr(layout, name), getattr(layout, name) + size) for name, size in sizes.items()])
+        assert all(start % ALIGN == 0 for start, _ in spans)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= layout.end <= total
+        assert min(getattr(layout, name) for name in sizes) >= fixed.data
+        # the token capacity is the largest that fits (up to the areas' alignment padding)
+        per_token = sum(size // layout.token_cap for name, size in sizes.items() if name not in ("table", "count_row"))
+        assert layout.end + per_token > total - 4 * ALIGN
+
 
 def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
-    from epcomm.backends.nvshmem.workspace import bytes_for_tokens, normal_layout
+    from epcomm.backends.nvshmem.workspace import MAX_CHANNELS, bytes_for_tokens, combine_layout, dispatch_layout
     from epcomm.errors import EPInputError
-    need = bytes_for_tokens(4096, 16, 8, 256, 12, 7168, 8)
-    assert normal_layout(need // 2, 16, 8, 256, 12, 7168, 14336, 0, 8).token_cap >= 4096
-    assert normal_layout(need // 2 - 4096, 16, 8, 256, 12, 7168, 14336, 0, 8).token_cap < 4096
-    assert normal_layout(need // 2, 16, 8, 256, 12, 7168, 7168, 56, 8).token_cap >= 4096  # FP8 rows fit too
-    with pytest.raises(EPInputError) as err:
-        normal_layout(1 << 16, 16, 8, 256, 12, 7168, 14336, 0, 8)
-    assert err.value.argument == "num_rdma_bytes"
+    need = bytes_for_tokens(4096, 16, 8, 256, 7168, 8)
+    assert dispatch_layout(need, 16, 8, 256, MAX_CHANNELS, 14336, 0, 8).token_cap >= 4096
+    assert combine_layout(need, 16, 8, 7168, 8).token_cap >= 4096
+    assert dispatch_layout(need, 16, 8, 256, 12, 7168, 56, 8).token_cap >= 4096  # FP8 rows fit too
+    short = need - 16 * 8 * (14336 + 64)  # less than one token's slots and partials
+    assert min(dispatch_layout(short, 16, 8, 256, MAX_CHANNELS, 14336, 0, 8).token_cap,
+               combine_layout(short, 16, 8, 7168, 8).token_cap) < 4096
+    for make in (lambda: dispatch_layout(1 << 16, 16, 8, 256, 12, 14336, 0, 8),
+                 lambda: combine_layout(1 << 16, 16, 8, 7168, 8)):
+        with pytest.raises(EPInputError) as err:
+            make()
+        assert err.value.argument == "num_rdma_bytes"
 
 
 @pytest.mark.parametrize("ranks,per_node,channels", [(16, 8, 12), (4, 2, 3), (2, 1, 1), (8, 4, 5)])

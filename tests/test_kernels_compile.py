@@ -110,27 +110,31 @@ def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
         {}, 4, target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only").asm["ptx"]
 
 
-@pytest.mark.parametrize("fp8,topk", list(itertools.product([False, True], repeat=2)))
-def test_multinode_dispatch_kernels_compile(fp8, topk):
+@pytest.mark.parametrize("fp8,topk,loopback", [(False, False, False), (True, True, False), (False, True, True),
+                                                (True, False, True)])
+def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
+    """With NVSHMEM (its calls left to the library) and with the loopback transport (no library)."""
     from epcomm.backends.nvshmem import normal as M
-    assert M.NOTIFY.compile(dict(R_P2=16, BLOCK_E=128), 4, target=GPUTarget("cuda", 90, 32),
-                            ptx_options="--compile-only").asm["cubin"]
-    for spec in (M.SEND, M.FORWARD):
-        compiled = spec.compile(dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8), 8,
-                                target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only")
-        assert compiled.asm["cubin"]
+    from epcomm.backends.nvshmem import step as S
+    target = GPUTarget("cuda", 90, 32)
+    options = dict(ptx_options=None if loopback else "--compile-only")
+    assert M.NOTIFY.compile(dict(LOOPBACK=loopback, R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
+    assert S.STEP.compile(dict(LOOPBACK=loopback, R_P2=16), 4, target=target, **options).asm["cubin"]
+    assert S.ABORT.compile(dict(LOOPBACK=loopback), 4, target=target, **options).asm["cubin"]
+    meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)
+    send = M.SEND.compile(dict(meta, LOOPBACK=loopback), 8, target=target, **options)
+    assert ("nvshmemx_putmem_signal_block" in send.asm["ptx"]) != loopback
+    assert M.FORWARD.compile(meta, 8, target=target).asm["cubin"]
+    assert M.SEND.library_of(dict(LOOPBACK=loopback)) is (None if loopback else M.nvshmem.NVSHMEM)
 
 
-@pytest.mark.parametrize("weights,num_bias", [(False, 0), (True, 2)])
-def test_multinode_combine_kernels_compile(weights, num_bias):
+@pytest.mark.parametrize("weights,num_bias,loopback", [(False, 0, False), (True, 2, True)])
+def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
     from epcomm.backends.nvshmem import combine as C
     target = GPUTarget("cuda", 90, 32)
-    for spec, constexprs in (
-            (C.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=1024, K_P2=8)),
-            (C.FORWARD, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8, LOCAL_P2=8)),
-            (C.REDUCE, dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=8, SIGNALS_P2=64))):
-        assert spec.compile(constexprs, 8, target=target, ptx_options="--compile-only").asm["cubin"], spec.name
-    assert "nvshmemx_putmem_signal_block" in C.FORWARD.compile(
-        dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8, LOCAL_P2=8), 8, target=target,
-        ptx_options="--compile-only").asm["ptx"]
-
+    assert C.PUSH.compile(dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=1024, K_P2=8), 8, target=target).asm["cubin"]
+    assert C.REDUCE.compile(dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=8,
+                                 SIGNALS_P2=64), 8, target=target).asm["cubin"]
+    forward = C.FORWARD.compile(dict(LOOPBACK=loopback, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8,
+                                     LOCAL_P2=8), 8, target=target, ptx_options=None if loopback else "--compile-only")
+    assert ("nvshmemx_putmem_signal_block" in forward.asm["ptx"]) != loopback

@@ -51,6 +51,26 @@ def test_mailbox_notify_returns_counts():
     assert (num_recv, max_tokens, per_expert[:3].tolist()) == (17, 9, [4, 8, 5])
 
 
+def test_mailbox_wait_yields_the_gil_to_other_threads():
+    """A long count wait must not stall the process's other Python threads (each of which would
+    otherwise get the GIL back only every switch interval, 5 ms, while the wait spins)."""
+    import threading
+    import time
+    box = HostMailbox(2, 8, pinned=False)
+    sequence = box.next_sequence()
+    waiter = threading.Thread(target=box.wait_notify, args=(sequence, 0, 30.0))
+    waiter.start()
+    time.sleep(0.01)  # the waiter is past its spin phase
+    started = time.monotonic()
+    for _ in range(400):  # each releases and takes back the GIL
+        time.sleep(0)
+    elapsed = time.monotonic() - started
+    box.view[3 * 2 + 4] = sequence
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert elapsed < 1.0, f"400 GIL hand-offs took {elapsed:.2f} s beside a waiting rank"
+
+
 def test_host_arithmetic_helpers():
     assert [p2(n) for n in (0, 1, 2, 3, 128, 129)] == [1, 1, 2, 4, 128, 256]
     assert [cdiv(a, b) for a, b in ((0, 4), (1, 4), (8, 4), (9, 4))] == [0, 1, 2, 3]

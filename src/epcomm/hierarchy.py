@@ -28,7 +28,7 @@ simulates every rank with these functions). Shapes use ``T`` tokens, ``R`` ranks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -106,12 +106,15 @@ def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:
     return torch.clamp(torch.arange(num_channels + 1, dtype=torch.int64) * per_channel, max=num_tokens)
 
 
-def channel_prefix_matrix(membership: torch.Tensor, num_channels: int) -> torch.Tensor:
+def channel_prefix_matrix(membership: torch.Tensor, num_channels: int,
+                          bounds: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[D, C] int32``: ``[d, c]`` = tokens of channels ``0..c`` that go to destination d (an
     inclusive prefix over channels: channel c's rows to d end there). ``membership`` is ``[T, D]``
     bool: ``is_token_in_node`` gives DeepEP's ``rdma_channel_prefix_matrix``, ``is_token_in_rank``
-    its ``gbl_channel_prefix_matrix``."""
-    bounds = channel_bounds(membership.shape[0], num_channels).to(membership.device)
+    its ``gbl_channel_prefix_matrix``. ``bounds``: :func:`channel_bounds` already on the device
+    (a GPU caller keeps it, instead of a host-to-device copy per call)."""
+    if bounds is None:
+        bounds = channel_bounds(membership.shape[0], num_channels).to(membership.device)
     prefix = torch.cat([membership.new_zeros(1, membership.shape[1], dtype=torch.int64),
                         membership.to(torch.int64).cumsum(0)])
     return prefix[bounds[1:]].t().contiguous().to(torch.int32)
@@ -136,11 +139,12 @@ class SendLayout:
     gbl_channel_prefix_matrix: torch.Tensor
 
 
-def send_layout(is_token_in_rank: torch.Tensor, topology: Topology, num_channels: int) -> SendLayout:
+def send_layout(is_token_in_rank: torch.Tensor, topology: Topology, num_channels: int,
+                bounds: Optional[torch.Tensor] = None) -> SendLayout:
     in_node = node_membership(is_token_in_rank, topology)
     return SendLayout(in_node, in_node.sum(0, dtype=torch.int32), in_node_masks(is_token_in_rank, topology),
-                      channel_prefix_matrix(in_node, num_channels),
-                      channel_prefix_matrix(is_token_in_rank, num_channels))
+                      channel_prefix_matrix(in_node, num_channels, bounds),
+                      channel_prefix_matrix(is_token_in_rank, num_channels, bounds))
 
 
 def network_rows(num_tokens_per_rdma_rank: torch.Tensor, rank: int, topology: Topology) -> int:

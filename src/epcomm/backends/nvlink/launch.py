@@ -62,12 +62,16 @@ class KernelSpec:
         aligned_if: ``{constexpr: names}``: pointer parameters declared 16-byte aligned only in
             specialisations where that constexpr is True (e.g. user tensors the host checked).
         library: a :class:`DeviceLibrary` the kernel calls into (linked, and each module set up).
+        library_unless: a constexpr that, when True in a specialisation, means it calls no library
+            (e.g. ``LOOPBACK``: the multi-node kernels' test transport, nvshmem/device.py).
     """
 
     def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
-                 aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None):
+                 aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
+                 library_unless: Optional[str] = None):
         self.fn = fn
         self.library = library
+        self.library_unless = library_unless
         self.name = fn.__name__
         params = fn.params
         runtime = [p.name for p in params if not p.is_constexpr]
@@ -83,6 +87,8 @@ class KernelSpec:
         self.aligned_if = {flag: tuple(names) for flag, names in (aligned_if or {}).items()}
         unknown = (set(self.aligned).union(*self.aligned_if.values()) - set(runtime)) | \
             (set(self.aligned_if) - set(self.constexpr_names))
+        if library_unless is not None and library_unless not in self.constexpr_names:
+            unknown.add(library_unless)
         if unknown:
             raise EPError(f"{self.name}: no parameters named {sorted(unknown)}")
         self._bound: Dict[Tuple, "BoundKernel"] = {}
@@ -99,6 +105,12 @@ class KernelSpec:
                     bound = BoundKernel(self, constexprs, num_warps)
                     self._bound[key] = bound
         return bound
+
+    def library_of(self, constexprs: Dict) -> Optional[DeviceLibrary]:
+        """The device library one specialisation calls (None: none)."""
+        if self.library_unless is not None and constexprs.get(self.library_unless):
+            return None
+        return self.library
 
     def compile(self, constexprs: Dict, num_warps: int, target=None, ptx_options: Optional[str] = None):
         """``triton.compile`` of one specialisation (``target`` defaults to the current GPU).
@@ -118,10 +130,11 @@ class KernelSpec:
         if target is None:
             target = triton.runtime.driver.active.get_current_target()
         options = {"num_warps": num_warps}
+        library = self.library_of(constexprs)
         if ptx_options:
             options["ptx_options"] = ptx_options
-        elif self.library is not None:
-            options["extern_libs"] = {self.library.name: self.library.path()}
+        elif library is not None:
+            options["extern_libs"] = {library.name: library.path()}
         return triton.compile(source, target=target, options=options)
 
 
@@ -142,12 +155,13 @@ class BoundKernel:
         self._max_resident = None
         self.num_warps = num_warps
         compiled = spec.compile(constexprs, num_warps)
+        library = spec.library_of(constexprs)
         self.n_regs = getattr(compiled, "n_regs", 255) or 255
         self.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         try:
             compiled._init_handles()
-            if spec.library is not None:
-                spec.library.init_module(compiled)
+            if library is not None:
+                library.init_module(compiled)
             launcher = compiled.run
             self._run = launcher.launch
             self._function = compiled.function
@@ -156,8 +170,8 @@ class BoundKernel:
             self._pdl = launcher.launch_pdl
             scratch = (launcher.global_scratch_size, launcher.profile_scratch_size)
         except AttributeError:
-            if spec.library is not None:  # kernel[grid](...) would not link the library
-                raise EPError(f"{self.name} calls {spec.library.name}, which needs Triton's launcher internals "
+            if library is not None:  # kernel[grid](...) would not link the library
+                raise EPError(f"{self.name} calls {library.name}, which needs Triton's launcher internals "
                               f"(Triton 3.4-3.6); this Triton lacks them")
             self._fallback = (spec.fn, dict(constexprs), num_warps)
             return

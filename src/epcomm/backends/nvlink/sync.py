@@ -284,6 +284,8 @@ def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constex
 
 
 # ---------------------------------------------------------------------- the host mailbox
+SPIN_S = 200e-6  # host polls of the mailbox spin this long before they yield the GIL (wait_notify)
+
 class HostMailbox:
     """Pinned, device-mapped int64 words written by kernels and read by the host, no stream sync.
 
@@ -342,14 +344,21 @@ class HostMailbox:
     def wait_notify(self, sequence: int, rank: int, timeout_s: float):
         """Poll until the notify kernel published ``sequence``; returns ``(num_recv, max_tokens,
         per_expert_view)``. Bounded: raises EPTimeoutError after ``timeout_s`` (+1 s, so the
-        device-side waits, which name the peers, give up first)."""
+        device-side waits, which name the peers, give up first). The first ``SPIN_S`` it spins; after
+        that each poll yields the GIL (``time.sleep(0)``): a spinning thread keeps it for the
+        interpreter's switch interval (5 ms) each time another thread needs it, which would stall
+        every other Python thread of the process — the ranks' own threads in the loopback tests."""
         view, index = self.view, self._notify
         if view[index] != sequence:
-            deadline = time.monotonic() + timeout_s + 1.0
+            now = time.monotonic()
+            spin_until, deadline = now + SPIN_S, now + timeout_s + 1.0
             while view[index] != sequence:
-                if time.monotonic() > deadline:
-                    raise EPTimeoutError(f"rank {rank}: the count exchange did not finish within {timeout_s:g} s "
-                                         f"(the GPU may be stuck on earlier work)", [])
+                now = time.monotonic()
+                if now > spin_until:
+                    time.sleep(0)
+                    if now > deadline:
+                        raise EPTimeoutError(f"rank {rank}: the count exchange did not finish within {timeout_s:g} s "
+                                             f"(the GPU may be stuck on earlier work)", [])
         self.raise_pending(rank, timeout_s)
         return int(view[index + 1]), int(view[index + 2]), view[index + 3:]
 

@@ -41,7 +41,7 @@ from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
 from ..nvlink.sync import load_acquire_sys, mailbox_words, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
-from .normal import _block_start, _channel_range
+from .normal import SIGNAL_STRIDE, _block_start, _channel_range
 
 
 # ====================================================================== at each receiving rank
@@ -83,7 +83,7 @@ def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order 
             tl.store((slot + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
                      tl.load(weights_ptr + rows[:, None] * num_topk + k[None, :], mask=mk), mask=mk)
     tl.debug_barrier()  # every thread's slot stores precede the release
-    store_release_sys(base + flags_offset + ((m * num_channels + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
+    store_release_sys(base + flags_offset + ((m * SIGNAL_STRIDE + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
 
 
 PUSH = KernelSpec(ml_combine_push, ["*i64", "*fp32", "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i64", "i32",
@@ -92,7 +92,8 @@ PUSH = KernelSpec(ml_combine_push, ["*i64", "*fp32", "*i32", "*i32", "*i32", "*i
 
 # ====================================================================== at each forwarder
 @triton.jit
-def ml_combine_forward(area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
+def ml_combine_forward(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+                       area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
                        meta_ptr,  # [R, meta_len] int32: the dispatch's count table
                        slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
                        partials,  # int64 local address of this half's outgoing partial rows [area rows]
@@ -100,7 +101,7 @@ def ml_combine_forward(area_masks_ptr,  # [area rows] int32 (the dispatch's ml_d
                        mailbox_address,  # host mailbox (nvlink/sync.py)
                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
-                       HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     # Program (m, c) at f = (node, l), for home s = (m, l): ACQUIRE the flags [m][c][0..k) that the
     # node's ranks released after pushing (bounded; a late rank is flagged in the mailbox and
@@ -116,7 +117,7 @@ def ml_combine_forward(area_masks_ptr,  # [area rows] int32 (the dispatch's ml_d
     s = m * ranks_per_node + local
     lanes = tl.arange(0, LOCAL_P2)
     timeouts, _, _, _ = mailbox_words(mailbox_address, num_ranks)
-    flag_words = flags + ((m * num_channels + c) * ranks_per_node + lanes).to(tl.int64) * 8
+    flag_words = flags + ((m * SIGNAL_STRIDE + c) * ranks_per_node + lanes).to(tl.int64) * 8
     _, _, late = poll_epochs(flag_words, lanes < ranks_per_node, epoch, timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE
     report_late(late, node * ranks_per_node + lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     if tl.max(late.to(tl.int32), axis=0) == 0:
@@ -152,20 +153,18 @@ def ml_combine_forward(area_masks_ptr,  # [area rows] int32 (the dispatch's ml_d
                     acc_w += tl.load(slot.to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=take, other=0.0)
                 tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
         tl.debug_barrier()  # every thread's partial rows precede the release / the put
-        signal_word = home_signals + (node * num_channels + c).to(tl.int64) * 8
+        signal_word = home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8
         if here:
             store_release_sys(signal_word, epoch)  # RELEASE: the partials of this node -> this rank
-        elif hi > lo:
-            nvshmem.put_signal(home_area + (node * home_cap + lo).to(tl.int64) * row_bytes,
-                               partials + (block_start + lo).to(tl.int64) * row_bytes,
-                               (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, nvshmem.SIGNAL_SET, s)
         else:
-            nvshmem.signal(signal_word, epoch, nvshmem.SIGNAL_SET, s)
+            nvshmem.deliver(home_area + (node * home_cap + lo).to(tl.int64) * row_bytes,
+                            partials + (block_start + lo).to(tl.int64) * row_bytes, (hi - lo).to(tl.int64) * row_bytes,
+                            signal_word, epoch, s, peer_bases_ptr, rank, LOOPBACK)
 
 
-FORWARD = KernelSpec(ml_combine_forward, ["*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
+FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32"], library=nvshmem.NVSHMEM)
+                                          "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== at home
@@ -191,8 +190,9 @@ def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (
     local = rank % ranks_per_node
     lanes = tl.arange(0, SIGNALS_P2)
     timeouts, _, _, _ = mailbox_words(mailbox_address, num_ranks)
-    _, _, late = poll_epochs(home_signals + lanes.to(tl.int64) * 8, lanes < num_nodes * num_channels, epoch,
-                             timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
+    words = home_signals + ((lanes // num_channels) * SIGNAL_STRIDE + lanes % num_channels).to(tl.int64) * 8
+    _, _, late = poll_epochs(words, lanes < num_nodes * num_channels, epoch, timeout_ns,
+                             EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
     report_late(late, (lanes // num_channels) * ranks_per_node + local, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     if tl.max(late.to(tl.int32), axis=0) == 0:
         tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)

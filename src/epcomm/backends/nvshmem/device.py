@@ -13,11 +13,18 @@ present; these also compile on a CPU machine, for the compile tests):
     signal(signal, value, op, pe)                         nvshmemx_signal_op
     fence() / quiet()                                     order / complete this PE's puts
 
-All are block-scoped: every thread of the program calls them with the same arguments. ``dst`` and
-``signal`` are this rank's addresses of symmetric memory (NVSHMEM translates them for ``pe``);
-``src`` must be symmetric memory too when the transport is a NIC. Receivers never call
-``nvshmem_signal_wait_until`` (it cannot time out): they poll their own signal words with acquire
-loads, bounded like every other wait (backends/nvlink/sync.py).
+``put_signal`` and ``put`` are block-scoped: every thread of the program calls them with the same
+arguments. ``signal`` is thread-scoped, so a program's threads each issue it (idempotent for
+SIGNAL_SET, which is all epcomm uses). ``dst`` and ``signal`` are this rank's addresses of
+symmetric memory (NVSHMEM translates them for ``pe``); ``src`` must be symmetric memory too when
+the transport is a NIC. Receivers never call ``nvshmem_signal_wait_until`` (it cannot time out):
+they poll their own signal words with acquire loads, bounded like every other wait
+(backends/nvlink/sync.py).
+
+The kernels call :func:`deliver`, which is either NVSHMEM's put with signal or, with ``LOOPBACK``,
+the same hand-off done with plain stores into another workspace of the same process: the
+loopback transport (loopback.py) runs several "ranks" on one GPU, so the multi-node kernels can be
+tested where NVSHMEM cannot run (it needs one GPU per process).
 """
 from __future__ import annotations
 
@@ -31,9 +38,8 @@ from ..nvlink.launch import DeviceLibrary
 
 # NVSHMEM's signal operations and comparisons (nvshmem.h; the experimental _extern_triton library
 # numbers them differently — not those).
-SIGNAL_SET = 0
-SIGNAL_ADD = 5
-CMP_GE = 3
+SIGNAL_SET = tl.constexpr(0)
+SIGNAL_ADD = tl.constexpr(5)
 
 
 _I64, _U64, _I32 = core.dtype("int64"), core.dtype("uint64"), core.dtype("int32")
@@ -93,6 +99,45 @@ def signal(signal_word, value, op, pe):
     """``op`` of ``value`` on the int64 word ``signal_word`` on ``pe`` (after a fence: after the puts)."""
     return _signal_op(tl.cast(signal_word, tl.int64), tl.cast(value, tl.uint64), tl.cast(op, tl.int32),
                       tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def _fence_sys():
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, LOOPBACK: tl.constexpr,
+            BLOCK: tl.constexpr = 1024):
+    """Block-scoped: ``nbytes`` (a multiple of 4, possibly 0) from ``src`` to ``dst`` on ``pe``, then
+    the int64 ``signal_word`` there SET to ``value`` — seeing the signal means seeing the bytes.
+    ``dst`` / ``signal_word`` are this rank's addresses of symmetric memory, ``src`` local memory
+    (symmetric: a NIC reads it). Call after a CTA barrier that orders the program's writes of ``src``.
+
+    NVSHMEM: each thread fences at system scope first (a NIC, unlike this block's own threads, reads
+    ``src`` through memory: the block's stores must be visible there), then one put with signal
+    (or the signal alone for no bytes). LOOPBACK: ``pe``'s workspace is at ``peer_bases_ptr[pe]``
+    in this process; the block copies the bytes there with plain stores, runs a CTA barrier and
+    RELEASEs the signal (st.release.sys by every thread, as in nvlink/sync.py)."""
+    if LOOPBACK:
+        shift = tl.load(peer_bases_ptr + pe) - tl.load(peer_bases_ptr + rank)
+        src_words = tl.cast(src, tl.int64).to(tl.pointer_type(tl.int32))
+        dst_words = (tl.cast(dst, tl.int64) + shift).to(tl.pointer_type(tl.int32))
+        words = tl.cast(nbytes, tl.int64) // 4
+        lanes = tl.arange(0, BLOCK)
+        for first in range(0, words, BLOCK):
+            i = first + lanes
+            tl.store(dst_words + i, tl.load(src_words + i, mask=i < words), mask=i < words)
+        tl.debug_barrier()  # every thread's stores precede the release
+        address = tl.cast(signal_word, tl.int64) + shift
+        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                  [address, tl.cast(value, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        _fence_sys()
+        if nbytes > 0:
+            put_signal(dst, src, nbytes, signal_word, value, SIGNAL_SET, pe)
+        else:
+            signal(signal_word, value, SIGNAL_SET, pe)
 
 
 class NvshmemLibrary(DeviceLibrary):

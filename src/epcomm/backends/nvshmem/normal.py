@@ -23,6 +23,11 @@ from ..nvlink.launch import KernelSpec
 from ..nvlink.normal import expert_receive_counts
 from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
+from .workspace import MAX_CHANNELS
+
+# Signal and flag words are indexed [node][channel] with this stride whatever the call's channel
+# count, so they keep fixed places for the buffer's life (workspace.py; ml_abort sets them all).
+SIGNAL_STRIDE = tl.constexpr(MAX_CHANNELS)
 
 
 @triton.jit
@@ -44,22 +49,23 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
+def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+              my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
               table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
               table_ptr,  # the same table as a pointer (read after the wait)
               state_ptr,  # int64 local arrival counter
               prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
               mailbox_address,  # host mailbox (nvlink/sync.py): receive counts, then the sequence number
               epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
-              R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+              LOOPBACK: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
     # [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
     # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
     # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
     # mailbox and, last, the sequence number with a release — the host polls that word.
     p = tl.program_id(0)
-    nvshmem.put_signal(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
-                       signals + rank * 8, epoch, nvshmem.SIGNAL_SET, p)
+    nvshmem.deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
+                    signals + rank * 8, epoch, p, peer_bases_ptr, rank, LOOPBACK)
     peers = tl.arange(0, R_P2)
     one = peers == p
     timeouts, _, _, notify = mailbox_words(mailbox_address, num_ranks)
@@ -86,13 +92,14 @@ def ml_notify(my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's c
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ml_notify, ["*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
-                                "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM)
+NOTIFY = KernelSpec(ml_notify, ["*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
+                                "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== hop 1: send
 @triton.jit
-def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
+def ml_dispatch_send(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+                     x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
                      node_tokens_ptr,  # [N, T] int32: row n = the tokens going to node n, ascending
@@ -103,7 +110,7 @@ def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes
                      epoch, rank, num_ranks, ranks_per_node, num_tokens, x_words, num_scales, num_topk,
                      row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
                      rdma_prefix_at, num_channels,
-                     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
+                     LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     # Program (c, n): the rows of channel c for node n (rows [lo, hi) of this rank's block there),
     # packed (x, scales, top-k, source index, in-node mask) and delivered to the forwarder
@@ -146,24 +153,20 @@ def ml_dispatch_send(x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes
                  tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
-    signal_word = signals + (node * num_channels + c).to(tl.int64) * 8
+    signal_word = signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8
     if here:
         store_release_sys(signal_word, epoch)  # RELEASE: the rows -> this node's ranks
     else:
-        forwarder = n * ranks_per_node + local
-        if hi > lo:
-            nvshmem.put_signal(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
-                               send_area + (n * send_cap + lo).to(tl.int64) * row_bytes,
-                               (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, nvshmem.SIGNAL_SET, forwarder)
-        else:
-            nvshmem.signal(signal_word, epoch, nvshmem.SIGNAL_SET, forwarder)
+        nvshmem.deliver(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
+                        send_area + (n * send_cap + lo).to(tl.int64) * row_bytes, (hi - lo).to(tl.int64) * row_bytes,
+                        signal_word, epoch, n * ranks_per_node + local, peer_bases_ptr, rank, LOOPBACK)
 
 
-SEND = KernelSpec(ml_dispatch_send, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
+SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
                                      "i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"],
-                  library=nvshmem.NVSHMEM)
+                  library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== hop 2: forward
@@ -182,6 +185,7 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
                         epoch, timeout_ns, rank, num_ranks, ranks_per_node, x_words, num_scales, num_topk,
                         num_local_experts, row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, meta_len,
                         per_node_at, gbl_prefix_at, rdma_prefix_at, num_channels,
+                        num_out_rows,  # rows of the outputs (num_worst_tokens: rows past it are not written)
                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     # Program (s, c) at destination d = (node, j): the rows of source s = (m, l), channel c, that
@@ -200,7 +204,7 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
     m = s // ranks_per_node
     forwarder = node * ranks_per_node + s % ranks_per_node
     base = tl.load(peer_bases_ptr + forwarder)
-    signal_word = base + signals_offset + (m * num_channels + c).to(tl.int64) * 8
+    signal_word = base + signals_offset + (m * SIGNAL_STRIDE + c).to(tl.int64) * 8
     start = now_ns()
     seen = load_acquire_sys(signal_word)
     while (seen < epoch) & (now_ns() - start < timeout_ns):
@@ -224,6 +228,7 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
             take = (rows < hi) & (((mask >> j) & 1) != 0)
             dest = (running + tl.cumsum(take.to(tl.int32), axis=0) - 1).to(tl.int64)
             running += tl.sum(take.to(tl.int32), axis=0)
+            take &= dest < num_out_rows
             copy_rows(word_ptr(row, False), recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + dest * x_words,
                       take, x_words, BLOCK_W)
             if HAS_SCALES:
@@ -249,4 +254,4 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
 
 
 FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
-                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64"] + ["i32"] * 18)
+                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64"] + ["i32"] * 19)

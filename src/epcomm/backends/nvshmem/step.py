@@ -1,0 +1,107 @@
+"""The step barrier every multi-node call starts with, and the abort of a rejected call.
+
+Each call (full or cached dispatch, combine) gets the next epoch ``e`` (a host counter: all ranks
+make the same calls, so theirs agree) and starts with :func:`ml_step`::
+
+    rank A:  ... call e-1 kernels | step e: put (fp, e) to every rank; wait for every rank's (fp, e) | call e kernels
+    rank B:  ... call e-1 kernels ------------> | step e ...
+                                  (B's step runs after its call e-1 kernels: stream order)
+
+Passing step ``e`` means every rank has finished the kernels of call ``e - 1``, so call ``e`` may
+overwrite any area of any workspace: one region serves every call, without the halves and the
+"reached call" words the nvlink backend needs (workspace.py). The price is one all-to-all
+signal round per call on the critical path (a few µs; the count exchange of a full dispatch is
+another). The fingerprint words ride on the same puts: a rank whose call differs (another call
+kind, other shapes) is recorded in the host mailbox by every rank, which raises at its next look
+there (nvlink/agreement.py decodes the words).
+
+A rank that rejects its own input does not make the call; :func:`ml_abort` puts the abort words
+with an epoch no wait can be ahead of (sync.ABORT_EPOCH) into its step row on every rank and
+sets every signal word it would have set in the call, so its peers' waits end at once and they
+raise naming the argument.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..nvlink.launch import KernelSpec
+from ..nvlink.sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
+from . import device as nvshmem
+from .normal import SIGNAL_STRIDE
+
+
+@triton.jit
+def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, pe,
+                   LOOPBACK: tl.constexpr):
+    """Row ``rank`` of ``pe``'s step rows := (fp0, fp1, epoch): the words from this rank's
+    fingerprint row (every program stores the same two words there), the epoch as the signal."""
+    mine = (workspace + fingerprint_offset).to(tl.pointer_type(tl.int64))
+    tl.store(mine, fp0)
+    tl.store(mine + 1, fp1)
+    tl.debug_barrier()  # the source words precede the put
+    row = workspace + step_rows_offset + (rank * 32).to(tl.int64)
+    nvshmem.deliver(row, workspace + fingerprint_offset, 16, row + 16, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+
+
+@triton.jit
+def ml_step(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transport only)
+            workspace,  # int64: this rank's workspace (symmetric)
+            step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
+            mailbox_address,  # host mailbox (nvlink/sync.py)
+            fp0, fp1, epoch, timeout_ns, rank, num_ranks,
+            LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+    # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
+    # put's signal: seeing it means seeing the words), then ACQUIRE row p of this rank's step rows
+    # (bounded: a late rank is flagged in the mailbox) and compare its words with this call's
+    # (a mismatch is recorded in the mailbox; the host raises). The kernel ends when every rank
+    # has posted step `epoch` — after its kernels of the previous call.
+    p = tl.program_id(0)
+    _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, p,
+                   LOOPBACK)
+    lanes = tl.arange(0, R_P2)
+    sender = lanes == p
+    rows = workspace + step_rows_offset
+    timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+    _, _, late = poll_epochs((rows + lanes * 32 + 16).to(tl.pointer_type(tl.int64)), sender, epoch, timeout_ns,
+                             EPOCH_SHIFT=0)  # ACQUIRE: rank p's row
+    report_late(late, lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
+    check_fingerprints(rows, lanes, sender & (late == 0), tl.zeros_like(lanes), fp0, fp1, epoch, agreement,
+                       num_ranks)
+
+
+STEP = KernelSpec(ml_step, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32"],
+                  library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+
+
+@triton.jit
+def ml_abort(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, notify_signals_offset,
+             dispatch_signals_offset, push_flags_offset, home_signals_offset, fp0, fp1, rank, num_ranks, ranks_per_node,
+             LOOPBACK: tl.constexpr):
+    # Program p, for rank p: the abort row, then ABORT_EPOCH into each signal word this rank sets on
+    # p in a call: its count row's signal (any p), block signals [node][*] and home signals [node][*]
+    # (p a rail peer: this rank as source / as forwarder), push flags [*][*][local] (p on this node).
+    p = tl.program_id(0)
+    _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, ABORT_EPOCH, rank, p,
+                   LOOPBACK)
+    node, local = rank // ranks_per_node, rank % ranks_per_node
+    num_nodes = num_ranks // ranks_per_node
+    nvshmem.deliver(workspace, workspace, 0, workspace + notify_signals_offset + rank * 8, ABORT_EPOCH, p,
+                    peer_bases_ptr, rank, LOOPBACK)
+    if p % ranks_per_node == local:
+        for c in range(0, SIGNAL_STRIDE):
+            word = ((node * SIGNAL_STRIDE + c) * 8).to(tl.int64)
+            nvshmem.deliver(workspace, workspace, 0, workspace + dispatch_signals_offset + word, ABORT_EPOCH, p,
+                            peer_bases_ptr, rank, LOOPBACK)
+            nvshmem.deliver(workspace, workspace, 0, workspace + home_signals_offset + word, ABORT_EPOCH, p,
+                            peer_bases_ptr, rank, LOOPBACK)
+    if p // ranks_per_node == node:
+        for m in range(0, num_nodes):
+            for c in range(0, SIGNAL_STRIDE):
+                word = (((m * SIGNAL_STRIDE + c) * ranks_per_node + local) * 8).to(tl.int64)
+                nvshmem.deliver(workspace, workspace, 0, workspace + push_flags_offset + word, ABORT_EPOCH, p,
+                                peer_bases_ptr, rank, LOOPBACK)
+
+
+ABORT = KernelSpec(ml_abort, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32",
+                              "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
