@@ -173,7 +173,7 @@ VALIDATION_RULES = {
     "buffer_rdma_bytes_type": ("num_rdma_bytes", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=1.5)),
     "buffer_timeout_positive": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout=0)),
     "buffer_timeout_type": ("timeout", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, timeout="10")),
-    "buffer_backend_name": ("backend", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, backend="nvshmem")),
+    "buffer_backend_name": ("backend", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, backend="nvshmem_v2")),
     "buffer_ranks_per_node": ("ranks_per_node", lambda b, l, x, t, w: epcomm.Buffer(dist.group.WORLD, ranks_per_node=3)),
     "layout_topk_dtype": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.int(), 8)),
     "layout_topk_ndim": ("topk_idx", lambda b, l, x, t, w: b.get_dispatch_layout(t.flatten(), 8)),
@@ -530,14 +530,22 @@ def backend_argument():
         raise AssertionError("nvlink accepted on a gloo group")
     except epcomm.EPError as err:
         assert "nvlink needs CUDA" in str(err)
-    os.environ["EPCOMM_BACKEND"] = "nvlink"
     try:
-        epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
-        raise AssertionError("EPCOMM_BACKEND=nvlink accepted on a gloo group")
+        epcomm.Buffer(dist.group.WORLD, backend="nvshmem", num_rdma_bytes=1 << 20)
+        raise AssertionError("nvshmem accepted on a gloo group")
     except epcomm.EPError as err:
-        assert "EPCOMM_BACKEND=nvlink" in str(err)
-    finally:
-        os.environ.pop("EPCOMM_BACKEND")
+        assert "nvshmem needs CUDA" in str(err)
+    for name in ("nvlink", "nvshmem"):
+        os.environ["EPCOMM_BACKEND"] = name
+        try:
+            epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
+            raise AssertionError(f"EPCOMM_BACKEND={name} accepted on a gloo group")
+        except epcomm.EPError as err:
+            assert f"EPCOMM_BACKEND={name}" in str(err)
+        finally:
+            os.environ.pop("EPCOMM_BACKEND")
+    # virtual nodes on torch_dist stay the reference's business; one node by default
+    assert epcomm.Buffer(dist.group.WORLD).num_nodes == 1
     return True
 
 

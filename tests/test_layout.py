@@ -78,3 +78,16 @@ def test_unpack_rows_with_one_row():
 @pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (4, 1), (4, 4), (8, 4)])
 def test_virtual_nodes_layout(pools, world_size, ranks_per_node):
     assert all(pools.get(world_size).run(ep_cases.virtual_nodes, ranks_per_node))
+
+
+def test_ranks_per_host_blocks():
+    """The nvshmem backend's default nodes: equal blocks of consecutive ranks per host, else a
+    clear error asking for ranks_per_node."""
+    from epcomm.backends import ranks_per_block
+    from epcomm.errors import EPError
+    assert ranks_per_block(["a"] * 8) == 8
+    assert ranks_per_block(["a", "a", "b", "b", "c", "c"]) == 2
+    assert ranks_per_block(["a", "b"]) == 1
+    for hosts in (["a", "b", "a", "b"], ["a", "a", "b"], ["a", "a", "a", "b", "b", "c"], ["a", "a", "b", "b", "a", "a"]):
+        with pytest.raises(EPError, match="ranks_per_node"):
+            ranks_per_block(hosts)

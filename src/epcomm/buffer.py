@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import checks, config as config_mod
 from . import expert_major as expert_major_layout
-from .backends import BACKENDS, create_backend, default_backend_name, group_device
+from .backends import BACKENDS, create_backend, default_backend_name, group_device, ranks_per_host
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
 from .errors import EPError, EPInputError
@@ -44,21 +44,25 @@ class Buffer:
         enable_shrink: enable the low-latency rank-mask calls (``low_latency_update_mask_buffer``,
             ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
             A rank that times out in low-latency mode is masked either way.
-        backend: ``"torch_dist"`` or ``"nvlink"``; default: chosen from the group.
-        ranks_per_node: group the ranks into nodes of this many consecutive ranks (virtual nodes on
-            one host for testing multi-node layouts; ``EPCOMM_RANKS_PER_NODE`` overrides it).
-            Default: one node. With several nodes, :meth:`get_dispatch_layout` returns
-            ``num_tokens_per_rdma_rank`` (tokens per node), as DeepEP does across nodes; the
-            reference backend supports it, the nvlink backend is one node only.
+        backend: ``"torch_dist"``, ``"nvlink"`` or ``"nvshmem"``; default: chosen from the group
+            (``nvlink`` on one host, ``nvshmem`` across hosts for normal mode, else ``torch_dist``).
+        ranks_per_node: group the ranks into nodes of this many consecutive ranks (on one host:
+            virtual nodes, which reach each other only the way separate nodes would — on nvshmem,
+            through NVSHMEM puts; ``EPCOMM_RANKS_PER_NODE`` overrides it). Default: the ranks per
+            host on the nvshmem backend, one node otherwise. With several nodes,
+            :meth:`get_dispatch_layout` returns ``num_tokens_per_rdma_rank`` (tokens per node), as
+            DeepEP does across nodes; torch_dist and nvshmem run several nodes, nvlink one.
         timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` (normal
             mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
             host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
 
     Everything before ``timeout`` is DeepEP V1's constructor, keyword for keyword and in order. The
-    backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node)
-    unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both; ``buffer.backend_name`` tells
-    which.
+    backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node,
+    ``nvshmem`` across nodes) unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both;
+    ``buffer.backend_name`` tells which. On ``nvshmem``, ``num_rdma_bytes`` sizes each rank's
+    symmetric workspace: ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
+    needs.
     """
 
     num_sms: int = 20
@@ -83,12 +87,11 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         if os.environ.get("EPCOMM_RANKS_PER_NODE"):
             ranks_per_node = int(os.environ["EPCOMM_RANKS_PER_NODE"])
-        ranks_per_node = self.group_size if ranks_per_node is None else ranks_per_node
-        checks.check_int("ranks_per_node", ranks_per_node, minimum=1)
-        if self.group_size % ranks_per_node:
-            raise EPInputError("ranks_per_node", f"{ranks_per_node} does not divide the group size {self.group_size}")
-        self.ranks_per_node = ranks_per_node
-        self.num_nodes = self.group_size // ranks_per_node
+        if ranks_per_node is not None:
+            checks.check_int("ranks_per_node", ranks_per_node, minimum=1)
+            if self.group_size % ranks_per_node:
+                raise EPInputError("ranks_per_node", f"{ranks_per_node} does not divide the group size "
+                                                     f"{self.group_size}")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
@@ -102,17 +105,21 @@ class Buffer:
         self.device = group_device(group)
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-        self.backend_name = default_backend_name(group, backend)
-        if self.num_nodes > 1 and self.backend_name != "torch_dist":
-            raise EPError(f"ranks_per_node={ranks_per_node} makes {self.num_nodes} nodes; the {self.backend_name} "
-                          f"backend runs on one node (multi-node: the torch_dist backend for now)")
+        self.backend_name = default_backend_name(group, backend, self.low_latency_mode)
+        if ranks_per_node is None:  # one node, except on nvshmem: its hosts' blocks of ranks
+            ranks_per_node = ranks_per_host(group) if self.backend_name == "nvshmem" else self.group_size
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.group_size // ranks_per_node
+        if self.num_nodes > 1 and self.backend_name == "nvlink":
+            raise EPError(f"ranks_per_node={ranks_per_node} makes {self.num_nodes} nodes; the nvlink backend runs "
+                          f"on one node (multi-node: backend='nvshmem', or 'torch_dist')")
         # Value checks read tensors (a host sync on CUDA): always on CPU and for the reference
         # backend, opt-in (check_values / EPCOMM_CHECK_VALUES=1) on the GPU fast path.
         if check_values is None:
             check_values = checks.value_checks_enabled(self.device) or self.backend_name == "torch_dist"
         self._check_values = bool(check_values)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
-                                       self.low_latency_mode, self.timeout)
+                                       self.low_latency_mode, self.timeout, ranks_per_node)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)

@@ -2,9 +2,12 @@
 
 - ``torch_dist``: torch.distributed collectives (gloo on CPU, NCCL on GPU); the reference.
 - ``nvlink``: Triton kernels over symmetric memory on one NVLink node (CUDA only).
+- ``nvshmem``: normal mode across nodes — NVSHMEM puts between nodes, NVLink within one (CUDA,
+  PyTorch with NVSHMEM). Chosen automatically when the group spans hosts and every rank can use
+  NVSHMEM (low-latency buffers excepted: not built there yet, they get ``torch_dist``).
 
-``Buffer(..., backend=...)`` asks for one; ``EPCOMM_BACKEND=torch_dist|nvlink`` overrides both
-that and the automatic choice (an operator's switch).
+``Buffer(..., backend=...)`` asks for one; ``EPCOMM_BACKEND=torch_dist|nvlink|nvshmem`` overrides
+both that and the automatic choice (an operator's switch).
 """
 from __future__ import annotations
 
@@ -17,24 +20,70 @@ import torch.distributed as dist
 from ..errors import EPError
 from .base import Backend
 
-BACKENDS = ("torch_dist", "nvlink")
+BACKENDS = ("torch_dist", "nvlink", "nvshmem")
+LOW_LATENCY_BACKENDS = ("torch_dist", "nvlink")
 
 
-def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None) -> str:
+def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
+                         low_latency_mode: bool = False) -> str:
     """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
-    the automatic choice. Raises EPError for an unknown name or one this group cannot run."""
+    the automatic choice. Raises EPError for an unknown name or one this group cannot run.
+    Collective on CUDA groups (the automatic choice gathers every rank's host)."""
     choice = os.environ.get("EPCOMM_BACKEND") or requested
     source = "EPCOMM_BACKEND" if os.environ.get("EPCOMM_BACKEND") else "backend"
+    on_gpu = dist.get_backend(group) != "gloo" and torch.cuda.is_available()
     if choice:
         if choice not in BACKENDS:
             raise EPError(f"{source}={choice!r} is not one of {BACKENDS}")
-        if choice == "nvlink" and (dist.get_backend(group) == "gloo" or not torch.cuda.is_available()):
-            raise EPError(f"{source}=nvlink needs CUDA GPUs and an NCCL process group")
+        if choice in ("nvlink", "nvshmem") and not on_gpu:
+            raise EPError(f"{source}={choice} needs CUDA GPUs and an NCCL process group")
+        if choice == "nvshmem":
+            from .nvshmem.device import nvshmem_available
+            usable, why = nvshmem_available()
+            if not usable:
+                raise EPError(f"{source}=nvshmem: NVSHMEM is not usable in this process ({why})")
+        if low_latency_mode and choice not in LOW_LATENCY_BACKENDS:
+            raise EPError(f"{source}={choice}: low-latency mode is not built on the {choice} backend yet "
+                          f"(it is on {LOW_LATENCY_BACKENDS})")
         return choice
-    if dist.get_backend(group) == "gloo" or not torch.cuda.is_available():
+    if not on_gpu:
         return "torch_dist"
     from .nvlink import nvlink_usable
-    return "nvlink" if nvlink_usable(group) else "torch_dist"
+    if nvlink_usable(group):
+        return "nvlink"
+    if not low_latency_mode and _everyone_has_nvshmem(group):
+        return "nvshmem"
+    return "torch_dist"
+
+
+def _everyone_has_nvshmem(group: dist.ProcessGroup) -> bool:
+    """Collective: NVSHMEM is usable on every rank (so all ranks choose alike)."""
+    from .nvshmem.device import nvshmem_available
+    flags = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, nvshmem_available()[0], group=group)
+    return all(flags)
+
+
+def ranks_per_host(group: dist.ProcessGroup) -> int:
+    """Collective: how many consecutive ranks share each host. Raises EPError unless every host
+    holds the same number of consecutive ranks (then pass ``ranks_per_node`` explicitly)."""
+    import socket
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return ranks_per_block(hosts)
+
+
+def ranks_per_block(hosts) -> int:
+    """The length of the equal blocks of consecutive equal names in ``hosts`` (EPError if none)."""
+    size = 1
+    while size < len(hosts) and hosts[size] == hosts[0]:
+        size += 1
+    blocks = [hosts[i:i + size] for i in range(0, len(hosts), size)]
+    names = [block[0] for block in blocks]
+    if len(hosts) % size or any(len(set(block)) != 1 for block in blocks) or len(set(names)) != len(names):
+        raise EPError(f"the ranks do not form equal blocks of consecutive ranks per host ({hosts}); the nvshmem "
+                      f"backend needs nodes of consecutive ranks: pass ranks_per_node (or EPCOMM_RANKS_PER_NODE)")
+    return size
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -45,7 +94,8 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
-                   num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0) -> Backend:
+                   num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0,
+                   ranks_per_node: Optional[int] = None) -> Backend:
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
         return TorchDistBackend(group, device, timeout_s)
@@ -54,4 +104,9 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
             raise EPError("the nvlink backend needs a CUDA (NCCL) process group")
         from .nvlink import NVLinkBackend
         return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s)
+    if name == "nvshmem":
+        if device.type != "cuda":
+            raise EPError("the nvshmem backend needs a CUDA (NCCL) process group")
+        from .nvshmem.backend import NvshmemBackend
+        return NvshmemBackend(group, device, num_rdma_bytes, ranks_per_node or dist.get_world_size(group), timeout_s)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

@@ -28,13 +28,18 @@ from .two_level import two_level_combine, two_level_dispatch
 
 
 def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBackend], object], num_bytes: int,
-              timeout_s: float = 20.0, device: Optional[torch.device] = None) -> List[object]:
+              timeout_s: float = 20.0, device: Optional[torch.device] = None,
+              warm: Optional[Callable[[NvshmemBackend], None]] = None) -> List[object]:
     """``fn(rank, backend)`` for every rank, each in its own thread and CUDA stream, over one
-    :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception."""
+    :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception.
+    ``warm(backend)`` runs first, in this thread: compile the kernels ``fn`` will launch there,
+    since a rank compiling inside ``fn`` holds up the others' waits (by seconds per kernel)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     world = LoopbackWorld(num_ranks, device, num_bytes)
     backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank))
                 for rank in range(num_ranks)]
+    if warm is not None:
+        warm(backends[0])  # compiled kernels are shared by every backend of the process
     results: List[object] = [None] * num_ranks
     errors: List[Optional[BaseException]] = [None] * num_ranks
 
@@ -100,6 +105,15 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
     config = Config(num_sms=2 * num_channels)
     num_bytes = bytes_for_tokens(max(max_tokens, 1), num_ranks, ranks_per_node, num_experts, hidden, num_topk)
 
+    x_bytes = hidden if use_fp8 else 2 * hidden
+    num_scales = hidden // 128 if use_fp8 else 0
+    num_topk_sent = num_topk if with_weights else 0
+
+    def warm(backend: NvshmemBackend) -> None:
+        backend._dispatch_plan(x_bytes, num_scales, num_topk_sent, num_experts, num_channels, False)
+        backend._dispatch_plan(x_bytes, num_scales, 0, num_experts, num_channels, True)
+        backend._combine_plan(hidden, num_topk_sent, num_bias, num_channels)
+
     def rank_body(rank: int, backend: NvshmemBackend):
         x = tuple(t.to(device) for t in inputs[rank]) if use_fp8 else inputs[rank].to(device)
         topk = topks[rank].to(device)
@@ -132,7 +146,7 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
 
     what = f"case seed={seed} {scenario} R={num_ranks} k={ranks_per_node} fp8={use_fp8} worst={num_worst_tokens}"
     try:
-        got = run_ranks(num_ranks, ranks_per_node, rank_body, num_bytes, device=device)
+        got = run_ranks(num_ranks, ranks_per_node, rank_body, num_bytes, device=device, warm=warm)
     except RuntimeError as err:
         raise RuntimeError(f"{what} (tokens per rank {[len(x) for x in xs]}): {err}") from err
     for rank in range(num_ranks):

@@ -283,13 +283,15 @@ class NvshmemBackend(Backend):
                          row.src, row.mask, layout.token_cap, meta.length, meta.per_node, meta.rdma_prefix, C)
 
         if handle is None:
+            # The host reads the counts even with num_worst_tokens (which then only fixes the output
+            # size): combine needs the most tokens any rank sent, and this backend's epochs live on
+            # the host anyway, so its calls cannot be captured in a CUDA graph.
             worst = args.num_worst_tokens
-            if worst:
-                num_rows, counts_list = worst, []
-                max_tokens = layout.token_cap  # unknown without reading the mailbox: the most any rank may send
-            else:
-                num_rows, max_tokens, per_expert = self.mailbox.wait_notify(sequence, rank, self.timeout_s)
-                counts_list = per_expert[:num_local].tolist()
+            num_received, max_tokens, per_expert = self.mailbox.wait_notify(sequence, rank, self.timeout_s)
+            counts_list = per_expert[:num_local].tolist()
+            num_rows = num_received
+            if worst:  # rows past num_worst_tokens are not written (DeepEP's contract: it bounds the receipt)
+                num_rows, num_received, counts_list = worst, min(num_received, worst), []
             state.max_tokens = max_tokens
             state.recv_area_row = torch.empty(num_rows, dtype=torch.int32, device=dev)
             state.area_masks = torch.empty(max(1, N * max_tokens), dtype=torch.int32, device=dev)
@@ -314,8 +316,7 @@ class NvshmemBackend(Backend):
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if handle is not None:
             return DispatchResult(recv, None, None, None, handle)
-        num_recv_tokens = num_rows if not args.num_worst_tokens else prefix[R - 1, rank]
-        out = DispatchHandle(prefix, recv_src, args.is_token_in_rank, num_recv_tokens, num_rows, state, None)
+        out = DispatchHandle(prefix, recv_src, args.is_token_in_rank, num_received, num_rows, state, None)
         return DispatchResult(recv, recv_topk, recv_weights, counts_list, out)
 
     def _index_outputs(self, num_rows: int, num_topk: int, padded: bool):
