@@ -1,6 +1,12 @@
 """The multi-node backend's kernels on one GPU: every rank a thread of this process (loopback
 transport, backends/nvshmem/transport.py), checked against the references.
 
+Run it as ``python -m epcomm.testing.loopback [--topology R,k ...]``: it runs in a process with
+``CUDA_MODULE_LOADING=EAGER`` (it starts one if needed). Under CUDA's default lazy loading, the
+first launch of any kernel loads its module, and that waits for the GPU's running kernels —
+here, another rank's kernels spinning until this rank's next launch: they time out, or hand on
+stale rows. (Separate processes, as with NVSHMEM, have separate contexts and do not meet this.)
+
 NVSHMEM itself needs one GPU per process, so this is how the kernels' logic — layouts, offsets,
 masks, the order of rows and sums, the signals between hops — is tested where only one GPU is
 lent; the NVSHMEM puts themselves are exercised by the GPU suite on two GPUs. Each case compares
@@ -155,7 +161,10 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         rows = slice(0, n)
         part = (lambda v: (v[0][rows], v[1][rows])) if use_fp8 else (lambda v: v[rows])
         _equal_payload(part(mine["recv_x"]), want["recv_x"], f"{what} rank {rank} recv_x")
-        _equal_payload(part(mine["cached_x"]), want["recv_x"], f"{what} rank {rank} cached recv_x")
+        try:
+            _equal_payload(part(mine["cached_x"]), want["recv_x"], f"{what} rank {rank} cached recv_x")
+        except AssertionError as err:
+            raise AssertionError(f"{err} ({_differing_rows(part(mine['cached_x']), want['recv_x'])})") from None
         assert torch.equal(mine["recv_src_idx"][rows], want["recv_src_idx"]), f"{what} rank {rank} recv_src_idx"
         assert torch.equal(mine["rank_prefix_matrix"], want["rank_prefix_matrix"]), f"{what} rank {rank} prefix"
         if num_worst_tokens:
@@ -182,6 +191,16 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
             torch.testing.assert_close(got[rank]["combined_w"], want_w, msg=lambda m: f"{what} rank {rank} weights: {m}")
 
 
+def _differing_rows(got, want) -> str:
+    """Which rows differ (a hint for a failing comparison): their indices, and how many are zero."""
+    got, want = (got[0], want[0]) if isinstance(want, tuple) else (got, want)
+    got = got.contiguous().view(torch.uint8).reshape(len(want), -1)
+    want = want.contiguous().view(torch.uint8).reshape(len(want), -1)
+    rows = (got != want).any(1).nonzero().flatten()
+    zero = int((got[rows] == 0).all(1).sum()) if len(rows) else 0
+    return f"{len(rows)} of {len(want)} rows differ: {rows[:12].tolist()}, {zero} of them all zero"
+
+
 def xs_home(x, use_fp8: bool) -> torch.Tensor:
     """The bf16 rows a rank's experts see for its own tokens (FP8 inputs dequantised, as the
     dispatch receivers do above)."""
@@ -195,4 +214,55 @@ def _bits16(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
-__all__ = ["run_ranks", "normal_case"]
+TOPOLOGIES = ((2, 1), (4, 2), (4, 1), (2, 2), (6, 2))  # (ranks, ranks per node)
+
+
+def cases(num_ranks: int, ranks_per_node: int):
+    """The suite for one topology: ``(seed, scenario, keyword arguments)`` of :func:`normal_case`."""
+    R = num_ranks
+    plain = [(seed, scenario, dict(num_experts=4 * R))
+             for seed, scenario in enumerate(("uniform", "skewed", "holes", "empty_rank"))]
+    return plain + [
+        (10, "uniform", dict(use_fp8=True, num_experts=4 * R, hidden=512)),
+        (11, "skewed", dict(num_bias=2, num_experts=4 * R, num_channels=3)),
+        (12, "holes", dict(num_worst_tokens=40 * R, num_experts=4 * R)),
+        (13, "uniform", dict(with_weights=False, expert_alignment=8, num_experts=4 * R)),
+        (14, "one_rank", dict(max_tokens=300, hidden=2048, num_experts=8 * R, num_topk=8)),
+    ]
+
+
+def main(argv=None) -> int:
+    import argparse
+    import os
+    import subprocess
+    import sys
+    import time
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--topology", action="append", default=[], help="R,k (ranks, ranks per node); repeatable")
+    args = parser.parse_args(argv)
+    if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":  # see the module's docstring
+        env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
+        return subprocess.call([sys.executable, "-m", "epcomm.testing.loopback"] + list(argv or sys.argv[1:]),
+                               env=env)
+    topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
+    failed = 0
+    for num_ranks, ranks_per_node in topologies:
+        for seed, scenario, kwargs in cases(num_ranks, ranks_per_node):
+            started = time.monotonic()
+            try:
+                normal_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
+                status = "ok"
+            except (AssertionError, RuntimeError) as err:
+                failed += 1
+                status = f"FAILED: {str(err)[:2000]}"
+            print(f"R={num_ranks} k={ranks_per_node} seed={seed} {scenario} {kwargs}: {status} "
+                  f"({time.monotonic() - started:.1f} s)", flush=True)
+    print(f"{failed} failed" if failed else "all passed", flush=True)
+    return 1 if failed else 0
+
+
+__all__ = ["run_ranks", "normal_case", "cases", "main"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
