@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: environment info, the GPU test suite, the demo, then both benchmarks
-# (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
+# and normal mode on virtual nodes (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
 # .peers/ (a DeepEP V1 wheel built for the GPU machine), the benchmarks run it side by side (--peer deep_ep).
 # Extra arguments go to `epcomm bench normal`.
 set -uo pipefail
@@ -16,11 +16,16 @@ if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
 fi
 python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
 python3 -m epcomm demo 2>&1 | tee "$OUT/demo.log"
-python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_nvshmem_loopback.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m epcomm bench normal "${peer[@]}" --out "$OUT" "$@" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_normal.txt"
 bench_rc=${PIPESTATUS[0]}
 python3 -m epcomm bench low-latency "${peer[@]}" --out "$OUT" 2>"$OUT/bench_ll_progress.log" | tee "$OUT/bench_low_latency.txt"
 ll_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ]
+# multi-node normal mode on virtual nodes of one GPU each (the nvshmem backend; no DeepEP peer there)
+mkdir -p "$OUT/virtual_nodes"
+python3 -m epcomm bench normal --ranks-per-node 1 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_progress.log" \
+  | tee "$OUT/bench_normal_virtual_nodes.txt"
+vn_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc bench virtual nodes rc=$vn_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ] && [ "$vn_rc" = 0 ]

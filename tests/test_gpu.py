@@ -1,4 +1,5 @@
-"""GPU tests: the nvlink backend against the torch_dist reference (NCCL) on the same inputs.
+"""GPU tests: the nvlink backend (and, on two or more GPUs, the nvshmem backend on virtual
+nodes) against the torch_dist reference (NCCL) on the same inputs.
 
 Skipped without CUDA. Run on a GPU machine with ``scripts/gpu_check.sh`` (or ``pytest -m gpu``). On a
 machine with one GPU the suite runs on one rank (every kernel, the peer being the rank itself);
@@ -51,6 +52,24 @@ def test_rounds_when_batch_exceeds_buffer(gpu_pool):
     for checked, stage_launches in results:
         # one stage per round, for the full and the cached dispatch of each config: more than one round each
         assert checked == 2 and stage_launches > 2 * 2 * len(configs), stage_launches
+
+
+@needs_peers
+@pytest.mark.parametrize("world_size,ranks_per_node", [(n, k) for n in WORLD_SIZES for k in (1, 2) if n > k])
+def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
+    """The multi-node backend on virtual nodes (NVSHMEM puts between them): the routings, sizes,
+    FP8 and num_worst_tokens of the tests above against torch_dist, then repeated calls. Its own
+    worker processes: NVSHMEM becomes their symmetric-memory backend for good."""
+    pool = WorkerPool(world_size, backend="nccl")
+    try:
+        configs = SCENARIO_CONFIGS + EDGE_CONFIGS
+        n = pool.run(ep_cases.gpu_normal_against_reference, configs, 0, 1, ranks_per_node, timeout_s=600)
+        assert n == [len(configs)] * world_size
+        repeated = [("uniform", 512, 2048, False, False), ("holes", 256, 2048, True, False)]
+        n = pool.run(ep_cases.gpu_normal_against_reference, repeated, 0, 10, ranks_per_node, timeout_s=600)
+        assert n == [20] * world_size
+    finally:
+        pool.close()
 
 
 def test_repeated_calls(gpu_pool):

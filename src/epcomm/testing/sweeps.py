@@ -268,10 +268,20 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
     return num_cases
 
 
-def _buffers_on_gpu(num_nvl_bytes: int):
-    fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, backend="nvlink")
+def _buffers_on_gpu(num_nvl_bytes: int, ranks_per_node: int = 0, max_tokens: int = 0, hidden: int = 0):
+    """The GPU backend under test and the torch_dist reference. ``ranks_per_node`` > 0: the
+    nvshmem backend on virtual nodes of that many ranks, sized for ``max_tokens`` of ``hidden``."""
+    if ranks_per_node:
+        from epcomm.backends.nvshmem.workspace import bytes_for_tokens
+        R = dist.get_world_size()
+        rdma = bytes_for_tokens(max(max_tokens, 1), R, ranks_per_node, 8 * R, hidden, min(8, 8 * R))
+        fast = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, backend="nvshmem", ranks_per_node=ranks_per_node)
+        name = "nvshmem"
+    else:
+        fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, backend="nvlink")
+        name = "nvlink"
     reference = epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
-    assert fast.backend_name == "nvlink" and reference.backend_name == "torch_dist"
+    assert fast.backend_name == name and reference.backend_name == "torch_dist"
     return fast, reference
 
 
@@ -281,12 +291,14 @@ def _valid_rows(payload, n):
     return payload[:n]
 
 
-def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats: int = 1):
-    """For each (scenario, tokens, hidden, use_fp8, num_worst) config: nvlink == torch_dist on the
-    same inputs — bitwise for dispatch (full and cached), float tolerance for combine."""
+def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats: int = 1, ranks_per_node: int = 0):
+    """For each (scenario, tokens, hidden, use_fp8, num_worst) config: nvlink (or, with
+    ``ranks_per_node``, nvshmem on virtual nodes) == torch_dist on the same inputs — bitwise for
+    dispatch (full and cached), float tolerance for combine."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device())
-    fast, reference = _buffers_on_gpu(num_nvl_bytes)
+    fast, reference = _buffers_on_gpu(num_nvl_bytes, ranks_per_node, max(c[1] for c in configs),
+                                      max(c[2] for c in configs))
     checked = 0
     for index, (scenario, max_tokens, hidden, use_fp8, worst) in enumerate(configs * repeats):
         seed = 10_000 + index

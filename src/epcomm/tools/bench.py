@@ -136,6 +136,20 @@ class NormalBenchSettings:
     num_nvl_bytes: int = 3 << 30
     peer: Optional[str] = None
     seed: int = 0
+    ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend (issue 14)
+
+
+def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
+    """Rows this rank put over the network in a dispatch (its count row's per-node counts, other
+    nodes: what ml_dispatch_send sends) beside the minimum (one per token and other node needing it)."""
+    from ..backends.nvshmem.rows import MetaRow
+    from ..hierarchy import Topology, min_network_rows
+    rank, topology = dist.get_rank(), Topology(buffer.group_size, buffer.ranks_per_node)
+    state = handle.backend_state
+    meta = MetaRow(topology.num_ranks, state.num_experts, topology.num_nodes, state.num_channels)
+    per_node = state.table[rank, meta.per_node:meta.per_node + topology.num_nodes].cpu()
+    sent = int(per_node.sum()) - int(per_node[topology.node_of(rank)])
+    return {"rows": sent, "min_rows": min_network_rows(in_rank.cpu(), rank, topology)}
 
 
 def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts, extensions: bool = False):
@@ -174,12 +188,16 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     results: Dict[str, Dict] = {}
     checks: Dict[str, bool] = {}
     epcomm_recv = None
+    inter_node = None
     for name, (buffer, config_cls) in buffers.items():
         config = config_cls(settings.sms, 8, 256)
         calls, recv_x, in_rank, handle = _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights,
                                                        settings.num_experts, extensions=name == "epcomm")
         if name == "epcomm":
             epcomm_recv = recv_x
+            if buffer.num_nodes > 1 and buffer.backend_name == "nvshmem":
+                inter_node = _inter_node_rows(buffer, handle, in_rank)
+                checks["inter-node rows == minimum"] = inter_node["rows"] == inter_node["min_rows"]
             baseline = NCCLBaseline(x, in_rank)
             base_recv = baseline.dispatch()
             combined = buffer.combine(recv_x, handle, config=config)[0]
@@ -196,15 +214,31 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     results["combine, BF16"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
     ok = torch.tensor([int(all(v for k, v in checks.items() if "nccl" in k))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"tokens": tokens, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
-            "checks": checks, "ok": bool(ok.item())}
+    point = {"tokens": tokens, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
+             "checks": checks, "ok": bool(ok.item())}
+    if inter_node is not None:  # BF16 rows of the dispatch; combine returns one row per (token, node) too
+        from ..backends.nvshmem.rows import RowLayout
+        row_bytes = RowLayout(2 * settings.hidden, 0, settings.num_topk).row_bytes
+        point["inter_node"] = dict(inter_node, bytes=inter_node["rows"] * row_bytes,
+                                   min_bytes=inter_node["min_rows"] * row_bytes)
+    return point
 
 
 def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     import epcomm
     dev = torch.device("cuda", torch.cuda.current_device())
-    buffers = {"epcomm": (epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=settings.num_nvl_bytes), epcomm.Config)}
-    peer = load_peer(settings.peer)
+    if settings.ranks_per_node:  # virtual nodes: the multi-node backend, sized for the largest batch
+        from ..backends.nvshmem.workspace import bytes_for_tokens
+        most = max([settings.tokens] + list(settings.extra_tokens))
+        rdma = bytes_for_tokens(most, dist.get_world_size(), settings.ranks_per_node, settings.num_experts,
+                                settings.hidden, settings.num_topk)
+        fast = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, backend="nvshmem",
+                             ranks_per_node=settings.ranks_per_node)
+    else:
+        fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=settings.num_nvl_bytes)
+    buffers = {"epcomm": (fast, epcomm.Config)}
+    # DeepEP's internode kernels need real RDMA NICs: no peer on virtual nodes
+    peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
         hint = peer.Config(settings.sms, 8, 256).get_nvl_buffer_size_hint(settings.hidden * 2, dist.get_world_size())
         buffers[settings.peer] = (peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), peer.Config)
@@ -231,6 +265,10 @@ def normal_table(result: Dict) -> str:
                  f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
+        if "inter_node" in point:
+            n = point["inter_node"]
+            blocks.append(f"inter-node (rank 0, BF16 dispatch): {n['rows']} rows = {n['bytes'] / 1e6:.2f} MB; minimum "
+                          f"{n['min_rows']} rows = {n['min_bytes'] / 1e6:.2f} MB (one per token and other node)")
         rows = {r["call"]: r for r in point["rows"]}
         full = rows["dispatch, full, BF16"]
         if "nccl" in full:
@@ -413,6 +451,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["deep_ep"], default=None,
                         help="also run this library on the same data (needs it importable)")
     parser.add_argument("--ranks", type=int, default=0, help="ranks to use (0: all GPUs)")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="normal mode on virtual nodes of this many ranks (the nvshmem backend); 0: one node")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON and PNG results")
 
 
@@ -433,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
         print(low_latency_table(result))
         return 0 if result["ok"] else 1
     settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms,
-                                   extra_tokens=list(args.extra_tokens), peer=args.peer)
+                                   extra_tokens=list(args.extra_tokens), peer=args.peer,
+                                   ranks_per_node=args.ranks_per_node)
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)

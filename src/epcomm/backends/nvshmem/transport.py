@@ -42,7 +42,12 @@ class NvshmemTransport(Transport):
     """``num_bytes`` of NVSHMEM symmetric memory on every rank of ``group`` (collective)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int):
+        import os
+
         import torch.distributed._symmetric_memory as symm_mem
+        # NVSHMEM reserves its symmetric heap when it starts (at the first allocation), 1 GiB unless
+        # NVSHMEM_SYMMETRIC_SIZE says otherwise: make room for this workspace unless an operator chose.
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, num_bytes + (256 << 20))))
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
