@@ -1,5 +1,5 @@
 """Multi-node normal-mode combine kernels: reduce within the node first, one row per token and
-node over the network (in progress: compiled, not yet run or wired into a backend).
+node over the network (launched by backend.py; tested on loopback ranks).
 
 The data flow is the one :func:`epcomm.testing.two_level.two_level_combine` simulates (CPU-tested
 against the one-level reference, tests/test_hierarchy.py). Rank names: ``s = (m, l)`` a home
@@ -28,9 +28,9 @@ Three launches, C channels of contiguous tokens as in the dispatch:
 
 Rows (slots and partials, :class:`rows.CombineRow`): bf16 [H], then float32 [K] top-k weights when
 they are combined too; 16-byte multiples. Signals carry the call's epoch; a wait that passes the
-timeout flags the late rank in the host mailbox (nvlink/sync.py) and moves nothing. Reusing a half
-of the slot and partial areas two calls later is the backend's business (docs/MULTINODE.md:
-"reached call" signals).
+timeout flags the late rank in the host mailbox (nvlink/sync.py) and moves nothing. The areas are
+free to write because the call's step barrier (step.py) passed: every rank finished its previous
+call.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Multi-node normal-mode dispatch kernels: hop 1 over NVSHMEM, hop 2 over NVLink (in progress).
+"""Multi-node normal-mode dispatch kernels: hop 1 over NVSHMEM, hop 2 over NVLink.
 
-The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU.
-Written and compiled (tests/test_kernels_compile.py), not yet run or wired into a backend: the
-sessions that wrote them had no two GPUs. The combine kernels are in combine.py; the backend
-class is still to come.
+The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
+(launched by backend.py, after the step barrier of step.py). They pass against the references on
+loopback ranks (epcomm.testing.loopback); the NVSHMEM puts have not run yet (no two GPUs lent).
+The combine kernels are in combine.py.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table:
 row ``s`` is what rank ``s`` sent (:class:`rows.MetaRow` gives the offsets): its per-rank,

@@ -8,8 +8,8 @@ make the same calls, so theirs agree) and starts with :func:`ml_step`::
                                   (B's step runs after its call e-1 kernels: stream order)
 
 Passing step ``e`` means every rank has finished the kernels of call ``e - 1``, so call ``e`` may
-overwrite any area of any workspace: one region serves every call, without the halves and the
-"reached call" words the nvlink backend needs (workspace.py). The price is one all-to-all
+overwrite any area of any workspace: one region serves every call, without the halves the nvlink
+backend alternates (workspace.py). The price is one all-to-all
 signal round per call on the critical path (a few µs; the count exchange of a full dispatch is
 another). The fingerprint words ride on the same puts: a rank whose call differs (another call
 kind, other shapes) is recorded in the host mailbox by every rank, which raises at its next look
