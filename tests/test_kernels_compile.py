@@ -64,6 +64,31 @@ def test_spec_rejects_wrong_type_count():
         KernelSpec(N.ep_dispatch_layout, ["*i64"])
 
 
+def test_spec_library_unless_names_a_constexpr():
+    """``library_unless`` must name one of the kernel's constexprs; the library applies only where
+    that constexpr is False (the multi-node kernels' LOOPBACK test transport links no NVSHMEM)."""
+    from epcomm.backends.nvlink.launch import KernelSpec
+    from epcomm.backends.nvshmem import device, step
+    from epcomm.errors import EPError
+    with pytest.raises(EPError, match="LOOPBACKS"):
+        types = [t for t in step.STEP.signature.values() if t != "constexpr"]
+        KernelSpec(step.ml_step, types, library=device.NVSHMEM, library_unless="LOOPBACKS")
+    assert step.STEP.library_of(dict(LOOPBACK=True, R_P2=2)) is None
+    assert step.STEP.library_of(dict(LOOPBACK=False, R_P2=2)) is device.NVSHMEM
+
+
+def test_nvshmem_backend_channel_limit():
+    """Signal words have room for MAX_CHANNELS channels per node: more is an EPInputError naming config."""
+    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    from epcomm.backends.nvshmem.workspace import MAX_CHANNELS
+    from epcomm.config import Config
+    from epcomm.errors import EPInputError
+    assert NvshmemBackend._num_channels(Config(num_sms=2 * MAX_CHANNELS)) == MAX_CHANNELS
+    with pytest.raises(EPInputError) as err:
+        NvshmemBackend._num_channels(Config(num_sms=2 * MAX_CHANNELS + 2))
+    assert err.value.argument == "config"
+
+
 # Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
 @pytest.mark.parametrize("spec,constexprs,num_warps", [
     (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
