@@ -254,7 +254,10 @@ class NvshmemBackend(Backend):
             # the send layout and this rank's count row, then the count exchange (ml_notify)
             sent = send_layout(args.is_token_in_rank, topo, C, self._channel_bounds(num_tokens, C))
             lists = node_tokens(sent.is_token_in_node)
-            counts = count_row(meta, args.num_tokens_per_rank, args.num_tokens_per_expert, sent.num_tokens_per_rdma_rank,
+            # per-rank counts from is_token_in_rank itself (the prefix matrix's last channel), not the
+            # caller's num_tokens_per_rank: the receivers' row offsets must agree with the rows sent
+            per_rank = sent.gbl_channel_prefix_matrix[:, -1]
+            counts = count_row(meta, per_rank, args.num_tokens_per_expert, sent.num_tokens_per_rdma_rank,
                                sent.gbl_channel_prefix_matrix, sent.rdma_channel_prefix_matrix, num_tokens)
             self.t.buffer[layout.count_row:layout.count_row + 4 * meta.length].view(torch.int32).copy_(counts)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
@@ -359,8 +362,7 @@ class NvshmemBackend(Backend):
     def check_combine(self, x, handle, topk_weights, bias) -> None:
         if handle.backend_state.__class__ is not NvshmemState:
             raise EPInputError("handle", "was not made by the nvshmem backend")
-        if handle.expert_major is not None:
-            return  # Buffer folds the expert-major rows first; the plan is checked on the folded rows' shape
+        # (an expert-major handle: Buffer folds x into rows of the same width, topk_weights is None)
         state: NvshmemState = handle.backend_state
         plan = self._combine_plan(x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
                                   state.num_channels)
@@ -377,9 +379,6 @@ class NvshmemBackend(Backend):
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
         hidden = x.shape[1]
         plan = self._combine_plan(hidden, num_topk, len(bias), state.num_channels)
-        if state.max_tokens > plan.layout.token_cap:  # (an expert-major handle is checked here, after its fold)
-            raise EPInputError("num_rdma_bytes", f"holds {plan.layout.token_cap} tokens per rank for a combine of "
-                                                 f"this shape, the dispatch sent up to {state.max_tokens}")
         layout, crow = plan.layout, plan.layout.row
         meta = MetaRow(R, state.num_experts, N, state.num_channels)
         meta_length = meta.length

@@ -41,7 +41,7 @@ from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
 from ..nvlink.sync import load_acquire_sys, mailbox_words, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
-from .normal import SIGNAL_STRIDE, _block_start, _channel_range
+from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hop2_program
 
 
 # ====================================================================== at each receiving rank
@@ -61,13 +61,7 @@ def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order 
     # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
     # CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
     # whoever acquires the flag). Every (s, c) program releases, with rows or without.
-    s = tl.program_id(0)
-    c = tl.program_id(1)
-    node = rank // ranks_per_node
-    j = rank % ranks_per_node
-    m = s // ranks_per_node
-    forwarder = node * ranks_per_node + s % ranks_per_node
-    base = tl.load(peer_bases_ptr + forwarder)
+    s, c, j, m, base = _hop2_program(peer_bases_ptr, rank, ranks_per_node)
     lo, hi = _channel_range(meta_ptr + s * meta_len + gbl_prefix_at + rank * num_channels, c)
     first_row = tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
     for first in range(first_row + lo, first_row + hi, BLOCK_R):

@@ -38,6 +38,17 @@ def _channel_range(prefix_row, c):
 
 
 @triton.jit
+def _hop2_program(peer_bases_ptr, rank, ranks_per_node):
+    """Program (s, c) of a hop-2 kernel at d = (node, j): ``(s, c, j, m, base)`` — source s on node
+    m, and the NVLink base of s's forwarder on d's node, f = (node, local(s))."""
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    node = rank // ranks_per_node
+    forwarder = node * ranks_per_node + s % ranks_per_node
+    return s, c, rank % ranks_per_node, s // ranks_per_node, tl.load(peer_bases_ptr + forwarder)
+
+
+@triton.jit
 def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_per_node):
     """Where block ``node`` starts in the receive area of forwarder ``(dest_node, local)``: the rows
     its rail peers on nodes ``0..node-1`` send to ``dest_node`` (recv_rdma_rank_prefix_sum[node - 1])."""
@@ -197,13 +208,8 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
     # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
     # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
     # in-node mask of each row of its own area.
-    s = tl.program_id(0)
-    c = tl.program_id(1)
+    s, c, j, m, base = _hop2_program(peer_bases_ptr, rank, ranks_per_node)
     node = rank // ranks_per_node
-    j = rank % ranks_per_node
-    m = s // ranks_per_node
-    forwarder = node * ranks_per_node + s % ranks_per_node
-    base = tl.load(peer_bases_ptr + forwarder)
     signal_word = base + signals_offset + (m * SIGNAL_STRIDE + c).to(tl.int64) * 8
     start = now_ns()
     seen = load_acquire_sys(signal_word)
