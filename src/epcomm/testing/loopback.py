@@ -143,6 +143,7 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         bias = tuple(b.to(device) for b in biases[rank])
         backend.check_combine(y, handle, result.recv_topk_weights, bias)
         combined, combined_w = backend.combine(y, handle, result.recv_topk_weights, bias, config)
+        torch.cuda.current_stream(device).synchronize()  # the kernels' reports land in the mailbox
         backend.raise_pending()
         return dict(recv_x=_cpu(result.recv_x), recv_topk_idx=_cpu(result.recv_topk_idx),
                     recv_topk_weights=_cpu(result.recv_topk_weights), recv_src_idx=_cpu(handle.recv_src_idx),

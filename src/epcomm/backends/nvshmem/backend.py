@@ -406,7 +406,7 @@ class NvshmemBackend(Backend):
         out_w = combined_w.data_ptr() if num_topk else combined_address
         bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
         bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
-        plan.reduce.launch(max(1, -(-num_tokens // plan.block_t)), 1, stream, state.in_node_masks.data_ptr(),
+        plan.reduce.launch(max(1, min(-(-num_tokens // plan.block_t), config.num_sms)), 1, stream, state.in_node_masks.data_ptr(),
                            state.node_row.data_ptr(), combined_address, out_w, bias0, bias1, self.base + layout.home, self.base + self.pre.home_signals,
                            self.mailbox.address, epoch, self.timeout_ns, rank, R, k, num_tokens, hidden, num_topk,
                            crow.row_bytes, crow.weights, layout.token_cap, C)

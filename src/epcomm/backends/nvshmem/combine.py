@@ -22,8 +22,8 @@ Three launches, C channels of contiguous tokens as in the dispatch:
                         to bf16 and delivers the partial rows to home s = (m, l), block n, rows
                         [lo, hi): one put_signal (NVSHMEM orders the rows before the signal), or,
                         when s is f itself, local stores and a RELEASE of the signal.
-    ml_combine_reduce   at s, grid over tokens: ACQUIRE the N x C signals of this call, then per
-                        token sum the partials of the nodes in its mask (float32, ascending node),
+    ml_combine_reduce   at s, <= num_sms programs over the tokens: ACQUIRE the N x C signals of
+                        this call, then per token sum the partials of the nodes in its mask (float32, ascending node),
                         add the biases, round to bf16.
 
 Rows (slots and partials, :class:`rows.CombineRow`): bf16 [H], then float32 [K] top-k weights when
@@ -176,8 +176,10 @@ def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
     # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
     # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
-    # program writes nothing), then takes its tokens: the float32 sum over the nodes in each
-    # token's mask, in ascending node order, of the partial row at node_row[t][n] of block n,
+    # program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
+    # programs, at most num_sms, so that few programs spin: on one GPU shared by loopback ranks,
+    # a grid per token block filled the SMs with waiters while the pushes they waited for could
+    # not start). Per token: the float32 sum over the nodes in each token's mask, in ascending node order, of the partial row at node_row[t][n] of block n,
     # plus the biases, rounded to bf16.
     pid = tl.program_id(0)
     num_nodes = num_ranks // ranks_per_node
@@ -189,34 +191,35 @@ def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (
                              EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
     report_late(late, (lanes // num_channels) * ranks_per_node + local, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     if tl.max(late.to(tl.int32), axis=0) == 0:
-        tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        live = tokens < num_tokens
-        for col in range(0, hidden, BLOCK_C):
-            cols = col + tl.arange(0, BLOCK_C)
-            mc = live[:, None] & (cols < hidden)[None, :]
-            acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-            for n in range(0, num_nodes):
-                has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
-                row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
-                partial = (home_area + (n * home_cap + row) * row_bytes).to(tl.pointer_type(tl.bfloat16))
-                acc += tl.load(partial[:, None] + cols[None, :], mask=mc & has[:, None], other=0.0).to(tl.float32)
-            offsets = tokens[:, None].to(tl.int64) * hidden + cols[None, :]
-            if NUM_BIAS >= 1:
-                acc += tl.load(bias0_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
-            if NUM_BIAS >= 2:
-                acc += tl.load(bias1_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mc)
-        if HAS_WEIGHTS:
-            k = tl.arange(0, K_P2)
-            mk = live[:, None] & (k < num_topk)[None, :]
-            acc_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
-            for n in range(0, num_nodes):
-                has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
-                row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
-                partial = home_area + (n * home_cap + row) * row_bytes + weights_at
-                acc_w += tl.load(partial.to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
-                                 mask=mk & has[:, None], other=0.0)
-            tl.store(out_weights_ptr + tokens[:, None] * num_topk + k[None, :], acc_w, mask=mk)
+        for first in range(pid * BLOCK_T, num_tokens, tl.num_programs(0) * BLOCK_T):
+            tokens = first + tl.arange(0, BLOCK_T)
+            live = tokens < num_tokens
+            for col in range(0, hidden, BLOCK_C):
+                cols = col + tl.arange(0, BLOCK_C)
+                mc = live[:, None] & (cols < hidden)[None, :]
+                acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+                for n in range(0, num_nodes):
+                    has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
+                    row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
+                    partial = (home_area + (n * home_cap + row) * row_bytes).to(tl.pointer_type(tl.bfloat16))
+                    acc += tl.load(partial[:, None] + cols[None, :], mask=mc & has[:, None], other=0.0).to(tl.float32)
+                offsets = tokens[:, None].to(tl.int64) * hidden + cols[None, :]
+                if NUM_BIAS >= 1:
+                    acc += tl.load(bias0_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
+                if NUM_BIAS >= 2:
+                    acc += tl.load(bias1_ptr + offsets, mask=mc, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mc)
+            if HAS_WEIGHTS:
+                k = tl.arange(0, K_P2)
+                mk = live[:, None] & (k < num_topk)[None, :]
+                acc_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
+                for n in range(0, num_nodes):
+                    has = tl.load(masks_ptr + tokens * num_nodes + n, mask=live, other=0) != 0
+                    row = tl.load(node_row_ptr + tokens * num_nodes + n, mask=live & has, other=0).to(tl.int64)
+                    partial = home_area + (n * home_cap + row) * row_bytes + weights_at
+                    acc_w += tl.load(partial.to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
+                                     mask=mk & has[:, None], other=0.0)
+                tl.store(out_weights_ptr + tokens[:, None] * num_topk + k[None, :], acc_w, mask=mk)
 
 
 REDUCE = KernelSpec(ml_combine_reduce, ["*i32", "*i32", "*bf16", "*fp32", "*bf16", "*bf16", "i64", "i64", "i64",
