@@ -18,7 +18,7 @@ def _cases():
     yield S._probe_kernel, {}, 1
     yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
-    yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128), 4
+    yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
         if not em or topk:  # expert-major positions are staged with the top-k rows
@@ -35,11 +35,11 @@ def _cases():
         for send, receive, msgs in ((True, True, 8), (True, False, 4), (False, True, 8)):
             yield L.DISPATCH, dict(SEND=send, RECEIVE=receive, USE_FP8=fp8, ROUND_SCALE=round_scale, UE8M0=ue8m0,
                                    BLOCK_H=8192, MSGS=msgs, BLOCK_E=256, HAS_STATS=al, HAS_WAIT_STATS=not al,
-                                   BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=al), 8
+                                   BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=al, REMOTE=0), 8
     for (send, receive), wait_stats, al in itertools.product([(True, True), (True, False), (False, True)],
                                                              [False, True], [False, True]):
         yield L.COMBINE, dict(SEND=send, RECEIVE=receive, HAS_WAIT_STATS=wait_stats, BLOCK_W=2048, K_P2=8,
-                              BLOCK_C=1024, R_P2=8, ALIGNED=al), 8
+                              BLOCK_C=1024, R_P2=8, ALIGNED=al, REMOTE=0), 8
 
 
 def _access_widths(spec, constexprs, num_warps):
@@ -77,6 +77,45 @@ def test_spec_library_unless_names_a_constexpr():
     assert step.STEP.library_of(dict(LOOPBACK=False, R_P2=2)) is device.NVSHMEM
 
 
+def test_spec_library_if():
+    """``library_if=(constexpr, value)``: the library only where the constexpr has that value (the
+    low-latency kernels link NVSHMEM only with REMOTE=FAR_BY_NVSHMEM)."""
+    from epcomm.backends.nvlink import reach
+    assert L.DISPATCH.library_of(dict(REMOTE=reach.PEERS_BY_STORES)) is None
+    assert L.DISPATCH.library_of(dict(REMOTE=reach.FAR_BY_LOOPBACK)) is None
+    assert L.COMBINE.library_of(dict(REMOTE=reach.FAR_BY_NVSHMEM)).name == "libnvshmem_device"
+    assert A.ABORT.library_of(dict(REMOTE=reach.FAR_BY_NVSHMEM)).name == "libnvshmem_device"
+
+
+@pytest.mark.parametrize("remote", [1, 2])
+def test_low_latency_kernels_with_far_peers_compile(remote):
+    """The low-latency kernels and the abort with peers on other nodes: NVSHMEM calls (left to the
+    library) or the loopback copies; without REMOTE they hold no NVSHMEM call (the nvlink cases above)."""
+    target = GPUTarget("cuda", 90, 32)
+    options = dict(ptx_options="--compile-only" if remote == 1 else None)
+    for fp8, send, receive in ((True, True, False), (False, True, True), (False, False, True)):
+        compiled = L.DISPATCH.compile(dict(SEND=send, RECEIVE=receive, USE_FP8=fp8, ROUND_SCALE=fp8, UE8M0=False,
+                                           BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=True,
+                                           BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=True, REMOTE=remote),
+                                      8, target=target, **options)
+        assert ("nvshmemx_putmem_nbi_block" in compiled.asm["ptx"]) == (remote == 1 and send)
+    for send, receive in ((True, False), (False, True), (True, True)):
+        compiled = L.COMBINE.compile(dict(SEND=send, RECEIVE=receive, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8,
+                                          BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=remote), 8, target=target,
+                                     **options)
+        assert ("nvshmemx_signal_op" in compiled.asm["ptx"]) == (remote == 1 and send)
+    abort = A.ABORT.compile(dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=remote), 4, target=target,
+                            **options)
+    assert ("nvshmem_quiet" in abort.asm["ptx"]) == (remote == 1)
+
+
+def test_nvlink_kernels_hold_no_nvshmem_call():
+    target = GPUTarget("cuda", 90, 32)
+    ptx = L.COMBINE.compile(dict(SEND=True, RECEIVE=False, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024,
+                                 R_P2=8, ALIGNED=False, REMOTE=0), 8, target=target).asm["ptx"]
+    assert "nvshmem" not in ptx
+
+
 def test_nvshmem_backend_channel_limit():
     """Signal words have room for MAX_CHANNELS channels per node: more is an EPInputError naming config."""
     from epcomm.backends.nvshmem.backend import NvshmemBackend
@@ -102,8 +141,9 @@ def test_nvshmem_backend_channel_limit():
     (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8), 16),
     (L.DISPATCH, dict(SEND=True, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
                       BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,
-                      R_P2=2), 8),
-    (L.COMBINE, dict(SEND=True, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=2), 8),
+                      R_P2=2, REMOTE=0), 8),
+    (L.COMBINE, dict(SEND=True, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=2,
+                     REMOTE=0), 8),
 ], ids=lambda v: v.name if hasattr(v, "name") else None)
 def test_aligned_copies_use_16_byte_accesses(spec, constexprs, num_warps):
     def wide(counts):  # vector accesses
@@ -116,7 +156,8 @@ def test_aligned_copies_use_16_byte_accesses(spec, constexprs, num_warps):
 def test_messages_and_receive_rows_always_use_16_byte_accesses():
     counts = _access_widths(L.DISPATCH, dict(SEND=False, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False,
                                              BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False,
-                                             BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=2, ALIGNED=False), 8)
+                                             BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=2, ALIGNED=False,
+                                             REMOTE=0), 8)
     assert counts[".v2.b64"] >= 16, counts
 
 

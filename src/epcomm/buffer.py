@@ -35,7 +35,8 @@ class Buffer:
         num_rdma_bytes: bytes of inter-node (or low-latency) communication memory.
         low_latency_mode: enable the low-latency (decode) kernels.
         num_qps_per_rank: RDMA queue pairs per peer (inter-node only; accepted for compatibility).
-        allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node.
+        allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node (on
+            nvshmem; False sends every message to another rank through NVSHMEM).
         allow_mnnvl: allow multi-node NVLink (accepted for compatibility).
         use_fabric: DeepEP allocates fabric-handle memory for multi-node NVLink with it; epcomm's
             symmetric memory comes from PyTorch, which picks the handle type itself: accepted,
@@ -45,7 +46,7 @@ class Buffer:
             ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
             A rank that times out in low-latency mode is masked either way.
         backend: ``"torch_dist"``, ``"nvlink"`` or ``"nvshmem"``; default: chosen from the group
-            (``nvlink`` on one host, ``nvshmem`` across hosts for normal mode, else ``torch_dist``).
+            (``nvlink`` on one host, ``nvshmem`` across hosts, else ``torch_dist``).
         ranks_per_node: group the ranks into nodes of this many consecutive ranks (on one host:
             virtual nodes, which reach each other only the way separate nodes would — on nvshmem,
             through NVSHMEM puts; ``EPCOMM_RANKS_PER_NODE`` overrides it). Default: the ranks per
@@ -62,7 +63,8 @@ class Buffer:
     ``nvshmem`` across nodes) unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both;
     ``buffer.backend_name`` tells which. On ``nvshmem``, ``num_rdma_bytes`` sizes each rank's
     symmetric workspace: ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
-    needs.
+    needs in normal mode, :meth:`get_low_latency_rdma_size_hint` in low-latency mode; a
+    low-latency Buffer there holds ``num_rdma_bytes`` for each mode (DeepEP shares one region).
     """
 
     num_sms: int = 20
@@ -119,7 +121,8 @@ class Buffer:
             check_values = checks.value_checks_enabled(self.device) or self.backend_name == "torch_dist"
         self._check_values = bool(check_values)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
-                                       self.low_latency_mode, self.timeout, ranks_per_node)
+                                       self.low_latency_mode, self.timeout, ranks_per_node,
+                                       allow_nvlink_for_low_latency_mode)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)

@@ -2,9 +2,9 @@
 
 - ``torch_dist``: torch.distributed collectives (gloo on CPU, NCCL on GPU); the reference.
 - ``nvlink``: Triton kernels over symmetric memory on one NVLink node (CUDA only).
-- ``nvshmem``: normal mode across nodes — NVSHMEM puts between nodes, NVLink within one (CUDA,
-  PyTorch with NVSHMEM). Chosen automatically when the group spans hosts and every rank can use
-  NVSHMEM (low-latency buffers excepted: not built there yet, they get ``torch_dist``).
+- ``nvshmem``: across nodes — NVSHMEM puts between nodes, NVLink within one (CUDA, PyTorch with
+  NVSHMEM); normal and low-latency mode. Chosen automatically when the group spans hosts and
+  every rank can use NVSHMEM.
 
 ``Buffer(..., backend=...)`` asks for one; ``EPCOMM_BACKEND=torch_dist|nvlink|nvshmem`` overrides
 both that and the automatic choice (an operator's switch).
@@ -21,7 +21,6 @@ from ..errors import EPError
 from .base import Backend
 
 BACKENDS = ("torch_dist", "nvlink", "nvshmem")
-LOW_LATENCY_BACKENDS = ("torch_dist", "nvlink")
 
 
 def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
@@ -42,16 +41,13 @@ def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = No
             usable, why = nvshmem_available()
             if not usable:
                 raise EPError(f"{source}=nvshmem: NVSHMEM is not usable in this process ({why})")
-        if low_latency_mode and choice not in LOW_LATENCY_BACKENDS:
-            raise EPError(f"{source}={choice}: low-latency mode is not built on the {choice} backend yet "
-                          f"(it is on {LOW_LATENCY_BACKENDS})")
         return choice
     if not on_gpu:
         return "torch_dist"
     from .nvlink import nvlink_usable
     if nvlink_usable(group):
         return "nvlink"
-    if not low_latency_mode and _everyone_has_nvshmem(group):
+    if _everyone_has_nvshmem(group):
         return "nvshmem"
     return "torch_dist"
 
@@ -95,7 +91,7 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
                    num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0,
-                   ranks_per_node: Optional[int] = None) -> Backend:
+                   ranks_per_node: Optional[int] = None, allow_nvlink_for_low_latency_mode: bool = True) -> Backend:
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
         return TorchDistBackend(group, device, timeout_s)
@@ -108,5 +104,9 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         if device.type != "cuda":
             raise EPError("the nvshmem backend needs a CUDA (NCCL) process group")
         from .nvshmem.backend import NvshmemBackend
-        return NvshmemBackend(group, device, num_rdma_bytes, ranks_per_node or dist.get_world_size(group), timeout_s)
+        # A low-latency Buffer holds num_rdma_bytes per mode (DeepEP shares one region between them).
+        ranks_per_node = ranks_per_node or dist.get_world_size(group)
+        return NvshmemBackend(group, device, num_rdma_bytes, ranks_per_node, timeout_s,
+                              num_ll_bytes=num_rdma_bytes if low_latency_mode else 0,
+                              ll_ranks_per_node=ranks_per_node if allow_nvlink_for_low_latency_mode else 1)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

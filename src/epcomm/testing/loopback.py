@@ -1,6 +1,10 @@
 """The multi-node backend's kernels on one GPU: every rank a thread of this process (loopback
 transport, backends/nvshmem/transport.py), checked against the references.
 
+Normal mode: dispatch, cached dispatch, combine (:func:`normal_case`). Low-latency mode: a few
+rounds of dispatch + combine with and without hooks, FP8 variants, messages to near and far
+ranks (:func:`low_latency_case`), against the references as the GPU suite checks them.
+
 Run it as ``python -m epcomm.testing.loopback [--topology R,k ...]``: it runs in a process with
 ``CUDA_MODULE_LOADING=EAGER`` (it starts one if needed). Under CUDA's default lazy loading, the
 first launch of any kernel loads its module, and that waits for the GPU's running kernels —
@@ -22,27 +26,33 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..backends.base import DispatchArgs
+from .. import fp8
+from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from ..backends.nvshmem.backend import NvshmemBackend
 from ..backends.nvshmem.transport import LoopbackWorld
+from ..backends.nvlink.workspace import low_latency_bytes
 from ..backends.nvshmem.workspace import bytes_for_tokens
 from ..config import Config
 from ..layout import dispatch_layout
-from .reference import reference_combine, reference_dispatch
-from .sweeps import _equal_payload, make_routing, rank_fn, to_fp8_input
+from .reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
+                        reference_low_latency_dispatch)
+from .sweeps import _equal_payload, _ll_rows, expert_fn, make_routing, rank_fn, to_fp8_input
 from .two_level import two_level_combine, two_level_dispatch
 
 
 def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBackend], object], num_bytes: int,
               timeout_s: float = 20.0, device: Optional[torch.device] = None,
-              warm: Optional[Callable[[NvshmemBackend], None]] = None) -> List[object]:
+              warm: Optional[Callable[[NvshmemBackend], None]] = None, num_ll_bytes: int = 0,
+              ll_ranks_per_node: Optional[int] = None) -> List[object]:
     """``fn(rank, backend)`` for every rank, each in its own thread and CUDA stream, over one
     :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception.
     ``warm(backend)`` runs first, in this thread: compile the kernels ``fn`` will launch there,
-    since a rank compiling inside ``fn`` holds up the others' waits (by seconds per kernel)."""
+    since a rank compiling inside ``fn`` holds up the others' waits (by seconds per kernel).
+    ``num_ll_bytes``: the backends' low-latency workspace (0: none)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    world = LoopbackWorld(num_ranks, device, num_bytes)
-    backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank))
+    world = LoopbackWorld(num_ranks, device, NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks))
+    backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
+                               num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node)
                 for rank in range(num_ranks)]
     if warm is not None:
         warm(backends[0])  # compiled kernels are shared by every backend of the process
@@ -192,6 +202,99 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
             torch.testing.assert_close(got[rank]["combined_w"], want_w, msg=lambda m: f"{what} rank {rank} weights: {m}")
 
 
+def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", hidden: int = 512,
+                     num_experts: int = 16, num_topk: int = 4, max_tokens: int = 24, use_fp8: bool = False,
+                     round_scale: bool = False, use_ue8m0: bool = False, rounds: int = 3,
+                     ll_ranks_per_node: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+    """``rounds`` low-latency dispatch + combine calls on loopback ranks (fresh routing each round;
+    the hook style alternates, so both buffer halves and both launch styles run); raises
+    AssertionError naming what differs from the references. ``ll_ranks_per_node=1``: every
+    message to another rank goes the far way (DeepEP's allow_nvlink_for_low_latency_mode=False)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, M = num_ranks, num_experts, max_tokens
+    num_local = E // R
+    routings = [make_routing(seed * 100 + r, scenario, R, E, num_topk, M, hidden) for r in range(rounds)]
+    num_ll_bytes = low_latency_bytes(M, hidden, R, E)
+
+    def warm(backend: NvshmemBackend) -> None:  # the specialisations the rounds launch
+        ll = backend.low_latency
+        plan = ll._dispatch_plan(E, M, hidden, num_topk, use_fp8, round_scale, use_ue8m0)
+        for key in ((True, False, False, False, True), (False, True, True, True, False)):
+            plan.kernels[key]
+        combine = ll._combine_plan(E, M, hidden, num_topk)
+        for key in ((True, False, False, True), (False, True, False, True)):
+            combine.kernels[key]
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        mask = torch.zeros(R, dtype=torch.int32, device=device)
+        stats = torch.zeros(num_local, dtype=torch.int32, device=device)
+        wait_stats = torch.zeros(R, dtype=torch.int64, device=device)
+        results = []
+        for r, (xs, topks, weights) in enumerate(routings):
+            hook = r % 2 == 1
+            x, topk = xs[rank].to(device), topks[rank].to(device)
+            args = LowLatencyDispatchArgs(x, topk, M, E, use_fp8, round_scale, use_ue8m0, stats, wait_stats, hook,
+                                          mask)
+            backend.check_low_latency_dispatch(args)
+            recv_x, recv_count, handle, receive = backend.low_latency_dispatch(args)
+            if receive is not None:
+                receive()
+            counts = recv_count.tolist()
+            expert_out = torch.zeros((num_local, R * M, hidden), dtype=torch.bfloat16, device=device)
+            for e, n in enumerate(counts):
+                rows = fp8.per_token_cast_back(recv_x[0][e, :n], recv_x[1][e, :n], torch.float32) if use_fp8 else \
+                    recv_x[e, :n].float()
+                expert_out[e, :n] = expert_fn(torch.full((n,), rank * num_local + e, device=device), rows).to(
+                    torch.bfloat16)
+            got = dict(recv_x=tuple(t.cpu() for t in recv_x) if use_fp8 else recv_x.cpu(), recv_count=recv_count.cpu(),
+                       src_info=handle.recv_src_info.cpu(), layout=handle.recv_layout_range.cpu())
+            cargs = LowLatencyCombineArgs(expert_out, topk, weights[rank].to(device), handle, None, None, hook, mask)
+            backend.check_low_latency_combine(cargs)
+            combined, receive = backend.low_latency_combine(cargs)
+            if receive is not None:
+                receive()
+            got["combined"] = combined.cpu()
+            results.append(got)
+        torch.cuda.current_stream(device).synchronize()
+        backend.raise_pending()
+        return dict(rounds=results, stats=stats.cpu(), mask=mask.cpu())
+
+    what = f"low-latency case seed={seed} {scenario} R={R} k={ranks_per_node} fp8={use_fp8}"
+    try:
+        got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, device=device, warm=warm, num_ll_bytes=num_ll_bytes,
+                        ll_ranks_per_node=ll_ranks_per_node)
+    except RuntimeError as err:
+        raise RuntimeError(f"{what}: {err}") from err
+    for rank in range(R):
+        assert not got[rank]["mask"].any(), f"{what} rank {rank}: ranks masked {got[rank]['mask'].tolist()}"
+        total = torch.zeros(num_local, dtype=torch.int32)
+        for r, (xs, topks, weights) in enumerate(routings):
+            mine = got[rank]["rounds"][r]
+            handle = _HandleView(mine["src_info"], mine["layout"])
+            ref = reference_low_latency_dispatch(xs, topks, E, use_fp8, round_scale)[rank]
+            total += mine["recv_count"]
+            for e in range(num_local):
+                want = ref[e]
+                assert int(mine["recv_count"][e]) == want["rows"].shape[0], f"{what} round {r} rank {rank} expert {e} count"
+                rows, src_rank, src_token = _ll_rows(mine["recv_x"], mine["recv_count"], handle, e, use_fp8)
+                order = torch.argsort(src_rank * 1_000_000 + src_token)
+                assert torch.equal(src_rank[order], want["src_rank"]), f"{what} round {r} rank {rank} expert {e} sources"
+                assert torch.equal(src_token[order], want["src_token"]), f"{what} round {r} rank {rank} expert {e} tokens"
+                torch.testing.assert_close(rows[order], want["rows"], rtol=0, atol=0,
+                                           msg=lambda m: f"{what} round {r} rank {rank} expert {e} rows: {m}")
+            want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8, round_scale)
+            torch.testing.assert_close(mine["combined"], want, rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{what} round {r} rank {rank} combine: {m}")
+        assert torch.equal(got[rank]["stats"], total), f"{what} rank {rank} cumulative stats"
+
+
+class _HandleView:
+    """The two index tensors of a LowLatencyHandle that ``sweeps._ll_rows`` reads (CPU copies)."""
+
+    def __init__(self, recv_src_info: torch.Tensor, recv_layout_range: torch.Tensor):
+        self.recv_src_info, self.recv_layout_range = recv_src_info, recv_layout_range
+
+
 def _differing_rows(got, want) -> str:
     """Which rows differ (a hint for a failing comparison): their indices, and how many are zero."""
     got, want = (got[0], want[0]) if isinstance(want, tuple) else (got, want)
@@ -218,6 +321,20 @@ def _bits16(t: torch.Tensor) -> torch.Tensor:
 TOPOLOGIES = ((2, 1), (4, 2), (4, 1), (2, 2), (6, 2))  # (ranks, ranks per node)
 
 
+def low_latency_cases(num_ranks: int, ranks_per_node: int):
+    """The low-latency suite for one topology: ``(seed, scenario, keyword arguments)`` of
+    :func:`low_latency_case`."""
+    E = 4 * num_ranks
+    return [
+        (20, "uniform", dict(num_experts=E)),
+        (21, "skewed", dict(num_experts=E, use_fp8=True)),
+        (22, "holes", dict(num_experts=2 * num_ranks, use_fp8=True, round_scale=True)),
+        (23, "one_rank", dict(num_experts=E, use_fp8=True, round_scale=True, use_ue8m0=True, hidden=1024)),
+        (24, "empty_rank", dict(num_experts=E, ll_ranks_per_node=1)),
+        (25, "uniform", dict(num_experts=8 * num_ranks, num_topk=8, max_tokens=64, hidden=2048, use_fp8=True)),
+    ]
+
+
 def cases(num_ranks: int, ranks_per_node: int):
     """The suite for one topology: ``(seed, scenario, keyword arguments)`` of :func:`normal_case`."""
     R = num_ranks
@@ -240,6 +357,7 @@ def main(argv=None) -> int:
     import time
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--topology", action="append", default=[], help="R,k (ranks, ranks per node); repeatable")
+    parser.add_argument("--mode", choices=("normal", "low_latency", "both"), default="both")
     args = parser.parse_args(argv)
     if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":  # see the module's docstring
         env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
@@ -247,22 +365,25 @@ def main(argv=None) -> int:
                                env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
+    suites = [(normal_case, cases)] if args.mode != "low_latency" else []
+    suites += [(low_latency_case, low_latency_cases)] if args.mode != "normal" else []
     for num_ranks, ranks_per_node in topologies:
-        for seed, scenario, kwargs in cases(num_ranks, ranks_per_node):
-            started = time.monotonic()
-            try:
-                normal_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
-                status = "ok"
-            except (AssertionError, RuntimeError) as err:
-                failed += 1
-                status = f"FAILED: {str(err)[:2000]}"
-            print(f"R={num_ranks} k={ranks_per_node} seed={seed} {scenario} {kwargs}: {status} "
-                  f"({time.monotonic() - started:.1f} s)", flush=True)
+        for run_case, suite in suites:
+            for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
+                started = time.monotonic()
+                try:
+                    run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
+                    status = "ok"
+                except (AssertionError, RuntimeError) as err:
+                    failed += 1
+                    status = f"FAILED: {str(err)[:2000]}"
+                print(f"{run_case.__name__} R={num_ranks} k={ranks_per_node} seed={seed} {scenario} {kwargs}: "
+                      f"{status} ({time.monotonic() - started:.1f} s)", flush=True)
     print(f"{failed} failed" if failed else "all passed", flush=True)
     return 1 if failed else 0
 
 
-__all__ = ["run_ranks", "normal_case", "cases", "main"]
+__all__ = ["run_ranks", "normal_case", "cases", "low_latency_case", "low_latency_cases", "main"]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ import triton.language as tl
 from ...errors import EPInputError
 from . import sync
 from .launch import KernelSpec
-from .sync import fingerprint_half, post_fingerprint, publish
+from ..nvshmem.device import NVSHMEM, complete_sends
+from .reach import FAR_BY_NVSHMEM, LOOPBACK_MODE, release_words, same_node, set_row
+from .sync import fingerprint_half, post_fingerprint
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
 FIELDS = (
@@ -172,29 +174,65 @@ def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
              fingerprints_offset,  # bytes from a workspace to its fingerprint area
              ll_counts_ptr,  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
              num_shapes, fp0, fp1, rank, num_ranks,
-             NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr):
+             ranks_per_node, spare_word,  # (REMOTE only: reach.py)
+             NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
+             REMOTE: tl.constexpr):
     # On every peer (self included): the abort words into each fingerprint row this rank owns (all
     # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
     # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
-    # abort words (the release covers them) and names the argument.
+    # abort words (the release covers them) and names the argument. Peers of other nodes
+    # (REMOTE) get the same words by NVSHMEM signals, the rows completed before the epochs.
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
-    base = tl.load(bases_ptr + peers, mask=live, other=0)
+    far = live & (same_node(peers, rank, ranks_per_node, REMOTE) == 0)
+    base = tl.load(bases_ptr + peers, mask=live & (far == 0), other=0)
+    my_base = tl.load(bases_ptr + rank)
     spare = (state_ptr + sync.SPARE).to(tl.int64)
     epoch = tl.zeros([R_P2], tl.int64) + sync.ABORT_EPOCH
     for row in range(0, NUM_ROWS):  # (set, half) pairs
-        post_fingerprint(base + fingerprint_half(fingerprints_offset, row, num_ranks), rank, live, fp0, fp1, epoch)
+        rows_offset = fingerprint_half(fingerprints_offset, row, num_ranks)
+        post_fingerprint(base + rows_offset, rank, live & (far == 0), fp0, fp1, epoch)
+        if REMOTE:
+            set_row(my_base + rows_offset, peers, far, fp0, fp1, sync.ABORT_EPOCH, bases_ptr, rank, spare_word, R_P2,
+                    REMOTE)
+    if REMOTE:
+        complete_sends(REMOTE == LOOPBACK_MODE)  # the rows land before the epochs
     for flag_set in range(0, NUM_FLAG_SETS):
-        publish(base + ((flag_set * num_ranks + rank) * 8).to(tl.int64), epoch, live, spare)
+        release_words(bases_ptr, ((flag_set * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64), peers,
+                      epoch, live, spare, rank, ranks_per_node, spare_word, REMOTE)
     experts = tl.arange(0, BLOCK_L)
+    receivers = peers[:, None] + tl.zeros([R_P2, BLOCK_L], tl.int32)
     for shape in range(0, num_shapes * 2):
         counts_offset = tl.load(ll_counts_ptr + (shape // 2) * 3 + shape % 2)
         num_local = tl.load(ll_counts_ptr + (shape // 2) * 3 + 2)
         for first in range(0, num_local, BLOCK_L):
             local = first + experts
-            words = base[:, None] + counts_offset + ((rank * num_local + local) * 8).to(tl.int64)[None, :]
+            offsets = counts_offset + ((rank * num_local + local) * 8).to(tl.int64)[None, :] + \
+                tl.zeros([R_P2, BLOCK_L], tl.int64)
             lanes = live[:, None] & (local < num_local)[None, :]
-            publish(words, tl.zeros([R_P2, BLOCK_L], tl.int64) + ABORT_COUNT_WORD, lanes, spare)
+            release_words(bases_ptr, offsets, receivers, tl.zeros([R_P2, BLOCK_L], tl.int64) + ABORT_COUNT_WORD,
+                          lanes, spare, rank, ranks_per_node, spare_word, REMOTE)
 
 
-ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64", "i32", "i32"])
+ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64", "i32", "i32", "i32", "i64"],
+                   library=NVSHMEM, library_if=("REMOTE", FAR_BY_NVSHMEM))
+
+
+def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0) -> None:
+    """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
+    rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
+    expert counts ``experts_seen`` used so far) this rank owns, on every peer. ``remote`` and
+    ``ranks_per_node``: how far peers are reached (reach.py)."""
+    import torch
+
+    from .launch import current_stream
+    from .workspace import FINGERPRINTS_OFFSET, NUM_FP_SETS
+    R = ws.num_ranks
+    ll_shapes = [(ws.ll_half_offset(0), ws.ll_half_offset(1), experts // R)
+                 for experts in sorted(experts_seen)] if ws.ll_half else []
+    shapes = torch.tensor(ll_shapes or [(0, 0, 0)], dtype=torch.int64).to(device, non_blocking=True)
+    fp0, fp1 = abort_words(argument)
+    ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS,
+               R_P2=1 << (R - 1).bit_length(), BLOCK_L=128, REMOTE=remote).launch(
+        1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes), fp0, fp1,
+        ws.rank, R, ranks_per_node or R, ws.spare_word)

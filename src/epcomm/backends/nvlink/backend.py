@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from ...errors import EPInputError
 from ..base import Backend, DispatchArgs, DispatchResult
-from . import agreement, sync
-from .launch import current_stream
+from . import agreement
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 from .sync import HostMailbox, check_host_mapping, device_state
-from .workspace import FINGERPRINTS_OFFSET, NUM_FP_SETS, Workspace
+from .workspace import Workspace
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
@@ -41,7 +40,7 @@ class NVLinkBackend(Backend):
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.normal = NormalMode(self)
-        self.low_latency = LowLatencyMode(self)
+        self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device)
 
     def raise_pending(self) -> None:
         """Raise what kernels reported since the last call (disagreements, timeouts, dropped input)."""
@@ -57,15 +56,7 @@ class NVLinkBackend(Backend):
         """This rank rejected its input for a ``kind`` call its peers make: launch the abort kernel
         (the peers' waits end and they raise naming ``error.argument``), and raise on every later
         call here (the ranks' calls are no longer paired)."""
-        ll_shapes = [(self.ws.ll_half_offset(0), self.ws.ll_half_offset(1), experts // self.num_ranks)
-                     for experts in sorted(self.low_latency.num_experts_seen)] if self.ws.ll_half else []
-        shapes = torch.tensor(ll_shapes or [(0, 0, 0)], dtype=torch.int64).to(self.device, non_blocking=True)
-        fp0, fp1 = agreement.abort_words(error.argument)
-        r_p2 = 1 << (self.num_ranks - 1).bit_length()
-        agreement.ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS, R_P2=r_p2,
-                             BLOCK_L=128).launch(
-            1, 1, current_stream(self.device.index), self.ws.bases, self.state, FINGERPRINTS_OFFSET, shapes,
-            len(ll_shapes), fp0, fp1, self.rank, self.num_ranks)
+        agreement.launch_abort(self.ws, self.state, self.low_latency.num_experts_seen, error.argument, self.device)
         self.mailbox.sticky = EPInputError(error.argument, f"an earlier {kind} call on rank {self.rank} was rejected "
                                                            f"({error}); its peers raised too. The ranks' calls are no "
                                                            f"longer paired: destroy this Buffer and create a new one")
@@ -98,17 +89,10 @@ class NVLinkBackend(Backend):
         return self.low_latency.combine(args)
 
     def clean_low_latency(self) -> None:
-        """Collective: reset every low-latency epoch, count word and flag, once no rank has a
-        low-latency call in flight (also re-synchronises after ranks were masked and unmasked)."""
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        self.ws.reset_low_latency()
-        flags = self.ws.buffer[:sync.NUM_FLAG_SETS * self.num_ranks * 8].view(torch.int64).view(sync.NUM_FLAG_SETS, -1)
-        flags[sync.FLAGS_LL_COMBINE].zero_()
-        for word in (sync.EPOCH_LL_DISPATCH, sync.EPOCH_LL_COMBINE, sync.LL_DISPATCH_HALF_EPOCH,
-                     sync.LL_DISPATCH_HALF_EPOCH + 1, sync.LL_COMBINE_HALF_EPOCH, sync.LL_COMBINE_HALF_EPOCH + 1):
-            self.state[word] = 0
-        self.low_latency.clean()
+        """Collective: reset every low-latency epoch, count word and flag (LowLatencyMode.reset)."""
+        self.low_latency.reset(self._barrier)
+
+    def _barrier(self) -> None:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 

@@ -64,14 +64,17 @@ class KernelSpec:
         library: a :class:`DeviceLibrary` the kernel calls into (linked, and each module set up).
         library_unless: a constexpr that, when True in a specialisation, means it calls no library
             (e.g. ``LOOPBACK``: the multi-node kernels' test transport, nvshmem/device.py).
+        library_if: ``(constexpr, value)``: the library is called only in specialisations where the
+            constexpr has that value (e.g. the low-latency kernels' ``REMOTE``).
     """
 
     def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
                  aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
-                 library_unless: Optional[str] = None):
+                 library_unless: Optional[str] = None, library_if: Optional[Tuple[str, object]] = None):
         self.fn = fn
         self.library = library
         self.library_unless = library_unless
+        self.library_if = library_if
         self.name = fn.__name__
         params = fn.params
         runtime = [p.name for p in params if not p.is_constexpr]
@@ -87,8 +90,9 @@ class KernelSpec:
         self.aligned_if = {flag: tuple(names) for flag, names in (aligned_if or {}).items()}
         unknown = (set(self.aligned).union(*self.aligned_if.values()) - set(runtime)) | \
             (set(self.aligned_if) - set(self.constexpr_names))
-        if library_unless is not None and library_unless not in self.constexpr_names:
-            unknown.add(library_unless)
+        for flag in (library_unless, library_if and library_if[0]):
+            if flag and flag not in self.constexpr_names:
+                unknown.add(flag)
         if unknown:
             raise EPError(f"{self.name}: no parameters named {sorted(unknown)}")
         self._bound: Dict[Tuple, "BoundKernel"] = {}
@@ -109,6 +113,8 @@ class KernelSpec:
     def library_of(self, constexprs: Dict) -> Optional[DeviceLibrary]:
         """The device library one specialisation calls (None: none)."""
         if self.library_unless is not None and constexprs.get(self.library_unless):
+            return None
+        if self.library_if is not None and constexprs.get(self.library_if[0]) != self.library_if[1]:
             return None
         return self.library
 

@@ -25,6 +25,14 @@ Halves alternate per call kind (dispatch, combine), so at most two results may b
 epochs live in device memory, so captured CUDA graphs replay correctly. A peer that does not
 answer within the timeout is masked (``low_latency_query_mask_buffer`` shows it) and the call
 completes without it. Ordering: see :mod:`.sync`.
+
+Peers on other nodes (``REMOTE``, the nvshmem backend: nodes of ``ranks_per_node`` consecutive
+ranks). A rank's stores reach only its own node; everything for a rank of another node is built
+in this rank's staging area (workspace.py) and moved there by an NVSHMEM put
+(nvshmem/device.py: ``send_bytes``). Each sending program completes its puts (``quiet``) before
+it arrives, so the program arriving last has every put of the call delivered when it SETs the
+count words / flags of the far peers with NVSHMEM signals — the same release step, over the
+network. The receive phases read only their own memory and are unchanged.
 """
 from __future__ import annotations
 
@@ -42,13 +50,14 @@ from .copy import for_word_copies, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
 from .normal import p2
+from ..nvshmem.device import NVSHMEM, complete_sends, send_bytes
+from .reach import (FAR_BY_NVSHMEM, LOOPBACK_MODE, PEERS_BY_STORES, post_fingerprint_any, release_words,
+                    same_node)
 from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
-                   poll_epochs, post_fingerprint_to_peers, publish, report_dropped, report_late, signal_peers,
-                   wait_peers)
+                   poll_epochs, report_dropped, report_late, wait_peers)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
-
 
 @dataclass
 class LowLatencyState:
@@ -74,13 +83,15 @@ def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
 @triton.jit
 def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mailbox_address,
                    hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank, msg_bytes, x_words,
-                   half_offset, recv_offset,
+                   half_offset, recv_offset, stage_offset, ranks_per_node,
                    USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, BLOCK_H: tl.constexpr,
-                   MSGS: tl.constexpr):
+                   MSGS: tl.constexpr, REMOTE: tl.constexpr):
     """Cast token t once (FP8 per 128 channels, or BF16) and store the messages of its top-k
     entries [j * MSGS, (j + 1) * MSGS) — [t int32, k int32, 8 pad][e4m3 H bytes | bf16 2H][H/128 f32
     | H/512 UE8M0 int32 scales] — into slot (local expert, this rank, slot) of each expert's rank,
-    as one tile of plain peer stores. The slot comes from the expert's counter."""
+    as one tile of plain peer stores. The slot comes from the expert's counter. A message for
+    another node (REMOTE) is stored into this rank's staging slot (t, k) instead and put to its
+    slot there, one block-scoped put per message."""
     t64 = t.to(tl.int64)
     ks = j * MSGS + tl.arange(0, MSGS)
     in_k = ks < num_topk
@@ -93,8 +104,14 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mail
     send &= tl.load(mask_ptr + dst, mask=send, other=1) == 0
     slot = tl.atomic_add(counter_ptr + expert, tl.zeros_like(ks) + 1, mask=send, sem="relaxed")
     slot = tl.minimum(slot, max_tokens - 1)  # distinct experts per token keep slot < M
-    msg = tl.load(bases_ptr + dst, mask=send, other=0) + half_offset + recv_offset + \
-        (((expert % num_local) * num_ranks + rank) * max_tokens + slot).to(tl.int64) * msg_bytes
+    # bytes from a workspace base to each message's slot at its receiver
+    slot_at = half_offset + recv_offset + (((expert % num_local) * num_ranks + rank) * max_tokens +
+                                           slot).to(tl.int64) * msg_bytes
+    near = same_node(dst, rank, ranks_per_node, REMOTE)
+    msg = tl.load(bases_ptr + dst, mask=send & near, other=0) + slot_at
+    if REMOTE:
+        my_base = tl.load(bases_ptr + rank)
+        msg = tl.where(near, msg, my_base + half_offset + stage_offset + (t64 * num_topk + ks) * msg_bytes)
     two = tl.arange(0, 2)
     tl.store(msg.to(tl.pointer_type(tl.int32))[:, None] + two[None, :],
              tl.where(two[None, :] == 0, t, ks[:, None]), mask=send[:, None])
@@ -133,14 +150,24 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mail
         packed = _pack_words(x.to(tl.bfloat16).to(tl.int16, bitcast=True), BLOCK_H, 4)
         tl.store(payload[:, None] + words[None, :], tl.broadcast_to(packed[None, :], (MSGS, BLOCK_H // 4)),
                  mask=send[:, None] & (words < x_words)[None, :])
+    if REMOTE:
+        tl.debug_barrier()  # every thread's staged stores precede the puts
+        far = send & (near == 0)
+        lanes = tl.arange(0, MSGS)
+        for i in range(0, MSGS):
+            if tl.sum((far & (lanes == i)).to(tl.int32), axis=0) > 0:
+                pe = tl.sum(tl.where(lanes == i, dst, 0), axis=0)
+                send_bytes(my_base + tl.sum(tl.where(lanes == i, slot_at, 0), axis=0),
+                           tl.sum(tl.where(lanes == i, msg, 0), axis=0), msg_bytes, pe, bases_ptr, rank,
+                           REMOTE == LOOPBACK_MODE)
 
 
 @triton.jit
 def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank, half_offset,
-                    counts_offset, half, BLOCK_E: tl.constexpr):
+                    counts_offset, half, ranks_per_node, spare_word, BLOCK_E: tl.constexpr, REMOTE: tl.constexpr):
     """Run by the program arriving last, so every message of this call, and the fingerprint, has
-    been stored (acquired through the arrivals): RELEASE each expert's count, tagged with the
-    epoch, to the expert's rank; reset the counters."""
+    been stored (acquired through the arrivals; puts completed before each arrival): RELEASE each
+    expert's count, tagged with the epoch, to the expert's rank; reset the counters."""
     tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
     tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
     for start in range(0, num_experts, BLOCK_E):
@@ -153,9 +180,9 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
         tl.store(counter_ptr + e, tl.zeros_like(n), mask=in_e)
         dst = e // num_local
         live = in_e & (tl.load(mask_ptr + dst, mask=in_e, other=1) == 0)
-        word = tl.load(bases_ptr + dst, mask=live, other=0) + half_offset + counts_offset + \
-            ((rank * num_local + e % num_local) * 8).to(tl.int64)
-        publish(word, (epoch << 32) | n.to(tl.int64), live, (state_ptr + sync.SPARE).to(tl.int64))
+        offsets = half_offset + counts_offset + ((rank * num_local + e % num_local) * 8).to(tl.int64)
+        release_words(bases_ptr, offsets, dst, (epoch << 32) | n.to(tl.int64), live,
+                      (state_ptr + sync.SPARE).to(tl.int64), rank, ranks_per_node, spare_word, REMOTE)
 
 
 @triton.jit
@@ -240,11 +267,13 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                    wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
                    num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
                    msg_bytes, x_bytes, scale_words, half_offset, counts_offset, recv_offset, half, timeout_ns,
+                   stage_offset, ranks_per_node, spare_word,  # (REMOTE only)
                    fp_offset, fp0, fp1,
                    SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
+                   REMOTE: tl.constexpr):
     # SEND: programs take the (token, message group) items in turn (_send_messages); the program
     # arriving last RELEASES the counts (_publish_counts). RECEIVE: programs take the (local
     # expert, source) pairs in turn and ACQUIRE before packing (_pack_received). Both in one
@@ -260,17 +289,19 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
         # Read before this program arrives, so before the last arriver stores epoch + 1.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
         if pid == 0:
-            post_fingerprint_to_peers(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, HAS_MASK=True,
-                                      R_P2=R_P2)
+            post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
+                                 spare_word, R_P2, REMOTE)
         groups = tl.cdiv(num_topk, MSGS)
         for item in range(pid, num_tokens * groups, num_programs):
             _send_messages(item // groups, item % groups, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr,
                            mailbox_address, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
-                           msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset,
-                           USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS)
+                           msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset, stage_offset,
+                           ranks_per_node, USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS, REMOTE)
+        if REMOTE:
+            complete_sends(REMOTE == LOOPBACK_MODE)  # this program's puts land before it arrives
         if arrive(state_ptr + sync.ARRIVE_LL_SEND, num_programs):
             _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank,
-                            half_offset, counts_offset, half, BLOCK_E)
+                            half_offset, counts_offset, half, ranks_per_node, spare_word, BLOCK_E, REMOTE)
     else:
         # A hook's receive launch: the epoch its half was sent with (another dispatch may have
         # used the other half since).
@@ -287,30 +318,46 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
 DISPATCH = KernelSpec(ep_ll_dispatch, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64",
                                        "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64",
                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
-                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]})
+                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64",
+                                       "i64", "i32", "i64", "i64", "i64", "i64"],
+                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, library=NVSHMEM,
+                      library_if=("REMOTE", FAR_BY_NVSHMEM))
 
 
 # ====================================================================== combine
 @triton.jit
-def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_ranks, max_tokens, x_words,
-               half_offset, combine_offset, BLOCK_W: tl.constexpr):
+def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_ranks, rank, max_tokens, x_words,
+               half_offset, combine_offset, stage_offset, ranks_per_node, BLOCK_W: tl.constexpr,
+               REMOTE: tl.constexpr):
     """Store the rows of local expert l that came from source s into their slots in s's combine
-    area (plain peer stores). The slots are free: s read them two combines ago (sync.py)."""
+    area (plain peer stores). The slots are free: s read them two combines ago (sync.py). For s
+    on another node (REMOTE): copy the rows to this rank's staging rows, then one put per row."""
     if tl.load(mask_ptr + s) == 0:
         packed = tl.load(layout_ptr + l * num_ranks + s)
         offset = (packed >> 32).to(tl.int32)
         n = (packed & 0xFFFFFFFF).to(tl.int32)
-        home = tl.load(bases_ptr + s) + half_offset + combine_offset
+        near = same_node(s, rank, ranks_per_node, REMOTE)
+        row_bytes = (x_words * 8).to(tl.int64)
+        first_row = (l * num_ranks * max_tokens + offset).to(tl.int64)
+        my_base = tl.load(bases_ptr + rank)
+        stage = my_base + half_offset + stage_offset + first_row * row_bytes  # (far s) rows staged in order
+        home = tl.where(near, tl.load(bases_ptr + s) + half_offset + combine_offset, 0)
         cols = tl.arange(0, BLOCK_W)
         for i in range(0, n):
-            row = (l * num_ranks * max_tokens + offset + i).to(tl.int64)
+            row = first_row + i
             slot = tl.load(slot_info_ptr + row).to(tl.int64)
             src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
-            dst = word_ptr(home + slot * x_words * 8, True)
+            dst = word_ptr(tl.where(near, home + slot * row_bytes, stage + i * row_bytes), True)
             for c0 in range(0, x_words, BLOCK_W):
                 c = c0 + cols
                 tl.store(dst + c, tl.load(src + c, mask=c < x_words), mask=c < x_words)
+        if REMOTE:
+            if near == 0:
+                tl.debug_barrier()  # every thread's staged rows precede the puts
+                for i in range(0, n):
+                    slot = tl.load(slot_info_ptr + first_row + i).to(tl.int64)
+                    send_bytes(my_base + half_offset + combine_offset + slot * row_bytes, stage + i * row_bytes,
+                               row_bytes, s, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
 @triton.jit
@@ -349,9 +396,12 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
                   slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
                   mailbox_address,  # host mailbox (sync.py)
                   num_tokens, hidden, num_topk, num_local, num_ranks, rank, max_tokens, x_words, half_offset,
-                  combine_offset, half, timeout_ns, fp_offset, fp0, fp1,
+                  combine_offset, half, timeout_ns,
+                  stage_offset, ranks_per_node, spare_word,  # (REMOTE only)
+                  fp_offset, fp0, fp1,
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
-                  K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr):
+                  K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
+                  REMOTE: tl.constexpr):
     # SEND: program 0 posts the call's fingerprint; programs take the (local expert, source) pairs
     # in turn (_push_rows); the program arriving last RELEASES the epoch into every live peer's
     # flag. RECEIVE: ACQUIRE every live peer's flag for this call, check the fingerprints (a
@@ -366,17 +416,21 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
     if SEND:
         epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
         if pid == 0:
-            post_fingerprint_to_peers(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, HAS_MASK=True,
-                                      R_P2=R_P2)
+            post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
+                                 spare_word, R_P2, REMOTE)
         for item in range(pid, num_local * num_ranks, num_programs):
             _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
-                       num_ranks, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset, BLOCK_W)
+                       num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
+                       stage_offset, ranks_per_node, BLOCK_W, REMOTE)
+        if REMOTE:
+            complete_sends(REMOTE == LOOPBACK_MODE)  # this program's puts land before it arrives
         if arrive(state_ptr + sync.ARRIVE_LL_PUSH, num_programs):
             tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
             tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
-            signal_peers(bases_ptr, sync.FLAGS_LL_COMBINE * num_ranks * 8, rank, num_ranks, epoch, mask_ptr,
-                         (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=True,
-                         R_P2=R_P2)  # RELEASE: rows, fingerprint -> homes
+            peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
+            release_words(bases_ptr, (sync.FLAGS_LL_COMBINE * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int64),
+                          peers, tl.zeros([R_P2], tl.int64) + epoch, live, (state_ptr + sync.SPARE).to(tl.int64), rank,
+                          ranks_per_node, spare_word, REMOTE)  # RELEASE: rows, fingerprint -> homes
     else:
         epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
     if RECEIVE:
@@ -399,8 +453,9 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
 
 COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
-                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]})
+                                     "i64", "i64", "i32", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
+                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, library=NVSHMEM,
+                     library_if=("REMOTE", FAR_BY_NVSHMEM))
 
 
 # ====================================================================== host side
@@ -439,20 +494,34 @@ class CombinePlan:
 class LowLatencyMode:
     """Host orchestration of low-latency mode: per call, two bound launches (send phase, receive
     phase; or one, see ``one_launch``) and the outputs; everything shape-dependent is computed once
-    per shape (plans)."""
+    per shape (plans).
 
-    def __init__(self, backend):
-        self.b = backend
-        self.ws = backend.ws
+    Args:
+        ws: the workspace (workspace.py; ``staging=True`` when ``remote`` is not PEERS_BY_STORES).
+        state: the backend's device state words (sync.py); mailbox: its host mailbox.
+        remote: how peers of other nodes are reached (PEERS_BY_STORES: there are none).
+        ranks_per_node: nodes are blocks of this many consecutive ranks (with ``remote``).
+        num_sms: programs of the combine's receive phase (default: the GPU's SMs; the loopback
+            tests keep it small so that every rank's programs fit on one GPU at once).
+    """
+
+    def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
+                 remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0):
+        self.ws = ws
+        self.mailbox_address = mailbox.address
+        self.timeout_ns = timeout_ns
+        self.remote = remote
         self.R = self.ws.num_ranks
         self.rank = self.ws.rank
         self.R_P2 = p2(self.R)
-        self.dev_index = backend.device.index
-        self.device = backend.device
+        self.dev_index = device.index
+        self.device = device
         # The one-launch kernels keep every program resident: at most one per SM.
-        self.num_sms = torch.cuda.get_device_properties(backend.device).multi_processor_count
+        self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+        self.reach = (ranks_per_node or self.R, ws.spare_word)  # the kernels' ranks_per_node, spare_word
         self.bases = self.ws.bases.data_ptr()
-        self.state = backend.state.data_ptr()
+        self.state_words = state
+        self.state = state.data_ptr()
         self.flags = self.ws.local_base + sync.FLAGS_LL_COMBINE * self.R * 8
         self.fingerprints = (self.ws.fingerprint_set(FP_LL_DISPATCH), self.ws.fingerprint_set(FP_LL_COMBINE))
         self._calls = [0, 0]  # dispatch, combine: which half the next call uses
@@ -492,7 +561,7 @@ class LowLatencyMode:
         kernels = Specialisations(DISPATCH, ["SEND", "RECEIVE", "HAS_STATS", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
                                   MSGS=msgs, BLOCK_E=min(1024, p2(E)), BLOCK_X=1024, BLOCK_S=p2(layout.scale_words),
-                                  BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2)
+                                  BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2, REMOTE=self.remote)
         words = agreement.pack(call=agreement.CALL_LL_DISPATCH, hidden=hidden, x=1, num_topk=K, num_experts=E,
                                num_max_dispatch_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
                                use_ue8m0=use_ue8m0)
@@ -511,8 +580,8 @@ class LowLatencyMode:
         handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E,
                                   LowLatencyState(slot_info, K, addresses=(indices[2], indices[1])))
         sizes = (hidden, K, E, num_local, M, R, self.rank, layout.msg_bytes, layout.x_bytes, layout.scale_words,
-                 self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.b.timeout_ns,
-                 self.fingerprints[0], *plan.fingerprint)
+                 self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.timeout_ns,
+                 layout.stage, *self.reach, self.fingerprints[0], *plan.fingerprint)
         return _DispatchHalf(handle, recv_count, indices, sizes)
 
     def dispatch(self, args):
@@ -542,7 +611,7 @@ class LowLatencyMode:
         x_address = x.data_ptr()
         src_info, slot_info, recv_layout, recv_count = per_half.indices
         launch_args = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases,
-                       self.state, self.b.mailbox.address, recv_x.data_ptr(), scales.data_ptr(), src_info, slot_info,
+                       self.state, self.mailbox_address, recv_x.data_ptr(), scales.data_ptr(), src_info, slot_info,
                        recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
                        recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes
         send_items = num_tokens * plan.send_groups
@@ -568,13 +637,14 @@ class LowLatencyMode:
         layout = self.ws.ll_layout(E, M, hidden, K, False, False)
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
-                                  BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2)
+                                  BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2,
+                                  REMOTE=self.remote)
         per_half = []
         for half in (0, 1):
             half_offset = self.ws.ll_offset + half * self.ws.ll_half
-            per_half.append(((self.flags, self.ws.local_base + half_offset + layout.combine, self.b.mailbox.address),
+            per_half.append(((self.flags, self.ws.local_base + half_offset + layout.combine, self.mailbox_address),
                              (hidden, K, E // self.R, self.R, self.rank, M, hidden // 4, half_offset, layout.combine,
-                              half, self.b.timeout_ns, self.fingerprints[1])))
+                              half, self.timeout_ns, layout.stage, *self.reach, self.fingerprints[1])))
         return CombinePlan(layout, kernels, agreement.pack(call=agreement.CALL_LL_COMBINE, hidden=hidden, x=1, num_topk=K,
                                                            num_experts=E, num_max_dispatch_tokens_per_rank=M),
                            tuple(per_half))
@@ -642,8 +712,18 @@ class LowLatencyMode:
         """The expert counts of the low-latency calls made so far (the abort kernel's count words)."""
         return tuple(self._counters)
 
-    def clean(self) -> None:
-        """Reset halves and counters (all ranks, with no low-latency call in flight)."""
+    def reset(self, barrier) -> None:
+        """Collective (``barrier()``: every rank's host, its GPU work finished): reset every
+        low-latency epoch, count word, flag, half and slot counter, once no rank has a low-latency
+        call in flight (also re-synchronises after ranks were masked and unmasked)."""
+        barrier()
+        self.ws.reset_low_latency()
+        flags = self.ws.buffer[:sync.NUM_FLAG_SETS * self.R * 8].view(torch.int64).view(sync.NUM_FLAG_SETS, -1)
+        flags[sync.FLAGS_LL_COMBINE].zero_()
+        for word in (sync.EPOCH_LL_DISPATCH, sync.EPOCH_LL_COMBINE, sync.LL_DISPATCH_HALF_EPOCH,
+                     sync.LL_DISPATCH_HALF_EPOCH + 1, sync.LL_COMBINE_HALF_EPOCH, sync.LL_COMBINE_HALF_EPOCH + 1):
+            self.state_words[word] = 0
         self._calls = [0, 0]
         for counters in self._counters.values():
             counters.zero_()
+        barrier()

@@ -13,9 +13,13 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
                   counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i
                   recv     [E_local][R][M] messages of (header 16 B, payload, scales)
                   combine  bf16 [M][K][H]        expert outputs pushed back to their home
+                  stage    what this rank puts to other nodes (staging=True only, the nvshmem
+                           backend: a NIC reads symmetric memory): dispatch messages [M][K],
+                           or combine rows [E_local][R*M] of 2H bytes
 
-Sizes are computed once here; ``Buffer.get_low_latency_rdma_size_hint`` uses
-:func:`low_latency_bytes`.
+The normal halves are left out with ``normal=False`` (the nvshmem backend's low-latency region:
+its normal mode has its own workspace). Sizes are computed once here;
+``Buffer.get_low_latency_rdma_size_hint`` uses :func:`low_latency_bytes`.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ FP_LL_DISPATCH = 1
 FP_LL_COMBINE = 2
 NUM_FP_SETS = 3
 FINGERPRINTS_OFFSET = 32 * 1024
+SPARE_WORD = FINGERPRINTS_OFFSET - 64  # a scratch int64 of symmetric memory (nvshmem's masked-off signals)
 FP_ROW_BYTES = 32
 FLAGS_BYTES = 64 * 1024  # flags and fingerprints
 NOTIFY_BYTES = 256 * 1024
@@ -61,6 +66,7 @@ class LowLatencyLayout:
     counts: int
     recv: int
     combine: int
+    stage: int  # 0 without staging
 
 
 def ll_message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Tuple[int, int, int]:
@@ -70,33 +76,48 @@ def ll_message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Tuple[int, 
     return x_bytes, scale_words, msg_bytes
 
 
-def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int, msg_bytes: int) -> Tuple[int, int]:
-    """(bytes one half needs, offset of the combine slots) for this call shape."""
+def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int, msg_bytes: int,
+                  staging: bool = False) -> Tuple[int, int, int]:
+    """(bytes one half needs, offset of the combine slots, offset of the staging area or 0) for
+    this call shape. The staging area is as large as the receive slots: it holds M*K <= E*M
+    messages, or E*M rows of 2H <= msg_bytes."""
     counts = align(num_experts * 8)
     recv = align(num_experts * max_tokens * msg_bytes)
-    return counts + recv + align(max_tokens * num_topk * hidden * 2), counts + recv
+    combine = align(max_tokens * num_topk * hidden * 2)
+    stage = recv if staging else 0
+    return counts + recv + combine + stage, counts + recv, counts + recv + combine if staging else 0
 
 
 def low_latency_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """``num_rdma_bytes`` low-latency mode needs (both halves; BF16-sized messages, so FP8 fits,
-    and combine slots for up to LL_MAX_TOPK experts per token)."""
+    combine slots for up to LL_MAX_TOPK experts per token, and the staging area of the nvshmem
+    backend — unused on nvlink, which keeps the same hint for both)."""
     _, _, msg_bytes = ll_message_bytes(hidden, False, False)
-    half, _ = ll_half_bytes(num_experts, max_tokens, hidden, LL_MAX_TOPK, msg_bytes)
+    half, _, _ = ll_half_bytes(num_experts, max_tokens, hidden, LL_MAX_TOPK, msg_bytes, staging=True)
     return 2 * (half + ALIGN)
 
 
 class Workspace:
-    """Allocates and rendezvouses the symmetric buffer; collective over ``group``."""
+    """The layout over one symmetric allocation per rank; collective over ``group``.
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0):
-        import torch.distributed._symmetric_memory as symm_mem
+    Args:
+        memory: where the bytes are: ``(buffer, bases, barrier)`` — this rank's uint8 tensor of at
+            least :meth:`size_for` bytes, ``[R]`` int64 device tensor of every rank's base where
+            this GPU can store to it (0 where not), and a collective host barrier. Default:
+            PyTorch symmetric memory on ``group`` (NVLink).
+        normal: reserve normal mode's halves (False: low-latency only).
+        staging: reserve low-latency staging for puts to other nodes (the nvshmem backend).
+    """
 
-        self.rank = dist.get_rank(group)
-        self.num_ranks = R = dist.get_world_size(group)
-        max_ranks = min(FINGERPRINTS_OFFSET // (8 * NUM_FLAG_SETS),
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
+                 memory=None, normal: bool = True, staging: bool = False, rank: int = None, num_ranks: int = None):
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.num_ranks = R = dist.get_world_size(group) if num_ranks is None else num_ranks
+        max_ranks = min(SPARE_WORD // (8 * NUM_FLAG_SETS),
                         (FLAGS_BYTES - FINGERPRINTS_OFFSET) // (NUM_FP_SETS * 2 * FP_ROW_BYTES))
         if R > max_ranks:
-            raise EPError(f"the nvlink backend supports at most {max_ranks} ranks")
+            raise EPError(f"the nvlink workspace supports at most {max_ranks} ranks")
+        self.staging = staging
         # normal-mode halves
         self.row_cap = NOTIFY_BYTES // (4 * R)
         self.list_cap = LISTS_BYTES // (4 * R)
@@ -106,24 +127,34 @@ class Workspace:
         self.lists_offset = self.normal_offset + NOTIFY_BYTES
         self.payload_offset = self.normal_offset + NOTIFY_BYTES + LISTS_BYTES
         self.payload_bytes = align(max(num_nvl_bytes, 0) // 2)
-        self.normal_half_bytes = NOTIFY_BYTES + LISTS_BYTES + self.payload_bytes
+        self.normal_half_bytes = NOTIFY_BYTES + LISTS_BYTES + self.payload_bytes if normal else 0
         # low-latency halves
         self.ll_offset = self.normal_offset + 2 * self.normal_half_bytes
         self.ll_half = (max(num_ll_bytes, 0) // 2 - ALIGN) // ALIGN * ALIGN if num_ll_bytes >= 4 * ALIGN else 0
         self.size = self.ll_offset + 2 * self.ll_half
         self._ll_layouts: Dict[Tuple, LowLatencyLayout] = {}
 
-        self.buffer = symm_mem.empty(self.size, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        if memory is None:
+            memory = _symmetric_memory(group, device, self.size)
+        self._memory = memory  # keeps what the allocation needs alive (a rendezvous handle)
+        buffer, self.bases, barrier = memory
+        self.buffer = buffer[:self.size]
         self.local_base = self.buffer.data_ptr()
+        self.spare_word = self.local_base + SPARE_WORD
         # Flags, fingerprints and low-latency count words start at zero everywhere before anyone
         # signals.
         self.buffer[:FLAGS_BYTES].zero_()
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+        barrier()
+
+    @staticmethod
+    def size_for(num_ranks: int, num_nvl_bytes: int, num_ll_bytes: int, normal: bool = True) -> int:
+        """Bytes of the allocation a workspace of these sizes carves (what ``memory`` must hold)."""
+        normal_half = NOTIFY_BYTES + LISTS_BYTES + align(max(num_nvl_bytes, 0) // 2) if normal else 0
+        ll_half = (max(num_ll_bytes, 0) // 2 - ALIGN) // ALIGN * ALIGN if num_ll_bytes >= 4 * ALIGN else 0
+        return FLAGS_BYTES + 2 * normal_half + 2 * ll_half
 
     def fingerprint_set(self, fp_set: int) -> int:
         """Bytes from a workspace base to fingerprint set ``fp_set`` (its half 0, row 0)."""
@@ -164,12 +195,12 @@ class Workspace:
             x_bytes, scale_words, msg_bytes = ll_message_bytes(hidden, use_fp8, use_ue8m0)
             # the dispatch part is sized for BF16 messages so both formats share one layout
             _, _, bf16_msg = ll_message_bytes(hidden, False, False)
-            need, combine = ll_half_bytes(num_experts, max_tokens, hidden, num_topk, bf16_msg)
+            need, combine, stage = ll_half_bytes(num_experts, max_tokens, hidden, num_topk, bf16_msg, self.staging)
             if need > self.ll_half:
                 raise EPInputError("num_max_dispatch_tokens_per_rank",
                                    f"low-latency mode needs num_rdma_bytes >= {2 * (need + ALIGN)} for M={max_tokens}, "
                                    f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * (self.ll_half + ALIGN)})")
-            layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(num_experts * 8), combine)
+            layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(num_experts * 8), combine, stage)
             self._ll_layouts[key] = layout
         return layout
 
@@ -180,3 +211,12 @@ class Workspace:
         """Zero the low-latency count words (after all ranks stopped using them)."""
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
+
+
+def _symmetric_memory(group: dist.ProcessGroup, device: torch.device, size: int):
+    """PyTorch symmetric memory (its default backend) on ``group``: ``(buffer, bases, barrier)``."""
+    import torch.distributed._symmetric_memory as symm_mem
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    return buffer, bases, lambda _handle=handle: dist.barrier(group=group)

@@ -17,7 +17,13 @@ Launches per call (C channels of contiguous tokens, ``C = config.num_sms // 2``)
 
 plus, in a full dispatch, the torch ops of the two-level send layout (hierarchy.send_layout: node
 membership, in-node masks, channel prefix matrices) and the per-node token lists (rows.node_tokens).
-Low-latency mode is not built on this backend yet: Buffer picks ``torch_dist`` for it.
+
+Low-latency mode runs the single-node kernels (nvlink/low_latency.py) with ``REMOTE`` set: each
+message goes straight to its expert's rank — by NVLink stores within the node, staged and put by
+NVSHMEM to other nodes (nvlink/reach.py). Its workspace (nvlink/workspace.py, ``staging=True``)
+is a second region of the same symmetric allocation, after the normal-mode one, so both modes
+can be used on one Buffer; its epochs live on the device, so its calls can be captured in CUDA
+graphs (normal-mode calls cannot: their step barrier counts epochs on the host).
 """
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ from ...hierarchy import Topology, channel_bounds, send_layout
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..nvlink import agreement
 from ..nvlink.copy import for_word_copies
+from ..nvlink.low_latency import LowLatencyMode
+from ..nvlink.reach import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
+from ..nvlink.workspace import ALIGN, Workspace
 from ..nvlink.normal import copy_block_shape
 from ..nvlink.launch import current_stream
 from ..nvlink.sync import ARRIVE_NOTIFY, HostMailbox, check_host_mapping, device_state
@@ -44,6 +53,7 @@ from .transport import NvshmemTransport, Transport
 from .workspace import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
 
 MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count words for
+LOOPBACK_LL_PROGRAMS = 8  # the loopback tests' low-latency receive programs (all ranks share one GPU)
 COPY_WARPS = 16  # the row-moving kernels keep many bytes in flight per program (as on nvlink)
 
 
@@ -102,25 +112,34 @@ class NvshmemBackend(Backend):
 
     Args:
         group: the ranks (None with a loopback ``transport``).
-        num_rdma_bytes: bytes of the symmetric workspace of each rank
+        num_rdma_bytes: bytes of the normal-mode workspace of each rank
             (:func:`workspace.bytes_for_tokens` says what a batch needs).
-        transport: where the workspaces are (default: NVSHMEM symmetric memory on ``group``).
+        num_ll_bytes: bytes of the low-latency workspace (0: no low-latency mode;
+            ``Buffer.get_low_latency_rdma_size_hint`` sizes it). The allocation holds both regions.
+        transport: where the workspaces are (default: NVSHMEM symmetric memory on ``group``, of
+            :meth:`allocation_bytes`); a loopback transport's buffers must be that large too.
+        ll_ranks_per_node: the nodes of low-latency mode, whose ranks reach each other by stores
+            (default ``ranks_per_node``; 1 sends everything through NVSHMEM, DeepEP's
+            ``allow_nvlink_for_low_latency_mode=False``).
     """
 
     name = "nvshmem"
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
-                 ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None):
+                 ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
+                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
                                                      "epcomm.backends.nvshmem.workspace.bytes_for_tokens sizes it)")
-            transport = NvshmemTransport(group, device, num_rdma_bytes)
+            transport = NvshmemTransport(group, device,
+                                         self.allocation_bytes(num_rdma_bytes, num_ll_bytes, dist.get_world_size(group)))
         self.group, self.device = group, device
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
         self.topology = Topology(self.num_ranks, ranks_per_node)
         self.t = transport
-        self.total_bytes = transport.buffer.numel()
+        ll_region = self._ll_region_bytes(num_ll_bytes, self.num_ranks)
+        self.total_bytes = transport.buffer.numel() - ll_region  # the normal-mode region, first
         self.pre = preamble(self.num_ranks, ranks_per_node)
         self.base = transport.buffer.data_ptr()
         self.peer_bases = transport.peer_bases.data_ptr()
@@ -137,6 +156,31 @@ class NvshmemBackend(Backend):
         self._dispatch_plans = {}
         self._combine_plans = {}
         self._bounds = {}
+        self.low_latency = None
+        if num_ll_bytes:
+            self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
+            self.ll_ws = self._ll_workspace(num_ll_bytes, ll_region)
+            self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
+                                              *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0)
+
+    @staticmethod
+    def _ll_region_bytes(num_ll_bytes: int, num_ranks: int) -> int:
+        return Workspace.size_for(num_ranks, 0, num_ll_bytes, normal=False) + ALIGN if num_ll_bytes else 0
+
+    @classmethod
+    def allocation_bytes(cls, num_rdma_bytes: int, num_ll_bytes: int, num_ranks: int) -> int:
+        """Bytes of symmetric memory per rank: the normal-mode region, then the low-latency one."""
+        return num_rdma_bytes + cls._ll_region_bytes(num_ll_bytes, num_ranks)
+
+    def _ll_workspace(self, num_ll_bytes: int, ll_region: int) -> Workspace:
+        """The low-latency workspace over the allocation's last ``ll_region`` bytes (256-aligned)."""
+        start = (self.total_bytes + ALIGN - 1) // ALIGN * ALIGN
+        bases = self.t.peer_bases
+        ll_bases = torch.where(bases != 0, bases + start, torch.zeros_like(bases))  # 0: not mapped here
+        # (loopback ranks are built one after another in one thread: no barrier among them here)
+        barrier = (lambda: None) if self.loopback else self.t.barrier
+        return Workspace(None, self.device, 0, num_ll_bytes, memory=(self.t.buffer[start:], ll_bases, barrier),
+                         normal=False, staging=True, rank=self.rank, num_ranks=self.num_ranks)
 
     # ------------------------------------------------------------------ per call
     def raise_pending(self) -> None:
@@ -156,6 +200,9 @@ class NvshmemBackend(Backend):
         if error is None:
             return
         fp0, fp1 = agreement.abort_words(error.argument)
+        if self.low_latency is not None:  # the low-latency waits end too
+            agreement.launch_abort(self.ll_ws, self.state, self.low_latency.num_experts_seen, error.argument,
+                                   self.device, *self._ll_reach)
         step_kernels.ABORT.bind(num_warps=4, LOOPBACK=self.loopback).launch(
             self.num_ranks, 1, current_stream(self.device.index), self.peer_bases, self.base, self.pre.step_rows,
             self.pre.fingerprint, self.pre.notify_signals, self.pre.dispatch_signals, self.pre.push_flags,
@@ -412,13 +459,28 @@ class NvshmemBackend(Backend):
                            crow.row_bytes, crow.weights, layout.token_cap, C)
         return combined, combined_w
 
-    # ------------------------------------------------------------------ low-latency mode (not here yet)
-    def _no_low_latency(self, *_args):
-        raise EPError("low-latency mode is not built on the nvshmem backend yet; a Buffer with "
-                      "low_latency_mode=True across nodes runs on torch_dist (backend='torch_dist')")
+    # ------------------------------------------------------------------ low-latency mode
+    def _low_latency(self) -> LowLatencyMode:
+        if self.low_latency is None:
+            raise EPError("this nvshmem backend has no low-latency workspace: make the Buffer with "
+                          "low_latency_mode=True and num_rdma_bytes from get_low_latency_rdma_size_hint")
+        return self.low_latency
 
-    check_low_latency_dispatch = check_low_latency_combine = _no_low_latency
-    low_latency_dispatch = low_latency_combine = _no_low_latency
+    def check_low_latency_dispatch(self, args) -> None:
+        self._low_latency().check_dispatch(args)
+
+    def check_low_latency_combine(self, args) -> None:
+        self._low_latency().check_combine(args)
+
+    def low_latency_dispatch(self, args):
+        return self._low_latency().dispatch(args)
+
+    def low_latency_combine(self, args):
+        return self._low_latency().combine(args)
+
+    def clean_low_latency(self) -> None:
+        """Collective: reset every low-latency epoch, count word and flag (LowLatencyMode.reset)."""
+        self._low_latency().reset(self.t.barrier)
 
     def destroy(self) -> None:
         self.t = None

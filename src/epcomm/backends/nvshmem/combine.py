@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
-from ..nvlink.sync import load_acquire_sys, mailbox_words, poll_epochs, report_late, store_release_sys
+from ..nvlink.sync import mailbox_words, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
 from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hop2_program
 

@@ -10,6 +10,7 @@ present; these also compile on a CPU machine, for the compile tests):
     put_signal(dst, src, nbytes, signal, value, op, pe)   nvshmemx_putmem_signal_block: the data, then
                                                           the signal word on pe (seeing it => seeing data)
     put(dst, src, nbytes, pe)                             nvshmemx_putmem_block
+    put_nbi(dst, src, nbytes, pe)                         nvshmemx_putmem_nbi_block (complete at quiet)
     signal(signal, value, op, pe)                         nvshmemx_signal_op
     fence() / quiet()                                     order / complete this PE's puts
 
@@ -60,6 +61,13 @@ def _putmem_block(dst, src, nbytes, pe, _semantic=None):
 
 
 @core.extern
+def _putmem_nbi_block(dst, src, nbytes, pe, _semantic=None):
+    return core.extern_elementwise("", "", [dst, src, nbytes, pe],
+                                   {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
+                                   is_pure=False, _semantic=_semantic)
+
+
+@core.extern
 def _signal_op(signal, value, op, pe, _semantic=None):
     return core.extern_elementwise("", "", [signal, value, op, pe],
                                    {(_I64, _U64, _I32, _I32): ("nvshmemx_signal_op", _I32)},
@@ -95,6 +103,14 @@ def put(dst, src, nbytes, pe):
 
 
 @triton.jit
+def put_nbi(dst, src, nbytes, pe):
+    """Block-scoped non-blocking put: ``src`` may be reused, and the bytes are at ``pe``, only
+    after :func:`quiet`."""
+    return _putmem_nbi_block(tl.cast(dst, tl.int64), tl.cast(src, tl.int64), tl.cast(nbytes, tl.int64),
+                             tl.cast(pe, tl.int32))
+
+
+@triton.jit
 def signal(signal_word, value, op, pe):
     """``op`` of ``value`` on the int64 word ``signal_word`` on ``pe`` (after a fence: after the puts)."""
     return _signal_op(tl.cast(signal_word, tl.int64), tl.cast(value, tl.uint64), tl.cast(op, tl.int32),
@@ -120,16 +136,9 @@ def deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, LOOP
     in this process; the block copies the bytes there with plain stores, runs a CTA barrier and
     RELEASEs the signal (st.release.sys by every thread, as in nvlink/sync.py)."""
     if LOOPBACK:
-        shift = tl.load(peer_bases_ptr + pe) - tl.load(peer_bases_ptr + rank)
-        src_words = tl.cast(src, tl.int64).to(tl.pointer_type(tl.int32))
-        dst_words = (tl.cast(dst, tl.int64) + shift).to(tl.pointer_type(tl.int32))
-        words = tl.cast(nbytes, tl.int64) // 4
-        lanes = tl.arange(0, BLOCK)
-        for first in range(0, words, BLOCK):
-            i = first + lanes
-            tl.store(dst_words + i, tl.load(src_words + i, mask=i < words), mask=i < words)
+        _loopback_copy(dst, src, nbytes, pe, peer_bases_ptr, rank, BLOCK)
         tl.debug_barrier()  # every thread's stores precede the release
-        address = tl.cast(signal_word, tl.int64) + shift
+        address = tl.cast(signal_word, tl.int64) + _loopback_shift(peer_bases_ptr, pe, rank)
         tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
                                   [address, tl.cast(value, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
     else:
@@ -138,6 +147,68 @@ def deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, LOOP
             put_signal(dst, src, nbytes, signal_word, value, SIGNAL_SET, pe)
         else:
             signal(signal_word, value, SIGNAL_SET, pe)
+
+
+@triton.jit
+def _loopback_shift(peer_bases_ptr, pe, rank):
+    """Bytes from this rank's workspace to ``pe``'s (loopback: every workspace is in this process)."""
+    return tl.load(peer_bases_ptr + pe) - tl.load(peer_bases_ptr + rank)
+
+
+@triton.jit
+def _loopback_copy(dst, src, nbytes, pe, peer_bases_ptr, rank, BLOCK: tl.constexpr):
+    """A put done with the block's plain stores into ``pe``'s workspace (``nbytes`` % 4 == 0)."""
+    src_words = tl.cast(src, tl.int64).to(tl.pointer_type(tl.int32))
+    dst_words = (tl.cast(dst, tl.int64) + _loopback_shift(peer_bases_ptr, pe, rank)).to(tl.pointer_type(tl.int32))
+    words = tl.cast(nbytes, tl.int64) // 4
+    lanes = tl.arange(0, BLOCK)
+    for first in range(0, words, BLOCK):
+        i = first + lanes
+        tl.store(dst_words + i, tl.load(src_words + i, mask=i < words), mask=i < words)
+
+
+@triton.jit
+def send_bytes(dst, src, nbytes, pe, peer_bases_ptr, rank, LOOPBACK: tl.constexpr, BLOCK: tl.constexpr = 1024):
+    """Block-scoped: start moving ``nbytes`` (a multiple of 4) from ``src`` (local, symmetric) to
+    ``dst`` on ``pe`` (this rank's address of symmetric memory). Complete — ``src`` reusable, the
+    bytes at ``pe`` — after :func:`complete_sends`; a later signal (:func:`set_words`) then
+    publishes them. Call after a CTA barrier that orders the program's writes of ``src``: each
+    thread fences at system scope first (a NIC reads ``src`` through memory). LOOPBACK: the
+    block's plain stores into ``pe``'s workspace (complete at once; the release of the signal
+    covers them)."""
+    if LOOPBACK:
+        _loopback_copy(dst, src, nbytes, pe, peer_bases_ptr, rank, BLOCK)
+    else:
+        _fence_sys()
+        put_nbi(dst, src, nbytes, pe)
+
+
+@triton.jit
+def complete_sends(LOOPBACK: tl.constexpr):
+    """Every :func:`send_bytes` (and :func:`set_words`) this program issued has landed at its PE."""
+    if not LOOPBACK:
+        quiet()
+    tl.debug_barrier()
+
+
+@triton.jit
+def set_words(words, values, pes, live, spare_word, peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
+    """Lane-wise: SET the int64 word ``words`` (this rank's symmetric addresses) on ``pes`` to
+    ``values`` where ``live`` — after :func:`complete_sends`, a signal that publishes the bytes
+    sent before it. Dead lanes SET ``spare_word`` (a scratch word of this rank's symmetric memory)
+    instead: a device function call cannot be masked. Lanes are one thread each when the tensor has
+    at least as many elements as the program has threads; otherwise threads repeat a SET of the
+    same value (harmless). LOOPBACK: a release store into ``pes``' workspace (nvlink/sync.py's
+    pattern: one system fence, then relaxed stores)."""
+    if LOOPBACK:
+        shift = tl.load(peer_bases_ptr + pes, mask=live, other=0) - tl.load(peer_bases_ptr + rank)
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                  [tl.where(live, words + shift, spare_word), values.to(tl.int64)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        signal(tl.where(live, words, spare_word), values, SIGNAL_SET, tl.where(live, pes, rank))
 
 
 class NvshmemLibrary(DeviceLibrary):
