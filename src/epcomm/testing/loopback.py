@@ -64,7 +64,7 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
         with torch.cuda.stream(torch.cuda.Stream(device)):
             try:
                 results[rank] = fn(rank, backends[rank])
-                torch.cuda.current_stream(device).synchronize()
+                wait_stream(device)
             except BaseException as exc:  # reported to the caller below
                 errors[rank] = exc
 
@@ -81,6 +81,17 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
         words = "\n".join(signal_words(backend) for backend in backends)
         raise RuntimeError(f"loopback ranks failed: {shown}\nsignal words after the failure:\n{words}") from first[1]
     return results
+
+
+def wait_stream(device: torch.device) -> None:
+    """Wait for this thread's current stream without holding the GIL: a rank that blocks in a
+    synchronising call that keeps the GIL (``tolist()`` does) stops the other ranks' threads from
+    launching the kernels its own spinning kernels wait for — the waits then time out."""
+    import time
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    while not done.query():
+        time.sleep(1e-4)
 
 
 def signal_words(backend: NvshmemBackend) -> str:
@@ -153,7 +164,7 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         bias = tuple(b.to(device) for b in biases[rank])
         backend.check_combine(y, handle, result.recv_topk_weights, bias)
         combined, combined_w = backend.combine(y, handle, result.recv_topk_weights, bias, config)
-        torch.cuda.current_stream(device).synchronize()  # the kernels' reports land in the mailbox
+        wait_stream(device)  # the kernels' reports land in the mailbox
         backend.raise_pending()
         return dict(recv_x=_cpu(result.recv_x), recv_topk_idx=_cpu(result.recv_topk_idx),
                     recv_topk_weights=_cpu(result.recv_topk_weights), recv_src_idx=_cpu(handle.recv_src_idx),
@@ -228,45 +239,57 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
     def rank_body(rank: int, backend: NvshmemBackend):
         mask = torch.zeros(R, dtype=torch.int32, device=device)
         stats = torch.zeros(num_local, dtype=torch.int32, device=device)
-        wait_stats = torch.zeros(R, dtype=torch.int64, device=device)
         results = []
         for r, (xs, topks, weights) in enumerate(routings):
             hook = r % 2 == 1
             x, topk = xs[rank].to(device), topks[rank].to(device)
+            wait_stats = torch.zeros(R, dtype=torch.int64, device=device)
+            combine_wait_stats = torch.zeros(R, dtype=torch.int64, device=device)
             args = LowLatencyDispatchArgs(x, topk, M, E, use_fp8, round_scale, use_ue8m0, stats, wait_stats, hook,
                                           mask)
             backend.check_low_latency_dispatch(args)
             recv_x, recv_count, handle, receive = backend.low_latency_dispatch(args)
             if receive is not None:
                 receive()
-            counts = recv_count.tolist()
-            expert_out = torch.zeros((num_local, R * M, hidden), dtype=torch.bfloat16, device=device)
-            for e, n in enumerate(counts):
-                rows = fp8.per_token_cast_back(recv_x[0][e, :n], recv_x[1][e, :n], torch.float32) if use_fp8 else \
-                    recv_x[e, :n].float()
-                expert_out[e, :n] = expert_fn(torch.full((n,), rank * num_local + e, device=device), rows).to(
-                    torch.bfloat16)
-            got = dict(recv_x=tuple(t.cpu() for t in recv_x) if use_fp8 else recv_x.cpu(), recv_count=recv_count.cpu(),
-                       src_info=handle.recv_src_info.cpu(), layout=handle.recv_layout_range.cpu())
-            cargs = LowLatencyCombineArgs(expert_out, topk, weights[rank].to(device), handle, None, None, hook, mask)
+            # The experts, without a host sync (wait_stream says why): every slot, the empty ones zeroed.
+            rows = fp8.per_token_cast_back(recv_x[0], recv_x[1], torch.float32) if use_fp8 else recv_x.float()
+            experts = rank * num_local + torch.arange(num_local, device=device)
+            valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
+            expert_out = torch.where(valid[..., None], expert_fn(experts.repeat_interleave(R * M),
+                                                                 rows.reshape(-1, hidden)).reshape(rows.shape),
+                                     0.0).to(torch.bfloat16)
+            # (the handle's tensors and recv_count are reused two dispatches later: keep copies)
+            got = dict(recv_x=recv_x, recv_count=recv_count.clone(), src_info=handle.recv_src_info.clone(),
+                       layout=handle.recv_layout_range.clone())
+            cargs = LowLatencyCombineArgs(expert_out, topk, weights[rank].to(device), handle, None, combine_wait_stats,
+                                          hook, mask)
             backend.check_low_latency_combine(cargs)
             combined, receive = backend.low_latency_combine(cargs)
             if receive is not None:
                 receive()
-            got["combined"] = combined.cpu()
+            got["combined"] = combined
+            got["waits"] = (wait_stats, combine_wait_stats)
             results.append(got)
-        torch.cuda.current_stream(device).synchronize()
+        wait_stream(device)
         backend.raise_pending()
-        return dict(rounds=results, stats=stats.cpu(), mask=mask.cpu())
+        results = [{key: _cpu(value) for key, value in got.items()} for got in results]
+        for got in results:
+            got["waits"] = tuple(w.tolist() for w in got["waits"])
+        return dict(rounds=results, stats=stats.cpu(), mask=mask.cpu(), words=low_latency_words(backend, E))
 
     what = f"low-latency case seed={seed} {scenario} R={R} k={ranks_per_node} fp8={use_fp8}"
     try:
-        got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, device=device, warm=warm, num_ll_bytes=num_ll_bytes,
-                        ll_ranks_per_node=ll_ranks_per_node)
+        got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=5.0, device=device, warm=warm,
+                        num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node)
     except RuntimeError as err:
         raise RuntimeError(f"{what}: {err}") from err
+    if any(got[rank]["mask"].any() for rank in range(R)):
+        waits = "\n".join(f"rank {rank} round {r}: wait ns (dispatch, combine) per source {mine['waits']}"
+                          for rank in range(R) for r, mine in enumerate(got[rank]["rounds"]))
+        words = "\n".join(got[rank]["words"] for rank in range(R))
+        masks = [got[rank]["mask"].tolist() for rank in range(R)]
+        raise AssertionError(f"{what}: ranks masked (a wait timed out), masks by rank {masks}\n{waits}\n{words}")
     for rank in range(R):
-        assert not got[rank]["mask"].any(), f"{what} rank {rank}: ranks masked {got[rank]['mask'].tolist()}"
         total = torch.zeros(num_local, dtype=torch.int32)
         for r, (xs, topks, weights) in enumerate(routings):
             mine = got[rank]["rounds"][r]
@@ -286,6 +309,26 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
             torch.testing.assert_close(mine["combined"], want, rtol=2e-2, atol=2e-2,
                                        msg=lambda m: f"{what} round {r} rank {rank} combine: {m}")
         assert torch.equal(got[rank]["stats"], total), f"{what} rank {rank} cumulative stats"
+
+
+def low_latency_words(backend: NvshmemBackend, num_experts: int) -> str:
+    """One rank's low-latency epochs, combine flags and count words (both halves; nonzero ones as
+    source:local expert=epoch/messages): what a timed-out wait read."""
+    from ..backends.nvlink import sync
+    ws, R = backend.ll_ws, backend.num_ranks
+    state = backend.state.cpu().tolist()
+    words = ws.buffer.view(torch.int64)
+    flags = words[sync.FLAGS_LL_COMBINE * R:(sync.FLAGS_LL_COMBINE + 1) * R].tolist()
+    parts = [f"rank {backend.rank} epochs dispatch {state[sync.EPOCH_LL_DISPATCH]} combine "
+             f"{state[sync.EPOCH_LL_COMBINE]} halves {state[sync.LL_DISPATCH_HALF_EPOCH:sync.LL_DISPATCH_HALF_EPOCH + 2]}"
+             f" {state[sync.LL_COMBINE_HALF_EPOCH:sync.LL_COMBINE_HALF_EPOCH + 2]}; combine flags {flags}"]
+    num_local = num_experts // R
+    for half in (0, 1):
+        start = ws.ll_half_offset(half) // 8
+        counts = words[start:start + num_experts].tolist()
+        shown = " ".join(f"{i // num_local}:{i % num_local}={c >> 32}/{c & 0xFFFFFFFF}" for i, c in enumerate(counts))
+        parts.append(f"half {half} counts {shown}")
+    return "; ".join(parts)
 
 
 class _HandleView:
