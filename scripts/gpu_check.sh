@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: environment info, the GPU test suite, the demo, then both benchmarks
-# and normal mode on virtual nodes (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
+# and both modes on virtual nodes (tables last). Logs and JSON/PNG go to $OUT (default ./out). If a DeepEP wheel was carried into
 # .peers/ (a DeepEP V1 wheel built for the GPU machine), the benchmarks run it side by side (--peer deep_ep).
 # Extra arguments go to `epcomm bench normal`.
 set -uo pipefail
@@ -27,5 +27,9 @@ mkdir -p "$OUT/virtual_nodes"
 python3 -m epcomm bench normal --ranks-per-node 1 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_progress.log" \
   | tee "$OUT/bench_normal_virtual_nodes.txt"
 vn_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc bench virtual nodes rc=$vn_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ] && [ "$vn_rc" = 0 ]
+python3 -m epcomm bench low-latency --ranks-per-node 1 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_ll_progress.log" \
+  | tee "$OUT/bench_low_latency_virtual_nodes.txt"
+vn_ll_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench normal rc=$bench_rc bench low-latency rc=$ll_rc bench virtual nodes rc=$vn_rc" \
+  "low-latency rc=$vn_ll_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$ll_rc" = 0 ] && [ "$vn_rc" = 0 ] && [ "$vn_ll_rc" = 0 ]

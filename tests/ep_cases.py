@@ -352,14 +352,15 @@ def gpu_timeout_names_peer():
     return "no error"
 
 
-def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048):
+def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ranks_per_node=None):
     """Dispatch + stand-in expert + combine captured in one CUDA graph; each replay on fresh inputs
     (copied into the captured tensors) matches the reference."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device())
     num_experts, M, K = 8 * R, 64, 4
     size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
-    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
+                           ranks_per_node=ranks_per_node)
     x = torch.zeros(M, hidden, dtype=torch.bfloat16, device=dev)
     topk = torch.zeros(M, K, dtype=torch.int64, device=dev)
     weights = torch.zeros(M, K, dtype=torch.float32, device=dev)

@@ -57,9 +57,11 @@ def test_rounds_when_batch_exceeds_buffer(gpu_pool):
 @needs_peers
 @pytest.mark.parametrize("world_size,ranks_per_node", [(n, k) for n in WORLD_SIZES for k in (1, 2) if n > k])
 def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
-    """The multi-node backend on virtual nodes (NVSHMEM puts between them): the routings, sizes,
-    FP8 and num_worst_tokens of the tests above against torch_dist, then repeated calls. Its own
-    worker processes: NVSHMEM becomes their symmetric-memory backend for good."""
+    """The multi-node backend on virtual nodes (NVSHMEM puts between them): normal mode with the
+    routings, sizes, FP8 and num_worst_tokens of the tests above against torch_dist, repeated
+    calls; low-latency mode against the reference (formats, hooks, zero-copy) and in a CUDA graph.
+    Its own worker processes: NVSHMEM becomes their symmetric-memory backend for good."""
+    from epcomm import Buffer
     pool = WorkerPool(world_size, backend="nccl")
     try:
         configs = SCENARIO_CONFIGS + EDGE_CONFIGS
@@ -68,6 +70,13 @@ def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
         repeated = [("uniform", 512, 2048, False, False), ("holes", 256, 2048, True, False)]
         n = pool.run(ep_cases.gpu_normal_against_reference, repeated, 0, 10, ranks_per_node, timeout_s=600)
         assert n == [20] * world_size
+        for hidden, cases in ((2048, 16), (7168, 6)):
+            size = Buffer.get_low_latency_rdma_size_hint(128, hidden, world_size, 8 * world_size)
+            n = pool.run(ep_cases.low_latency_sweep, cases, 400, hidden, 8, 128, "cuda", size, False, "nvshmem",
+                         ranks_per_node, timeout_s=600)
+            assert n == [cases] * world_size
+        assert pool.run(ep_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", ranks_per_node,
+                        timeout_s=300) == [4] * world_size
     finally:
         pool.close()
 

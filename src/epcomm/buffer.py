@@ -163,7 +163,8 @@ class Buffer:
                                        num_ranks: int, num_experts: int) -> int:
         """Bytes of ``num_rdma_bytes`` low-latency mode needs: two halves, each holding the count
         matrix ``[R, E]``, the receive slots ``[E_local][R][M]`` of one message per (token, expert)
-        (BF16-sized, so FP8 fits too) and the combine slots ``[M][K]`` for up to 32 experts per token."""
+        (BF16-sized, so FP8 fits too), the combine slots ``[M][K]`` for up to 32 experts per token,
+        and (used across nodes, on nvshmem) a staging area as large as the receive slots."""
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)

@@ -190,14 +190,18 @@ def _to_cpu(value):
 
 
 def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_topk: int = 4, max_tokens: int = 24,
-                      device: str = "cpu", num_rdma_bytes: int = 0, unusual: bool = False):
+                      device: str = "cpu", num_rdma_bytes: int = 0, unusual: bool = False, backend=None,
+                      ranks_per_node=None):
     """Randomized low-latency dispatch + combine against the reference, all formats and call styles.
-    On ``device="cuda"`` the group's GPU backend runs and results are compared on the CPU.
-    ``unusual``: also duplicate experts in a token's top-k (at most M/2 tokens, so no
-    (expert, source) receives more than M messages) and NaN/inf rows (the fuzz)."""
+    On ``device="cuda"`` the group's GPU backend runs (or ``backend`` on nodes of ``ranks_per_node``)
+    and results are compared on the CPU. ``unusual``: also duplicate experts in a token's top-k (at
+    most M/2 tokens, so no (expert, source) receives more than M messages) and NaN/inf rows (the fuzz)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True, backend=backend,
+                           ranks_per_node=ranks_per_node)
+    if backend is not None:
+        assert buffer.backend_name == backend
     for case in range(num_cases):
         seed = seed0 + case
         rng = random.Random(seed)

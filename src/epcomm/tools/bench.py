@@ -104,19 +104,21 @@ class NCCLBaseline:
 
 
 def _rank0_table(title: str, rows: List[Dict], systems: List[str]) -> str:
-    """call | per system host/gpu/synced | epcomm ÷ peer per figure."""
+    """call | per system host/gpu/synced | epcomm ÷ the second system (the peer, or nvlink beside
+    virtual nodes) per figure."""
     lines = [title, "# µs, rank 0; host / gpu / synced (docs/PERFORMANCE.md)"]
     header = f"{'call':<28}" + "".join(f" {s + ' h/g/s':>24}" for s in systems)
-    if "deep_ep" in systems:
-        header += f" {'epcomm÷deep_ep h/g/s':>22}"
+    other = next((s for s in ("deep_ep", "nvlink") if s in systems), None)
+    if other:
+        header += f" {'epcomm÷' + other + ' h/g/s':>22}"
     lines.append(header)
     for row in rows:
         line = f"{row['call']:<28}"
         for s in systems:
             f = row.get(s)
             line += f" {'-':>24}" if f is None else f" {f['host'] * 1e6:7.0f} /{f['gpu'] * 1e6:7.0f} /{f['synced'] * 1e6:6.0f}"
-        if "deep_ep" in systems:
-            e, d = row.get("epcomm"), row.get("deep_ep")
+        if other:
+            e, d = row.get("epcomm"), row.get(other)
             line += f" {'-':>22}" if not (e and d) else \
                 f" {e['host'] / d['host']:6.2f} /{e['gpu'] / d['gpu']:6.2f} /{e['synced'] / d['synced']:6.2f}"
         lines.append(line)
@@ -311,6 +313,7 @@ class LowLatencyBenchSettings:
     reps: int = 50
     peer: Optional[str] = None
     seed: int = 0
+    ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node (issue 14)
 
 
 def _ll_expert_out(recv):
@@ -364,9 +367,19 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     T, H, K, E = settings.tokens, settings.hidden, settings.num_topk, settings.num_experts
-    buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True,
-                                       num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E))}
-    peer = load_peer(settings.peer)
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    checks: Dict[str, bool] = {}
+    if settings.ranks_per_node:  # multi-node on virtual nodes, and the one-node backend beside it
+        buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
+                                           backend="nvshmem", ranks_per_node=settings.ranks_per_node)}
+        try:  # after NVSHMEM became the symmetric-memory backend: its memory serves NVLink stores too
+            buffers["nvlink"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
+                                              backend="nvlink")
+        except Exception as exc:  # reported, not hidden
+            checks[f"nvlink beside nvshmem ({type(exc).__name__}: {str(exc)[:120]})"] = False
+    else:
+        buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)}
+    peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
                                              num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(T, H, R, E))
@@ -384,7 +397,6 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
 
     want = round_trip(reference)
     rows: Dict[str, Dict] = {}
-    checks: Dict[str, bool] = {}
     kernels: Dict[str, list] = {}
     for name, buffer in buffers.items():
         out = round_trip(buffer)
@@ -419,18 +431,25 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     rows["low_latency_combine"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
     ok = torch.tensor([int(all(v for k, v in checks.items() if k.startswith("epcomm")))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    second = settings.peer if peer is not None else "nvlink" if "nvlink" in buffers else None
     return {"world": R, "backend": buffers["epcomm"].backend_name, "device": torch.cuda.get_device_name(dev),
-            "peer": settings.peer if peer is not None else None, "settings": asdict(settings),
-            "rows": list(rows.values()), "checks": checks, "kernels_us_per_round_trip": kernels, "ok": bool(ok.item())}
+            "peer": second, "settings": asdict(settings), "rows": list(rows.values()), "checks": checks,
+            "kernels_us_per_round_trip": kernels, "ok": bool(ok.item())}
 
 
 def low_latency_table(result: Dict) -> str:
     s = result["settings"]
     systems = ["epcomm"] + ([result["peer"]] if result["peer"] else []) + ["nccl"]
-    title = (f"# epcomm bench low-latency: {result['world']} x {result['device']}, backend {result['backend']}, "
+    nodes = f", virtual nodes of {s['ranks_per_node']} rank(s)" if s.get("ranks_per_node") else ""
+    title = (f"# epcomm bench low-latency: {result['world']} x {result['device']}, backend {result['backend']}{nodes}, "
              f"T={s['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} (FP8 dispatch, BF16 combine)")
     lines = [_rank0_table(title, result["rows"], systems),
              "checks: " + ", ".join(f"{k} {'OK' if v else 'FAILED'}" for k, v in result["checks"].items())]
+    graph = next((r for r in result["rows"] if r["call"] == "round trip, one CUDA graph"), {})
+    if s.get("ranks_per_node") and graph.get("epcomm") and graph.get("nvlink"):
+        ratio = graph["epcomm"]["synced"] / graph["nvlink"]["synced"]
+        lines.append(f"target (issue 14): round trip in a graph on virtual nodes <= 2x one node: {ratio:.2f}x "
+                     f"({'met' if ratio <= 2 else 'missed'})")
     for name, kernels in result["kernels_us_per_round_trip"].items():
         lines.append(f"{name} kernels per round trip (µs, rank 0): " + ", ".join(f"{k} {us}" for us, k in kernels))
     return "\n".join(lines)
@@ -452,7 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run this library on the same data (needs it importable)")
     parser.add_argument("--ranks", type=int, default=0, help="ranks to use (0: all GPUs)")
     parser.add_argument("--ranks-per-node", type=int, default=0,
-                        help="normal mode on virtual nodes of this many ranks (the nvshmem backend); 0: one node")
+                        help="virtual nodes of this many ranks (the nvshmem backend; low-latency mode runs nvlink "
+                             "beside it); 0: one node")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON and PNG results")
 
 
@@ -466,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
-                                           peer=args.peer)
+                                           peer=args.peer, ranks_per_node=args.ranks_per_node)
         result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -146,7 +146,8 @@ class Workspace:
         self.buffer[:FLAGS_BYTES].zero_()
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
-        torch.cuda.synchronize(device)
+        if self.buffer.device.type == "cuda":
+            torch.cuda.synchronize(self.buffer.device)
         barrier()
 
     @staticmethod
