@@ -398,7 +398,7 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
     return replays
 
 
-def gpu_low_latency_dead_rank(hidden: int = 2048):
+def gpu_low_latency_dead_rank(hidden: int = 2048, backend=None, ranks_per_node=None):
     """The last rank stops taking part: the others time out once, mask it themselves, and every
     call (that one included) returns correct results for the live ranks; later calls do not wait."""
     import os
@@ -410,7 +410,8 @@ def gpu_low_latency_dead_rank(hidden: int = 2048):
     os.environ["EPCOMM_TIMEOUT_S"] = "2"
     try:
         size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
-        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, enable_shrink=True)
+        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, enable_shrink=True,
+                               backend=backend, ranks_per_node=ranks_per_node)
     finally:
         os.environ.pop("EPCOMM_TIMEOUT_S")
     if rank == dead:

@@ -59,7 +59,8 @@ def test_rounds_when_batch_exceeds_buffer(gpu_pool):
 def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
     """The multi-node backend on virtual nodes (NVSHMEM puts between them): normal mode with the
     routings, sizes, FP8 and num_worst_tokens of the tests above against torch_dist, repeated
-    calls; low-latency mode against the reference (formats, hooks, zero-copy) and in a CUDA graph.
+    calls; low-latency mode against the reference (formats, hooks, zero-copy), in a CUDA graph, and
+    with a rank that stops taking part (masked).
     Its own worker processes: NVSHMEM becomes their symmetric-memory backend for good."""
     from epcomm import Buffer
     pool = WorkerPool(world_size, backend="nccl")
@@ -77,6 +78,9 @@ def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
             assert n == [cases] * world_size
         assert pool.run(ep_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", ranks_per_node,
                         timeout_s=300) == [4] * world_size
+        # last: the dead rank leaves the pool's ranks out of step
+        assert pool.run(ep_cases.gpu_low_latency_dead_rank, 2048, "nvshmem", ranks_per_node,
+                        timeout_s=120) == ["masked"] * (world_size - 1) + ["dead"]
     finally:
         pool.close()
 

@@ -311,6 +311,60 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
         assert torch.equal(got[rank]["stats"], total), f"{what} rank {rank} cumulative stats"
 
 
+def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int = 512, rounds: int = 3,
+                               device: Optional[torch.device] = None) -> None:
+    """The last rank makes no call: every other rank times out once (1 s), masks it, and gets the
+    live ranks' results — dispatch counts without the dead rank's messages, combine without its
+    experts — in every round; raises AssertionError naming what differs."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, M, K = num_ranks, 4 * num_ranks, 16, 4
+    num_local, dead = E // R, num_ranks - 1
+    routings = [make_routing(60 + r, "uniform", R, E, K, M, hidden, fixed_tokens=M) for r in range(rounds)]
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        if rank == dead:
+            return None
+        mask = torch.zeros(R, dtype=torch.int32, device=device)
+        outs = []
+        for xs, topks, weights in routings:
+            x, topk = xs[rank].to(device), topks[rank].to(device)
+            args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+            backend.check_low_latency_dispatch(args)
+            recv_x, recv_count, handle, _ = backend.low_latency_dispatch(args)
+            scale = ((rank * num_local + torch.arange(num_local, device=device)).float() + 1) / 8
+            expert_out = (recv_x.float() * scale[:, None, None]).to(torch.bfloat16)
+            cargs = LowLatencyCombineArgs(expert_out, topk, weights[rank].to(device), handle, None, None, False, mask)
+            backend.check_low_latency_combine(cargs)
+            outs.append((recv_count.clone(), backend.low_latency_combine(cargs)[0]))
+        wait_stream(device)
+        return [(c.cpu(), o.cpu()) for c, o in outs], mask.cpu()
+
+    def warm(backend: NvshmemBackend) -> None:  # (a rank compiling in its thread would be masked)
+        plan = backend.low_latency._dispatch_plan(E, M, hidden, K, False, False, False)
+        for key in ((True, False, False, False, True), (False, True, False, False, False)):
+            plan.kernels[key]
+        combine = backend.low_latency._combine_plan(E, M, hidden, K)
+        for key in ((True, False, False, True), (False, True, False, True)):
+            combine.kernels[key]
+
+    what = f"low-latency dead rank R={R} k={ranks_per_node}"
+    got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=1.0, device=device, warm=warm,
+                    num_ll_bytes=low_latency_bytes(M, hidden, R, E))
+    for rank in range(R - 1):
+        results, mask = got[rank]
+        assert mask.tolist() == [int(r == dead) for r in range(R)], f"{what} rank {rank}: mask {mask.tolist()}"
+        for r, ((counts, out), (xs, topks, weights)) in enumerate(zip(results, routings)):
+            live = [x for i, x in enumerate(xs) if i != dead] + [xs[dead][:0]]
+            live_topks = [t for i, t in enumerate(topks) if i != dead] + [topks[dead][:0]]
+            ref = reference_low_latency_dispatch(live, live_topks, E, False)[rank]
+            assert counts.tolist() == [e["rows"].shape[0] for e in ref], f"{what} round {r} rank {rank} counts"
+            live_topk = topks[rank].clone()
+            live_topk[(live_topk // num_local) == dead] = -1
+            want = reference_low_latency_combine(xs[rank], live_topk, weights[rank], expert_fn, use_fp8=False)
+            torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{what} round {r} rank {rank} combine: {m}")
+
+
 def low_latency_words(backend: NvshmemBackend, num_experts: int) -> str:
     """One rank's low-latency epochs, combine flags and count words (both halves; nonzero ones as
     source:local expert=epoch/messages): what a timed-out wait read."""
@@ -378,6 +432,11 @@ def low_latency_cases(num_ranks: int, ranks_per_node: int):
     ]
 
 
+def dead_rank_cases(num_ranks: int, ranks_per_node: int):
+    """The masking case for one topology (:func:`low_latency_dead_rank_case`): once."""
+    return [(0, "uniform", {})]
+
+
 def cases(num_ranks: int, ranks_per_node: int):
     """The suite for one topology: ``(seed, scenario, keyword arguments)`` of :func:`normal_case`."""
     R = num_ranks
@@ -409,13 +468,17 @@ def main(argv=None) -> int:
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
     suites = [(normal_case, cases)] if args.mode != "low_latency" else []
-    suites += [(low_latency_case, low_latency_cases)] if args.mode != "normal" else []
+    suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases)] \
+        if args.mode != "normal" else []
     for num_ranks, ranks_per_node in topologies:
         for run_case, suite in suites:
             for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
                 started = time.monotonic()
                 try:
-                    run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
+                    if run_case is low_latency_dead_rank_case:
+                        run_case(num_ranks, ranks_per_node, **kwargs)
+                    else:
+                        run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
                     status = "ok"
                 except (AssertionError, RuntimeError) as err:
                     failed += 1
@@ -426,7 +489,8 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["run_ranks", "normal_case", "cases", "low_latency_case", "low_latency_cases", "main"]
+__all__ = ["run_ranks", "normal_case", "cases", "low_latency_case", "low_latency_cases", "low_latency_dead_rank_case",
+           "main"]
 
 
 if __name__ == "__main__":
