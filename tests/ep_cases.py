@@ -439,6 +439,25 @@ def gpu_low_latency_dead_rank(hidden: int = 2048, backend=None, ranks_per_node=N
     return "masked"
 
 
+def gpu_low_latency_foreign_handle(hidden: int = 512):
+    """A low-latency handle passed to another Buffer's combine raises EPInputError naming handle
+    (its slots live in the other Buffer's workspace) on every rank."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, M = 2 * R, 8
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
+    first, second = (epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True) for _ in range(2))
+    xs, topks, weights = make_routing(5, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    recv, _, handle, _, _ = first.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M, num_experts,
+                                                       use_fp8=False)
+    try:
+        second.low_latency_combine(recv, topks[rank].to(dev), weights[rank].to(dev), handle)
+    except epcomm.EPInputError as err:
+        assert err.argument == "handle", err
+        return "raised"
+    return "combined"
+
+
 def low_latency_clean_buffer():
     """clean_low_latency_buffer resets state; a later dispatch + combine still matches the reference."""
     R, rank = world()

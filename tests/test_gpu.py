@@ -111,6 +111,10 @@ def test_low_latency_cuda_graph(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_low_latency_graph, timeout_s=300) == [4] * gpu_pool.world_size
 
 
+def test_low_latency_handle_of_another_buffer_raises(gpu_pool):
+    assert gpu_pool.run(ep_cases.gpu_low_latency_foreign_handle, timeout_s=120) == ["raised"] * gpu_pool.world_size
+
+
 @needs_peers
 def test_low_latency_dead_rank_is_masked():
     with WorkerPool(2, backend="nccl") as pool:

@@ -67,6 +67,7 @@ class LowLatencyState:
     num_topk: int
     sequence: int = 0  # the dispatch's call number: the same on every rank (fingerprints)
     addresses: tuple = ()  # of the handle's recv_layout_range and of slot_info (the combine's launch arguments)
+    owner: object = None  # the LowLatencyMode that made it (its slots are in that workspace)
 
 
 # ====================================================================== dispatch
@@ -552,7 +553,7 @@ class LowLatencyMode:
     def _dispatch_plan(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, round_scale: bool,
                        use_ue8m0: bool) -> DispatchPlan:
         if hidden % 128:
-            raise EPInputError("x", f"the nvlink low-latency kernels need hidden % 128 == 0, got {hidden}")
+            raise EPInputError("x", f"the low-latency kernels need hidden % 128 == 0, got {hidden}")
         layout = self.ws.ll_layout(E, M, hidden, K, use_fp8, use_ue8m0)
         counters = self._counters.get(E)
         if counters is None:
@@ -578,7 +579,7 @@ class LowLatencyMode:
         # Pointers go to the launcher as addresses: it would ask the driver about every tensor, twice a call.
         indices = (src_info.data_ptr(), slot_info.data_ptr(), recv_layout.data_ptr(), recv_count.data_ptr())
         handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E,
-                                  LowLatencyState(slot_info, K, addresses=(indices[2], indices[1])))
+                                  LowLatencyState(slot_info, K, addresses=(indices[2], indices[1]), owner=self))
         sizes = (hidden, K, E, num_local, M, R, self.rank, layout.msg_bytes, layout.x_bytes, layout.scale_words,
                  self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.timeout_ns,
                  layout.stage, *self.reach, self.fingerprints[0], *plan.fingerprint)
@@ -652,8 +653,8 @@ class LowLatencyMode:
     def check_combine(self, args) -> None:
         """The handle is this backend's, topk_idx as wide as the dispatch's: EPInputError."""
         state = args.handle.backend_state
-        if state.__class__ is not LowLatencyState:
-            raise EPInputError("handle", "was not made by the nvlink backend")
+        if state.__class__ is not LowLatencyState or state.owner is not self:
+            raise EPInputError("handle", "was not made by this Buffer's low_latency_dispatch")
         if args.topk_idx.shape[1] != state.num_topk:
             raise EPInputError("topk_idx", f"has {args.topk_idx.shape[1]} columns, the dispatch had {state.num_topk}")
         args.plan = self._combine_plan_of(args)
