@@ -158,6 +158,23 @@ def test_model_command_prints_a_table(capsys):
     assert main(["model", "--nodes", "2", "--ranks-per-node", "2", "--tokens", "64", "--experts", "16"]) == 0
     out = capsys.readouterr().out
     assert "| 2 x 2 | dispatch FP8 |" in out and "| 2 x 2 | combine BF16 |" in out
+    assert "| 2 x 2 | LL dispatch FP8 |" in out and "| 2 x 2 | LL combine BF16 |" in out
+
+
+def test_low_latency_model_counts_messages_to_other_nodes():
+    """One message per (token, expert): the network carries those whose expert is on another node
+    (not deduplicated: at least one per (token, other node)); NVLink those for the node's others."""
+    from epcomm.tools.internode_model import estimate_low_latency, low_latency_message_bytes
+    nodes, k, T, H, K, E = 2, 2, 64, 1024, 4, 16
+    dispatch, combine = estimate_low_latency(nodes, k, T, H, K, E, nic_gbps=50.0, nvlink_gbps=400.0, latency_us=10.0)
+    per_msg = low_latency_message_bytes(H, True)
+    assert per_msg % 16 == 0 and per_msg >= 16 + H + H // 128 * 4
+    for e, size in ((dispatch, per_msg), (combine, 2 * H)):
+        assert e.one_level_network_mb == e.network_mb_out >= e.min_network_mb > 0
+        assert round(e.network_mb_out * 1e6) % size == 0  # whole messages
+        assert e.us > 10.0 and e.bound in ("network out", "network in", "NVLink in")
+    # every message of a token goes to distinct experts: at most K per token leave the node
+    assert round(dispatch.network_mb_out * 1e6) // per_msg <= T * K
 
 
 def test_multinode_row_and_count_row_layouts():

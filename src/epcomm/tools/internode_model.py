@@ -1,4 +1,4 @@
-"""``epcomm model``: multi-node normal-mode time from byte counts and per-leg rates.
+"""``epcomm model``: multi-node time from byte counts and per-leg rates (normal and low-latency mode).
 
 The byte counts are exact for the routing given: DeepEP's test routing (``uniform_topk``) put
 through the two-level plan of :mod:`epcomm.hierarchy` for every rank. The rates are inputs — what a
@@ -9,6 +9,10 @@ NIC and NVLink deliver per GPU — so the model answers "what would this plan ta
 because the legs are pipelined (channels stream rows through hop 1 while hop 2 drains them), so
 the slowest leg sets the time. Combine moves the same rows back (BF16 rows, one partial per
 token and node over the network). Figures are per rank, the busiest rank of the routing.
+
+Low-latency mode sends one message per (token, expert) straight to the expert's rank (no
+forwarding, no dedup): the network carries the messages for ranks of other nodes, NVLink those
+for the node's other ranks; the combine sends one BF16 row per message back.
 """
 from __future__ import annotations
 
@@ -106,6 +110,47 @@ def estimate(nodes: int, ranks_per_node: int, tokens: int, hidden: int, topk: in
     return out
 
 
+def low_latency_message_bytes(hidden: int, fp8: bool) -> int:
+    """Bytes of one low-latency message: a 16-byte header, the values, FP8 scales (16-byte rounded)."""
+    values = hidden + hidden // SCALE_GROUP * 4 if fp8 else 2 * hidden
+    return (16 + values + 15) // 16 * 16
+
+
+def estimate_low_latency(nodes: int, ranks_per_node: int, tokens: int, hidden: int, topk: int, experts: int,
+                         nic_gbps: float, nvlink_gbps: float, latency_us: float, seed: int = 0) -> List[Estimate]:
+    """Low-latency dispatch (FP8) and combine (BF16) of the busiest rank: messages out to / in from
+    other nodes over the NIC, in from the node's other ranks over NVLink. ``min`` is one message
+    per (token, other node) — what forwarding would send; ``one-level`` the messages themselves."""
+    g = torch.Generator().manual_seed(seed)
+    R = nodes * ranks_per_node
+    topology = hy.Topology(R, ranks_per_node)
+    topks = [uniform_topk(tokens, experts, topk, generator=g) for _ in range(R)]
+    dest = [t // (experts // R) for t in topks]  # [T, K] destination rank of each message
+    node_of = torch.arange(R) // ranks_per_node
+    # messages[s, d]: from source s to rank d
+    messages = torch.stack([torch.bincount(d.flatten(), minlength=R) for d in dest])
+    out = []
+    for call, per_msg in (("LL dispatch FP8", low_latency_message_bytes(hidden, True)),
+                          ("LL combine BF16", 2 * hidden)):
+        worst = None
+        for r in range(R):
+            far = node_of != node_of[r]
+            near_peers = (~far) & (torch.arange(R) != r)
+            sent_far = int(messages[r, far].sum())
+            recv_far = int(messages[far, r].sum())
+            recv_near = int(messages[near_peers, r].sum())
+            min_far = int(sum((node_of[dest[r]] == n).any(1).sum() for n in range(nodes) if n != topology.node_of(r)))
+            times = {"network out": sent_far * per_msg / nic_gbps / 1e3, "network in": recv_far * per_msg / nic_gbps / 1e3,
+                     "NVLink in": recv_near * per_msg / nvlink_gbps / 1e3}
+            bound = max(times, key=times.get)
+            e = Estimate(nodes, ranks_per_node, call, sent_far * per_msg / 1e6, recv_near * per_msg / 1e6,
+                         min_far * per_msg / 1e6, sent_far * per_msg / 1e6, latency_us + times[bound], bound)
+            if worst is None or e.us > worst.us:
+                worst = e
+        out.append(worst)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cli import positive_int, token_list
     parser.add_argument("--nodes", type=token_list, default=[2, 4], help="node counts to model, comma-separated")
@@ -119,11 +164,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvlink-gbps", type=float, default=336.0,
                         help="GB/s one GPU receives over NVLink (DeepEP V1's cached dispatch on 8xH200: 336)")
     parser.add_argument("--latency-us", type=float, default=25.0, help="fixed cost per call (count exchange, launches)")
+    parser.add_argument("--ll-tokens", type=int, default=128,
+                        help="tokens per rank of the low-latency rows (decode batch; 0: no low-latency rows)")
+    parser.add_argument("--ll-latency-us", type=float, default=15.0,
+                        help="fixed cost per low-latency call (launches, one signal round)")
 
 
 def run(args) -> int:
-    print(f"model: T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, NIC {args.nic_gbps:g} GB/s, "
-          f"NVLink {args.nvlink_gbps:g} GB/s, +{args.latency_us:g} µs per call; busiest rank")
+    print(f"model: T={args.tokens} (low-latency {args.ll_tokens}) H={args.hidden} K={args.topk} E={args.experts}, "
+          f"NIC {args.nic_gbps:g} GB/s, NVLink {args.nvlink_gbps:g} GB/s, +{args.latency_us:g} µs per call "
+          f"(low-latency +{args.ll_latency_us:g}); busiest rank")
     print("| nodes x GPUs | call | network MB out (min; one-level) | NVLink MB in | µs | bound by |")
     print("|---|---|---|---|---|---|")
     for nodes in args.nodes:
@@ -132,8 +182,12 @@ def run(args) -> int:
         if args.experts % (nodes * args.ranks_per_node):
             print(f"skipped {nodes} nodes: {args.experts} experts do not split over {nodes * args.ranks_per_node} ranks")
             continue
-        for e in estimate(nodes, args.ranks_per_node, args.tokens, args.hidden, args.topk, args.experts,
-                          args.nic_gbps, args.nvlink_gbps, args.latency_us):
+        rows = estimate(nodes, args.ranks_per_node, args.tokens, args.hidden, args.topk, args.experts,
+                        args.nic_gbps, args.nvlink_gbps, args.latency_us)
+        if args.ll_tokens > 0:
+            rows += estimate_low_latency(nodes, args.ranks_per_node, args.ll_tokens, args.hidden, args.topk,
+                                         args.experts, args.nic_gbps, args.nvlink_gbps, args.ll_latency_us)
+        for e in rows:
             print(f"| {e.nodes} x {e.ranks_per_node} | {e.call} | {e.network_mb_out:.1f} ({e.min_network_mb:.1f}; "
                   f"{e.one_level_network_mb:.1f}) | {e.nvlink_mb_in:.1f} | {e.us:.0f} | {e.bound} |")
     return 0
