@@ -311,6 +311,40 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
         assert torch.equal(got[rank]["stats"], total), f"{what} rank {rank} cumulative stats"
 
 
+def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform",
+                     num_tokens: int = 300, num_channels: int = 3, device: Optional[torch.device] = None) -> None:
+    """ml_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and
+    rows.count_row on one routing: masks, each node's token list, the whole count row."""
+    from ..backends.nvshmem.normal import SEND_LAYOUT
+    from ..backends.nvshmem.rows import MetaRow, count_row, node_tokens
+    from ..hierarchy import Topology, send_layout
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, k, E = num_ranks, ranks_per_node, 4 * num_ranks
+    topology = Topology(R, k)
+    N = topology.num_nodes
+    _, topks, _ = make_routing(seed, scenario, R, E, 4, num_tokens, 128, fixed_tokens=num_tokens)
+    _, _, per_expert, in_rank = dispatch_layout(topks[0].to(device), E, R)
+    meta = MetaRow(R, E, N, num_channels)
+    masks = torch.full((num_tokens, N), -7, dtype=torch.int32, device=device)
+    lists = torch.full((N, num_tokens), -7, dtype=torch.int32, device=device)
+    row = torch.full((meta.length,), -7, dtype=torch.int32, device=device)
+    p2 = lambda n: 1 << (max(n, 1) - 1).bit_length()  # noqa: E731
+    SEND_LAYOUT.bind(num_warps=4, BLOCK_T=128, R_P2=p2(R), N_P2=p2(N), BLOCK_E=256).launch(
+        1, 1, torch.cuda.current_stream(device).cuda_stream, in_rank.data_ptr(), per_expert.data_ptr(),
+        masks.data_ptr(), lists.data_ptr(), row.data_ptr(), num_tokens, R, k, E, num_channels, meta.per_expert,
+        meta.per_node, meta.num_tokens, meta.gbl_prefix, meta.rdma_prefix)
+    want = send_layout(in_rank, topology, num_channels)
+    want_row = count_row(meta, want.gbl_channel_prefix_matrix[:, -1], per_expert, want.num_tokens_per_rdma_rank,
+                         want.gbl_channel_prefix_matrix, want.rdma_channel_prefix_matrix, num_tokens)
+    what = f"send layout seed={seed} {scenario} R={R} k={k} T={num_tokens} C={num_channels}"
+    assert torch.equal(masks, want.in_node_masks), f"{what}: in-node masks"
+    assert torch.equal(row, want_row), f"{what}: count row {row.tolist()} != {want_row.tolist()}"
+    want_lists = node_tokens(want.is_token_in_node)
+    for n in range(N):
+        used = int(want.num_tokens_per_rdma_rank[n])
+        assert torch.equal(lists[n, :used], want_lists[n, :used]), f"{what}: node {n}'s token list"
+
+
 def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int = 512, rounds: int = 3,
                                device: Optional[torch.device] = None) -> None:
     """The last rank makes no call: every other rank times out once (1 s), masks it, and gets the
@@ -432,6 +466,14 @@ def low_latency_cases(num_ranks: int, ranks_per_node: int):
     ]
 
 
+def send_layout_cases(num_ranks: int, ranks_per_node: int):
+    """The send-layout kernel on its own (:func:`send_layout_case`): sizes around the block and
+    channel edges, holes, a hot rank, an empty batch."""
+    return [(30, "uniform", dict(num_tokens=300, num_channels=3)), (31, "holes", dict(num_tokens=129, num_channels=1)),
+            (32, "one_rank", dict(num_tokens=1, num_channels=4)), (33, "skewed", dict(num_tokens=0, num_channels=2)),
+            (34, "holes", dict(num_tokens=1000, num_channels=12))]
+
+
 def dead_rank_cases(num_ranks: int, ranks_per_node: int):
     """The masking case for one topology (:func:`low_latency_dead_rank_case`): once."""
     return [(0, "uniform", {})]
@@ -467,7 +509,7 @@ def main(argv=None) -> int:
                                env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
-    suites = [(normal_case, cases)] if args.mode != "low_latency" else []
+    suites = [(send_layout_case, send_layout_cases), (normal_case, cases)] if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases)] \
         if args.mode != "normal" else []
     for num_ranks, ranks_per_node in topologies:
@@ -489,7 +531,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["run_ranks", "normal_case", "cases", "low_latency_case", "low_latency_cases", "low_latency_dead_rank_case",
+__all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases", "low_latency_dead_rank_case",
            "main"]
 
 

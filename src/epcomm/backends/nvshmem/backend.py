@@ -11,12 +11,14 @@ This class wires the parts together; each has its own module:
 
 Launches per call (C channels of contiguous tokens, ``C = config.num_sms // 2``)::
 
-    dispatch (full)    ml_step ; ml_notify ; ml_dispatch_send ; [host polls the mailbox] ; ml_dispatch_forward
+    dispatch (full)    ml_step ; ml_send_layout ; ml_notify ; ml_dispatch_send ; [host polls the mailbox] ;
+                       ml_dispatch_forward
     dispatch (cached)  ml_step ; ml_dispatch_send ; ml_dispatch_forward
     combine            ml_step ; ml_combine_push ; ml_combine_forward ; ml_combine_reduce
 
-plus, in a full dispatch, the torch ops of the two-level send layout (hierarchy.send_layout: node
-membership, in-node masks, channel prefix matrices) and the per-node token lists (rows.node_tokens).
+where a full dispatch's ml_notify follows ml_send_layout, which computes the two-level send
+layout (hierarchy.send_layout: in-node masks, channel prefix matrices), the per-node token lists
+(rows.node_tokens) and this rank's count row (rows.count_row) in one program.
 
 Low-latency mode runs the single-node kernels (nvlink/low_latency.py) with ``REMOTE`` set: each
 message goes straight to its expert's rank — by NVLink stores within the node, staged and put by
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from ...errors import EPError, EPInputError
 from ...handle import DispatchHandle
-from ...hierarchy import Topology, channel_bounds, send_layout
+from ...hierarchy import Topology
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..nvlink import agreement
 from ..nvlink.copy import for_word_copies
@@ -48,7 +50,7 @@ from ..nvlink.sync import ARRIVE_NOTIFY, HostMailbox, check_host_mapping, device
 from . import combine as combine_kernels
 from . import normal as dispatch_kernels
 from . import step as step_kernels
-from .rows import MetaRow, count_row, node_tokens
+from .rows import MetaRow
 from .transport import NvshmemTransport, Transport
 from .workspace import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
 
@@ -153,9 +155,10 @@ class NvshmemBackend(Backend):
         r_p2 = p2(self.num_ranks)
         self._step = step_kernels.STEP.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2)
         self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2, BLOCK_E=128)
+        self._send_layout = dispatch_kernels.SEND_LAYOUT.bind(num_warps=4, BLOCK_T=128, R_P2=r_p2,
+                                                              N_P2=p2(self.topology.num_nodes), BLOCK_E=256)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        self._bounds = {}
         self.low_latency = None
         if num_ll_bytes:
             self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
@@ -210,13 +213,6 @@ class NvshmemBackend(Backend):
         self.mailbox.sticky = EPInputError(error.argument, f"an earlier {kind} call on rank {self.rank} was rejected "
                                                            f"({error}); its peers raised too. The ranks' calls are no "
                                                            f"longer paired: destroy this Buffer and create a new one")
-
-    def _channel_bounds(self, num_tokens: int, num_channels: int) -> torch.Tensor:
-        key = (num_tokens, num_channels)
-        bounds = self._bounds.get(key)
-        if bounds is None:
-            bounds = self._bounds[key] = channel_bounds(num_tokens, num_channels).to(self.device)
-        return bounds
 
     @staticmethod
     def _num_channels(config) -> int:
@@ -298,15 +294,17 @@ class NvshmemBackend(Backend):
         epoch = self._begin((fp0, fp1), stream)
 
         if handle is None:
-            # the send layout and this rank's count row, then the count exchange (ml_notify)
-            sent = send_layout(args.is_token_in_rank, topo, C, self._channel_bounds(num_tokens, C))
-            lists = node_tokens(sent.is_token_in_node)
-            # per-rank counts from is_token_in_rank itself (the prefix matrix's last channel), not the
-            # caller's num_tokens_per_rank: the receivers' row offsets must agree with the rows sent
-            per_rank = sent.gbl_channel_prefix_matrix[:, -1]
-            counts = count_row(meta, per_rank, args.num_tokens_per_expert, sent.num_tokens_per_rdma_rank,
-                               sent.gbl_channel_prefix_matrix, sent.rdma_channel_prefix_matrix, num_tokens)
-            self.t.buffer[layout.count_row:layout.count_row + 4 * meta.length].view(torch.int32).copy_(counts)
+            # the send layout and this rank's count row (one kernel), then the count exchange. The
+            # row's per-rank counts come from is_token_in_rank itself, not the caller's
+            # num_tokens_per_rank: the receivers' row offsets must agree with the rows sent.
+            masks = torch.empty((num_tokens, N), dtype=torch.int32, device=dev)
+            lists = torch.empty((N, num_tokens), dtype=torch.int32, device=dev)
+            in_rank = args.is_token_in_rank if args.is_token_in_rank.is_contiguous() else \
+                args.is_token_in_rank.contiguous()
+            self._send_layout.launch(1, 1, stream, in_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(),
+                                     masks.data_ptr(), lists.data_ptr(), self.base + layout.count_row, num_tokens, R,
+                                     k, num_experts, C, meta.per_expert, meta.per_node, meta.num_tokens,
+                                     meta.gbl_prefix, meta.rdma_prefix)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             sequence = self.mailbox.next_sequence()
             self._notify.launch(R, 1, stream, self.peer_bases, self.base + layout.count_row, self.base + layout.table,
@@ -316,8 +314,7 @@ class NvshmemBackend(Backend):
                                 args.expert_alignment)
             table = self.t.buffer[layout.table:layout.table + 4 * R * meta.length].view(torch.int32).view(
                 R, meta.length).clone()
-            state = NvshmemState(table, sent.in_node_masks, lists, torch.empty((num_tokens, N), dtype=torch.int32,
-                                                                                 device=dev),
+            state = NvshmemState(table, masks, lists, torch.empty((num_tokens, N), dtype=torch.int32, device=dev),
                                  None, None, C, num_experts, -1, sequence)
         # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each
         # tensor (a cost per launch), and refuses the null address of an empty one.

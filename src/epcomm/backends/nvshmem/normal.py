@@ -58,6 +58,71 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
     return start
 
 
+# ====================================================================== send layout
+@triton.jit
+def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
+                   per_expert_ptr,  # [E] int32: num_tokens_per_expert (copied into the count row)
+                   masks_ptr,  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
+                   node_tokens_ptr,  # out [N, T] int32: row n starts with node n's tokens, ascending
+                   row_ptr,  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
+                   num_tokens, num_ranks, ranks_per_node, num_experts, num_channels,
+                   per_expert_at, per_node_at, num_tokens_at, gbl_prefix_at, rdma_prefix_at,
+                   BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+    # One program: hierarchy.send_layout, rows.node_tokens and rows.count_row in one pass, with
+    # no host work between the routing and the count exchange. Channels are the contiguous token
+    # ranges of hierarchy.channel_bounds (ceil(T / C) tokens each); walking them in order, per
+    # channel c and block of tokens:
+    #
+    #   in_node[t, n] = OR_j in_rank[t, n*k + j]         masks[t, n] = SUM_j in_rank[t, n*k + j] << j
+    #   node_tokens[n, seen[n] + #(earlier tokens of the block in n)] = t      (ascending per node)
+    #   gbl[r, c] = tokens of channels 0..c for rank r    rdma[n, c] = the same per node (inclusive)
+    #
+    # then the totals (gbl[:, C-1], rdma[:, C-1]), the caller's per-expert counts and T close the
+    # row. Plain stores: the notify kernel after it on the stream reads the row.
+    num_nodes = num_ranks // ranks_per_node
+    ranks = tl.arange(0, R_P2)
+    nodes = tl.arange(0, N_P2)
+    rank_ok = ranks < num_ranks
+    node_ok = nodes < num_nodes
+    per_rank = tl.zeros([R_P2], tl.int32)  # tokens so far per rank: the running gbl prefix
+    per_node = tl.zeros([N_P2], tl.int32)  # per node: the running rdma prefix, and node_tokens' fill
+    per_channel = tl.cdiv(num_tokens, num_channels)
+    for c in range(0, num_channels):
+        lo = tl.minimum(c * per_channel, num_tokens)
+        hi = tl.minimum(lo + per_channel, num_tokens)
+        for first in range(lo, hi, BLOCK_T):
+            tokens = first + tl.arange(0, BLOCK_T)
+            live = tokens < hi
+            t64 = tokens.to(tl.int64)
+            needs = tl.load(in_rank_ptr + t64[:, None] * num_ranks + ranks[None, :],
+                            mask=live[:, None] & rank_ok[None, :], other=0).to(tl.int32)
+            per_rank += tl.sum(needs, axis=0)
+            masks = tl.zeros([BLOCK_T, N_P2], tl.int32)
+            for j in range(0, ranks_per_node):
+                bit = tl.load(in_rank_ptr + t64[:, None] * num_ranks + (nodes * ranks_per_node + j)[None, :],
+                              mask=live[:, None] & node_ok[None, :], other=0).to(tl.int32)
+                masks |= bit << j
+            tl.store(masks_ptr + t64[:, None] * num_nodes + nodes[None, :], masks,
+                     mask=live[:, None] & node_ok[None, :])
+            member = (masks != 0).to(tl.int32)
+            position = per_node[None, :] + tl.cumsum(member, axis=0) - member
+            tl.store(node_tokens_ptr + nodes[None, :].to(tl.int64) * num_tokens + position, tokens[:, None] + 0 * member,
+                     mask=(member != 0) & node_ok[None, :])
+            per_node += tl.sum(member, axis=0)
+        tl.store(row_ptr + gbl_prefix_at + ranks * num_channels + c, per_rank, mask=rank_ok)
+        tl.store(row_ptr + rdma_prefix_at + nodes * num_channels + c, per_node, mask=node_ok)
+    tl.store(row_ptr + ranks, per_rank, mask=rank_ok)  # num_tokens_per_rank: the rows actually sent
+    tl.store(row_ptr + per_node_at + nodes, per_node, mask=node_ok)
+    tl.store(row_ptr + num_tokens_at, num_tokens)
+    for first in range(0, num_experts, BLOCK_E):
+        e = first + tl.arange(0, BLOCK_E)
+        tl.store(row_ptr + per_expert_at + e, tl.load(per_expert_ptr + e, mask=e < num_experts), mask=e < num_experts)
+
+
+SEND_LAYOUT = KernelSpec(ml_send_layout, ["*i8", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32",
+                                          "i32", "i32", "i32", "i32", "i32"])
+
+
 # ====================================================================== count exchange
 @triton.jit
 def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
