@@ -370,6 +370,12 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     size = epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
     checks: Dict[str, bool] = {}
     if settings.ranks_per_node:  # multi-node on virtual nodes, and the one-node backend beside it
+        # NVSHMEM sizes its heap once, at the first allocation: room for both buffers (the nvlink
+        # one is allocated there too once NVSHMEM is PyTorch's symmetric-memory backend)
+        from ..backends.nvlink.workspace import Workspace
+        from ..backends.nvshmem.backend import NvshmemBackend
+        heap = NvshmemBackend.allocation_bytes(size, size, R) + Workspace.size_for(R, 0, size) + (512 << 20)
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap))
         buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
                                            backend="nvshmem", ranks_per_node=settings.ranks_per_node)}
         try:  # after NVSHMEM became the symmetric-memory backend: its memory serves NVLink stores too

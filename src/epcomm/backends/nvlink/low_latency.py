@@ -67,7 +67,7 @@ class LowLatencyState:
     num_topk: int
     sequence: int = 0  # the dispatch's call number: the same on every rank (fingerprints)
     addresses: tuple = ()  # of the handle's recv_layout_range and of slot_info (the combine's launch arguments)
-    owner: object = None  # the LowLatencyMode that made it (its slots are in that workspace)
+    owner: object = None  # the token of the LowLatencyMode that made it (its slots are in that workspace)
 
 
 # ====================================================================== dispatch
@@ -509,6 +509,9 @@ class LowLatencyMode:
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
                  remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0):
         self.ws = ws
+        # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
+        # would then keep the workspace alive through a reference cycle)
+        self.token = object()
         self.mailbox_address = mailbox.address
         self.timeout_ns = timeout_ns
         self.remote = remote
@@ -579,7 +582,7 @@ class LowLatencyMode:
         # Pointers go to the launcher as addresses: it would ask the driver about every tensor, twice a call.
         indices = (src_info.data_ptr(), slot_info.data_ptr(), recv_layout.data_ptr(), recv_count.data_ptr())
         handle = LowLatencyHandle(src_info, recv_layout, M, hidden, E,
-                                  LowLatencyState(slot_info, K, addresses=(indices[2], indices[1]), owner=self))
+                                  LowLatencyState(slot_info, K, addresses=(indices[2], indices[1]), owner=self.token))
         sizes = (hidden, K, E, num_local, M, R, self.rank, layout.msg_bytes, layout.x_bytes, layout.scale_words,
                  self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.timeout_ns,
                  layout.stage, *self.reach, self.fingerprints[0], *plan.fingerprint)
@@ -653,7 +656,7 @@ class LowLatencyMode:
     def check_combine(self, args) -> None:
         """The handle is this backend's, topk_idx as wide as the dispatch's: EPInputError."""
         state = args.handle.backend_state
-        if state.__class__ is not LowLatencyState or state.owner is not self:
+        if state.__class__ is not LowLatencyState or state.owner is not self.token:
             raise EPInputError("handle", "was not made by this Buffer's low_latency_dispatch")
         if args.topk_idx.shape[1] != state.num_topk:
             raise EPInputError("topk_idx", f"has {args.topk_idx.shape[1]} columns, the dispatch had {state.num_topk}")

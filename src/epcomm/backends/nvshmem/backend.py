@@ -159,7 +159,7 @@ class NvshmemBackend(Backend):
                                                               N_P2=p2(self.topology.num_nodes), BLOCK_E=256)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        self.low_latency = None
+        self.low_latency = self.ll_ws = None
         if num_ll_bytes:
             self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
             self.ll_ws = self._ll_workspace(num_ll_bytes, ll_region)
@@ -480,4 +480,4 @@ class NvshmemBackend(Backend):
         self._low_latency().reset(self.t.barrier)
 
     def destroy(self) -> None:
-        self.t = None
+        self.t = self.ll_ws = self.low_latency = None  # the symmetric memory goes with the last view
