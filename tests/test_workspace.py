@@ -67,3 +67,19 @@ def test_size_for_matches_the_workspace_and_the_scratch_word_is_free():
     assert W.NUM_FLAG_SETS * max_ranks * 8 <= W.SPARE_WORD < W.FINGERPRINTS_OFFSET
     ws = _workspace(4, 1 << 20, staging=True)
     assert ws.spare_word == ws.local_base + W.SPARE_WORD
+
+
+def test_nvshmem_modes_share_the_allocation():
+    """On nvshmem the low-latency workspace starts after normal mode's fixed signal words and the
+    allocation is num_rdma_bytes unless the low-latency workspace needs more (DeepEP's sharing)."""
+    pytest.importorskip("triton")
+    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    from epcomm.backends.nvshmem.workspace import preamble
+    R, k = 16, 8
+    start = NvshmemBackend._ll_start(R, k)
+    assert start >= preamble(R, k).data and start % W.ALIGN == 0
+    ll = W.low_latency_bytes(128, 7168, R, 256)
+    need = start + W.Workspace.size_for(R, 0, ll, normal=False)
+    assert NvshmemBackend.allocation_bytes(ll, ll, R, k) == need < ll + (1 << 20)
+    assert NvshmemBackend.allocation_bytes(4 * ll, ll, R, k) == 4 * ll
+    assert NvshmemBackend.allocation_bytes(ll, 0, R, k) == ll

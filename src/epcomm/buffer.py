@@ -63,8 +63,9 @@ class Buffer:
     ``nvshmem`` across nodes) unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both;
     ``buffer.backend_name`` tells which. On ``nvshmem``, ``num_rdma_bytes`` sizes each rank's
     symmetric workspace: ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
-    needs in normal mode, :meth:`get_low_latency_rdma_size_hint` in low-latency mode; a
-    low-latency Buffer there holds ``num_rdma_bytes`` for each mode (DeepEP shares one region).
+    needs in normal mode, :meth:`get_low_latency_rdma_size_hint` in low-latency mode; the modes
+    share those bytes as in DeepEP: after normal-mode calls, call :meth:`clean_low_latency_buffer`
+    on every rank before the next low-latency call (an EPError says so otherwise).
     """
 
     num_sms: int = 20

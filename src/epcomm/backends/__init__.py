@@ -104,7 +104,7 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         if device.type != "cuda":
             raise EPError("the nvshmem backend needs a CUDA (NCCL) process group")
         from .nvshmem.backend import NvshmemBackend
-        # A low-latency Buffer holds num_rdma_bytes per mode (DeepEP shares one region between them).
+        # A low-latency Buffer's modes share num_rdma_bytes, as in DeepEP (NvshmemBackend.allocation_bytes).
         ranks_per_node = ranks_per_node or dist.get_world_size(group)
         return NvshmemBackend(group, device, num_rdma_bytes, ranks_per_node, timeout_s,
                               num_ll_bytes=num_rdma_bytes if low_latency_mode else 0,

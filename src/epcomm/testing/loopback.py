@@ -50,7 +50,8 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
     since a rank compiling inside ``fn`` holds up the others' waits (by seconds per kernel).
     ``num_ll_bytes``: the backends' low-latency workspace (0: none)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    world = LoopbackWorld(num_ranks, device, NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks))
+    world = LoopbackWorld(num_ranks, device,
+                          NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks, ranks_per_node))
     backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
                                num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node)
                 for rank in range(num_ranks)]
@@ -399,6 +400,84 @@ def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int 
                                        msg=lambda m: f"{what} round {r} rank {rank} combine: {m}")
 
 
+def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
+                     device: Optional[torch.device] = None) -> None:
+    """Both modes on one backend, whose normal-mode areas overlap the low-latency workspace (as
+    DeepEP's modes share num_rdma_bytes): low-latency round, normal round, a low-latency call that
+    must raise EPError (no clean since the normal calls), clean_low_latency, low-latency round,
+    normal round — every round against the references."""
+    from ..errors import EPError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, M, K = num_ranks, 4 * num_ranks, 32, 4
+    num_local = E // R
+    routings = [make_routing(70 + r, "uniform", R, E, K, M, hidden, fixed_tokens=M) for r in range(4)]
+    config = Config(num_sms=4)
+    num_bytes = bytes_for_tokens(M, R, ranks_per_node, E, hidden, K)
+    num_ll_bytes = low_latency_bytes(M, hidden, R, E)
+
+    def low_latency_round(rank, backend, routing):
+        xs, topks, weights = routing
+        mask = torch.zeros(R, dtype=torch.int32, device=device)
+        x, topk = xs[rank].to(device), topks[rank].to(device)
+        args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+        backend.check_low_latency_dispatch(args)
+        recv_x, _, handle, _ = backend.low_latency_dispatch(args)
+        scale = ((rank * num_local + torch.arange(num_local, device=device)).float() + 1) / 8
+        cargs = LowLatencyCombineArgs((recv_x.float() * scale[:, None, None]).to(torch.bfloat16), topk,
+                                      weights[rank].to(device), handle, None, None, False, mask)
+        backend.check_low_latency_combine(cargs)
+        return backend.low_latency_combine(cargs)[0]
+
+    def normal_round(rank, backend, routing):
+        xs, topks, weights = routing
+        x, topk = xs[rank].to(device), topks[rank].to(device)
+        per_rank, _, per_expert, in_rank = dispatch_layout(topk, E, R)
+        args = DispatchArgs(x=x, handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights[rank].to(device),
+                            expert_alignment=1, num_worst_tokens=0, config=config)
+        backend.check_dispatch(args)
+        result = backend.dispatch(args)
+        y = rank_fn(rank, result.recv_x)
+        backend.check_combine(y, result.handle, result.recv_topk_weights, ())
+        return backend.combine(y, result.handle, result.recv_topk_weights, (), config)[0]
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        outs = [("ll", low_latency_round(rank, backend, routings[0])), ("normal", normal_round(rank, backend, routings[1]))]
+        try:
+            low_latency_round(rank, backend, routings[2])
+            refused = False
+        except EPError as err:
+            refused = "clean_low_latency_buffer" in str(err)
+        backend.clean_low_latency()  # collective: every rank's thread
+        outs += [("ll", low_latency_round(rank, backend, routings[2])), ("normal", normal_round(rank, backend, routings[3]))]
+        wait_stream(device)
+        backend.raise_pending()
+        return refused, [(kind, out.cpu()) for kind, out in outs]
+
+    def warm(backend: NvshmemBackend) -> None:
+        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend._combine_plan(hidden, K, 0, 2)
+        plan = backend.low_latency._dispatch_plan(E, M, hidden, K, False, False, False)
+        for key in ((True, False, False, False, True), (False, True, False, False, False)):
+            plan.kernels[key]
+        combine = backend.low_latency._combine_plan(E, M, hidden, K)
+        for key in ((True, False, False, True), (False, True, False, True)):
+            combine.kernels[key]
+
+    what = f"mixed modes R={R} k={ranks_per_node}"
+    got = run_ranks(R, ranks_per_node, rank_body, num_bytes, device=device, warm=warm, num_ll_bytes=num_ll_bytes)
+    for rank in range(R):
+        refused, outs = got[rank]
+        assert refused, f"{what} rank {rank}: a low-latency call after normal-mode calls was not refused"
+        for (kind, out), routing in zip(outs, (routings[0], routings[1], routings[2], routings[3])):
+            xs, topks, weights = routing
+            if kind == "ll":
+                want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
+            else:
+                want = reference_combine(xs[rank], topks[rank], E, R, rank_fn)
+            torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what} rank {rank} {kind}: {m}")
+
+
 def low_latency_words(backend: NvshmemBackend, num_experts: int) -> str:
     """One rank's low-latency epochs, combine flags and count words (both halves; nonzero ones as
     source:local expert=epoch/messages): what a timed-out wait read."""
@@ -510,14 +589,14 @@ def main(argv=None) -> int:
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
     suites = [(send_layout_case, send_layout_cases), (normal_case, cases)] if args.mode != "low_latency" else []
-    suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases)] \
-        if args.mode != "normal" else []
+    suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
+               (mixed_modes_case, dead_rank_cases)] if args.mode != "normal" else []
     for num_ranks, ranks_per_node in topologies:
         for run_case, suite in suites:
             for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
                 started = time.monotonic()
                 try:
-                    if run_case is low_latency_dead_rank_case:
+                    if run_case in (low_latency_dead_rank_case, mixed_modes_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -531,8 +610,8 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases", "low_latency_dead_rank_case",
-           "main"]
+__all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
+           "low_latency_dead_rank_case", "mixed_modes_case", "main"]
 
 
 if __name__ == "__main__":

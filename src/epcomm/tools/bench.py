@@ -374,7 +374,8 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
         # one is allocated there too once NVSHMEM is PyTorch's symmetric-memory backend)
         from ..backends.nvlink.workspace import Workspace
         from ..backends.nvshmem.backend import NvshmemBackend
-        heap = NvshmemBackend.allocation_bytes(size, size, R) + Workspace.size_for(R, 0, size) + (512 << 20)
+        heap = NvshmemBackend.allocation_bytes(size, size, R, settings.ranks_per_node) + \
+            Workspace.size_for(R, 0, size) + (512 << 20)
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap))
         buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
                                            backend="nvshmem", ranks_per_node=settings.ranks_per_node)}

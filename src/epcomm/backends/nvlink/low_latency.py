@@ -48,7 +48,7 @@ from ...handle import LowLatencyHandle
 from . import agreement, sync
 from .copy import for_word_copies, multiple, ptr_at, word_ptr
 from .launch import KernelSpec, Specialisations, current_stream
-from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH
+from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_ROW_BYTES
 from .normal import p2
 from ..nvshmem.device import NVSHMEM, complete_sends, send_bytes
 from .reach import (FAR_BY_NVSHMEM, LOOPBACK_MODE, PEERS_BY_STORES, post_fingerprint_any, release_words,
@@ -724,6 +724,9 @@ class LowLatencyMode:
         self.ws.reset_low_latency()
         flags = self.ws.buffer[:sync.NUM_FLAG_SETS * self.R * 8].view(torch.int64).view(sync.NUM_FLAG_SETS, -1)
         flags[sync.FLAGS_LL_COMBINE].zero_()
+        for fp_set in (FP_LL_DISPATCH, FP_LL_COMBINE):  # both halves' rows (the nvshmem backend's normal
+            start = self.ws.fingerprint_set(fp_set)     # mode may have written over them)
+            self.ws.buffer[start:start + 2 * self.R * FP_ROW_BYTES].zero_()
         for word in (sync.EPOCH_LL_DISPATCH, sync.EPOCH_LL_COMBINE, sync.LL_DISPATCH_HALF_EPOCH,
                      sync.LL_DISPATCH_HALF_EPOCH + 1, sync.LL_COMBINE_HALF_EPOCH, sync.LL_COMBINE_HALF_EPOCH + 1):
             self.state_words[word] = 0

@@ -117,7 +117,9 @@ class NvshmemBackend(Backend):
         num_rdma_bytes: bytes of the normal-mode workspace of each rank
             (:func:`workspace.bytes_for_tokens` says what a batch needs).
         num_ll_bytes: bytes of the low-latency workspace (0: no low-latency mode;
-            ``Buffer.get_low_latency_rdma_size_hint`` sizes it). The allocation holds both regions.
+            ``Buffer.get_low_latency_rdma_size_hint`` sizes it). The modes share the allocation
+            after the fixed signal words, as in DeepEP: after normal-mode calls, low-latency calls
+            need :meth:`clean_low_latency` first (EPError otherwise).
         transport: where the workspaces are (default: NVSHMEM symmetric memory on ``group``, of
             :meth:`allocation_bytes`); a loopback transport's buffers must be that large too.
         ll_ranks_per_node: the nodes of low-latency mode, whose ranks reach each other by stores
@@ -134,14 +136,13 @@ class NvshmemBackend(Backend):
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
                                                      "epcomm.backends.nvshmem.workspace.bytes_for_tokens sizes it)")
-            transport = NvshmemTransport(group, device,
-                                         self.allocation_bytes(num_rdma_bytes, num_ll_bytes, dist.get_world_size(group)))
+            transport = NvshmemTransport(group, device, self.allocation_bytes(
+                num_rdma_bytes, num_ll_bytes, dist.get_world_size(group), ranks_per_node))
         self.group, self.device = group, device
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
         self.topology = Topology(self.num_ranks, ranks_per_node)
         self.t = transport
-        ll_region = self._ll_region_bytes(num_ll_bytes, self.num_ranks)
-        self.total_bytes = transport.buffer.numel() - ll_region  # the normal-mode region, first
+        self.total_bytes = transport.buffer.numel()
         self.pre = preamble(self.num_ranks, ranks_per_node)
         self.base = transport.buffer.data_ptr()
         self.peer_bases = transport.peer_bases.data_ptr()
@@ -160,24 +161,31 @@ class NvshmemBackend(Backend):
         self._dispatch_plans = {}
         self._combine_plans = {}
         self.low_latency = self.ll_ws = None
+        self._normal_since_clean = False  # a normal-mode call wrote over the low-latency region
         if num_ll_bytes:
             self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
-            self.ll_ws = self._ll_workspace(num_ll_bytes, ll_region)
+            self.ll_ws = self._ll_workspace(num_ll_bytes)
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0)
 
     @staticmethod
-    def _ll_region_bytes(num_ll_bytes: int, num_ranks: int) -> int:
-        return Workspace.size_for(num_ranks, 0, num_ll_bytes, normal=False) + ALIGN if num_ll_bytes else 0
+    def _ll_start(num_ranks: int, ranks_per_node: int) -> int:
+        """Where the low-latency workspace starts: after the normal mode's fixed signal words (its
+        per-call areas start there too: the two modes share those bytes)."""
+        return (preamble(num_ranks, ranks_per_node).data + ALIGN - 1) // ALIGN * ALIGN
 
     @classmethod
-    def allocation_bytes(cls, num_rdma_bytes: int, num_ll_bytes: int, num_ranks: int) -> int:
-        """Bytes of symmetric memory per rank: the normal-mode region, then the low-latency one."""
-        return num_rdma_bytes + cls._ll_region_bytes(num_ll_bytes, num_ranks)
+    def allocation_bytes(cls, num_rdma_bytes: int, num_ll_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
+        """Bytes of symmetric memory per rank: ``num_rdma_bytes``, or more if the low-latency
+        workspace after the fixed signal words needs it."""
+        if not num_ll_bytes:
+            return num_rdma_bytes
+        ll_end = cls._ll_start(num_ranks, ranks_per_node) + Workspace.size_for(num_ranks, 0, num_ll_bytes, normal=False)
+        return max(num_rdma_bytes, ll_end)
 
-    def _ll_workspace(self, num_ll_bytes: int, ll_region: int) -> Workspace:
-        """The low-latency workspace over the allocation's last ``ll_region`` bytes (256-aligned)."""
-        start = (self.total_bytes + ALIGN - 1) // ALIGN * ALIGN
+    def _ll_workspace(self, num_ll_bytes: int) -> Workspace:
+        """The low-latency workspace, right after the normal mode's fixed signal words."""
+        start = self._ll_start(self.num_ranks, self.topology.ranks_per_node)
         bases = self.t.peer_bases
         ll_bases = torch.where(bases != 0, bases + start, torch.zeros_like(bases))  # 0: not mapped here
         # (loopback ranks are built one after another in one thread: no barrier among them here)
@@ -192,6 +200,7 @@ class NvshmemBackend(Backend):
     def _begin(self, fingerprint: Tuple[int, int], stream: int) -> int:
         """The call's epoch, after its step barrier (step.py) is launched."""
         self.epoch += 1
+        self._normal_since_clean = True
         self._step.launch(self.num_ranks, 1, stream, self.peer_bases, self.base, self.pre.step_rows,
                           self.pre.fingerprint, self.mailbox.address, fingerprint[0], fingerprint[1], self.epoch,
                           self.timeout_ns, self.rank, self.num_ranks)
@@ -461,6 +470,10 @@ class NvshmemBackend(Backend):
         if self.low_latency is None:
             raise EPError("this nvshmem backend has no low-latency workspace: make the Buffer with "
                           "low_latency_mode=True and num_rdma_bytes from get_low_latency_rdma_size_hint")
+        if self._normal_since_clean:  # every rank makes the same calls: every rank raises here
+            raise EPError("normal-mode calls used this Buffer's memory since the last low-latency call: call "
+                          "clean_low_latency_buffer on every rank first (the modes share num_rdma_bytes, as in "
+                          "DeepEP, which requires the same)")
         return self.low_latency
 
     def check_low_latency_dispatch(self, args) -> None:
@@ -477,6 +490,7 @@ class NvshmemBackend(Backend):
 
     def clean_low_latency(self) -> None:
         """Collective: reset every low-latency epoch, count word and flag (LowLatencyMode.reset)."""
+        self._normal_since_clean = False
         self._low_latency().reset(self.t.barrier)
 
     def destroy(self) -> None:
