@@ -1,5 +1,6 @@
 """The multi-node (nvshmem) backend's kernels on one GPU, every rank a thread of one process
-(loopback transport): dispatch, cached dispatch and combine against the references, per topology
+(loopback transport): the send layout; dispatch, cached dispatch and combine; low-latency rounds,
+a dead rank, both modes on one backend — against the references, per topology
 (epcomm.testing.loopback; it runs in a child process with CUDA_MODULE_LOADING=EAGER, which its
 docstring explains). Skipped without CUDA. The NVSHMEM puts themselves need one GPU per process:
 tests/test_gpu.py runs the backend on virtual nodes where two GPUs are lent.
