@@ -4,7 +4,9 @@ Run on a GPU machine: ``python3 scripts/nvshmem_probe.py`` (one process per GPU,
 processes over the GPUs). Prints, per phase, what worked: PyTorch's NVSHMEM symmetric memory
 (``set_backend("NVSHMEM")``, ``empty``, ``rendezvous``, peer pointers), a put with signal from a
 kernel compiled by ``KernelSpec(library=NVSHMEM)``, a bounded acquire-poll of the signal, the data,
-and the rate of a 64 MiB put. Exits 1 if any phase failed.
+and the rate of a 64 MiB put; then the low-latency kernels' primitives (device.send_bytes: a
+non-blocking block put, complete_sends: quiet, set_words: a signal SET with a masked lane sent to
+the spare word). Exits 1 if any phase failed.
 """
 import datetime
 import os
@@ -46,7 +48,20 @@ def probe_wait(signal_word, expected, timeout_ns, result_ptr):
     tl.store(result_ptr, tl.where(value >= expected, now - start, -1))
 
 
+@triton.jit
+def probe_send(dst, src, nbytes, signal_word, spare_word, value, pe, bases_ptr, rank):
+    """What a low-latency sender does for a far peer: put, complete, then SET the peer's word
+    (lane 0; the other lanes SET this rank's spare word, as masked lanes do)."""
+    nvshmem.send_bytes(dst, src, nbytes, pe, bases_ptr, rank, LOOPBACK=False)
+    nvshmem.complete_sends(LOOPBACK=False)
+    lanes = tl.arange(0, 128)
+    nvshmem.set_words(signal_word.to(tl.int64) + 0 * lanes, value + 0 * lanes, pe + 0 * lanes, lanes == 0,
+                      spare_word.to(tl.int64), bases_ptr, rank, LOOPBACK=False)
+
+
 PUT = KernelSpec(probe_put, ["*i8", "*i8", "i64", "*i64", "i64", "i32"], library=nvshmem.NVSHMEM)
+SEND = KernelSpec(probe_send, ["*i8", "*i8", "i64", "*i64", "*i64", "i64", "i32", "*i64", "i32"],
+                  library=nvshmem.NVSHMEM)
 WAIT = KernelSpec(probe_wait, ["*i64", "i64", "i64", "*i64"], library=nvshmem.NVSHMEM)
 
 
@@ -102,6 +117,22 @@ def worker(rank, world, port, results):
         median_ms = sorted(times)[len(times) // 2]
         report["64MiB_put_us"] = round(median_ms * 1e3, 1)
         report["GB_per_s"] = round(half / median_ms / 1e6, 1)
+        # the low-latency primitives: 1 MiB of a new pattern, then signal word 1 SET to 5
+        dist.barrier()
+        torch.cuda.synchronize()
+        mib = 1 << 20
+        src[:mib].add_(7)
+        bases = torch.tensor([int(p or 0) for p in handle.buffer_ptrs], dtype=torch.int64, device=dev)
+        torch.cuda.synchronize()
+        dist.barrier()
+        SEND.bind(num_warps=4).launch(1, 1, stream, dst, src, mib, signals.data_ptr() + 8, signals.data_ptr() + 16,
+                                      5, peer, bases, rank)
+        wait.launch(1, 1, stream, signals.data_ptr() + 8, 5, 10 ** 10, waited)
+        torch.cuda.synchronize()
+        report["ll_wait_ns"] = int(waited.item())
+        want = (torch.arange(mib, device=dev) % 251 + sender + 7).to(torch.uint8)
+        report["ll_data_ok"] = bool(torch.equal(dst[:mib], want)) and int(waited.item()) >= 0
+        report["ll_spare_word"] = int(signals[2].item())  # 5: the masked lanes' SET landed here
         dist.barrier()
         results.put((rank, "ok", report))
     except Exception:
@@ -126,7 +157,7 @@ def main() -> int:
             ok = False
             break
         print(item, flush=True)
-        ok &= item[1] == "ok" and item[2].get("data_ok", False)
+        ok &= item[1] == "ok" and item[2].get("data_ok", False) and item[2].get("ll_data_ok", False)
     for p in procs:
         p.join(10)
         if p.is_alive():

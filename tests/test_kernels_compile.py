@@ -174,6 +174,9 @@ def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
         assert compiled.asm["cubin"]
     assert "nvshmemx_putmem_signal_block" in nvshmem_probe.PUT.compile(
         {}, 4, target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only").asm["ptx"]
+    ptx = nvshmem_probe.SEND.compile({}, 4, target=GPUTarget("cuda", 90, 32), ptx_options="--compile-only").asm["ptx"]
+    for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet", "nvshmemx_signal_op"):
+        assert symbol in ptx, symbol
 
 
 @pytest.mark.parametrize("fp8,topk,loopback", [(False, False, False), (True, True, False), (False, True, True),
