@@ -181,7 +181,7 @@ def test_multinode_row_and_count_row_layouts():
     from epcomm.backends.nvshmem.rows import CombineRow, MetaRow, RowLayout
     meta = MetaRow(num_ranks=16, num_experts=256, num_nodes=2, num_channels=12)
     parts = [(meta.per_rank, 16), (meta.per_expert, 256), (meta.per_node, 2), (meta.num_tokens, 1),
-             (meta.gbl_prefix, 16 * 12), (meta.rdma_prefix, 2 * 12)]
+             (meta.gbl_prefix, 16 * 12), (meta.rdma_prefix, 2 * 12), (meta.abort, 1)]
     assert [start for start, _ in parts] == [sum(n for _, n in parts[:i]) for i in range(len(parts))]
     assert meta.length == sum(n for _, n in parts)
     for x_bytes, scales, topk in ((14336, 0, 8), (7168, 56, 8), (8, 0, 0), (7168, 56, 0)):
@@ -263,7 +263,9 @@ def test_count_row_and_node_token_lists(ranks, per_node, channels):
     assert torch.equal(row[meta.per_node:meta.num_tokens], plan.num_tokens_per_rdma_rank)
     assert int(row[meta.num_tokens]) == T
     assert torch.equal(row[meta.gbl_prefix:meta.rdma_prefix].view(ranks, channels), plan.gbl_channel_prefix_matrix)
-    assert torch.equal(row[meta.rdma_prefix:].view(topology.num_nodes, channels), plan.rdma_channel_prefix_matrix)
+    assert torch.equal(row[meta.rdma_prefix:meta.abort].view(topology.num_nodes, channels),
+                       plan.rdma_channel_prefix_matrix)
+    assert int(row[meta.abort]) == 0
     lists = node_tokens(plan.is_token_in_node)
     for n, block in enumerate(hy.node_blocks(plan.is_token_in_node)):
         assert torch.equal(lists[n, :len(block)].long(), block)

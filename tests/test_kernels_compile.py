@@ -188,7 +188,8 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     target = GPUTarget("cuda", 90, 32)
     options = dict(ptx_options=None if loopback else "--compile-only")
     assert M.NOTIFY.compile(dict(LOOPBACK=loopback, R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
-    assert M.SEND_LAYOUT.compile(dict(BLOCK_T=128, R_P2=16, N_P2=4, BLOCK_E=256), 4, target=target).asm["cubin"]
+    assert M.SEND_LAYOUT.compile(dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=4, BLOCK_E=256, K_P2=8), 4,
+                                 target=target).asm["cubin"]
     assert S.STEP.compile(dict(LOOPBACK=loopback, R_P2=16), 4, target=target, **options).asm["cubin"]
     assert S.ABORT.compile(dict(LOOPBACK=loopback), 4, target=target, **options).asm["cubin"]
     meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)

@@ -324,16 +324,17 @@ def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
     topology = Topology(R, k)
     N = topology.num_nodes
     _, topks, _ = make_routing(seed, scenario, R, E, 4, num_tokens, 128, fixed_tokens=num_tokens)
-    _, _, per_expert, in_rank = dispatch_layout(topks[0].to(device), E, R)
+    per_rank, _, per_expert, in_rank = dispatch_layout(topks[0].to(device), E, R)
     meta = MetaRow(R, E, N, num_channels)
     masks = torch.full((num_tokens, N), -7, dtype=torch.int32, device=device)
     lists = torch.full((N, num_tokens), -7, dtype=torch.int32, device=device)
     row = torch.full((meta.length,), -7, dtype=torch.int32, device=device)
     p2 = lambda n: 1 << (max(n, 1) - 1).bit_length()  # noqa: E731
-    SEND_LAYOUT.bind(num_warps=4, BLOCK_T=128, R_P2=p2(R), N_P2=p2(N), BLOCK_E=256).launch(
-        1, 1, torch.cuda.current_stream(device).cuda_stream, in_rank.data_ptr(), per_expert.data_ptr(),
-        masks.data_ptr(), lists.data_ptr(), row.data_ptr(), num_tokens, R, k, E, num_channels, meta.per_expert,
-        meta.per_node, meta.num_tokens, meta.gbl_prefix, meta.rdma_prefix)
+    topk = topks[0].to(device)
+    SEND_LAYOUT.bind(num_warps=4, HAS_TOPK=True, BLOCK_T=128, R_P2=p2(R), N_P2=p2(N), BLOCK_E=256, K_P2=4).launch(
+        1, 1, torch.cuda.current_stream(device).cuda_stream, in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(),
+        per_expert.data_ptr(), masks.data_ptr(), lists.data_ptr(), row.data_ptr(), num_tokens, R, k, E, num_channels,
+        4, meta.per_expert, meta.per_node, meta.num_tokens, meta.gbl_prefix, meta.rdma_prefix, meta.abort)
     want = send_layout(in_rank, topology, num_channels)
     want_row = count_row(meta, want.gbl_channel_prefix_matrix[:, -1], per_expert, want.num_tokens_per_rdma_rank,
                          want.gbl_channel_prefix_matrix, want.rdma_channel_prefix_matrix, num_tokens)
@@ -398,6 +399,43 @@ def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int 
             want = reference_low_latency_combine(xs[rank], live_topk, weights[rank], expert_fn, use_fp8=False)
             torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2,
                                        msg=lambda m: f"{what} round {r} rank {rank} combine: {m}")
+
+
+def bad_counts_case(num_ranks: int, ranks_per_node: int, argument: str = "num_tokens_per_expert",
+                    device: Optional[torch.device] = None) -> None:
+    """The last rank passes counts that do not summarise its routing (``argument``): every rank's
+    full dispatch raises EPInputError naming it (the count rows carry the abort code; no hang)."""
+    from ..errors import EPInputError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, T, hidden = num_ranks, 4 * num_ranks, 24, 256
+    xs, topks, weights = make_routing(80, "uniform", R, E, 4, T, hidden, fixed_tokens=T)
+    config = Config(num_sms=4)
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        topk = topks[rank].to(device)
+        per_rank, _, per_expert, in_rank = dispatch_layout(topk, E, R)
+        if rank == R - 1:
+            if argument == "num_tokens_per_rank":
+                per_rank = per_rank + 1
+            else:
+                per_expert = torch.roll(per_expert, 1)
+        args = DispatchArgs(x=xs[rank].to(device), handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights[rank].to(device),
+                            expert_alignment=1, num_worst_tokens=0, config=config)
+        backend.check_dispatch(args)
+        try:
+            backend.dispatch(args)
+        except EPInputError as err:
+            return err.argument
+        return "no error"
+
+    got = run_ranks(R, ranks_per_node, rank_body, bytes_for_tokens(T, R, ranks_per_node, E, hidden, 4), device=device)
+    assert got == [argument] * R, f"bad {argument} on the last rank, R={R} k={ranks_per_node}: ranks raised {got}"
+
+
+def bad_counts_cases(num_ranks: int, ranks_per_node: int):
+    """Both caller counts the send-layout kernel checks (:func:`bad_counts_case`)."""
+    return [(0, "uniform", dict(argument="num_tokens_per_rank")), (0, "uniform", dict(argument="num_tokens_per_expert"))]
 
 
 def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
@@ -588,7 +626,8 @@ def main(argv=None) -> int:
                                env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
-    suites = [(send_layout_case, send_layout_cases), (normal_case, cases)] if args.mode != "low_latency" else []
+    suites = [(send_layout_case, send_layout_cases), (normal_case, cases), (bad_counts_case, bad_counts_cases)] \
+        if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
                (mixed_modes_case, dead_rank_cases)] if args.mode != "normal" else []
     for num_ranks, ranks_per_node in topologies:
@@ -596,7 +635,7 @@ def main(argv=None) -> int:
             for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
                 started = time.monotonic()
                 try:
-                    if run_case in (low_latency_dead_rank_case, mixed_modes_case):
+                    if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -611,7 +650,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
-           "low_latency_dead_rank_case", "mixed_modes_case", "main"]
+           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "main"]
 
 
 if __name__ == "__main__":

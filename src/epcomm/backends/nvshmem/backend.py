@@ -95,6 +95,7 @@ class DispatchPlan:
     send: object  # BoundKernel
     forward: object
     fingerprint: Tuple[int, int]
+    send_layout: object = None  # BoundKernel (a full dispatch's)
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,6 @@ class NvshmemBackend(Backend):
         r_p2 = p2(self.num_ranks)
         self._step = step_kernels.STEP.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2)
         self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2, BLOCK_E=128)
-        self._send_layout = dispatch_kernels.SEND_LAYOUT.bind(num_warps=4, BLOCK_T=128, R_P2=r_p2,
-                                                              N_P2=p2(self.topology.num_nodes), BLOCK_E=256)
         self._dispatch_plans = {}
         self._combine_plans = {}
         self.low_latency = self.ll_ws = None
@@ -248,9 +247,12 @@ class NvshmemBackend(Backend):
         hidden = x_bytes if num_scales else x_bytes // 2
         call = agreement.CALL_CACHED if cached else agreement.CALL_DISPATCH
         fingerprint = agreement.pack(call=call, hidden=hidden, x=2 if num_scales else 1, num_topk=num_topk)
+        send_layout = None if cached else dispatch_kernels.SEND_LAYOUT.bind(
+            num_warps=4, HAS_TOPK=num_topk > 0, BLOCK_T=128, R_P2=p2(self.num_ranks), N_P2=p2(self.topology.num_nodes),
+            BLOCK_E=256, K_P2=p2(num_topk))
         plan = DispatchPlan(layout, x_bytes // 8, num_scales, num_topk, num_channels,
                             dispatch_kernels.SEND.bind(num_warps=COPY_WARPS, LOOPBACK=self.loopback, **meta),
-                            dispatch_kernels.FORWARD.bind(num_warps=COPY_WARPS, **meta), fingerprint)
+                            dispatch_kernels.FORWARD.bind(num_warps=COPY_WARPS, **meta), fingerprint, send_layout)
         self._dispatch_plans[key] = plan
         return plan
 
@@ -310,17 +312,19 @@ class NvshmemBackend(Backend):
             lists = torch.empty((N, num_tokens), dtype=torch.int32, device=dev)
             in_rank = args.is_token_in_rank if args.is_token_in_rank.is_contiguous() else \
                 args.is_token_in_rank.contiguous()
-            self._send_layout.launch(1, 1, stream, in_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(),
-                                     masks.data_ptr(), lists.data_ptr(), self.base + layout.count_row, num_tokens, R,
-                                     k, num_experts, C, meta.per_expert, meta.per_node, meta.num_tokens,
-                                     meta.gbl_prefix, meta.rdma_prefix)
+            topk_ids = args.topk_idx.data_ptr() if plan.num_topk else in_rank.data_ptr()
+            plan.send_layout.launch(1, 1, stream, in_rank.data_ptr(), topk_ids, args.num_tokens_per_rank.data_ptr(),
+                                    args.num_tokens_per_expert.data_ptr(), masks.data_ptr(), lists.data_ptr(),
+                                    self.base + layout.count_row, num_tokens, R, k, num_experts, C, plan.num_topk,
+                                    meta.per_expert, meta.per_node, meta.num_tokens, meta.gbl_prefix,
+                                    meta.rdma_prefix, meta.abort)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             sequence = self.mailbox.next_sequence()
             self._notify.launch(R, 1, stream, self.peer_bases, self.base + layout.count_row, self.base + layout.table,
                                 self.base + self.pre.notify_signals, self.base + layout.table,
                                 self.state.data_ptr() + 8 * ARRIVE_NOTIFY, prefix.data_ptr(), self.mailbox.address, epoch,
                                 sequence, self.timeout_ns, rank, R, meta.length, num_experts, meta.num_tokens,
-                                args.expert_alignment)
+                                args.expert_alignment, meta.abort)
             table = self.t.buffer[layout.table:layout.table + 4 * R * meta.length].view(torch.int32).view(
                 R, meta.length).clone()
             state = NvshmemState(table, masks, lists, torch.empty((num_tokens, N), dtype=torch.int32, device=dev),

@@ -25,6 +25,11 @@ from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_
 from . import device as nvshmem
 from .workspace import MAX_CHANNELS
 
+# abort codes of a count row (nvlink/agreement.py's numbering: raise_disagreement names the argument)
+ABORT_NUM_TOKENS_PER_RANK = tl.constexpr(1)
+ABORT_NUM_TOKENS_PER_EXPERT = tl.constexpr(2)
+CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of word 0
+
 # Signal and flag words are indexed [node][channel] with this stride whatever the call's channel
 # count, so they keep fixed places for the buffer's life (workspace.py; ml_abort sets them all).
 SIGNAL_STRIDE = tl.constexpr(MAX_CHANNELS)
@@ -61,13 +66,16 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
 # ====================================================================== send layout
 @triton.jit
 def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
-                   per_expert_ptr,  # [E] int32: num_tokens_per_expert (copied into the count row)
+                   topk_ptr,  # [T, K] int64 expert ids (HAS_TOPK)
+                   per_rank_ptr,  # [R] int32: the caller's num_tokens_per_rank (checked)
+                   per_expert_ptr,  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
                    masks_ptr,  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
                    node_tokens_ptr,  # out [N, T] int32: row n starts with node n's tokens, ascending
                    row_ptr,  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
-                   num_tokens, num_ranks, ranks_per_node, num_experts, num_channels,
-                   per_expert_at, per_node_at, num_tokens_at, gbl_prefix_at, rdma_prefix_at,
-                   BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+                   num_tokens, num_ranks, ranks_per_node, num_experts, num_channels, num_topk,
+                   per_expert_at, per_node_at, num_tokens_at, gbl_prefix_at, rdma_prefix_at, abort_at,
+                   HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr,
+                   BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
     # One program: hierarchy.send_layout, rows.node_tokens and rows.count_row in one pass, with
     # no host work between the routing and the count exchange. Channels are the contiguous token
     # ranges of hierarchy.channel_bounds (ceil(T / C) tokens each); walking them in order, per
@@ -77,8 +85,12 @@ def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
     #   node_tokens[n, seen[n] + #(earlier tokens of the block in n)] = t      (ascending per node)
     #   gbl[r, c] = tokens of channels 0..c for rank r    rdma[n, c] = the same per node (inclusive)
     #
-    # then the totals (gbl[:, C-1], rdma[:, C-1]), the caller's per-expert counts and T close the
-    # row. Plain stores: the notify kernel after it on the stream reads the row.
+    # then the totals (gbl[:, C-1], rdma[:, C-1]), the per-expert counts and T close the row. The
+    # counts sent are the routing's own — per rank from is_token_in_rank, per expert from topk_idx
+    # (every valid entry; the caller's without HAS_TOPK) — so the receivers' offsets always agree
+    # with the rows sent; where the caller's differ, the row's abort word names the argument and
+    # every rank's notify reports it (the host raises EPInputError, as nvlink's staging check does).
+    # Plain stores and atomics: the notify kernel after it on the stream reads the row.
     num_nodes = num_ranks // ranks_per_node
     ranks = tl.arange(0, R_P2)
     nodes = tl.arange(0, N_P2)
@@ -114,13 +126,36 @@ def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
     tl.store(row_ptr + ranks, per_rank, mask=rank_ok)  # num_tokens_per_rank: the rows actually sent
     tl.store(row_ptr + per_node_at + nodes, per_node, mask=node_ok)
     tl.store(row_ptr + num_tokens_at, num_tokens)
+    given = tl.load(per_rank_ptr + ranks, mask=rank_ok, other=0)
+    abort = tl.where(tl.max((given != per_rank).to(tl.int32), axis=0) != 0, ABORT_NUM_TOKENS_PER_RANK, 0)
     for first in range(0, num_experts, BLOCK_E):
         e = first + tl.arange(0, BLOCK_E)
-        tl.store(row_ptr + per_expert_at + e, tl.load(per_expert_ptr + e, mask=e < num_experts), mask=e < num_experts)
+        if HAS_TOPK:
+            tl.store(row_ptr + per_expert_at + e, tl.zeros([BLOCK_E], tl.int32), mask=e < num_experts)
+        else:
+            tl.store(row_ptr + per_expert_at + e, tl.load(per_expert_ptr + e, mask=e < num_experts),
+                     mask=e < num_experts)
+    if HAS_TOPK:  # count the routing's entries into the zeroed per-expert words, then compare
+        tl.debug_barrier()  # the zeros precede the atomics
+        k = tl.arange(0, K_P2)
+        for first in range(0, num_tokens, BLOCK_T):
+            tokens = first + tl.arange(0, BLOCK_T)
+            ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
+                          mask=(tokens < num_tokens)[:, None] & (k < num_topk)[None, :], other=-1)
+            valid = (ids >= 0) & (ids < num_experts)
+            tl.atomic_add(row_ptr + per_expert_at + tl.where(valid, ids, 0).to(tl.int32), 1, mask=valid,
+                          sem="relaxed")
+        tl.debug_barrier()  # every atomic precedes the read-back (volatile: not from L1)
+        for first in range(0, num_experts, BLOCK_E):
+            e = first + tl.arange(0, BLOCK_E)
+            counted = tl.load(row_ptr + per_expert_at + e, mask=e < num_experts, other=0, volatile=True)
+            wrong = tl.max((counted != tl.load(per_expert_ptr + e, mask=e < num_experts, other=0)).to(tl.int32), axis=0)
+            abort = tl.where((wrong != 0) & (abort == 0), ABORT_NUM_TOKENS_PER_EXPERT, abort)
+    tl.store(row_ptr + abort_at, abort)
 
 
-SEND_LAYOUT = KernelSpec(ml_send_layout, ["*i8", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "i32", "i32"])
+SEND_LAYOUT = KernelSpec(ml_send_layout, ["*i8", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32",
+                                          "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
 
 
 # ====================================================================== count exchange
@@ -133,18 +168,22 @@ def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback 
               prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
               mailbox_address,  # host mailbox (nvlink/sync.py): receive counts, then the sequence number
               epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
+              abort_at,
               LOOPBACK: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
     # [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
     # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
     # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
-    # mailbox and, last, the sequence number with a release — the host polls that word.
+    # mailbox and, last, the sequence number with a release — the host polls that word. A row
+    # whose abort word is set (ml_send_layout: its caller's counts did not match its routing) is
+    # recorded in the mailbox like a disagreement (nvlink/sync.py check_fingerprints): every rank
+    # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
     nvshmem.deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
                     signals + rank * 8, epoch, p, peer_bases_ptr, rank, LOOPBACK)
     peers = tl.arange(0, R_P2)
     one = peers == p
-    timeouts, _, _, notify = mailbox_words(mailbox_address, num_ranks)
+    timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
     _, _, late = poll_epochs((signals + peers * 8).to(tl.pointer_type(tl.int64)), one, epoch, timeout_ns,
                              EPOCH_SHIFT=0)  # ACQUIRE: rank p's row here
     report_late(late, peers, timeouts, timeouts, MASK_ON_TIMEOUT=False)
@@ -156,6 +195,12 @@ def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback 
         tl.store(prefix_ptr + src[:, None] * num_ranks + src[None, :], prefix, mask=live)
         num_recv = tl.sum(tl.where((src[:, None] == num_ranks - 1) & (src[None, :] == rank), prefix, 0), axis=None)
         max_tokens = tl.max(tl.load(table_ptr + src * meta_len + num_tokens_at, mask=src < num_ranks, other=0), axis=0)
+        codes = tl.load(table_ptr + src * meta_len + abort_at, mask=src < num_ranks, other=0).to(tl.int64)
+        if tl.max(codes, axis=0) != 0:
+            tl.store(agreement + src * 2, tl.zeros_like(codes), mask=codes != 0)
+            tl.store(agreement + src * 2 + 1, codes, mask=codes != 0)  # the abort field of word 1
+            tl.store(agreement + num_ranks * 2, CALL_DISPATCH)  # this rank's own pair: a dispatch
+            tl.store(agreement - (num_ranks + 2), 1)  # the mailbox's "pending" word
         tl.store(notify + 1, num_recv.to(tl.int64))
         tl.store(notify + 2, max_tokens.to(tl.int64))
         num_local = num_experts // num_ranks
@@ -169,7 +214,7 @@ def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback 
 
 
 NOTIFY = KernelSpec(ml_notify, ["*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
-                                "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                                "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== hop 1: send

@@ -45,8 +45,14 @@ class MetaRow:
         return self.gbl_prefix + self.num_ranks * self.num_channels
 
     @property
-    def length(self) -> int:
+    def abort(self) -> int:
+        """Nonzero when the sender's caller-given counts did not summarise its routing (the code
+        nvlink/agreement.py's aborts use: 1 num_tokens_per_rank, 2 num_tokens_per_expert)."""
         return self.rdma_prefix + self.num_nodes * self.num_channels
+
+    @property
+    def length(self) -> int:
+        return self.abort + 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,8 @@ def count_row(meta: MetaRow, num_tokens_per_rank: torch.Tensor, num_tokens_per_e
     matrices (hierarchy.send_layout)."""
     token_count = torch.full((1,), num_tokens, dtype=torch.int32, device=num_tokens_per_rank.device)
     row = torch.cat([num_tokens_per_rank, num_tokens_per_expert, num_tokens_per_rdma_rank, token_count,
-                     gbl_channel_prefix_matrix.flatten(), rdma_channel_prefix_matrix.flatten()]).to(torch.int32)
+                     gbl_channel_prefix_matrix.flatten(), rdma_channel_prefix_matrix.flatten(),
+                     torch.zeros_like(token_count)]).to(torch.int32)
     if row.numel() != meta.length:
         raise ValueError(f"count row of {row.numel()} words, the layout says {meta.length}")
     return row
