@@ -23,11 +23,11 @@ from .base import Backend
 BACKENDS = ("torch_dist", "nvlink", "nvshmem")
 
 
-def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
-                         low_latency_mode: bool = False) -> str:
+def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None) -> str:
     """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
-    the automatic choice. Raises EPError for an unknown name or one this group cannot run.
-    Collective on CUDA groups (the automatic choice gathers every rank's host)."""
+    the automatic choice (the same for both modes: every backend runs both). Raises EPError for an
+    unknown name or one this group cannot run. Collective on CUDA groups (the automatic choice
+    gathers every rank's host)."""
     choice = os.environ.get("EPCOMM_BACKEND") or requested
     source = "EPCOMM_BACKEND" if os.environ.get("EPCOMM_BACKEND") else "backend"
     on_gpu = dist.get_backend(group) != "gloo" and torch.cuda.is_available()

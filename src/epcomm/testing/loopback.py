@@ -214,6 +214,20 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
             torch.testing.assert_close(got[rank]["combined_w"], want_w, msg=lambda m: f"{what} rank {rank} weights: {m}")
 
 
+def warm_low_latency(backend: NvshmemBackend, num_experts: int, max_tokens: int, hidden: int, num_topk: int,
+                     use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
+                     stats: bool = False) -> None:
+    """Compile the low-latency specialisations a case launches (send and receive, aligned inputs,
+    hooks or not; ``stats``: the dispatch receive with both stats tensors), before the ranks start."""
+    ll = backend.low_latency
+    plan = ll._dispatch_plan(num_experts, max_tokens, hidden, num_topk, use_fp8, round_scale, use_ue8m0)
+    for key in ((True, False, False, False, True), (False, True, stats, stats, False)):
+        plan.kernels[key]
+    combine = ll._combine_plan(num_experts, max_tokens, hidden, num_topk)
+    for key in ((True, False, False, True), (False, True, False, True)):
+        combine.kernels[key]
+
+
 def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", hidden: int = 512,
                      num_experts: int = 16, num_topk: int = 4, max_tokens: int = 24, use_fp8: bool = False,
                      round_scale: bool = False, use_ue8m0: bool = False, rounds: int = 3,
@@ -228,14 +242,8 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
     routings = [make_routing(seed * 100 + r, scenario, R, E, num_topk, M, hidden) for r in range(rounds)]
     num_ll_bytes = low_latency_bytes(M, hidden, R, E)
 
-    def warm(backend: NvshmemBackend) -> None:  # the specialisations the rounds launch
-        ll = backend.low_latency
-        plan = ll._dispatch_plan(E, M, hidden, num_topk, use_fp8, round_scale, use_ue8m0)
-        for key in ((True, False, False, False, True), (False, True, True, True, False)):
-            plan.kernels[key]
-        combine = ll._combine_plan(E, M, hidden, num_topk)
-        for key in ((True, False, False, True), (False, True, False, True)):
-            combine.kernels[key]
+    def warm(backend: NvshmemBackend) -> None:  # the specialisations the rounds launch (stats on)
+        warm_low_latency(backend, E, M, hidden, num_topk, use_fp8, round_scale, use_ue8m0, stats=True)
 
     def rank_body(rank: int, backend: NvshmemBackend):
         mask = torch.zeros(R, dtype=torch.int32, device=device)
@@ -376,12 +384,7 @@ def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int 
         return [(c.cpu(), o.cpu()) for c, o in outs], mask.cpu()
 
     def warm(backend: NvshmemBackend) -> None:  # (a rank compiling in its thread would be masked)
-        plan = backend.low_latency._dispatch_plan(E, M, hidden, K, False, False, False)
-        for key in ((True, False, False, False, True), (False, True, False, False, False)):
-            plan.kernels[key]
-        combine = backend.low_latency._combine_plan(E, M, hidden, K)
-        for key in ((True, False, False, True), (False, True, False, True)):
-            combine.kernels[key]
+        warm_low_latency(backend, E, M, hidden, K)
 
     what = f"low-latency dead rank R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=1.0, device=device, warm=warm,
@@ -495,12 +498,7 @@ def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     def warm(backend: NvshmemBackend) -> None:
         backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
         backend._combine_plan(hidden, K, 0, 2)
-        plan = backend.low_latency._dispatch_plan(E, M, hidden, K, False, False, False)
-        for key in ((True, False, False, False, True), (False, True, False, False, False)):
-            plan.kernels[key]
-        combine = backend.low_latency._combine_plan(E, M, hidden, K)
-        for key in ((True, False, False, True), (False, True, False, True)):
-            combine.kernels[key]
+        warm_low_latency(backend, E, M, hidden, K)
 
     what = f"mixed modes R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, num_bytes, device=device, warm=warm, num_ll_bytes=num_ll_bytes)
