@@ -6,7 +6,8 @@ processes over the GPUs). Prints, per phase, what worked: PyTorch's NVSHMEM symm
 kernel compiled by ``KernelSpec(library=NVSHMEM)``, a bounded acquire-poll of the signal, the data,
 and the rate of a 64 MiB put; then the low-latency kernels' primitives (device.send_bytes: a
 non-blocking block put, complete_sends: quiet, set_words: a signal SET with a masked lane sent to
-the spare word). Exits 1 if any phase failed.
+the spare word; a second SET of the same value must leave it: SIGNAL_SET is the library's code).
+Exits 1 if any phase failed.
 """
 import datetime
 import os
@@ -133,6 +134,14 @@ def worker(rank, world, port, results):
         want = (torch.arange(mib, device=dev) % 251 + sender + 7).to(torch.uint8)
         report["ll_data_ok"] = bool(torch.equal(dst[:mib], want)) and int(waited.item()) >= 0
         report["ll_spare_word"] = int(signals[2].item())  # 5: the masked lanes' SET landed here
+        # SET is a store, not an add: a second SET of the same value leaves it (a wrong SIGNAL_SET
+        # code makes the library ADD instead: 10 in the peer's word, 5 x 127 masked lanes here)
+        dist.barrier()
+        SEND.bind(num_warps=4).launch(1, 1, stream, dst, src, mib, signals.data_ptr() + 8, signals.data_ptr() + 16,
+                                      5, peer, bases, rank)
+        torch.cuda.synchronize()
+        dist.barrier()
+        report["set_is_store"] = int(signals[1].item()) == 5 and int(signals[2].item()) == 5
         dist.barrier()
         results.put((rank, "ok", report))
     except Exception:
@@ -157,7 +166,7 @@ def main() -> int:
             ok = False
             break
         print(item, flush=True)
-        ok &= item[1] == "ok" and item[2].get("data_ok", False) and item[2].get("ll_data_ok", False)
+        ok &= item[1] == "ok" and all(item[2].get(key, False) for key in ("data_ok", "ll_data_ok", "set_is_store"))
     for p in procs:
         p.join(10)
         if p.is_alive():

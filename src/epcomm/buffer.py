@@ -108,7 +108,7 @@ class Buffer:
         self.device = group_device(group)
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-        self.backend_name = default_backend_name(group, backend)
+        self.backend_name = default_backend_name(group, backend, ranks_per_node)
         if ranks_per_node is None:  # one node, except on nvshmem: its hosts' blocks of ranks
             ranks_per_node = ranks_per_host(group) if self.backend_name == "nvshmem" else self.group_size
         self.ranks_per_node = ranks_per_node

@@ -23,9 +23,12 @@ from .base import Backend
 BACKENDS = ("torch_dist", "nvlink", "nvshmem")
 
 
-def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None) -> str:
+def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
+                         ranks_per_node: Optional[int] = None) -> str:
     """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
-    the automatic choice (the same for both modes: every backend runs both). Raises EPError for an
+    the automatic choice (the same for both modes: every backend runs both): ``nvlink`` when the
+    group is one node — on one host, and ``ranks_per_node`` (if given) spans the whole group —
+    else ``nvshmem`` when every rank can use NVSHMEM, else ``torch_dist``. Raises EPError for an
     unknown name or one this group cannot run. Collective on CUDA groups (the automatic choice
     gathers every rank's host)."""
     choice = os.environ.get("EPCOMM_BACKEND") or requested
@@ -45,7 +48,8 @@ def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = No
     if not on_gpu:
         return "torch_dist"
     from .nvlink import nvlink_usable
-    if nvlink_usable(group):
+    one_node = ranks_per_node is None or ranks_per_node >= dist.get_world_size(group)
+    if nvlink_usable(group) and one_node:  # (collective: every rank calls nvlink_usable)
         return "nvlink"
     if _everyone_has_nvshmem(group):
         return "nvshmem"

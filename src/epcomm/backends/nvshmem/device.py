@@ -37,10 +37,14 @@ from triton.language import core
 
 from ..nvlink.launch import DeviceLibrary
 
-# NVSHMEM's signal operations and comparisons (nvshmem.h; the experimental _extern_triton library
-# numbers them differently — not those).
-SIGNAL_SET = tl.constexpr(0)
-SIGNAL_ADD = tl.constexpr(5)
+# NVSHMEM's signal operations: the codes of NVSHMEM_SIGNAL_SET / NVSHMEM_SIGNAL_ADD in the device
+# library PyTorch ships (NVSHMEM 3.x, libnvshmem_device.bc: nvshmemx_signal_op and the signal of
+# nvshmemx_putmem_signal_block store the value when op == 9 and atomically ADD it for any other op).
+# A wrong code is not an error there: it silently turns every SET into an ADD (epochs that sum up,
+# waits that pass early, fingerprints read before they land), so the loopback transport interprets
+# the codes the same way (:func:`_loopback_signal`) and its tests catch a wrong one.
+SIGNAL_SET = tl.constexpr(9)
+SIGNAL_ADD = tl.constexpr(10)
 
 
 _I64, _U64, _I32 = core.dtype("int64"), core.dtype("uint64"), core.dtype("int32")
@@ -134,19 +138,47 @@ def deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, LOOP
     ``src`` through memory: the block's stores must be visible there), then one put with signal
     (or the signal alone for no bytes). LOOPBACK: ``pe``'s workspace is at ``peer_bases_ptr[pe]``
     in this process; the block copies the bytes there with plain stores, runs a CTA barrier and
-    RELEASEs the signal (st.release.sys by every thread, as in nvlink/sync.py)."""
+    thread 0 signals as the library does (:func:`_loopback_signal`: a system fence, then the op)."""
     if LOOPBACK:
         _loopback_copy(dst, src, nbytes, pe, peer_bases_ptr, rank, BLOCK)
         tl.debug_barrier()  # every thread's stores precede the release
         address = tl.cast(signal_word, tl.int64) + _loopback_shift(peer_bases_ptr, pe, rank)
-        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
-                                  [address, tl.cast(value, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+        _loopback_signal(address, tl.cast(value, tl.int64), SIGNAL_SET, ONE_THREAD=True)
     else:
         _fence_sys()
         if nbytes > 0:
             put_signal(dst, src, nbytes, signal_word, value, SIGNAL_SET, pe)
         else:
             signal(signal_word, value, SIGNAL_SET, pe)
+
+
+@triton.jit
+def _loopback_signal(addresses, values, op: tl.constexpr, ONE_THREAD: tl.constexpr = False):
+    """A signal op as NVSHMEM's device library performs it over NVLink: a system-scope fence (the
+    release of what the signalling thread has seen), then the word stored when ``op`` is the
+    library's SET code, atomically incremented by ``values`` for any other code (the library
+    treats every other code as ADD). Lane-wise, by every thread holding a lane (``set_words``'s
+    thread-scoped signals), or by thread 0 alone (``ONE_THREAD``: the signal of a block-scoped
+    put). ``addresses`` are byte addresses."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    if op == 9:  # the library's code for SET, spelled out here: SIGNAL_SET must equal it
+        if ONE_THREAD:
+            tl.inline_asm_elementwise("{ .reg .pred %ep_first; .reg .b32 %ep_t; mov.u32 %ep_t, %tid.x; "
+                                      "setp.eq.u32 %ep_first, %ep_t, 0; "  # thread 0 alone
+                                      "@%ep_first st.relaxed.sys.global.b64 [$1], $2; } mov.u32 $0, 0;",
+                                      "=r,l,l", [addresses, values], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                      [addresses, values], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        if ONE_THREAD:
+            tl.inline_asm_elementwise("{ .reg .pred %ep_first; .reg .b32 %ep_t; mov.u32 %ep_t, %tid.x; "
+                                      "setp.eq.u32 %ep_first, %ep_t, 0; "  # thread 0 alone
+                                      "@%ep_first red.relaxed.sys.global.add.u64 [$1], $2; } mov.u32 $0, 0;",
+                                      "=r,l,l", [addresses, values], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("red.relaxed.sys.global.add.u64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                      [addresses, values], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -198,15 +230,11 @@ def set_words(words, values, pes, live, spare_word, peer_bases_ptr, rank, LOOPBA
     sent before it. Dead lanes SET ``spare_word`` (a scratch word of this rank's symmetric memory)
     instead: a device function call cannot be masked. Lanes are one thread each when the tensor has
     at least as many elements as the program has threads; otherwise threads repeat a SET of the
-    same value (harmless). LOOPBACK: a release store into ``pes``' workspace (nvlink/sync.py's
-    pattern: one system fence, then relaxed stores)."""
+    same value (harmless for SET). LOOPBACK: the same op into ``pes``' workspace, as the library
+    performs it (:func:`_loopback_signal`)."""
     if LOOPBACK:
         shift = tl.load(peer_bases_ptr + pes, mask=live, other=0) - tl.load(peer_bases_ptr + rank)
-        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-        tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
-                                  [tl.where(live, words + shift, spare_word), values.to(tl.int64)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        _loopback_signal(tl.where(live, words + shift, spare_word), values.to(tl.int64), SIGNAL_SET)
     else:
         signal(tl.where(live, words, spare_word), values, SIGNAL_SET, tl.where(live, pes, rank))
 
@@ -221,11 +249,27 @@ class NvshmemLibrary(DeviceLibrary):
         return NvshmemLibFinder.find_device_library()
 
     def init_module(self, compiled) -> None:
+        """Point the module's copy of NVSHMEM's device state at this process's (what PyTorch's
+        ``@requires_nvshmem`` hook does for Triton's launcher). Only a module that holds that state
+        can be initialised: a kernel linked with the library but calling none of its functions (a
+        specialisation whose NVSHMEM calls compiled away, a kernel that only polls words) has none,
+        and ``nvshmemx_cumodule_init`` fails on it ('named symbol not found', error 7)."""
+        if not module_uses_nvshmem(compiled.asm.get("ptx", "")):
+            return
         from torch._C._distributed_c10d import _nvshmemx_cumodule_init
         _nvshmemx_cumodule_init(compiled.module)
 
 
 NVSHMEM = NvshmemLibrary()
+
+# The device library's state: every NVSHMEM device function reads it, nvshmemx_cumodule_init sets it.
+DEVICE_STATE_SYMBOL = "nvshmemi_device_state_d"
+
+
+def module_uses_nvshmem(ptx: str) -> bool:
+    """Whether a kernel's PTX holds NVSHMEM's device state (it calls into the library), i.e.
+    whether its loaded module must be initialised."""
+    return DEVICE_STATE_SYMBOL in ptx
 
 
 def nvshmem_available() -> Tuple[bool, str]:

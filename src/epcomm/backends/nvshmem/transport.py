@@ -60,6 +60,10 @@ class NvshmemTransport(Transport):
                           f"({type(exc).__name__}: {exc}); EPCOMM_BACKEND=torch_dist runs without it") from exc
         self.handle = handle
         self.peer_bases = torch.tensor([int(p or 0) for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        # The heap hands freed memory out again: a Buffer made after another may get the bytes a
+        # peer's last kernels of the old one still write into. Zero only once every rank's GPU
+        # work so far has finished, and start once every rank has zeroed.
+        self.barrier()
         self.buffer.zero_()
         self.barrier()
 
