@@ -689,3 +689,42 @@ def gpu_low_latency_one_launch(hidden: int = 2048):
         return low_latency_sweep(8, 500, hidden, 8, 128, "cuda", size), gpu_low_latency_graph(2, hidden)
     finally:
         del os.environ["EPCOMM_LL_ONE_LAUNCH"]
+
+
+def gpu_user_program_on_nodes(hidden: int = 2048, num_tokens: int = 256):
+    """Issue 28's user program, run where ``EPCOMM_RANKS_PER_NODE`` splits the group into nodes:
+    the automatic backend, DeepEP-style sizes, layout, BF16 and FP8 dispatch, cached dispatch,
+    combine, then a low-latency round trip — each against the torch_dist reference. Returns the
+    backend names (fast, low-latency)."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, k = 8 * R, 8
+    xs, topks, weights = make_routing(28, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 28, num_rdma_bytes=10 ** 9)
+    reference = epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
+    outs = []
+    for b in (buffer, reference):
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk, num_experts)
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk, topk_weights=w)
+        recv = b.dispatch(x, **kwargs)
+        recv_fp8 = b.dispatch(epcomm.per_token_cast_to_fp8(x), **kwargs)
+        cached = b.dispatch(x, handle=recv[4])
+        combined = b.combine(recv[0], recv[4], topk_weights=recv[2])
+        torch.cuda.synchronize()
+        outs.append((recv[0], recv_fp8[0][0].view(torch.uint8), cached[0], combined[0]))
+    (recv_fast, fp8_fast, cached_fast, comb_fast), (recv_ref, fp8_ref, cached_ref, comb_ref) = outs
+    assert torch.equal(recv_fast, recv_ref) and torch.equal(fp8_fast, fp8_ref) and torch.equal(cached_fast, cached_ref)
+    torch.testing.assert_close(comb_fast, comb_ref, rtol=1e-2, atol=1e-2)
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, num_experts)
+    ll = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True)
+    recv_x, recv_count, handle, _, _ = ll.low_latency_dispatch(x[:128], topk[:128], 128, num_experts, use_fp8=False)
+    combined, _, _ = ll.low_latency_combine(recv_x, topk[:128], w[:128], handle)
+    torch.cuda.synchronize()
+    want = reference_low_latency_combine(x[:128].cpu(), topk[:128].cpu(), w[:128].cpu(), lambda e, r: r, False, False)
+    torch.testing.assert_close(combined.cpu(), want, rtol=2e-2, atol=2e-2)
+    names = (buffer.backend_name, ll.backend_name)
+    for b in (buffer, reference, ll):
+        b.destroy()
+    return names

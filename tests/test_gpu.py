@@ -203,3 +203,53 @@ def test_fuzz_on_nvlink(gpu_pool):
 def test_out_of_range_expert_ids_raise_without_a_device_assert(gpu_pool):
     assert gpu_pool.run(failure_cases.gpu_out_of_range_expert, timeout_s=120) == \
         [("EPInputError", "topk_idx")] * gpu_pool.world_size
+
+
+# ---------------------------------------------------------------------- every GPU its own node
+@pytest.fixture(scope="module")
+def node_pool():
+    """Ranks whose nodes are one GPU each (``EPCOMM_RANKS_PER_NODE=1``) and the automatic backend:
+    every Buffer the cases make without naming a backend runs on nvshmem (issue 28)."""
+    if GPUS < 2:
+        pytest.skip("needs at least 2 CUDA GPUs (one node each)")
+    import os
+    env = {"EPCOMM_RANKS_PER_NODE": "1", "NVSHMEM_SYMMETRIC_SIZE": str(16 << 30)}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the workers inherit it at spawn
+    try:
+        pool = WorkerPool(GPUS, backend="nccl")
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    yield pool
+    pool.close()
+
+
+def test_nodes_user_program_runs_on_the_automatic_backend(node_pool):
+    assert node_pool.run(ep_cases.gpu_user_program_on_nodes, timeout_s=300) == [("nvshmem", "nvshmem")] * GPUS
+
+
+@pytest.mark.parametrize("case", sorted(failure_cases.GPU_CASES))
+def test_nodes_failure_contract(node_pool, case):
+    results = node_pool.run(failure_cases.gpu_contract, case, timeout_s=120)
+    assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * GPUS, results
+
+
+def test_nodes_timeout_names_the_peer(node_pool):
+    assert node_pool.run(ep_cases.gpu_timeout_names_peer, timeout_s=120) == ["raised"] * (GPUS - 1) + ["absent"]
+
+
+def test_nodes_autograd_and_moe_layer_match_dense(node_pool):
+    errors = node_pool.run(training_cases.autograd_against_dense, 6, 256, "cuda", timeout_s=300)
+    assert max(errors) <= 2e-2, errors
+    errors = node_pool.run(training_cases.moe_layer_against_dense, 256, 128, 2, 2, "cuda", timeout_s=300)
+    assert all(max(e.values()) <= 2e-2 for e in errors), errors
+
+
+def test_nodes_fuzz(node_pool):
+    """>= 1000 normal-mode and >= 1000 low-latency cases on nvshmem against the reference."""
+    from epcomm.testing.sweeps import normal_mode_sweep
+    assert node_pool.run(normal_mode_sweep, 1000, 50_000, 128, 4, 24, True, "cuda", timeout_s=900) == [1000] * GPUS
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(16, 512, GPUS, 4 * GPUS)
+    assert node_pool.run(ep_cases.low_latency_sweep, 1000, 60_000, 512, 4, 16, "cuda", size, True,
+                         timeout_s=900) == [1000] * GPUS

@@ -46,7 +46,8 @@ class Buffer:
             ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
             A rank that times out in low-latency mode is masked either way.
         backend: ``"torch_dist"``, ``"nvlink"`` or ``"nvshmem"``; default: chosen from the group
-            (``nvlink`` on one host, ``nvshmem`` across hosts, else ``torch_dist``).
+            (``nvlink`` on one node, ``nvshmem`` across hosts or when ``ranks_per_node`` splits
+            the group, else ``torch_dist``).
         ranks_per_node: group the ranks into nodes of this many consecutive ranks (on one host:
             virtual nodes, which reach each other only the way separate nodes would — on nvshmem,
             through NVSHMEM puts; ``EPCOMM_RANKS_PER_NODE`` overrides it). Default: the ranks per
@@ -62,7 +63,8 @@ class Buffer:
     backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node,
     ``nvshmem`` across nodes) unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both;
     ``buffer.backend_name`` tells which. On ``nvshmem``, ``num_rdma_bytes`` sizes each rank's
-    symmetric workspace: ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
+    symmetric workspace (0: ``num_nvl_bytes``, or 1 GiB if that is 0 too — code written for one
+    node runs as it is): ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
     needs in normal mode, :meth:`get_low_latency_rdma_size_hint` in low-latency mode; the modes
     share those bytes as in DeepEP: after normal-mode calls, call :meth:`clean_low_latency_buffer`
     on every rank before the next low-latency call (an EPError says so otherwise).

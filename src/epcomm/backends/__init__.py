@@ -21,6 +21,7 @@ from ..errors import EPError
 from .base import Backend
 
 BACKENDS = ("torch_dist", "nvlink", "nvshmem")
+DEFAULT_NVSHMEM_BYTES = 1 << 30  # the nvshmem workspace of a Buffer made with num_rdma_bytes = num_nvl_bytes = 0
 
 
 def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
@@ -109,8 +110,12 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
             raise EPError("the nvshmem backend needs a CUDA (NCCL) process group")
         from .nvshmem.backend import NvshmemBackend
         # A low-latency Buffer's modes share num_rdma_bytes, as in DeepEP (NvshmemBackend.allocation_bytes).
+        # Code written for one node passes only num_nvl_bytes (or nothing): the workspace takes that,
+        # or DEFAULT_NVSHMEM_BYTES, so the same program runs across nodes (a batch too large for it
+        # raises EPInputError naming num_rdma_bytes).
         ranks_per_node = ranks_per_node or dist.get_world_size(group)
-        return NvshmemBackend(group, device, num_rdma_bytes, ranks_per_node, timeout_s,
+        workspace_bytes = num_rdma_bytes or num_nvl_bytes or DEFAULT_NVSHMEM_BYTES
+        return NvshmemBackend(group, device, workspace_bytes, ranks_per_node, timeout_s,
                               num_ll_bytes=num_rdma_bytes if low_latency_mode else 0,
                               ll_ranks_per_node=ranks_per_node if allow_nvlink_for_low_latency_mode else 1)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")
