@@ -347,7 +347,10 @@ class HostMailbox:
         device-side waits, which name the peers, give up first). The first ``SPIN_S`` it spins; after
         that each poll yields the GIL (``time.sleep(0)``): a spinning thread keeps it for the
         interpreter's switch interval (5 ms) each time another thread needs it, which would stall
-        every other Python thread of the process — the ranks' own threads in the loopback tests."""
+        every other Python thread of the process — the ranks' own threads in the loopback tests.
+        While it waits it also watches the pending word: a disagreement or a late peer that an
+        earlier kernel of the call recorded raises at once (the count exchange may never finish
+        then), naming the argument or the peers."""
         view, index = self.view, self._notify
         if view[index] != sequence:
             now = time.monotonic()
@@ -356,7 +359,10 @@ class HostMailbox:
                 now = time.monotonic()
                 if now > spin_until:
                     time.sleep(0)
+                    if view[0] != 0:  # a kernel of this call already reported (a disagreement, a late peer)
+                        self.raise_pending(rank, timeout_s)
                     if now > deadline:
+                        self.raise_pending(rank, timeout_s)  # names the late peers if a wait flagged them
                         raise EPTimeoutError(f"rank {rank}: the count exchange did not finish within {timeout_s:g} s "
                                              f"(the GPU may be stuck on earlier work)", [])
         self.raise_pending(rank, timeout_s)
