@@ -125,7 +125,11 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
 
         x_in, topk, w = to_dev(ins[rank]), topks[rank].to(dev), weights[rank].to(dev)
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        assert per_rdma is None
+        if buffer.num_nodes == 1:
+            assert per_rdma is None
+        else:  # tokens per node: a token counts once for each node holding one of its ranks
+            nodes = in_rank.view(in_rank.shape[0], buffer.num_nodes, -1).any(dim=2)
+            assert torch.equal(per_rdma.cpu(), nodes.sum(dim=0).to(per_rdma.dtype).cpu())
         routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                        topk_idx=topk, topk_weights=w, expert_alignment=alignment)
         recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(x_in, **routing)
