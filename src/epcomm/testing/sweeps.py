@@ -128,7 +128,7 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
         if buffer.num_nodes == 1:
             assert per_rdma is None
         else:  # tokens per node: a token counts once for each node holding one of its ranks
-            nodes = in_rank.view(in_rank.shape[0], buffer.num_nodes, -1).any(dim=2)
+            nodes = in_rank.view(in_rank.shape[0], buffer.num_nodes, buffer.ranks_per_node).any(dim=2)
             assert torch.equal(per_rdma.cpu(), nodes.sum(dim=0).to(per_rdma.dtype).cpu())
         routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                        topk_idx=topk, topk_weights=w, expert_alignment=alignment)
