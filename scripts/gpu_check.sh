@@ -4,8 +4,9 @@
 # DeepEP wheel was carried into .peers/ (a DeepEP V1 wheel built for the GPU machine), the benchmarks
 # run it side by side (--peer deep_ep). Extra arguments go to `epcomm bench normal`.
 #
-# GPU_CHECK=multinode runs only the multi-node part (issue 14: the nvshmem tests on virtual nodes and
-# loopback ranks, both virtual-node benchmarks), for machines lent for less than the whole run.
+# GPU_CHECK=multinode runs only the multi-node part (the NVSHMEM probe; the nvshmem tests on virtual
+# nodes — every GPU its own node, automatic backend — and on loopback ranks; both virtual-node
+# benchmarks), for machines lent for less than the whole run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -21,7 +22,8 @@ fi
 python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
 tests_rc=0 bench_rc=0 ll_rc=0
 if [ "$part" = multinode ]; then
-  python3 -m pytest -q -m gpu tests/test_gpu.py -k nvshmem tests/test_nvshmem_loopback.py 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 scripts/nvshmem_probe.py 2>&1 | tee "$OUT/nvshmem_probe.log"
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k "nvshmem or nodes_" tests/test_nvshmem_loopback.py 2>&1 | tee "$OUT/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
 else
   python3 -m epcomm demo 2>&1 | tee "$OUT/demo.log"
