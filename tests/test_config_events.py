@@ -64,3 +64,28 @@ def test_synchronous_scope_runs_inline():
     with StreamScope(None, None, True) as scope:
         scope.keep()
     assert scope.event_overlap().event is None
+
+
+def test_submodules_after_a_plain_import():
+    """Issue 26 case 7: the README's ``epcomm.autograd.dispatch`` / ``epcomm.nn.MoE`` after ``import epcomm``."""
+    import subprocess
+    import sys
+    code = "import epcomm; print(epcomm.autograd.dispatch.__name__, epcomm.nn.MoE.__name__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["dispatch", "MoE"], run.stderr[-2000:]
+
+
+def test_host_tensors_name_their_device_under_another_default():
+    """Issue 26 case 1: what epcomm keeps on the host is made there whatever
+    ``torch.set_default_device`` says (here "meta", which a CPU machine has)."""
+    import torch
+    from epcomm.backends.nvlink.sync import HostMailbox
+    torch.set_default_device("meta")
+    try:
+        mailbox = HostMailbox(2, 8, pinned=False)
+        assert mailbox.words.device.type == "cpu"
+        assert int(mailbox.view[0]) == 0
+        from epcomm.hierarchy import channel_bounds
+        assert channel_bounds(10, 3).device.type == "cpu"
+    finally:
+        torch.set_default_device(None)

@@ -13,6 +13,17 @@ from .types import Payload, topk_idx_t
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("autograd", "nn", "expert_major", "testing")
+
+
+def __getattr__(name):
+    """``epcomm.autograd``, ``epcomm.nn``, ... after a plain ``import epcomm`` (as the README writes
+    them), imported on first use: they pull in more of torch than the Buffer needs."""
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'epcomm' has no attribute {name!r}")
+
 __all__ = ["Buffer", "Config", "EventOverlap", "EPError", "EPInputError", "EPTimeoutError",
            "DispatchHandle", "LowLatencyHandle", "Payload", "topk_idx_t", "per_token_cast_to_fp8",
            "per_token_cast_back", "__version__"]

@@ -103,7 +103,7 @@ def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:
     if num_channels < 1:
         raise EPInputError("num_channels", f"must be positive, got {num_channels}")
     per_channel = -(-num_tokens // num_channels)
-    return torch.clamp(torch.arange(num_channels + 1, dtype=torch.int64) * per_channel, max=num_tokens)
+    return torch.clamp(torch.arange(num_channels + 1, dtype=torch.int64, device="cpu") * per_channel, max=num_tokens)
 
 
 def channel_prefix_matrix(membership: torch.Tensor, num_channels: int,
@@ -157,7 +157,7 @@ def network_rows(num_tokens_per_rdma_rank: torch.Tensor, rank: int, topology: To
 def min_network_rows(is_token_in_rank: torch.Tensor, rank: int, topology: Topology) -> int:
     """The least any scheme can send: one row per (token, other node hosting one of its experts)."""
     in_node = node_membership(is_token_in_rank, topology)
-    others = torch.ones(topology.num_nodes, dtype=torch.bool)
+    others = torch.ones(topology.num_nodes, dtype=torch.bool, device="cpu")
     others[topology.node_of(rank)] = False
     return int(in_node[:, others].sum())
 

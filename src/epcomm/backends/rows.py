@@ -17,7 +17,7 @@ def _row_bytes(spec: RowSpec) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * torch.empty((), dtype=dtype, device="cpu").element_size()
 
 
 def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -320,9 +320,9 @@ class TorchDistBackend(Backend):
             received = unpack_rows(recv_packed, specs)
             # Received rows come ordered by (source, local expert, token).
             flat_counts = recv_pair_counts_host.reshape(-1)
-            block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
+            block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel(), device=flat_counts.device), flat_counts)
             keep = live.squeeze(1).repeat_interleave(num_local_experts)[block_ids] > 0
-            position = torch.arange(block_ids.numel()) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
+            position = torch.arange(block_ids.numel(), device=block_ids.device) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
             src, local_expert = block_ids // num_local_experts, block_ids % num_local_experts
             row = block_offsets[src, local_expert] + position
             local_expert, row = local_expert[keep].to(dev), row[keep].to(dev)
@@ -352,8 +352,8 @@ class TorchDistBackend(Backend):
         layout = handle.recv_layout_range.cpu()
         block_offsets, block_counts = (layout >> 32).t(), (layout & 0xFFFFFFFF).t()  # [src, local expert]
         flat_counts = block_counts.reshape(-1)
-        block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
-        position = torch.arange(block_ids.numel()) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
+        block_ids = torch.repeat_interleave(torch.arange(flat_counts.numel(), device=flat_counts.device), flat_counts)
+        position = torch.arange(block_ids.numel(), device=block_ids.device) - torch.repeat_interleave(_exclusive_cumsum(flat_counts), flat_counts)
         local_expert = block_ids % num_local_experts
         row = block_offsets.reshape(-1)[block_ids] + position
         send = x[local_expert.to(dev), row.to(dev)]

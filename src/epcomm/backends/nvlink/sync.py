@@ -305,7 +305,8 @@ class HostMailbox:
         self.num_ranks = R = num_ranks
         self.max_local_experts = max_local_experts
         # pinned=False only for tests of the host logic on machines without CUDA
-        self.words = torch.zeros(3 * R + 7 + max_local_experts, dtype=torch.int64, pin_memory=pinned)
+        self.words = torch.zeros(3 * R + 7 + max_local_experts, dtype=torch.int64, device="cpu",
+                                 pin_memory=pinned)  # host memory whatever the default device
         self.view = self.words.numpy()
         self.address = self.words.data_ptr()
         self._agreement = R + 2
