@@ -77,15 +77,18 @@ def test_submodules_after_a_plain_import():
 
 def test_host_tensors_name_their_device_under_another_default():
     """Issue 26 case 1: what epcomm keeps on the host is made there whatever
-    ``torch.set_default_device`` says (here "meta", which a CPU machine has)."""
+    ``torch.set_default_device`` says (here "meta", which a CPU machine has). The mailbox module
+    needs Triton (not in the CPU CI's install): checked where it is present."""
+    import importlib.util
+
     import torch
-    from epcomm.backends.nvlink.sync import HostMailbox
+    from epcomm.hierarchy import channel_bounds
     torch.set_default_device("meta")
     try:
-        mailbox = HostMailbox(2, 8, pinned=False)
-        assert mailbox.words.device.type == "cpu"
-        assert int(mailbox.view[0]) == 0
-        from epcomm.hierarchy import channel_bounds
         assert channel_bounds(10, 3).device.type == "cpu"
+        if importlib.util.find_spec("triton") is not None:
+            from epcomm.backends.nvlink.sync import HostMailbox
+            mailbox = HostMailbox(2, 8, pinned=False)
+            assert mailbox.words.device.type == "cpu" and int(mailbox.view[0]) == 0
     finally:
         torch.set_default_device(None)
