@@ -310,3 +310,107 @@ def exited_rank_main(rank: int, world_size: int, port: int, call: str, results, 
         results.join_thread()  # the result is flushed before the process goes
         done.wait(60)
         os._exit(0)  # no teardown: the group has a dead member
+
+
+def store_host_exit_main(rank: int, world_size: int, port: int, results, done) -> None:
+    """A process of its own: the last rank stalls (never makes the call); rank 0, which hosts the
+    process group's store, reaches its timeout first and exits; rank 1, still waiting, must raise
+    EPTimeoutError naming the stalled rank (not only "the store is unreachable"). Puts ``(rank,
+    error class, peers, message)``."""
+    import datetime
+    import os
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        buffer = epcomm.Buffer(dist.group.WORLD, timeout=3.0)
+        num_experts = 4 * world_size
+        xs, topks, _ = make_routing(9, "uniform", world_size, num_experts, 2, 8, 128, fixed_tokens=8)
+        args = _layout_args(buffer, topks[rank], num_experts)
+        dist.barrier()
+        if rank == world_size - 1:
+            done.wait(60)  # stalled
+            os._exit(0)
+        time.sleep(1.5 * rank)  # rank 0 waits first, so its timeout comes first
+        try:
+            buffer.dispatch(xs[rank], **args)
+            results.put((rank, "ok", None, ""))
+        except epcomm.EPError as err:
+            results.put((rank, type(err).__name__, getattr(err, "peers", None), str(err)[:300]))
+    finally:
+        results.close()
+        results.join_thread()
+        if rank != 0:
+            done.wait(60)
+        os._exit(0)  # rank 0 exits at once: its store goes with it
+
+
+def rejected_layout_stands_in(num_steps: int = 3):
+    """Rank 1's get_dispatch_layout rejects an expert id (a local call) and it skips that dispatch.
+    Its peers, in that dispatch, raise EPInputError naming rank 1 and topk_idx; rank 1's next
+    dispatch stands in for the skipped one and then pairs with the peers' next: every later step
+    matches the reference (calls pair by identity, not by count)."""
+    from epcomm.testing import reference_dispatch
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, timeout=20)
+    num_experts = 4 * R
+    seen = []
+    for step in range(num_steps):
+        xs, topks, ws = make_routing(20 + step, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
+        topk = topks[rank].clone()
+        if step == 0 and rank == 1:
+            topk[0, 0] = num_experts + 3
+        try:
+            args = _layout_args(buffer, topk, num_experts)
+            recv_x = buffer.dispatch(xs[rank], topk_idx=topk, topk_weights=ws[rank], **args)[0]
+        except epcomm.EPInputError as err:
+            seen.append(("EPInputError", err.argument, "rank 1" in str(err)))
+            continue
+        want = reference_dispatch(xs, topks, ws, num_experts)[rank]["recv_x"]
+        seen.append(("ok", torch.equal(recv_x, want)))
+    return seen
+
+
+def low_latency_combine_topk_idx(case: str):
+    """low_latency_combine given a topk_idx other than its dispatch's, on one rank: every rank
+    raises EPInputError naming topk_idx before anything is exchanged; the next round trip works."""
+    from epcomm.testing import reference_low_latency_combine
+    from epcomm.testing.sweeps import expert_fn
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
+    num_experts, M, hidden = 2 * R, 8, 128
+    xs, topks, ws = make_routing(31, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    num_local = num_experts // R
+
+    def round_trip(combine_topk):
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
+        experts = rank * num_local + torch.arange(num_local)
+        out = torch.stack([expert_fn(torch.full((recv.shape[1],), int(e)), recv[i].float())
+                           for i, e in enumerate(experts)]).to(torch.bfloat16)
+        return buffer.low_latency_combine(out, combine_topk, ws[rank] if combine_topk.shape == topks[rank].shape
+                                          else ws[rank][:combine_topk.shape[0]], handle)[0]
+
+    wrong = topks[rank]
+    if rank == 1:
+        wrong = topks[rank][1:].contiguous() if case == "shape" else topks[rank].flip(0).contiguous()
+    result = _outcome(lambda: round_trip(wrong))
+    want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
+    torch.testing.assert_close(round_trip(topks[rank]), want, rtol=2e-2, atol=2e-2)
+    return result[:2]
+
+
+def masked_rank_learns_it():
+    """Rank 0 masks rank 1 (enable_shrink) while rank 1 is alive: rank 1's next low-latency call
+    raises EPError saying rank 0 masked it, instead of exchanging with nobody; rank 0's call
+    completes without it."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True, timeout=20)
+    num_experts, M, hidden = 2 * R, 8, 128
+    xs, topks, ws = make_routing(32, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    if rank == 0:
+        buffer.low_latency_update_mask_buffer(1, True)
+    try:
+        buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
+        return ("ok",)
+    except epcomm.EPError as err:
+        return (type(err).__name__, "ranks [0] masked this rank" in str(err))

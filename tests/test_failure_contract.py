@@ -52,6 +52,31 @@ def test_exited_rank_is_named_within_the_timeout(call):
         assert seconds < 2.0 + 5.0, seconds
 
 
+def test_store_host_exit_still_names_the_stalled_rank():
+    """Rank 2 stalls; rank 0 (the store's host) times out first and exits; rank 1, still waiting
+    when the store goes, names rank 2 — the rank it was waiting for — not only the dead store."""
+    import torch.multiprocessing as mp
+    from epcomm.testing.launcher import _free_port
+    ctx = mp.get_context("spawn")
+    results, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=failure_cases.store_host_exit_main, args=(r, 3, port, results, done), daemon=True)
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((item[0], item[1:]) for item in (results.get(timeout=90) for _ in range(2)))
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got[0][:2] == ("EPTimeoutError", [2]), got[0]
+    kind, peers, message = got[1]
+    assert kind == "EPTimeoutError" and peers == [2] and "unreachable" in message, got[1]
+
+
 @pytest.mark.parametrize("case", ["num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx"])
 def test_counts_that_do_not_match_the_routing_are_rejected(pools, case):
     assert pools.get(2).run(failure_cases.inconsistent_counts, case, timeout_s=120) == [("EPInputError", case)] * 2
@@ -59,3 +84,36 @@ def test_counts_that_do_not_match_the_routing_are_rejected(pools, case):
 
 def test_low_latency_masks_a_dead_rank_and_goes_on(pools):
     assert pools.get(3).run(failure_cases.low_latency_dead_rank, timeout_s=120) == ["masked", "masked", "dead"]
+
+
+def test_rejected_layout_stands_in_for_the_skipped_dispatch(pools):
+    """Issue 26 case 3: calls pair by identity after a local layout error."""
+    results = pools.get(4).run(failure_cases.rejected_layout_stands_in, timeout_s=120)
+    for rank, seen in enumerate(results):
+        first = ("EPInputError", "topk_idx", True) if rank != 1 else ("EPInputError", "topk_idx", False)
+        assert seen[0] == first, (rank, seen)
+        assert seen[1:] == [("ok", True)] * 2, (rank, seen)
+
+
+@pytest.mark.parametrize("case", ["shape", "values"])
+def test_low_latency_combine_checks_topk_idx_against_its_dispatch(pools, case):
+    """Issue 26 case 5: EPInputError naming topk_idx on every rank, nothing exchanged, then usable."""
+    assert pools.get(4).run(failure_cases.low_latency_combine_topk_idx, case, timeout_s=120) == \
+        [("EPInputError", "topk_idx")] * 4
+
+
+def test_a_rank_masked_by_its_peers_raises_instead_of_exchanging(pools):
+    """Issue 26 case 4: no call returns data after a desync unless it paired."""
+    results = pools.get(2).run(failure_cases.masked_rank_learns_it, timeout_s=120)
+    assert results == [("ok",), ("EPError", True)], results
+
+
+def test_random_sequence_of_faults(pools):
+    """Issue 26: 200 steps of valid calls, bad inputs on random ranks, disagreements, rejected
+    layouts and skipped combines; after each step every rank raised naming the argument (and
+    the rank) or returned the reference's result, and the next valid call succeeded."""
+    from epcomm.testing.sequence import error_sequence
+    results = pools.get(4).run(error_sequence, 200, 11, timeout_s=300)
+    assert all(r == results[0] or set(r) == set(results[0]) for r in results), results
+    for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
+        assert results[0].get(key, 0) > 0, results[0]

@@ -131,7 +131,12 @@ class Buffer:
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_phase = 0
         self._ll_combine_staging: List[Optional[torch.Tensor]] = [None, None]
+        # (handle, topk_idx) of the last two low-latency dispatches: combine checks its topk_idx against them
+        self._ll_dispatched: List[Optional[Tuple[LowLatencyHandle, torch.Tensor]]] = [None, None]
         self._destroyed = False
+        # A get_dispatch_layout that rejected its input (a local call): the next call that exchanges
+        # anything takes part as an abort, so no peer pairs its current call with this rank's next one.
+        self._rejected_layout: Optional[EPInputError] = None
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -185,6 +190,26 @@ class Buffer:
         if not self.low_latency_mode:
             raise EPError("low-latency calls need a Buffer constructed with low_latency_mode=True")
 
+    def _stand_in_for_skipped_call(self, kind: str) -> None:
+        """If this rank's last get_dispatch_layout rejected its input (a local call), this rank
+        skipped the call that layout was for, which its peers are making. The first call that
+        exchanges anything afterwards first stands in for it, as an abort: the peers raise
+        EPInputError there, naming this rank and the argument, and this call then pairs with their
+        next one. Calls pair by identity, not by count: without the stand-in, this call would pair
+        with the peers' call that the layout was for. (A backend that cannot go on after an abort
+        raises here.)"""
+        rejected, self._rejected_layout = self._rejected_layout, None
+        if rejected is None:
+            return
+        reason = str(rejected).split(": ", 1)[-1]
+        error = EPInputError(rejected.argument, f"get_dispatch_layout rejected it on rank {self.rank} ({reason}), "
+                                                f"which skipped the call that layout was for")
+        try:
+            self._backend.agree(kind, None, error, self._rank_mask if kind.startswith("low_latency") else None)
+        except EPInputError:
+            pass  # this rank's own abort, expected: its peers raised in the call it skipped
+        self._backend.raise_pending()
+
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The stream communication runs on (``None`` on CPU)."""
         return self._comm_stream
@@ -230,10 +255,19 @@ class Buffer:
         Returns:
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [N] int32 | None,
             num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+
+        A local call, as in DeepEP. If it rejects its input (:class:`EPInputError`), skip the call
+        it was for (as code does when the layout raised): the next call that exchanges anything
+        first stands in for the skipped one as an abort — the peers, making that call, raise
+        EPInputError naming this rank and the argument — and then pairs with the peers' next call.
         """
         self._check_alive()
-        checks.check_num_experts(num_experts, self.group_size)
-        checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
+        try:
+            checks.check_num_experts(num_experts, self.group_size)
+            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
+        except EPInputError as err:
+            self._rejected_layout = err  # the next collective call stands in for the skipped one
+            raise
         with self._stream_scope(previous_event, async_finish, (topk_idx,)) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts,
                                                                                          self.ranks_per_node)
@@ -280,6 +314,8 @@ class Buffer:
             In cached mode the top-k outputs and the list are ``None``.
         """
         self._check_alive()
+        if self._rejected_layout is not None:
+            self._stand_in_for_skipped_call("dispatch")
         try:
             R = self.group_size
             num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
@@ -377,6 +413,8 @@ class Buffer:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
         self._check_alive()
+        if self._rejected_layout is not None:
+            self._stand_in_for_skipped_call("combine")
         try:
             if not isinstance(handle, DispatchHandle):
                 raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
@@ -423,6 +461,7 @@ class Buffer:
         checks.check_num_experts(num_experts, self.group_size)
         self._ll_phase = 0
         self._ll_combine_staging = [None, None]
+        self._ll_dispatched = [None, None]
         self._backend.clean_low_latency()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -460,6 +499,8 @@ class Buffer:
             are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
         """
         self._check_low_latency()
+        if self._rejected_layout is not None:
+            self._stand_in_for_skipped_call("low_latency_dispatch")
         try:
             R = self.group_size
             checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
@@ -496,9 +537,10 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                 ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
                 ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
-        self._next_phase()
+        phase = self._next_phase()
         with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
             recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
+            self._ll_dispatched[phase] = (handle, topk_idx)
             scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
         return recv_x, recv_count, handle, scope.event_overlap(), hook
 
@@ -540,6 +582,8 @@ class Buffer:
             ``(combined_x [T, H] bf16, event, hook)``.
         """
         self._check_low_latency()
+        if self._rejected_layout is not None:
+            self._stand_in_for_skipped_call("low_latency_combine")
         try:
             if not isinstance(handle, LowLatencyHandle):
                 raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
@@ -552,6 +596,7 @@ class Buffer:
             if num_tokens > handle.num_max_dispatch_tokens_per_rank:
                 raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
                                                f"{handle.num_max_dispatch_tokens_per_rank}")
+            self._check_combine_topk_idx(topk_idx, handle)
             checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
             if out is not None:
                 checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
@@ -576,6 +621,20 @@ class Buffer:
             combined_x, hook = self._backend.low_latency_combine(args)
             scope.keep(combined_x)
         return combined_x, scope.event_overlap(), hook
+
+    def _check_combine_topk_idx(self, topk_idx: torch.Tensor, handle: LowLatencyHandle) -> None:
+        """``topk_idx`` of a low-latency combine must be its dispatch's: the shape always, the values
+        with ``check_values`` (a host read on CUDA) unless it is the very tensor. A handle older than
+        the last two dispatches is not checked (its buffer half was reused: DeepEP's rule)."""
+        dispatched = next((topk for held, topk in filter(None, self._ll_dispatched) if held is handle), None)
+        if dispatched is None or dispatched is topk_idx:
+            return
+        if dispatched.shape != topk_idx.shape:
+            raise EPInputError("topk_idx", f"has shape {list(topk_idx.shape)} but the low_latency_dispatch of this "
+                                           f"handle had {list(dispatched.shape)}: pass the same topk_idx")
+        if self._check_values and not torch.equal(dispatched, topk_idx):
+            raise EPInputError("topk_idx", "differs from the one the low_latency_dispatch of this handle was given: "
+                                           "pass the same topk_idx")
 
     # ------------------------------------------------------------------ rank masking
     def _check_shrink(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -25,6 +26,9 @@ import torch.distributed as dist
 from ..errors import EPError, EPInputError, EPTimeoutError
 
 _buffer_numbers: Dict[str, itertools.count] = {}
+# A wait for peers checks who is still missing after a short first slice, then at least once a
+# second, so that it can name them if the store dies (StoreAgreement._wait_for).
+_FIRST_SLICE_S, _WAIT_SLICE_S = 0.1, 1.0
 
 
 class StoreAgreement:
@@ -54,25 +58,21 @@ class StoreAgreement:
         waited for, and a rank that does not arrive in time is masked there instead of raising."""
         call = self.calls
         self.calls += 1
+        masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
         if error is not None:
             mine = {"kind": kind, "abort": [error.argument, str(error)]}
         else:
             mine = {"kind": kind, "fields": [[name, repr(value)] for name, value in fingerprint]}
+        if masked:
+            mine["masked"] = sorted(masked)
         self.store.set(self._key(call, self.rank), json.dumps(mine))
         if call >= 2:
             self.store.delete_key(self._key(call - 2, self.rank))
-        masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
         present = [r for r in range(self.num_ranks) if r not in masked or r == self.rank]
         others = [self._key(call, r) for r in present if r != self.rank]
         if others:
-            try:
-                self.store.wait(others, self.timeout)
-            except Exception:  # the store's timeout error type differs between torch versions
-                try:
-                    missing = [r for r in present if r != self.rank and not self.store.check([self._key(call, r)])]
-                except Exception as err:  # the store itself is gone: its host (rank 0 of the group) exited
-                    raise EPError(f"rank {self.rank}: {kind}: the process group's store is unreachable (its host "
-                                  f"rank exited?): {str(err).splitlines()[0][:200]}") from None
+            missing = self._wait_for(kind, call, [r for r in present if r != self.rank])
+            if missing:
                 if rank_mask is None:
                     raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
                                          f"which did not make the call (stalled, exited, or skipped it)",
@@ -80,7 +80,42 @@ class StoreAgreement:
                 rank_mask[missing] = 1  # low-latency mode goes on without them
                 present = [r for r in present if r not in missing]
         posts = {r: json.loads(self.store.get(self._key(call, r))) for r in present}
+        masked_me = [] if self.rank in masked else \
+            sorted(r for r, post in posts.items() if self.rank in post.get("masked", ()))
+        if masked_me:  # they go on without this rank, which thinks it takes part: it would exchange with nobody
+            raise EPError(f"rank {self.rank}: {kind}: ranks {masked_me} masked this rank (a wait for it timed out "
+                          f"there), so its low-latency calls no longer pair with theirs: unmask it on every rank "
+                          f"(low_latency_update_mask_buffer, then clean_low_latency_buffer) or mask them here too")
         _raise_on_disagreement(kind, posts)
+
+
+    def _wait_for(self, kind: str, call: int, peers: Sequence[int]) -> list:
+        """Wait, bounded by the timeout, for ``peers``' posts of ``call``; returns those still missing.
+
+        The wait runs in slices (a short first one, so the fast path is one wait); after each slice
+        that times out it checks who is still missing. If the store itself goes away meanwhile (its
+        host, rank 0 of the group, reached its own timeout and exited), the error still names the
+        ranks this one was waiting for."""
+        deadline = time.monotonic() + self.timeout_s
+        missing, slice_s = list(peers), _FIRST_SLICE_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait([self._key(call, r) for r in missing], datetime.timedelta(seconds=max(min(left, slice_s), 1e-3)))
+                return []
+            except Exception as err:  # a timeout (its type differs between torch versions) or a dead store
+                try:
+                    missing = [r for r in missing if not self.store.check([self._key(call, r)])]
+                except Exception:
+                    raise EPTimeoutError(f"rank {self.rank}: {kind}: the process group's store became unreachable "
+                                         f"(its host rank exited?) while this rank waited for ranks {missing}, "
+                                         f"which had not made the call: {str(err).splitlines()[0][:200]}",
+                                         missing) from None
+            if not missing:
+                return []
+            if time.monotonic() >= deadline:
+                return missing
+            slice_s = _WAIT_SLICE_S
 
 
 def _raise_on_disagreement(kind: str, posts: Dict[int, dict]) -> None:

@@ -64,10 +64,15 @@ class TorchDistBackend(Backend):
             raise EPError(f"rank {self.rank}: {what} failed — a peer exited or its connection broke ({text})") from None
 
     def _exchange_live(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
-                       rank_mask: torch.Tensor, async_op: bool = False):
+                       rank_mask: torch.Tensor, async_op: bool = False, phase: int = 1):
         """All-to-all of rows among the live ranks only, point to point: a masked (possibly dead)
         rank is never contacted, so low-latency calls complete without it. Rows for and from masked
-        ranks must be empty. With ``async_op`` the caller finishes the returned works."""
+        ranks must be empty. With ``async_op`` the caller finishes the returned works.
+
+        Messages are tagged with the call's agreement number (and ``phase``: 0 counts, 1 rows), so a
+        message can only meet the same call's receive on the peer: gloo pairs untagged messages by
+        order, which would hand one call's rows to another after a desync."""
+        tag = (2 * self.agreement.calls + phase) % (1 << 30)
         recv = torch.empty(sum(recv_counts), *send.shape[1:], dtype=send.dtype, device=send.device)
         send_parts = send.contiguous().split(send_counts)
         recv_parts = recv.split(recv_counts)
@@ -78,8 +83,8 @@ class TorchDistBackend(Backend):
                 recv_parts[peer].copy_(send_parts[peer])
             elif not masked[peer] and not masked[self.rank]:  # a masked rank takes no part at all
                 global_peer = dist.get_global_rank(self.group, peer)
-                works.append(dist.isend(send_parts[peer], global_peer, group=self.group))
-                works.append(dist.irecv(recv_parts[peer], global_peer, group=self.group))
+                works.append(dist.isend(send_parts[peer], global_peer, group=self.group, tag=tag))
+                works.append(dist.irecv(recv_parts[peer], global_peer, group=self.group, tag=tag))
         if async_op:
             return recv, works
         for work in works:
@@ -268,7 +273,7 @@ class TorchDistBackend(Backend):
             mask = args.rank_mask.tolist()
             members = [p for p in range(R) if p == self.rank or not (mask[p] or mask[self.rank])]
             one_each = [1 if p in members else 0 for p in range(R)]
-            got, _ = self._exchange_live(pair_counts[members], one_each, one_each, args.rank_mask)
+            got, _ = self._exchange_live(pair_counts[members], one_each, one_each, args.rank_mask, phase=0)
             recv_pair_counts = torch.zeros_like(pair_counts)
             recv_pair_counts[members] = got
         else:

@@ -1,0 +1,217 @@
+"""Randomized call sequences with faults: the failure contract checked step by step.
+
+Every rank plays the same plan (one seed): a step is one unit of work — a normal-mode layout,
+dispatch and combine; a cached dispatch and combine; or a low-latency dispatch and combine — and
+carries at most one fault:
+
+- ``bad``: some ranks (a random non-empty subset) pass an invalid argument to one call;
+- ``disagree``: some ranks pass valid arguments that differ from the others' (hidden, FP8, top-k);
+- ``layout``: one rank's ``get_dispatch_layout`` rejects its ``topk_idx``; that rank skips the step;
+- ``skip``: one rank skips the step's combine (its expert code failed); it learns so at its next
+  call, which raises naming ``call``, and makes that call again — the recovery the README states.
+
+After every step each rank asserts that it either raised an :class:`epcomm.EPError` naming the
+argument (and, where a peer caused it, that peer) or returned the reference's result; a step
+after a fault has none, so the next valid call must succeed.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from .reference import reference_combine, reference_dispatch, reference_low_latency_combine
+from .sweeps import _bits, expert_fn, make_routing, rank_fn, world
+
+OPS = ("normal", "cached", "low_latency")
+FAULTS = ("none", "bad", "disagree", "layout", "skip")
+FAULT_WEIGHTS = (5, 2, 2, 2, 2)
+
+
+class _Expected(Exception):
+    """An EPError the plan expected (the step stops there on this rank)."""
+
+
+def _plan(seed: int, step: int, num_ranks: int, previous_fault: str, have_handle: bool, last: bool) -> Dict:
+    rng = random.Random(seed * 100003 + step)
+    op = rng.choice(OPS if have_handle else ("normal", "low_latency"))
+    # a fault is followed by a valid step (the last step too: a rank that skipped needs a next call)
+    fault = "none" if previous_fault != "none" or last else rng.choices(FAULTS, FAULT_WEIGHTS)[0]
+    if fault == "layout" and op != "normal":
+        fault = "bad"
+    ranks = list(range(num_ranks))
+    subset = sorted(rng.sample(ranks, rng.randint(1, num_ranks)))
+    proper = sorted(rng.sample(ranks, rng.randint(1, num_ranks - 1)))
+    return dict(op=op, fault=fault, at=rng.choice(("dispatch", "combine")), bad_ranks=subset, odd_ranks=proper,
+                one=rng.randrange(num_ranks), variant=rng.randrange(2), routing_seed=seed * 7919 + step)
+
+
+def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: int = 256, num_topk: int = 2,
+                   tokens: int = 8, backend: Optional[str] = None, progress: Optional[Callable[[str], None]] = None):
+    """Run ``num_steps`` planned steps on this rank (all ranks call it with the same arguments);
+    returns ``{outcome: count}``. Raises AssertionError naming the step on any broken promise.
+    A step that completes updates the handle later cached steps use; one that raised anywhere
+    leaves it (every rank keeps the same one)."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    num_experts, M = 2 * R, tokens
+    ll_bytes = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden + 128, R, num_experts)
+    kwargs = dict(num_nvl_bytes=64 << 20, num_rdma_bytes=ll_bytes, low_latency_mode=True, timeout=20.0)
+    if backend is not None:
+        kwargs["backend"] = backend
+    buffer = epcomm.Buffer(dist.group.WORLD, **kwargs)
+    outcomes: Counter = Counter()
+    previous_fault, cached = "none", None  # cached: (routing seed, handle) of the last normal step
+    retry_pending = False  # this rank skipped a combine: its next call raises, then it makes it again
+
+    def collective(fn):
+        nonlocal retry_pending
+        if retry_pending:
+            retry_pending = False
+            try:
+                fn()
+            except epcomm.EPInputError as err:
+                assert err.argument == "call", f"rank {rank}: the call after a skipped combine raised {err}"
+                outcomes["skipped_call_found"] += 1
+            else:
+                raise AssertionError(f"rank {rank}: the call after a skipped combine did not raise")
+        return fn()
+
+    for step in range(num_steps):
+        plan = _plan(seed, step, R, previous_fault, cached is not None, step == num_steps - 1)
+        op, fault = plan["op"], plan["fault"]
+        where = f"rank {rank} step {step} ({op}, {fault} at {plan['at']}, ranks {plan['bad_ranks']}/{plan['odd_ranks']}/{plan['one']})"
+
+        def expect(argument: str, peer: Optional[int] = None):
+            """The call must raise EPInputError naming ``argument`` (and ``peer`` in the message)."""
+            def check(fn):
+                try:
+                    fn()
+                except epcomm.EPInputError as err:
+                    assert err.argument == argument, f"{where}: raised for {err.argument!r}, expected {argument!r}: {err}"
+                    assert peer is None or f"rank {peer}" in str(err), f"{where}: does not name rank {peer}: {err}"
+                    raise _Expected() from None
+                raise AssertionError(f"{where}: did not raise (expected EPInputError for {argument!r})")
+            return check
+
+        try:
+            if op == "low_latency":
+                _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collective, expect, where)
+            else:
+                if op == "cached" and fault == "layout":
+                    fault = plan["fault"] = "bad"
+                cached = _normal_step(buffer, plan, rank, R, num_experts, num_topk, M, hidden, dev, collective,
+                                      expect, where, cached)
+            outcomes["ok" if fault == "none" else f"{fault}_ok"] += 1
+        except _Expected:
+            outcomes[f"{fault}_raised"] += 1
+        if fault == "skip" and rank == plan["one"]:
+            retry_pending = True
+        previous_fault = fault
+        if progress is not None and (step + 1) % 100 == 0:
+            progress(f"rank {rank}: {step + 1}/{num_steps} steps")
+    return dict(outcomes)
+
+
+def _normal_step(buffer, plan, rank, R, num_experts, num_topk, M, hidden, dev, collective, expect, where, cached):
+    op, fault, at = plan["op"], plan["fault"], plan["at"]
+    if op == "cached" and fault == "disagree":
+        at = "dispatch"  # (a cached handle has no received top-k weights to disagree on at combine)
+    one, bad, odd = plan["one"], rank in plan["bad_ranks"], rank in plan["odd_ranks"]
+    if op == "cached":
+        seed, handle = cached
+        xs, topks, weights = make_routing(seed, "uniform", R, num_experts, num_topk, M, hidden, fixed_tokens=M)
+    else:
+        seed = plan["routing_seed"]
+        xs, topks, weights = make_routing(seed, "uniform", R, num_experts, num_topk, M, hidden, fixed_tokens=M)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    payload = x
+    if fault == "disagree" and at == "dispatch" and odd:
+        payload = epcomm.per_token_cast_to_fp8(x) if plan["variant"] or op == "cached" else \
+            torch.cat([x, x[:, :128]], dim=1)  # hidden + 128
+    disagreed_field = "x" if plan["variant"] or op == "cached" else "hidden"
+    if fault == "bad" and at == "dispatch" and bad:
+        payload = x.float()
+
+    if op == "normal":
+        layout_topk = topk
+        if fault == "layout" and rank == one:
+            layout_topk = topk.clone()
+            layout_topk[0, 0] = num_experts + 1
+            expect("topk_idx")(lambda: buffer.get_dispatch_layout(layout_topk, num_experts))
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=topk, topk_weights=w)
+        call = lambda: buffer.dispatch(payload, **routing)  # noqa: E731
+    else:
+        call = lambda: buffer.dispatch(payload, handle=handle)  # noqa: E731
+
+    if fault == "layout":
+        expect("topk_idx", peer=one)(lambda: collective(call))
+    elif fault == "bad" and at == "dispatch":
+        expect("x")(lambda: collective(call))
+    elif fault == "disagree" and at == "dispatch":
+        expect(disagreed_field)(lambda: collective(call))
+    recv_x, recv_idx, recv_w, _, out_handle, _ = collective(call)
+    want = reference_dispatch(xs, topks, weights, num_experts)[rank]
+    assert torch.equal(_bits(recv_x.cpu()), _bits(want["recv_x"])), f"{where}: dispatch rows differ from the reference"
+    if op == "normal":
+        assert torch.equal(recv_idx.cpu(), want["recv_topk_idx"]), f"{where}: recv_topk_idx differs"
+        handle = out_handle
+    expert_out = rank_fn(rank, recv_x.cpu()).to(dev)
+
+    if fault == "skip" and rank == one:
+        raise _Expected()  # this rank's expert code failed: no combine
+    if fault == "skip":
+        expect("call", peer=None)(lambda: buffer.combine(expert_out, handle))
+    if fault == "bad" and at == "combine" and bad:
+        expect("x")(lambda: buffer.combine(expert_out[1:], handle))
+    elif fault == "bad" and at == "combine":
+        expect("x")(lambda: buffer.combine(expert_out, handle))
+    elif fault == "disagree" and at == "combine":
+        weights_arg = recv_w if (op == "normal" and odd) else None
+        if op == "normal":
+            expect("topk_weights")(lambda: buffer.combine(expert_out, handle, topk_weights=weights_arg))
+    combined = buffer.combine(expert_out, handle)[0].cpu()
+    want_combined = reference_combine(xs[rank], topks[rank], num_experts, R, rank_fn)
+    torch.testing.assert_close(combined, want_combined, rtol=1e-2, atol=1e-2, msg=lambda m: f"{where}: combine: {m}")
+    return (seed, handle)
+
+
+def _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collective, expect, where):
+    fault, at, one = plan["fault"], plan["at"], plan["one"]
+    bad, odd = rank in plan["bad_ranks"], rank in plan["odd_ranks"]
+    xs, topks, weights = make_routing(plan["routing_seed"], "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    dispatch_x, dispatch_topk = x, topk
+    if fault == "bad" and at == "dispatch" and bad:
+        dispatch_x = torch.cat([x, x[:1]])  # more than M tokens
+    if fault == "disagree" and at == "dispatch" and odd:
+        dispatch_topk = topk[:, :1].contiguous()  # another top-k width
+    call = lambda: buffer.low_latency_dispatch(dispatch_x, dispatch_topk, M, num_experts, use_fp8=False)  # noqa: E731
+    if fault == "bad" and at == "dispatch":
+        expect("x")(lambda: collective(call))
+    elif fault == "disagree" and at == "dispatch":
+        expect("num_topk")(lambda: collective(call))
+    recv_x, recv_count, handle, _, _ = collective(call)
+    num_local = num_experts // R
+    experts = rank * num_local + torch.arange(num_local)
+    expert_out = torch.stack([expert_fn(torch.full((recv_x.shape[1],), int(e)), recv_x[i].float().cpu())
+                              for i, e in enumerate(experts)]).to(torch.bfloat16).to(dev)
+    if fault == "skip" and rank == one:
+        raise _Expected()  # this rank's expert code failed: no combine
+    combine = lambda t=topk: buffer.low_latency_combine(expert_out, t, w, handle)  # noqa: E731
+    if fault == "skip":
+        expect("call")(combine)
+    elif fault == "bad" and at == "combine":
+        # this rank passes another token count than its dispatch: EPInputError before any exchange
+        expect("topk_idx")(lambda: combine(topk[1:].contiguous()) if bad else combine())
+    elif fault == "disagree" and at == "combine":
+        expect("topk_idx")(lambda: combine(topk.flip(0).contiguous()) if odd else combine())
+    combined = combine()[0].cpu()
+    want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
+    torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{where}: combine: {m}")
