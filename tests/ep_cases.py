@@ -728,3 +728,59 @@ def gpu_user_program_on_nodes(hidden: int = 2048, num_tokens: int = 256):
     for b in (buffer, reference, ll):
         b.destroy()
     return names
+
+
+def gpu_kernel_names_and_default_device(hidden: int = 512):
+    """Issue 26 cases 1 and 8 on the GPU backend: under ``torch.set_default_device("cuda")`` a
+    Buffer is built and every call runs; a profiler counts kernels whose names contain "dispatch"
+    and "combine" as tools written for DeepEP do — one each per low-latency call, two with
+    ``return_recv_hook`` (send and receive phase) — and the normal-mode calls' kernels name theirs.
+    Returns ``{row: (dispatch kernels, combine kernels)}``."""
+    from torch.profiler import ProfilerActivity, profile
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, M = 4 * R, 64
+    xs, topks, ws = make_routing(90, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+    torch.set_default_device("cuda")
+    try:
+        buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20,
+                               num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts),
+                               low_latency_mode=True)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=topk, topk_weights=w)
+
+        def counted(fn):
+            torch.cuda.synchronize()
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+            return sum("dispatch" in n for n in names), sum("combine" in n for n in names)
+
+        rows = {}
+        recv_x, _, _, _, handle, _ = buffer.dispatch(x, **routing)
+        rows["combine"] = counted(lambda: buffer.combine(recv_x, handle))
+        rows["dispatch (cached)"] = counted(lambda: buffer.dispatch(x, handle=handle))
+        buffer.clean_low_latency_buffer(M, hidden, num_experts)
+        state = {}
+
+        def ll_dispatch(hook):
+            recv, _, ll_handle, _, receive = buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False,
+                                                                         return_recv_hook=hook)
+            if hook:
+                receive()
+            state["out"], state["handle"] = recv, ll_handle
+
+        def ll_combine(hook):
+            _, _, receive = buffer.low_latency_combine(state["out"], topk, w, state["handle"], return_recv_hook=hook)
+            if hook:
+                receive()
+        for hook in (False, True):
+            rows[f"low_latency_dispatch hook={hook}"] = counted(lambda: ll_dispatch(hook))
+            rows[f"low_latency_combine hook={hook}"] = counted(lambda: ll_combine(hook))
+    finally:
+        torch.set_default_device(None)
+    return rows

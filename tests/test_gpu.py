@@ -206,6 +206,17 @@ def test_out_of_range_expert_ids_raise_without_a_device_assert(gpu_pool):
 
 
 # ---------------------------------------------------------------------- every GPU its own node
+def test_kernel_names_and_default_device(gpu_pool):
+    """Issue 26 cases 1 and 8: a CUDA default device, and kernels named by their call: each call's
+    kernels name it and not the other; a low-latency call with return_recv_hook launches two (send
+    and receive phase), without it one or two (one launch, or the two phases back to back)."""
+    for rows in gpu_pool.run(ep_cases.gpu_kernel_names_and_default_device):
+        for row, (dispatch, combine) in rows.items():
+            mine, other = (combine, dispatch) if "combine" in row else (dispatch, combine)
+            allowed = {2} if "hook=True" in row else {1, 2} if row.startswith("low_latency") else range(1, 8)
+            assert mine in allowed and other == 0, rows
+
+
 @pytest.fixture(scope="module")
 def node_pool():
     """Ranks whose nodes are one GPU each (``EPCOMM_RANKS_PER_NODE=1``) and the automatic backend:

@@ -72,7 +72,7 @@ def test_spec_library_unless_names_a_constexpr():
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="LOOPBACKS"):
         types = [t for t in step.STEP.signature.values() if t != "constexpr"]
-        KernelSpec(step.ml_step, types, library=device.NVSHMEM, library_unless="LOOPBACKS")
+        KernelSpec(step.ml_dispatch_step, types, library=device.NVSHMEM, library_unless="LOOPBACKS")
     assert step.STEP.library_of(dict(LOOPBACK=True, R_P2=2)) is None
     assert step.STEP.library_of(dict(LOOPBACK=False, R_P2=2)) is device.NVSHMEM
 
@@ -190,7 +190,8 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     assert M.NOTIFY.compile(dict(LOOPBACK=loopback, R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
     assert M.SEND_LAYOUT.compile(dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=4, BLOCK_E=256, K_P2=8), 4,
                                  target=target).asm["cubin"]
-    assert S.STEP.compile(dict(LOOPBACK=loopback, R_P2=16), 4, target=target, **options).asm["cubin"]
+    for spec in S.STEPS.values():
+        assert spec.compile(dict(LOOPBACK=loopback, R_P2=16), 4, target=target, **options).asm["cubin"]
     assert S.ABORT.compile(dict(LOOPBACK=loopback), 4, target=target, **options).asm["cubin"]
     meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)
     send = M.SEND.compile(dict(meta, LOOPBACK=loopback), 8, target=target, **options)
@@ -209,3 +210,22 @@ def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
     forward = C.FORWARD.compile(dict(LOOPBACK=loopback, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8,
                                      LOCAL_P2=8), 8, target=target, ptx_options=None if loopback else "--compile-only")
     assert ("nvshmemx_putmem_signal_block" in forward.asm["ptx"]) != loopback
+
+
+def test_kernel_names_say_which_call_they_belong_to():
+    """Issue 26 case 8: profiler tools written for DeepEP count a call's kernels by "dispatch" and
+    "combine" in their names (a low-latency call with return_recv_hook launches its kernel twice:
+    send and receive phase). Every kernel a dispatch or combine launches names its call, and only
+    that one; the compiled kernel carries the name."""
+    from epcomm.backends.nvshmem import combine as MC
+    from epcomm.backends.nvshmem import normal as MN
+    from epcomm.backends.nvshmem import step as MS
+    calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
+                          MS.STEPS["dispatch"]],
+             "combine": [L.COMBINE, N.PUSH, N.REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"]]}
+    for call, specs in calls.items():
+        other = "combine" if call == "dispatch" else "dispatch"
+        for spec in specs:
+            assert call in spec.name and other not in spec.name, spec.name
+    compiled = MS.STEPS["combine"].compile(dict(LOOPBACK=True, R_P2=2), 4, target=GPUTarget("cuda", 90, 32))
+    assert compiled.metadata.name == "ml_combine_step", compiled.metadata.name

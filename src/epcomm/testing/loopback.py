@@ -322,7 +322,7 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
 
 def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform",
                      num_tokens: int = 300, num_channels: int = 3, device: Optional[torch.device] = None) -> None:
-    """ml_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and
+    """ml_dispatch_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and
     rows.count_row on one routing: masks, each node's token list, the whole count row."""
     from ..backends.nvshmem.normal import SEND_LAYOUT
     from ..backends.nvshmem.rows import MetaRow, count_row, node_tokens

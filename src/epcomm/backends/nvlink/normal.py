@@ -3,7 +3,7 @@
 Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
 
     get_dispatch_layout   ep_dispatch_layout                          1 launch
-    dispatch (full)       ep_notify ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
+    dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
     dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
     combine               ep_combine_push ; ep_combine_reduce         2 launches
     (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
@@ -141,7 +141,7 @@ def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks,
 
 
 @triton.jit
-def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
+def ep_notify_dispatch(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
               flag_bases_ptr,  # [R] int64: each rank's flag region
               state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
               per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
@@ -223,7 +223,7 @@ def ep_notify(normal_bases_ptr,  # [R] int64: each rank's workspace base (offset
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ep_notify, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i64",
+NOTIFY = KernelSpec(ep_notify_dispatch, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i64",
                                 "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64",
                                 "i32"])
 
@@ -409,7 +409,7 @@ def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
                      recv_scales_ptr,  # [N, S] float32
                      recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32 (expert-major: [M])
                      mailbox_address,
-                     table_ptr,  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify)
+                     table_ptr,  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
                      dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
                      num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
                      lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
@@ -706,7 +706,7 @@ class PullState:
     recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
-    expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify)
+    expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify_dispatch)
     # Addresses of the handle's tensors the kernels read, in this order: rank_prefix_matrix,
     # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank.
     # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each tensor.

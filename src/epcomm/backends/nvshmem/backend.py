@@ -11,12 +11,12 @@ This class wires the parts together; each has its own module:
 
 Launches per call (C channels of contiguous tokens, ``C = config.num_sms // 2``)::
 
-    dispatch (full)    ml_step ; ml_send_layout ; ml_notify ; ml_dispatch_send ; [host polls the mailbox] ;
+    dispatch (full)    ml_dispatch_step ; ml_dispatch_send_layout ; ml_notify_dispatch ; ml_dispatch_send ; [host polls the mailbox] ;
                        ml_dispatch_forward
-    dispatch (cached)  ml_step ; ml_dispatch_send ; ml_dispatch_forward
-    combine            ml_step ; ml_combine_push ; ml_combine_forward ; ml_combine_reduce
+    dispatch (cached)  ml_dispatch_step ; ml_dispatch_send ; ml_dispatch_forward
+    combine            ml_combine_step ; ml_combine_push ; ml_combine_forward ; ml_combine_reduce
 
-where a full dispatch's ml_notify follows ml_send_layout, which computes the two-level send
+where a full dispatch's ml_notify_dispatch follows ml_dispatch_send_layout, which computes the two-level send
 layout (hierarchy.send_layout: in-node masks, channel prefix matrices), the per-node token lists
 (rows.node_tokens) and this rank's count row (rows.count_row) in one program.
 
@@ -155,7 +155,8 @@ class NvshmemBackend(Backend):
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.epoch = 0  # calls made: every rank makes the same ones (step.py)
         r_p2 = p2(self.num_ranks)
-        self._step = step_kernels.STEP.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2)
+        self._steps = {kind: spec.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2)
+                       for kind, spec in step_kernels.STEPS.items()}
         self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2, BLOCK_E=128)
         self._dispatch_plans = {}
         self._combine_plans = {}
@@ -196,11 +197,12 @@ class NvshmemBackend(Backend):
     def raise_pending(self) -> None:
         self.mailbox.raise_pending(self.rank, self.timeout_s)
 
-    def _begin(self, fingerprint: Tuple[int, int], stream: int) -> int:
-        """The call's epoch, after its step barrier (step.py) is launched."""
+    def _begin(self, kind: str, fingerprint: Tuple[int, int], stream: int) -> int:
+        """The call's epoch, after its step barrier (step.py; ``kind``: "dispatch" or "combine") is
+        launched."""
         self.epoch += 1
         self._normal_since_clean = True
-        self._step.launch(self.num_ranks, 1, stream, self.peer_bases, self.base, self.pre.step_rows,
+        self._steps[kind].launch(self.num_ranks, 1, stream, self.peer_bases, self.base, self.pre.step_rows,
                           self.pre.fingerprint, self.mailbox.address, fingerprint[0], fingerprint[1], self.epoch,
                           self.timeout_ns, self.rank, self.num_ranks)
         return self.epoch
@@ -302,7 +304,7 @@ class NvshmemBackend(Backend):
             num_experts = state.num_experts
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         num_local = num_experts // R
-        epoch = self._begin((fp0, fp1), stream)
+        epoch = self._begin("dispatch", (fp0, fp1), stream)
 
         if handle is None:
             # the send layout and this rank's count row (one kernel), then the count exchange. The
@@ -444,7 +446,7 @@ class NvshmemBackend(Backend):
         stream = current_stream(dev.index)
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-        epoch = self._begin((fp0, fp1), stream)
+        epoch = self._begin("combine", (fp0, fp1), stream)
         x, _ = for_word_copies(x)
         combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None

@@ -65,7 +65,7 @@ def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_
 
 # ====================================================================== send layout
 @triton.jit
-def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
+def ml_dispatch_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
                    topk_ptr,  # [T, K] int64 expert ids (HAS_TOPK)
                    per_rank_ptr,  # [R] int32: the caller's num_tokens_per_rank (checked)
                    per_expert_ptr,  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
@@ -154,13 +154,13 @@ def ml_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
     tl.store(row_ptr + abort_at, abort)
 
 
-SEND_LAYOUT = KernelSpec(ml_send_layout, ["*i8", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32",
+SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout, ["*i8", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
 
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+def ml_notify_dispatch(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
               my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
               table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
               table_ptr,  # the same table as a pointer (read after the wait)
@@ -175,7 +175,7 @@ def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback 
     # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
     # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
     # mailbox and, last, the sequence number with a release — the host polls that word. A row
-    # whose abort word is set (ml_send_layout: its caller's counts did not match its routing) is
+    # whose abort word is set (ml_dispatch_send_layout: its caller's counts did not match its routing) is
     # recorded in the mailbox like a disagreement (nvlink/sync.py check_fingerprints): every rank
     # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
@@ -213,7 +213,7 @@ def ml_notify(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback 
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ml_notify, ["*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
+NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
                                 "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 

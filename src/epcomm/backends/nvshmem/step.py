@@ -1,7 +1,9 @@
 """The step barrier every multi-node call starts with, and the abort of a rejected call.
 
 Each call (full or cached dispatch, combine) gets the next epoch ``e`` (a host counter: all ranks
-make the same calls, so theirs agree) and starts with :func:`ml_step`::
+make the same calls, so theirs agree) and starts with the step barrier (:func:`_step_barrier`,
+launched as ``ml_dispatch_step`` or ``ml_combine_step``: profiler tools count a call's kernels by
+those words in their names)::
 
     rank A:  ... call e-1 kernels | step e: put (fp, e) to every rank; wait for every rank's (fp, e) | call e kernels
     rank B:  ... call e-1 kernels ------------> | step e ...
@@ -45,12 +47,12 @@ def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_p
 
 
 @triton.jit
-def ml_step(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transport only)
-            workspace,  # int64: this rank's workspace (symmetric)
-            step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
-            mailbox_address,  # host mailbox (nvlink/sync.py)
-            fp0, fp1, epoch, timeout_ns, rank, num_ranks,
-            LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transport only)
+                  workspace,  # int64: this rank's workspace (symmetric)
+                  step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
+                  mailbox_address,  # host mailbox (nvlink/sync.py)
+                  fp0, fp1, epoch, timeout_ns, rank, num_ranks,
+                  LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
     # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
     # put's signal: seeing it means seeing the words), then ACQUIRE row p of this rank's step rows
     # (bounded: a late rank is flagged in the mailbox) and compare its words with this call's
@@ -70,8 +72,25 @@ def ml_step(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transp
                        num_ranks)
 
 
-STEP = KernelSpec(ml_step, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32"],
-                  library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+# The same barrier under the name of the call it starts (the kernels' names are all that differs).
+@triton.jit
+def ml_dispatch_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
+                     timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
+                  timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+
+
+@triton.jit
+def ml_combine_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
+                    timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
+                  timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+
+
+_STEP_TYPES = ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32"]
+STEPS = {kind: KernelSpec(kernel, _STEP_TYPES, library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+         for kind, kernel in (("dispatch", ml_dispatch_step), ("combine", ml_combine_step))}
+STEP = STEPS["dispatch"]
 
 
 @triton.jit

@@ -15,7 +15,7 @@ anything). Everything else is carved afresh per call from the data region::
       push_flags       int64 [N][MAX_CHANNELS][k] (+ p2(k))  flag [m][c][j]: rank j of the node pushed
       home_signals     int64 [p2(N * MAX_CHANNELS)]  word [n][c]: node n's partials of channel c arrived
     data, a dispatch (:func:`dispatch_layout`)
-      table            int32 [R][meta_len]    count rows, row s put by rank s (ml_notify)
+      table            int32 [R][meta_len]    count rows, row s put by rank s (ml_notify_dispatch)
       count_row        int32 [meta_len]       this rank's count row: the source of its puts
       send             rows  [N][token_cap]   rows packed for other nodes (ml_dispatch_send)
       recv             rows  [N * token_cap]  the forwarder's receive area: block m after block m-1
