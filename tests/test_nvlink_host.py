@@ -138,9 +138,17 @@ def test_mailbox_device_count_check_names_the_count(code, argument):
     assert err.value.argument == argument
 
 
-def test_mailbox_sticky_error_after_this_rank_aborted():
+def test_mailbox_disagreement_asks_for_a_resync_and_clear_forgets_it():
+    """A disagreement raises until the resync (the ranks' signals are out of step), which clears
+    every word and the notify sequence; timeouts stay (a peer's state is unknown)."""
     box = HostMailbox(2, 8, pinned=False)
-    box.sticky = EPInputError("x", "an earlier call was rejected")
+    own = agreement.pack(call=agreement.CALL_DISPATCH, hidden=256, x=1)
+    _post(box, 1, agreement.pack(call=agreement.CALL_DISPATCH, hidden=512, x=1), own)
     for _ in range(2):
-        with pytest.raises(EPInputError, match="earlier"):
+        with pytest.raises(EPInputError, match="re-pair"):
             box.raise_pending(0, 1.0)
+    assert box.resync_needed
+    box.sequence = 5
+    box.clear()
+    assert not box.resync_needed and box.sequence == 0
+    box.raise_pending(0, 1.0)  # nothing left

@@ -183,10 +183,35 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EPError("this Buffer was destroyed")
+        if self._backend.needs_resync:
+            self._resync()
         self._backend.raise_pending()
 
-    def _check_low_latency(self) -> None:
-        self._check_alive()
+    def _start_call(self, kind: str) -> None:
+        """:meth:`_check_alive` for a call that exchanges anything: an EPInputError kernels reported
+        for an earlier call (the GPU backends report at the next call when the failing one did not
+        wait on the host) makes this call take part as an abort, so the peers raise in it too and
+        every rank resyncs at its next call."""
+        try:
+            self._check_alive()
+        except EPInputError as err:
+            self._backend.agree(kind, None, err, self._rank_mask if kind.startswith("low_latency") else None)
+            raise
+
+    def _resync(self) -> None:
+        """After this rank raised EPInputError on a GPU backend: re-pair with the peers (collective,
+        bounded: every rank that raised comes here at its next call) and start the low-latency
+        halves again."""
+        self._backend.resync()
+        self._ll_phase = 0
+        self._ll_combine_staging = [None, None]
+        self._ll_dispatched = [None, None]
+
+    def _check_low_latency(self, kind: Optional[str] = None) -> None:
+        if kind is None:
+            self._check_alive()
+        else:
+            self._start_call(kind)
         if not self.low_latency_mode:
             raise EPError("low-latency calls need a Buffer constructed with low_latency_mode=True")
 
@@ -196,8 +221,8 @@ class Buffer:
         exchanges anything afterwards first stands in for it, as an abort: the peers raise
         EPInputError there, naming this rank and the argument, and this call then pairs with their
         next one. Calls pair by identity, not by count: without the stand-in, this call would pair
-        with the peers' call that the layout was for. (A backend that cannot go on after an abort
-        raises here.)"""
+        with the peers' call that the layout was for. (On the GPU backends the abort leaves the
+        signals out of step: this rank resyncs with the peers, which raised, before its own call.)"""
         rejected, self._rejected_layout = self._rejected_layout, None
         if rejected is None:
             return
@@ -208,7 +233,8 @@ class Buffer:
             self._backend.agree(kind, None, error, self._rank_mask if kind.startswith("low_latency") else None)
         except EPInputError:
             pass  # this rank's own abort, expected: its peers raised in the call it skipped
-        self._backend.raise_pending()
+        if self._backend.needs_resync:  # GPU backends: the abort left the signals out of step
+            self._resync()
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The stream communication runs on (``None`` on CPU)."""
@@ -313,7 +339,7 @@ class Buffer:
             ``recv_topk_idx`` holds local expert ids (``-1`` elsewhere; weights 0 there).
             In cached mode the top-k outputs and the list are ``None``.
         """
-        self._check_alive()
+        self._start_call("dispatch")
         if self._rejected_layout is not None:
             self._stand_in_for_skipped_call("dispatch")
         try:
@@ -412,7 +438,7 @@ class Buffer:
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
-        self._check_alive()
+        self._start_call("combine")
         if self._rejected_layout is not None:
             self._stand_in_for_skipped_call("combine")
         try:
@@ -498,7 +524,7 @@ class Buffer:
             A dispatch's ``handle`` and ``recv_count`` (and its received data, until ``hook()``)
             are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
         """
-        self._check_low_latency()
+        self._check_low_latency("low_latency_dispatch")
         if self._rejected_layout is not None:
             self._stand_in_for_skipped_call("low_latency_dispatch")
         try:
@@ -581,7 +607,7 @@ class Buffer:
         Returns:
             ``(combined_x [T, H] bf16, event, hook)``.
         """
-        self._check_low_latency()
+        self._check_low_latency("low_latency_combine")
         if self._rejected_layout is not None:
             self._stand_in_for_skipped_call("low_latency_combine")
         try:

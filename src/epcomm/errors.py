@@ -14,10 +14,8 @@ class EPInputError(EPError, ValueError):
 
     Raised before any communication starts on the rejecting rank; its peers raise it too (the
     call's fingerprint or an abort tells them). The message names the argument (``argument`` holds
-    it as well). On the reference backend the buffer stays usable: every rank raised in the same
-    call, and the next call pairs. On the GPU backends (nvlink, nvshmem), after ranks disagreed or
-    one rejected its input, the buffer still raises on every later call: make a new one (README,
-    "the recovery rule").
+    it as well). The buffer stays usable: the next call pairs (on the GPU backends every rank
+    that raised first resyncs with its peers there; README, "the recovery rule").
     """
 
     def __init__(self, argument: str, message: str):

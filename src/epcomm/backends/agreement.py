@@ -118,6 +118,18 @@ class StoreAgreement:
             slice_s = _WAIT_SLICE_S
 
 
+class StoreRendezvous:
+    """A host barrier over ``group``'s store, bounded by the timeout: :class:`EPTimeoutError` names
+    the ranks that did not arrive (a ``dist.barrier`` would wait for the process group's own,
+    much longer timeout and name nobody). Collective to construct, like :class:`StoreAgreement`."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
+        self._agreement = StoreAgreement(group, timeout_s)
+
+    def __call__(self, what: str) -> None:
+        self._agreement.agree(what, ())
+
+
 def _raise_on_disagreement(kind: str, posts: Dict[int, dict]) -> None:
     aborts = {r: p["abort"] for r, p in posts.items() if "abort" in p}
     if aborts:

@@ -99,6 +99,17 @@ class Backend(abc.ABC):
     def raise_pending(self) -> None:
         """Raise errors kernels reported since the last call (backends without any: nothing)."""
 
+    @property
+    def needs_resync(self) -> bool:
+        """True after this rank raised EPInputError for a call whose signals left the ranks out of
+        step (the GPU backends: a disagreement, an abort): Buffer calls :meth:`resync` at the next
+        call. Backends that agree before exchanging anything never need it."""
+        return False
+
+    def resync(self) -> None:
+        """Collective among the ranks that raised: bring the ranks' signalling state back in step
+        (bounded; EPTimeoutError names a rank that does not come)."""
+
     def agree(self, kind: str, fingerprint, error=None, rank_mask=None) -> None:
         """Collective agreement before a call exchanges anything: raise on every rank when ranks
         disagree on ``fingerprint`` (``(argument, value)`` pairs), when a rank rejected its own input

@@ -436,6 +436,106 @@ def bad_counts_case(num_ranks: int, ranks_per_node: int, argument: str = "num_to
     assert got == [argument] * R, f"bad {argument} on the last rank, R={R} k={ranks_per_node}: ranks raised {got}"
 
 
+def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
+                  device: Optional[torch.device] = None) -> None:
+    """A rejected call costs nothing (issue 26 case 2), in both modes: the last rank rejects its
+    input and aborts; the others' call raises EPInputError naming the argument (a full dispatch at
+    its count wait; a low-latency dispatch at the next look at the mailbox); every rank then
+    resyncs (what Buffer does at the next call) and the next call pairs and matches the reference."""
+    from ..errors import EPInputError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, T, M, K = num_ranks, 4 * num_ranks, 24, 16, 4
+    normal = make_routing(83, "uniform", R, E, K, T, hidden, fixed_tokens=T)
+    ll = make_routing(84, "uniform", R, E, K, M, hidden, fixed_tokens=M)
+    config = Config(num_sms=4)
+    planted = EPInputError("x", "planted on the last rank")
+
+    def warm(backend: NvshmemBackend) -> None:  # the abort kernels too (a rank compiling one stalls the others)
+        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend._combine_plan(hidden, K, 0, 2)
+        warm_low_latency(backend, E, M, hidden, K)
+        backend.warm_abort()
+
+    def ll_round_trip(rank, backend, ll_args, weights, mask):
+        recv_x, recv_count, handle, _ = backend.low_latency_dispatch(ll_args)
+        experts = rank * (E // R) + torch.arange(E // R, device=device)
+        valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
+        expert_out = torch.where(valid[..., None], expert_fn(experts.repeat_interleave(R * M),
+                                                             recv_x.float().reshape(-1, hidden)).reshape(recv_x.shape),
+                                 0.0).to(torch.bfloat16)
+        cargs = LowLatencyCombineArgs(expert_out, ll_args.topk_idx, weights, handle, None, None, False, mask)
+        backend.check_low_latency_combine(cargs)
+        return backend.low_latency_combine(cargs)[0]
+
+    def raised(fn) -> str:
+        try:
+            fn()
+        except EPInputError as err:
+            return err.argument
+        return "no error"
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        xs, topks, weights = normal
+        topk = topks[rank].to(device)
+        per_rank, _, per_expert, in_rank = dispatch_layout(topk, E, R)
+        args = DispatchArgs(x=xs[rank].to(device), handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights[rank].to(device),
+                            expert_alignment=1, num_worst_tokens=0, config=config)
+        backend.check_dispatch(args)
+        seen = []
+        if rank == R - 1:  # rejected: takes part as an abort (what Buffer does with the error)
+            backend.agree("dispatch", None, planted)
+            seen.append("x")
+        else:
+            seen.append(raised(lambda: backend.dispatch(args)))
+        seen.append(backend.needs_resync)
+        backend.resync()
+        result = backend.dispatch(args)
+        y = rank_fn(rank, result.recv_x)
+        backend.check_combine(y, result.handle, None, ())
+        combined, _ = backend.combine(y, result.handle, None, (), config)
+        backend.clean_low_latency()
+        # low-latency mode (after a round that passes, as in a decode loop): the others learn of the
+        # abort at their next look at the mailbox
+        xs, topks, weights = ll
+        mask = torch.zeros(R, dtype=torch.int32, device=device)
+        x, topk = xs[rank].to(device), topks[rank].to(device)
+        ll_args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+        backend.check_low_latency_dispatch(ll_args)
+        ll_round_trip(rank, backend, ll_args, weights[rank].to(device), mask)
+        if rank == R - 1:
+            backend.agree("low_latency_dispatch", None, planted)
+            seen.append("x")
+        else:
+            backend.low_latency_dispatch(ll_args)
+            wait_stream(device)
+            seen.append(raised(backend.raise_pending))
+        seen.append(backend.needs_resync)
+        backend.resync()
+        ll_combined = ll_round_trip(rank, backend, ll_args, weights[rank].to(device), mask)
+        wait_stream(device)
+        backend.raise_pending()
+        return dict(seen=seen, recv_x=_cpu(result.recv_x), combined=_cpu(combined), ll_combined=_cpu(ll_combined),
+                    mask=mask.cpu())
+
+    what = f"recovery case R={R} k={ranks_per_node}"
+    num_bytes = bytes_for_tokens(T, R, ranks_per_node, E, hidden, K)
+    got = run_ranks(R, ranks_per_node, rank_body, num_bytes, timeout_s=5.0, device=device, warm=warm,
+                    num_ll_bytes=low_latency_bytes(M, hidden, R, E))
+    expected = reference_dispatch(*normal, E)
+    for rank in range(R):
+        mine = got[rank]
+        assert mine["seen"] == ["x", True, "x", True], f"{what} rank {rank}: raised / resync asked {mine['seen']}"
+        assert not mine["mask"].any(), f"{what} rank {rank}: masked {mine['mask'].tolist()}"
+        _equal_payload(mine["recv_x"], expected[rank]["recv_x"], f"{what} rank {rank} recv_x after the resync")
+        want = reference_combine(normal[0][rank], normal[1][rank], E, R, rank_fn)
+        torch.testing.assert_close(mine["combined"].float(), want.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{what} rank {rank} combine after the resync: {m}")
+        want = reference_low_latency_combine(ll[0][rank], ll[1][rank], ll[2][rank], expert_fn, False)
+        torch.testing.assert_close(mine["ll_combined"], want, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{what} rank {rank} low-latency round trip after the resync: {m}")
+
+
 def bad_counts_cases(num_ranks: int, ranks_per_node: int):
     """Both caller counts the send-layout kernel checks (:func:`bad_counts_case`)."""
     return [(0, "uniform", dict(argument="num_tokens_per_rank")), (0, "uniform", dict(argument="num_tokens_per_expert"))]
@@ -495,10 +595,11 @@ def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         backend.raise_pending()
         return refused, [(kind, out.cpu()) for kind, out in outs]
 
-    def warm(backend: NvshmemBackend) -> None:
+    def warm(backend: NvshmemBackend) -> None:  # the abort kernels too (a rank compiling one stalls the others)
         backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
         backend._combine_plan(hidden, K, 0, 2)
         warm_low_latency(backend, E, M, hidden, K)
+        backend.warm_abort()
 
     what = f"mixed modes R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, num_bytes, device=device, warm=warm, num_ll_bytes=num_ll_bytes)
@@ -617,6 +718,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--topology", action="append", default=[], help="R,k (ranks, ranks per node); repeatable")
     parser.add_argument("--mode", choices=("normal", "low_latency", "both"), default="both")
+    parser.add_argument("--only", default=None, help="run only the cases of this function (e.g. recovery_case)")
     args = parser.parse_args(argv)
     if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":  # see the module's docstring
         env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
@@ -627,13 +729,15 @@ def main(argv=None) -> int:
     suites = [(send_layout_case, send_layout_cases), (normal_case, cases), (bad_counts_case, bad_counts_cases)] \
         if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
-               (mixed_modes_case, dead_rank_cases)] if args.mode != "normal" else []
+               (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases)] if args.mode != "normal" else []
+    if args.only:
+        suites = [(run_case, suite) for run_case, suite in suites if run_case.__name__ == args.only]
     for num_ranks, ranks_per_node in topologies:
         for run_case, suite in suites:
             for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
                 started = time.monotonic()
                 try:
-                    if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case):
+                    if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case, recovery_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -648,7 +752,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
-           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "main"]
+           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "main"]
 
 
 if __name__ == "__main__":

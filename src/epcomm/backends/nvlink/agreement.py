@@ -25,7 +25,9 @@ anyway, and is checked where they are received:
   count word it owns on its peers, an epoch no wait can be ahead of — so the peers' waits end at
   once and they raise for that argument too.
 
-Errors are sticky (ranks' calls are no longer paired): destroy the Buffer and create a new one.
+After such an error the ranks' signals are out of step: every rank that raised resynchronises
+at its next call (the backends' ``resync``: a bounded host rendezvous, then every flag, epoch,
+fingerprint and count word back to zero), and that call pairs again.
 
 Fingerprint area (in the workspace's flag region): int64 ``[set][half][R][4]`` rows of (word 0,
 word 1, epoch, 0); half = the signal's
@@ -147,8 +149,8 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
             why = f"rank {first}'s {argument} does not match its {summarised} (checked on device)"
         else:
             why = f"rank {first} rejected its input"
-        raise EPInputError(argument, f"{why}; every rank raises (ranks {sorted(aborts)}). The ranks' calls are no "
-                                     f"longer paired: destroy this Buffer and create a new one")
+        raise EPInputError(argument, f"{why}; every rank raises (ranks {sorted(aborts)}). The ranks re-pair at "
+                                     f"their next call")
     for name in [n for word in FIELDS for n, _ in word if n != "abort"]:
         values = {r: _show(name, f[name]) for r, f in everyone.items()}
         if len(set(values.values())) > 1:
@@ -156,8 +158,8 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
             for r, value in sorted(values.items()):
                 groups.setdefault(value, []).append(r)
             shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
-            raise EPInputError(name, f"ranks disagree in {_show('call', mine['call'])}: {shown}. The ranks' calls "
-                                     f"are no longer paired: destroy this Buffer and create a new one")
+            raise EPInputError(name, f"ranks disagree in {_show('call', mine['call'])}: {shown}. The ranks re-pair "
+                                     f"at their next call")
     raise EPInputError("call", f"ranks disagree on a call (fingerprints {posted} against {own})")
 
 
@@ -218,6 +220,13 @@ ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64"
                    library=NVSHMEM, library_if=("REMOTE", FAR_BY_NVSHMEM))
 
 
+def bind_abort(num_ranks: int, remote: int = 0):
+    """The abort kernel's launcher for ``num_ranks`` ranks (compiled on first use)."""
+    from .workspace import NUM_FP_SETS
+    return ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS,
+                      R_P2=1 << (num_ranks - 1).bit_length(), BLOCK_L=128, REMOTE=remote)
+
+
 def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0) -> None:
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
     rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
@@ -226,13 +235,12 @@ def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0
     import torch
 
     from .launch import current_stream
-    from .workspace import FINGERPRINTS_OFFSET, NUM_FP_SETS
+    from .workspace import FINGERPRINTS_OFFSET
     R = ws.num_ranks
     ll_shapes = [(ws.ll_half_offset(0), ws.ll_half_offset(1), experts // R)
                  for experts in sorted(experts_seen)] if ws.ll_half else []
     shapes = torch.tensor(ll_shapes or [(0, 0, 0)], dtype=torch.int64).to(device, non_blocking=True)
     fp0, fp1 = abort_words(argument)
-    ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS,
-               R_P2=1 << (R - 1).bit_length(), BLOCK_L=128, REMOTE=remote).launch(
+    bind_abort(R, remote).launch(
         1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes), fp0, fp1,
         ws.rank, R, ranks_per_node or R, ws.spare_word)

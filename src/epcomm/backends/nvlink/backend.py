@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import EPInputError
+from ..agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from . import agreement
 from .low_latency import LowLatencyMode
@@ -41,6 +42,7 @@ class NVLinkBackend(Backend):
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.normal = NormalMode(self)
         self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device)
+        self._rendezvous = StoreRendezvous(group, self.timeout_s)
 
     def raise_pending(self) -> None:
         """Raise what kernels reported since the last call (disagreements, timeouts, dropped input)."""
@@ -54,12 +56,27 @@ class NVLinkBackend(Backend):
 
     def abort(self, kind: str, error: EPInputError) -> None:
         """This rank rejected its input for a ``kind`` call its peers make: launch the abort kernel
-        (the peers' waits end and they raise naming ``error.argument``), and raise on every later
-        call here (the ranks' calls are no longer paired)."""
+        (the peers' waits end and they raise naming ``error.argument``); the next call resyncs."""
         agreement.launch_abort(self.ws, self.state, self.low_latency.num_experts_seen, error.argument, self.device)
-        self.mailbox.sticky = EPInputError(error.argument, f"an earlier {kind} call on rank {self.rank} was rejected "
-                                                           f"({error}); its peers raised too. The ranks' calls are no "
-                                                           f"longer paired: destroy this Buffer and create a new one")
+        self.mailbox.resync_needed = True
+
+    @property
+    def needs_resync(self) -> bool:
+        return self.mailbox.resync_needed
+
+    def resync(self) -> None:
+        """Collective (every rank that raised calls it at its next call): once every rank's kernels
+        have finished (aborted waits end at once), every flag, fingerprint row, epoch, low-latency
+        count word and mailbox word goes back to zero, as in a new Buffer; a second rendezvous
+        keeps any rank from signalling before every rank has zeroed."""
+        torch.cuda.synchronize(self.device)
+        self._rendezvous("resync")
+        self.ws.zero_signals()
+        self.state.zero_()
+        self.low_latency.forget_calls()
+        self.mailbox.clear()
+        torch.cuda.synchronize(self.device)
+        self._rendezvous("resync done")
 
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
         return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)

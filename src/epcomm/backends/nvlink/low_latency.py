@@ -722,6 +722,7 @@ class LowLatencyMode:
         call in flight (also re-synchronises after ranks were masked and unmasked)."""
         barrier()
         self.ws.reset_low_latency()
+        self.forget_calls()
         flags = self.ws.buffer[:sync.NUM_FLAG_SETS * self.R * 8].view(torch.int64).view(sync.NUM_FLAG_SETS, -1)
         flags[sync.FLAGS_LL_COMBINE].zero_()
         for fp_set in (FP_LL_DISPATCH, FP_LL_COMBINE):  # both halves' rows (the nvshmem backend's normal
@@ -730,7 +731,11 @@ class LowLatencyMode:
         for word in (sync.EPOCH_LL_DISPATCH, sync.EPOCH_LL_COMBINE, sync.LL_DISPATCH_HALF_EPOCH,
                      sync.LL_DISPATCH_HALF_EPOCH + 1, sync.LL_COMBINE_HALF_EPOCH, sync.LL_COMBINE_HALF_EPOCH + 1):
             self.state_words[word] = 0
+        barrier()
+
+    def forget_calls(self) -> None:
+        """Start counting calls again: both halves' call counters and the per-shape slot counters
+        (the caller zeroes the words they index; no kernel may run)."""
         self._calls = [0, 0]
         for counters in self._counters.values():
             counters.zero_()
-        barrier()

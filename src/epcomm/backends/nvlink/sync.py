@@ -313,18 +313,25 @@ class HostMailbox:
         self._notify = 3 * R + 4
         self.notify_address = self.address + 8 * self._notify
         self.sequence = 0  # notify sequence numbers handed out
-        self.sticky = None  # an error every later call raises (set when this rank aborted a call)
+        # Set when this rank raised EPInputError for a disagreement or aborted a call: the ranks'
+        # signals are out of step until the backend's resync (collective), at the next call.
+        self.resync_needed = False
+
+    def clear(self) -> None:
+        """Forget every report and start the notify sequence again (resync: no kernel runs)."""
+        self.view[:] = 0
+        self.sequence = 0
+        self.resync_needed = False
 
     def raise_pending(self, rank: int, timeout_s: float) -> None:
         """Raise what kernels reported since the last call (cheap: one host-memory read)."""
         if self.view[0] == 0:
-            if self.sticky is not None:
-                raise self.sticky
             return
         pairs = self.view[self._agreement:self._agreement + 2 * (self.num_ranks + 1)].reshape(-1, 2)
-        if pairs[self.num_ranks].any():  # sticky: the ranks' calls are no longer paired
+        if pairs[self.num_ranks].any():  # until the resync: the ranks' signals are out of step
             from . import agreement  # (agreement.py's abort kernel uses this module)
             posted = {r: (int(w0), int(w1)) for r, (w0, w1) in enumerate(pairs[:self.num_ranks]) if w0 or w1}
+            self.resync_needed = True
             agreement.raise_disagreement(posted, (int(pairs[-1, 0]), int(pairs[-1, 1])), self.num_ranks)
         timeouts = self.view[1:1 + self.num_ranks]
         if timeouts.any():  # sticky: this buffer's peers can no longer be trusted to be in step

@@ -208,6 +208,11 @@ class Workspace:
     def ll_half_offset(self, half: int) -> int:
         return self.ll_offset + half * self.ll_half
 
+    def zero_signals(self) -> None:
+        """Zero every flag, fingerprint row and low-latency count word (no kernel may run on any rank)."""
+        self.buffer[:FLAGS_BYTES].zero_()
+        self.reset_low_latency()
+
     def reset_low_latency(self) -> None:
         """Zero the low-latency count words (after all ranks stopped using them)."""
         if self.ll_half:

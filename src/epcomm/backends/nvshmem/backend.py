@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ...errors import EPError, EPInputError
 from ...handle import DispatchHandle
 from ...hierarchy import Topology
+from ..agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..nvlink import agreement
 from ..nvlink.copy import for_word_copies
@@ -160,6 +161,7 @@ class NvshmemBackend(Backend):
         self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2, BLOCK_E=128)
         self._dispatch_plans = {}
         self._combine_plans = {}
+        self._rendezvous = StoreRendezvous(group, self.timeout_s) if group is not None else None
         self.low_latency = self.ll_ws = None
         self._normal_since_clean = False  # a normal-mode call wrote over the low-latency region
         if num_ll_bytes:
@@ -220,9 +222,41 @@ class NvshmemBackend(Backend):
             self.num_ranks, 1, current_stream(self.device.index), self.peer_bases, self.base, self.pre.step_rows,
             self.pre.fingerprint, self.pre.notify_signals, self.pre.dispatch_signals, self.pre.push_flags,
             self.pre.home_signals, fp0, fp1, self.rank, self.num_ranks, self.topology.ranks_per_node)
-        self.mailbox.sticky = EPInputError(error.argument, f"an earlier {kind} call on rank {self.rank} was rejected "
-                                                           f"({error}); its peers raised too. The ranks' calls are no "
-                                                           f"longer paired: destroy this Buffer and create a new one")
+        self.mailbox.resync_needed = True
+
+    def warm_abort(self) -> None:
+        """Compile the abort kernels now (each compiles on first use otherwise: a rank that compiles
+        one while rejecting its input holds its peers' waits up by seconds)."""
+        step_kernels.ABORT.bind(num_warps=4, LOOPBACK=self.loopback)
+        if self.low_latency is not None:
+            agreement.bind_abort(self.ll_ws.num_ranks, *self._ll_reach[:1])
+
+    @property
+    def needs_resync(self) -> bool:
+        return self.mailbox.resync_needed
+
+    def resync(self) -> None:
+        """Collective (every rank that raised calls it at its next call): once every rank's kernels
+        have finished, the step rows, every signal word of both modes, the epochs and the mailbox go
+        back to zero, as in a new Buffer; a second rendezvous keeps any rank from putting before
+        every rank has zeroed."""
+        self._resync_rendezvous("resync")
+        self.t.buffer[:self.pre.data].zero_()
+        self.state.zero_()
+        self.epoch = 0
+        if self.low_latency is not None:
+            self.ll_ws.zero_signals()
+            self.low_latency.forget_calls()
+            self._normal_since_clean = False
+        self.mailbox.clear()
+        self._resync_rendezvous("resync done")
+
+    def _resync_rendezvous(self, what: str) -> None:
+        torch.cuda.synchronize(self.device)
+        if self._rendezvous is None:
+            self.t.barrier()  # the loopback transport's ranks are threads of one process
+        else:
+            self._rendezvous(what)
 
     @staticmethod
     def _num_channels(config) -> int:

@@ -72,6 +72,9 @@ class NvshmemTransport(Transport):
         dist.barrier(group=self.group)
 
 
+LOOPBACK_BARRIER_TIMEOUT_S = 60.0
+
+
 class LoopbackWorld:
     """``num_ranks`` workspaces of ``num_bytes`` on one GPU, for ranks run as threads of this
     process (``transport(rank)`` gives each its view). Each thread must use its own CUDA stream:
@@ -103,4 +106,8 @@ class LoopbackTransport(Transport):
 
     def barrier(self) -> None:
         torch.cuda.synchronize(self.buffer.device)
-        self.world._barrier.wait()
+        try:  # bounded: a rank thread that died (an exception) never arrives
+            self.world._barrier.wait(timeout=LOOPBACK_BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise EPError(f"loopback rank {self.rank}: a rank did not reach the barrier within "
+                          f"{LOOPBACK_BARRIER_TIMEOUT_S:g} s (another rank's thread failed?)") from None
