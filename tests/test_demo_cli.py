@@ -73,3 +73,26 @@ def test_cli_check_on_cpu_ranks():
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "normal mode" in run.stdout and "low-latency" in run.stdout and "OK" in run.stdout
+
+
+def test_bench_tables_show_each_sms_setting_and_the_decode_loop():
+    """Issue 25: `--sms` takes a list (one table per setting) and the low-latency table has a
+    decode-loop row (median and p99 of barrier; dispatch + combine; sync)."""
+    import argparse
+    from epcomm.tools import bench
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["normal", "--sms", "24,8"]).sms == [24, 8]
+    t = {"host": 1e-5, "gpu": 2e-5, "synced": 3e-5}
+    rows = [{"call": "dispatch, full, BF16", "epcomm": t, "nccl": t}]
+    points = [{"tokens": 4096, "sms": sms, "recv_tokens": 10, "rows": rows, "checks": {}} for sms in (24, 8)]
+    result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": None, "points": points,
+              "settings": {"hidden": 7168, "num_topk": 8, "num_experts": 256, "sms": 24}}
+    table = bench.normal_table(result)
+    assert "Config(24, 8, 256)" in table and "Config(8, 8, 256)" in table
+    ll = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "rows": [], "checks": {},
+          "kernels_us_per_round_trip": {}, "settings": {"tokens": 128, "hidden": 7168, "num_topk": 8,
+                                                         "num_experts": 256, "decode_pairs": 100},
+          "decode_loop": {"epcomm": {"median": 80e-6, "p99": 120e-6}, "deep_ep": {"median": 72e-6, "p99": 90e-6}}}
+    lines = bench.low_latency_table(ll)
+    assert "epcomm median 80.0 p99 120.0" in lines and "decode loop epcomm / deep_ep (median): 1.11x" in lines

@@ -61,6 +61,22 @@ def measure(fn: Callable, reps: int, flush: torch.Tensor, warmup: int = 3) -> Di
     return {"host": host, "gpu": gpu, "synced": statistics.median(synced)}
 
 
+def measure_decode_loop(fn: Callable, pairs: int = 100, warmup: int = 5) -> Dict[str, float]:
+    """What a decode loop sees, in seconds: each iteration aligns the ranks (``dist.barrier``),
+    makes one call of ``fn`` (a dispatch + combine pair) and waits for the GPU; the wall time from
+    the barrier's return to the end of the sync, median and p99 over ``pairs`` iterations."""
+    times = []
+    for i in range(warmup + pairs):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    times.sort()
+    return {"median": statistics.median(times), "p99": times[min(len(times) - 1, int(0.99 * len(times)))]}
+
+
 def load_peer(name: Optional[str]):
     """The peer library's module, or None (with the reason printed) when absent."""
     if not name:
@@ -133,6 +149,7 @@ class NormalBenchSettings:
     num_topk: int = 8
     num_experts: int = 256
     sms: int = 24
+    more_sms: List[int] = field(default_factory=list)  # further Config num_sms settings, each a point at T=tokens
     extra_tokens: List[int] = field(default_factory=lambda: [512])
     reps: int = 30
     num_nvl_bytes: int = 3 << 30
@@ -177,7 +194,8 @@ def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts,
     return calls, recv_x, in_rank, handle
 
 
-def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor) -> Dict:
+def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor,
+                        sms: int) -> Dict:
     from ..fp8 import per_token_cast_to_fp8
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -192,7 +210,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     epcomm_recv = None
     inter_node = None
     for name, (buffer, config_cls) in buffers.items():
-        config = config_cls(settings.sms, 8, 256)
+        config = config_cls(sms, 8, 256)
         calls, recv_x, in_rank, handle = _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights,
                                                        settings.num_experts, extensions=name == "epcomm")
         if name == "epcomm":
@@ -216,7 +234,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     results["combine, BF16"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
     ok = torch.tensor([int(all(v for k, v in checks.items() if "nccl" in k))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    point = {"tokens": tokens, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
+    point = {"tokens": tokens, "sms": sms, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
              "checks": checks, "ok": bool(ok.item())}
     if inter_node is not None:  # BF16 rows of the dispatch; combine returns one row per (token, node) too
         from ..backends.nvshmem.rows import RowLayout
@@ -247,10 +265,13 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     started = time.time()
-    for tokens in [settings.tokens] + [t for t in settings.extra_tokens if t != settings.tokens]:
+    runs = [(tokens, settings.sms) for tokens in [settings.tokens] + [t for t in settings.extra_tokens
+                                                                      if t != settings.tokens]]
+    runs += [(settings.tokens, sms) for sms in settings.more_sms if sms != settings.sms]
+    for tokens, sms in runs:
         if dist.get_rank() == 0:
-            print(f"[normal] T={tokens} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
-        points.append(_bench_normal_point(settings, tokens, buffers, flush))
+            print(f"[normal] T={tokens} num_sms={sms} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+        points.append(_bench_normal_point(settings, tokens, buffers, flush, sms))
     buffers["epcomm"][0].destroy()
     return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
             "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
@@ -263,7 +284,8 @@ def normal_table(result: Dict) -> str:
     blocks = []
     for point in result["points"]:
         title = (f"# epcomm bench normal: {result['world']} x {result['device']}, backend {result['backend']}, "
-                 f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} Config({s['sms']}, 8, 256); "
+                 f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
+                 f"Config({point.get('sms', s['sms'])}, 8, 256); "
                  f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
@@ -314,6 +336,7 @@ class LowLatencyBenchSettings:
     peer: Optional[str] = None
     seed: int = 0
     ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node (issue 14)
+    decode_pairs: int = 100  # iterations of the decode-loop row
 
 
 def _ll_expert_out(recv):
@@ -405,6 +428,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     want = round_trip(reference)
     rows: Dict[str, Dict] = {}
     kernels: Dict[str, list] = {}
+    decode_loop: Dict[str, Dict[str, float]] = {}
     for name, buffer in buffers.items():
         out = round_trip(buffer)
         error = float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
@@ -418,6 +442,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
         }
         for call, fn in calls.items():
             rows.setdefault(call, {"call": call})[name] = measure(fn, settings.reps, flush)
+        decode_loop[name] = measure_decode_loop(lambda: round_trip(buffer, expert_out), settings.decode_pairs)
         try:
             graph, graph_out = _capture(lambda: round_trip(buffer))
             graph.replay()
@@ -441,7 +466,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     second = settings.peer if peer is not None else "nvlink" if "nvlink" in buffers else None
     return {"world": R, "backend": buffers["epcomm"].backend_name, "device": torch.cuda.get_device_name(dev),
             "peer": second, "settings": asdict(settings), "rows": list(rows.values()), "checks": checks,
-            "kernels_us_per_round_trip": kernels, "ok": bool(ok.item())}
+            "kernels_us_per_round_trip": kernels, "decode_loop": decode_loop, "ok": bool(ok.item())}
 
 
 def low_latency_table(result: Dict) -> str:
@@ -457,6 +482,14 @@ def low_latency_table(result: Dict) -> str:
         ratio = graph["epcomm"]["synced"] / graph["nvlink"]["synced"]
         lines.append(f"target (issue 14): round trip in a graph on virtual nodes <= 2x one node: {ratio:.2f}x "
                      f"({'met' if ratio <= 2 else 'missed'})")
+    loop = result.get("decode_loop", {})
+    if loop:
+        shown = "; ".join(f"{name} median {t['median'] * 1e6:.1f} p99 {t['p99'] * 1e6:.1f}" for name, t in loop.items())
+        lines.append(f"decode loop (barrier; dispatch + combine; sync), wall µs, rank 0, "
+                     f"{s.get('decode_pairs', 100)} pairs: {shown}")
+        if "epcomm" in loop and result["peer"] in loop:
+            lines.append(f"decode loop epcomm / {result['peer']} (median): "
+                         f"{loop['epcomm']['median'] / loop[result['peer']]['median']:.2f}x")
     for name, kernels in result["kernels_us_per_round_trip"].items():
         lines.append(f"{name} kernels per round trip (µs, rank 0): " + ", ".join(f"{k} {us}" for us, k in kernels))
     return "\n".join(lines)
@@ -470,7 +503,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=0,
                         help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
-    parser.add_argument("--sms", type=positive_int, default=24, help="Config num_sms (normal mode)")
+    parser.add_argument("--sms", type=token_list, default=[24],
+                        help="Config num_sms (normal mode), comma-separated: the first for every token count, each "
+                             "further one a table of its own at --tokens")
     parser.add_argument("--extra-tokens", type=token_list, default=[512],
                         help="more token counts to run in normal mode, comma-separated ('' for none)")
     parser.add_argument("--reps", type=positive_int, default=30, help="calls per timing")
@@ -499,7 +534,11 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
         print(low_latency_table(result))
         return 0 if result["ok"] else 1
-    settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms,
+    if not args.sms:
+        print("--sms needs at least one value", file=sys.stderr)
+        return 2
+    settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms[0],
+                                   more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer,
                                    ranks_per_node=args.ranks_per_node)
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
