@@ -217,6 +217,20 @@ def test_kernel_names_and_default_device(gpu_pool):
             assert mine in allowed and other == 0, rows
 
 
+@needs_peers
+@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
+    """Issue 26 cases 2 and 3 on nvlink: every rank raises naming the argument, then resyncs at its
+    next call, which pairs and matches the reference."""
+    results = gpu_pool.run(failure_cases.gpu_recovery, case)
+    want = {"layout": "topk_idx", "ll_one_bad": "x"}.get(case, "x")
+    for rank, (first, after) in enumerate(results):
+        assert first[:2] == ("EPInputError", want), (rank, first)
+        if case == "layout" and rank != 1:
+            assert first[2], (rank, first)  # the peers name rank 1
+        assert after == [True, True], (rank, after)
+
+
 @pytest.fixture(scope="module")
 def node_pool():
     """Ranks whose nodes are one GPU each (``EPCOMM_RANKS_PER_NODE=1``) and the automatic backend:
@@ -246,6 +260,12 @@ def test_nodes_failure_contract(node_pool, case):
     # kernels (seconds) inside the failing call; a shorter timeout makes its peers time out first.
     results = node_pool.run(failure_cases.gpu_contract, case, 30.0, timeout_s=120)
     assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * GPUS, results
+
+
+@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+def test_nodes_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case):
+    """Issue 26 case 2 and 3 on nvshmem (virtual nodes)."""
+    test_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case)
 
 
 def test_nodes_timeout_names_the_peer(node_pool):
