@@ -536,6 +536,68 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                                    msg=lambda m: f"{what} rank {rank} low-latency round trip after the resync: {m}")
 
 
+def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
+                       device: Optional[torch.device] = None) -> None:
+    """Issue 28's ``ll_num_experts`` case, near and far: the last rank's low-latency dispatch has
+    twice the others' expert count, so its count words lie elsewhere. Every rank's receive must
+    end its wait by the senders' fingerprint rows — well before the timeout, nobody masked — and
+    raise EPInputError naming num_experts; after the resync a round trip matches the reference."""
+    import time
+
+    from ..errors import EPInputError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, M, K, timeout_s = num_ranks, 4 * num_ranks, 16, 4, 5.0
+    xs, topks, weights = make_routing(85, "uniform", R, E, K, M, hidden, fixed_tokens=M)
+
+    def warm(backend: NvshmemBackend) -> None:
+        for experts in (E, 2 * E):
+            warm_low_latency(backend, experts, M, hidden, K)
+        backend.warm_abort()
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        mask = torch.zeros(R, dtype=torch.int32, device=device)
+        x, topk = xs[rank].to(device), topks[rank].to(device)
+        experts = 2 * E if rank == R - 1 else E
+        args = LowLatencyDispatchArgs(x, topk, M, experts, False, False, False, None, None, False, mask)
+        backend.check_low_latency_dispatch(args)
+        started = time.monotonic()
+        backend.low_latency_dispatch(args)
+        wait_stream(device)
+        seconds = time.monotonic() - started
+        try:
+            backend.raise_pending()
+            raised = "no error"
+        except EPInputError as err:
+            raised = err.argument
+        masked = mask.cpu().tolist()
+        backend.resync()
+        args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+        backend.check_low_latency_dispatch(args)
+        recv_x, recv_count, handle, _ = backend.low_latency_dispatch(args)
+        local = rank * (E // R) + torch.arange(E // R, device=device)
+        valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
+        out = torch.where(valid[..., None], expert_fn(local.repeat_interleave(R * M),
+                                                      recv_x.float().reshape(-1, hidden)).reshape(recv_x.shape),
+                          0.0).to(torch.bfloat16)
+        cargs = LowLatencyCombineArgs(out, topk, weights[rank].to(device), handle, None, None, False, mask)
+        backend.check_low_latency_combine(cargs)
+        combined, _ = backend.low_latency_combine(cargs)
+        wait_stream(device)
+        return dict(seconds=seconds, raised=raised, masked=masked, combined=_cpu(combined))
+
+    what = f"other-call case R={R} k={ranks_per_node}"
+    got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=timeout_s, device=device, warm=warm,
+                    num_ll_bytes=low_latency_bytes(M, hidden, R, 2 * E))
+    for rank in range(R):
+        mine = got[rank]
+        assert mine["raised"] == "num_experts", f"{what} rank {rank} raised {mine['raised']}"
+        assert not any(mine["masked"]), f"{what} rank {rank} masked {mine['masked']} (a wait ran out)"
+        assert mine["seconds"] < timeout_s / 2, f"{what} rank {rank}: the wait took {mine['seconds']:.1f} s"
+        want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, False)
+        torch.testing.assert_close(mine["combined"], want, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{what} rank {rank} round trip after the resync: {m}")
+
+
 def bad_counts_cases(num_ranks: int, ranks_per_node: int):
     """Both caller counts the send-layout kernel checks (:func:`bad_counts_case`)."""
     return [(0, "uniform", dict(argument="num_tokens_per_rank")), (0, "uniform", dict(argument="num_tokens_per_expert"))]
@@ -729,7 +791,8 @@ def main(argv=None) -> int:
     suites = [(send_layout_case, send_layout_cases), (normal_case, cases), (bad_counts_case, bad_counts_cases)] \
         if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
-               (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases)] if args.mode != "normal" else []
+               (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases),
+               (ll_other_call_case, dead_rank_cases)] if args.mode != "normal" else []
     if args.only:
         suites = [(run_case, suite) for run_case, suite in suites if run_case.__name__ == args.only]
     for num_ranks, ranks_per_node in topologies:
@@ -737,7 +800,8 @@ def main(argv=None) -> int:
             for seed, scenario, kwargs in suite(num_ranks, ranks_per_node):
                 started = time.monotonic()
                 try:
-                    if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case, recovery_case):
+                    if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case, recovery_case,
+                                    ll_other_call_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -752,7 +816,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
-           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "main"]
+           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "ll_other_call_case", "main"]
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ from .normal import p2
 from ..nvshmem.device import NVSHMEM, complete_sends, send_bytes
 from .reach import (FAR_BY_NVSHMEM, LOOPBACK_MODE, PEERS_BY_STORES, post_fingerprint_any, release_words,
                     same_node)
-from .sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
-                   poll_epochs, report_dropped, report_late, wait_peers)
+from .sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers,
+                   mailbox_words, poll_epochs_or_other_call, report_dropped, report_late, wait_peers)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -204,7 +204,11 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     my_half = my_base + half_offset
     count_words = (my_half + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
     settled = fingerprints_settled(my_base + fp_rows, sources, live, fp0, fp1, epoch)
-    words, waited, late = poll_epochs(count_words, live, epoch, timeout_ns, EPOCH_SHIFT=32)  # ACQUIRE
+    # ACQUIRE; a source in another call (another expert count: its count words lie elsewhere)
+    # ends its wait by its fingerprint row instead of the timeout
+    sender_rows = (my_base + fp_rows).to(tl.pointer_type(tl.int64)) + sources * (FP_ROW // 8)
+    words, waited, late = poll_epochs_or_other_call(count_words, live, epoch, timeout_ns, sender_rows, fp0, fp1,
+                                                    EPOCH_SHIFT=32, CHECK_ROWS=True)
     report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
     if HAS_WAIT_STATS:
         if l == 0:

@@ -67,6 +67,8 @@ from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL, FP_ROW_BYTES  #
 FP_ROW = tl.constexpr(FP_ROW_BYTES)
 # An epoch above any a wait can expect: a rank that rejected its input releases it (agreement.py).
 ABORT_EPOCH = tl.constexpr(1 << 30)
+# A wait that checks its senders' fingerprint rows (poll_epochs_or_other_call) looks this often.
+ROW_CHECK_NS = tl.constexpr(20_000)
 
 # Device-side state words (int64, one small tensor per backend): epochs and arrival counters.
 EPOCH_NORMAL = 0
@@ -238,6 +240,20 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
     in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``. Every lane's
     address must be mapped memory (dead lanes are read too, and ignored): callers index their own
     workspace, whose flag and count areas are larger than the lanes they use."""
+    return poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, word_ptrs, 0, 0, EPOCH_SHIFT=EPOCH_SHIFT,
+                                     CHECK_ROWS=False)
+
+
+@triton.jit
+def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0, fp1, EPOCH_SHIFT: tl.constexpr,
+                              CHECK_ROWS: tl.constexpr):
+    """:func:`poll_epochs`; with ``CHECK_ROWS``, a lane also stops waiting once its sender's
+    fingerprint row (``row_ptrs``: int64 pointer to each lane's row) holds this epoch with other
+    words than ``(fp0, fp1)``: that sender is in another call, whose signals may go elsewhere (a
+    low-latency dispatch with another expert count writes other count words), so waiting for it
+    would last the whole timeout. The rows are looked at only after ``ROW_CHECK_NS`` of waiting,
+    and then every ``ROW_CHECK_NS``: a wait that ends in time costs nothing more. Such a lane is
+    not late; :func:`check_fingerprints` records the mismatch afterwards."""
     start = now_ns()
     deadline = start + timeout_ns
     addresses = word_ptrs.to(tl.int64)
@@ -245,6 +261,7 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
     ready = ((words >> EPOCH_SHIFT) >= epoch) | (live == 0)
     waited = tl.zeros_like(words)
     now = start
+    check_at = start + ROW_CHECK_NS
     while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
         fresh = load_acquire_sys(addresses)
         now = now_ns()
@@ -252,6 +269,15 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
         words = tl.where(arrived, fresh, words)
         waited = tl.where(arrived, now - start, waited)
         ready |= arrived
+        if CHECK_ROWS:
+            if now >= check_at:  # the rows are posted at the senders' kernel starts (plain stores, or puts)
+                rows = row_ptrs.to(tl.int64)
+                posted_epoch = load_acquire_sys(rows + 16)
+                other = (ready == 0) & (posted_epoch == epoch) & \
+                    ((load_acquire_sys(rows) != fp0) | (load_acquire_sys(rows + 8) != fp1))
+                waited = tl.where(other, now - start, waited)
+                ready |= other
+                check_at = now + ROW_CHECK_NS
     late = ready == 0
     return words, tl.where(late, now - start, waited), late
 
