@@ -231,6 +231,17 @@ def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
         assert after == [True, True], (rank, after)
 
 
+@needs_peers
+def test_random_sequence_of_faults_on_nvlink(gpu_pool):
+    """Issue 26: 1000 steps of valid calls, bad inputs on random ranks, disagreements, rejected
+    layouts and skipped combines on the GPU backend (testing/sequence.py says how deferred reports
+    are expected there)."""
+    from epcomm.testing.sequence import error_sequence
+    results = gpu_pool.run(error_sequence, 1000, 5, "cuda", timeout_s=1200)
+    for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
+        assert results[0].get(key, 0) > 0, results[0]
+
+
 @pytest.fixture(scope="module")
 def node_pool():
     """Ranks whose nodes are one GPU each (``EPCOMM_RANKS_PER_NODE=1``) and the automatic backend:
@@ -266,6 +277,11 @@ def test_nodes_failure_contract(node_pool, case):
 def test_nodes_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case):
     """Issue 26 case 2 and 3 on nvshmem (virtual nodes)."""
     test_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case)
+
+
+def test_nodes_random_sequence_of_faults(node_pool):
+    """Issue 26 on nvshmem (virtual nodes): the fault sequence, 1000 steps."""
+    test_random_sequence_of_faults_on_nvlink(node_pool)
 
 
 def test_nodes_timeout_names_the_peer(node_pool):

@@ -36,12 +36,18 @@ class _Expected(Exception):
     """An EPError the plan expected (the step stops there on this rank)."""
 
 
-def _plan(seed: int, step: int, num_ranks: int, previous_fault: str, have_handle: bool, last: bool) -> Dict:
+def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: bool, last: bool, gpu: bool) -> Dict:
     rng = random.Random(seed * 100003 + step)
     op = rng.choice(OPS if have_handle else ("normal", "low_latency"))
     # a fault is followed by a valid step (the last step too: a rank that skipped needs a next call)
-    fault = "none" if previous_fault != "none" or last else rng.choices(FAULTS, FAULT_WEIGHTS)[0]
+    fault = "none" if previous["fault"] != "none" or last else rng.choices(FAULTS, FAULT_WEIGHTS)[0]
     if fault == "layout" and op != "normal":
+        fault = "bad"
+    if gpu and previous["fault"] == "skip" and (previous["op"] == "low_latency") != (op == "low_latency"):
+        op = previous["op"] if previous["op"] != "cached" or have_handle else "normal"  # see below
+    if gpu and fault == "skip" and op == "low_latency":
+        # GPU: the skipped low-latency combine's peers wait on combine flags the skipping rank's
+        # next (dispatch) call does not set: they mask it at the timeout (low-latency semantics)
         fault = "bad"
     ranks = list(range(num_ranks))
     subset = sorted(rng.sample(ranks, rng.randint(1, num_ranks)))
@@ -55,25 +61,42 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
     """Run ``num_steps`` planned steps on this rank (all ranks call it with the same arguments);
     returns ``{outcome: count}``. Raises AssertionError naming the step on any broken promise.
     A step that completes updates the handle later cached steps use; one that raised anywhere
-    leaves it (every rank keeps the same one)."""
+    leaves it (every rank keeps the same one).
+
+    On a GPU backend (``device="cuda"``) a call that does not wait on the host learns of a peer's
+    rejection or of a disagreement only at the next call (README, the recovery rule): where a call
+    must raise and returns instead, the step synchronises and makes it again, and that attempt
+    must raise. A skipped normal-mode combine is followed by a normal-mode step there (its peers
+    wait on signals only a normal-mode call sets); low-latency steps skip nothing (a peer that
+    misses a low-latency call is masked at the timeout, DeepEP's semantics)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     num_experts, M = 2 * R, tokens
     ll_bytes = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden + 128, R, num_experts)
-    kwargs = dict(num_nvl_bytes=64 << 20, num_rdma_bytes=ll_bytes, low_latency_mode=True, timeout=20.0)
+    gpu = device == "cuda"
+    kwargs = dict(num_nvl_bytes=64 << 20, num_rdma_bytes=ll_bytes, low_latency_mode=True, timeout=20.0,
+                  check_values=True)  # (a GPU rank then rejects out-of-range or changed top-k itself)
     if backend is not None:
         kwargs["backend"] = backend
     buffer = epcomm.Buffer(dist.group.WORLD, **kwargs)
     outcomes: Counter = Counter()
-    previous_fault, cached = "none", None  # cached: (routing seed, handle) of the last normal step
+    previous, cached = {"fault": "none", "op": "normal"}, None  # cached: (routing seed, handle) of the last normal step
     retry_pending = False  # this rank skipped a combine: its next call raises, then it makes it again
+    previous_mode = "normal"
+
+    def raising(fn):
+        """``fn()``, which must raise; on a GPU backend a call that returns reports at the next one."""
+        fn()
+        if gpu:
+            torch.cuda.synchronize()
+            fn()
 
     def collective(fn):
         nonlocal retry_pending
         if retry_pending:
             retry_pending = False
             try:
-                fn()
+                raising(fn)
             except epcomm.EPInputError as err:
                 assert err.argument == "call", f"rank {rank}: the call after a skipped combine raised {err}"
                 outcomes["skipped_call_found"] += 1
@@ -82,7 +105,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         return fn()
 
     for step in range(num_steps):
-        plan = _plan(seed, step, R, previous_fault, cached is not None, step == num_steps - 1)
+        plan = _plan(seed, step, R, previous, cached is not None, step == num_steps - 1, gpu)
         op, fault = plan["op"], plan["fault"]
         where = f"rank {rank} step {step} ({op}, {fault} at {plan['at']}, ranks {plan['bad_ranks']}/{plan['odd_ranks']}/{plan['one']})"
 
@@ -90,7 +113,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
             """The call must raise EPInputError naming ``argument`` (and ``peer`` in the message)."""
             def check(fn):
                 try:
-                    fn()
+                    raising(fn)
                 except epcomm.EPInputError as err:
                     assert err.argument == argument, f"{where}: raised for {err.argument!r}, expected {argument!r}: {err}"
                     assert peer is None or f"rank {peer}" in str(err), f"{where}: does not name rank {peer}: {err}"
@@ -98,6 +121,10 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
                 raise AssertionError(f"{where}: did not raise (expected EPInputError for {argument!r})")
             return check
 
+        if op == "low_latency" and previous_mode == "normal" and buffer.backend_name == "nvshmem":
+            # nvshmem: the modes share their bytes, as in DeepEP (every rank is at this step)
+            buffer.clean_low_latency_buffer(M, hidden, num_experts)
+        previous_mode = "low_latency" if op == "low_latency" else "normal"
         try:
             if op == "low_latency":
                 _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collective, expect, where)
@@ -111,7 +138,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
             outcomes[f"{fault}_raised"] += 1
         if fault == "skip" and rank == plan["one"]:
             retry_pending = True
-        previous_fault = fault
+        previous = {"fault": fault, "op": op}
         if progress is not None and (step + 1) % 100 == 0:
             progress(f"rank {rank}: {step + 1}/{num_steps} steps")
     return dict(outcomes)
