@@ -274,16 +274,22 @@ def gpu_out_of_range_expert():
     return outcome[:2]
 
 
-def exited_rank_main(rank: int, world_size: int, port: int, call: str, results, done) -> None:
-    """A process of its own (not a WorkerPool rank, whose pool stops when a rank exits): the last
-    rank exits after building its buffer; the others' next call must raise EPTimeoutError naming
-    it within timeout + 5 s, not a raw gloo error. Puts ``(rank, error class, peers, seconds)``;
-    the live ranks stay until ``done`` is set (rank 0 hosts the store the others still use)."""
+def _init_gloo(rank: int, world_size: int, port: int) -> None:
+    """The default process group of a process the test started itself (not a WorkerPool rank)."""
     import datetime
     import os
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+
+
+def exited_rank_main(rank: int, world_size: int, port: int, call: str, results, done) -> None:
+    """A process of its own (not a WorkerPool rank, whose pool stops when a rank exits): the last
+    rank exits after building its buffer; the others' next call must raise EPTimeoutError naming
+    it within timeout + 5 s, not a raw gloo error. Puts ``(rank, error class, peers, seconds)``;
+    the live ranks stay until ``done`` is set (rank 0 hosts the store the others still use)."""
+    import os
+    _init_gloo(rank, world_size, port)
     try:
         buffer = epcomm.Buffer(dist.group.WORLD, timeout=2.0)
         num_experts = 4 * world_size
@@ -317,11 +323,8 @@ def store_host_exit_main(rank: int, world_size: int, port: int, results, done) -
     process group's store, reaches its timeout first and exits; rank 1, still waiting, must raise
     EPTimeoutError naming the stalled rank (not only "the store is unreachable"). Puts ``(rank,
     error class, peers, message)``."""
-    import datetime
     import os
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    _init_gloo(rank, world_size, port)
     try:
         buffer = epcomm.Buffer(dist.group.WORLD, timeout=3.0)
         num_experts = 4 * world_size

@@ -27,26 +27,32 @@ def test_absent_rank_is_named_within_the_timeout(pools, call):
         assert seconds < 2.0 + 5.0, seconds
 
 
-@pytest.mark.parametrize("call", ["dispatch", "combine"])
-def test_exited_rank_is_named_within_the_timeout(call):
-    """A rank whose process exits (sockets closed): the others raise EPTimeoutError naming it."""
+def _processes(target, world_size: int, args: tuple, num_results: int) -> list:
+    """``target(rank, world_size, port, *args, results, done)`` in a process of its own per rank (not
+    a WorkerPool: these tests make ranks exit); returns the first ``num_results`` results put."""
     import torch.multiprocessing as mp
     from epcomm.testing.launcher import _free_port
     ctx = mp.get_context("spawn")
     results, done = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=failure_cases.exited_rank_main, args=(r, 3, port, call, results, done), daemon=True)
-             for r in range(3)]
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, results, done), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     try:
-        got = sorted(results.get(timeout=90) for _ in range(2))
+        return [results.get(timeout=90) for _ in range(num_results)]
     finally:
         done.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_exited_rank_is_named_within_the_timeout(call):
+    """A rank whose process exits (sockets closed): the others raise EPTimeoutError naming it."""
+    got = sorted(_processes(failure_cases.exited_rank_main, 3, (call,), 2))
     for rank, kind, peers, seconds in got:
         assert kind == "EPTimeoutError" and peers == [2], (rank, kind, peers)
         assert seconds < 2.0 + 5.0, seconds
@@ -55,23 +61,7 @@ def test_exited_rank_is_named_within_the_timeout(call):
 def test_store_host_exit_still_names_the_stalled_rank():
     """Rank 2 stalls; rank 0 (the store's host) times out first and exits; rank 1, still waiting
     when the store goes, names rank 2 — the rank it was waiting for — not only the dead store."""
-    import torch.multiprocessing as mp
-    from epcomm.testing.launcher import _free_port
-    ctx = mp.get_context("spawn")
-    results, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=failure_cases.store_host_exit_main, args=(r, 3, port, results, done), daemon=True)
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((item[0], item[1:]) for item in (results.get(timeout=90) for _ in range(2)))
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = dict((item[0], item[1:]) for item in _processes(failure_cases.store_host_exit_main, 3, (), 2))
     assert got[0][:2] == ("EPTimeoutError", [2]), got[0]
     kind, peers, message = got[1]
     assert kind == "EPTimeoutError" and peers == [2] and "unreachable" in message, got[1]

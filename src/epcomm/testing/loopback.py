@@ -436,6 +436,23 @@ def bad_counts_case(num_ranks: int, ranks_per_node: int, argument: str = "num_to
     assert got == [argument] * R, f"bad {argument} on the last rank, R={R} k={ranks_per_node}: ranks raised {got}"
 
 
+def _ll_round_trip(rank: int, backend: NvshmemBackend, args: LowLatencyDispatchArgs, weights: torch.Tensor,
+                   hidden: int) -> torch.Tensor:
+    """One low-latency dispatch + combine on a loopback rank, the experts being ``expert_fn`` (the
+    empty slots zeroed, without a host sync); returns the combined rows."""
+    R, M, E = backend.num_ranks, args.num_max_dispatch_tokens_per_rank, args.num_experts
+    device = args.x.device
+    recv_x, recv_count, handle, _ = backend.low_latency_dispatch(args)
+    experts = rank * (E // R) + torch.arange(E // R, device=device)
+    valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
+    expert_out = torch.where(valid[..., None], expert_fn(experts.repeat_interleave(R * M),
+                                                         recv_x.float().reshape(-1, hidden)).reshape(recv_x.shape),
+                             0.0).to(torch.bfloat16)
+    combine_args = LowLatencyCombineArgs(expert_out, args.topk_idx, weights, handle, None, None, False, args.rank_mask)
+    backend.check_low_latency_combine(combine_args)
+    return backend.low_latency_combine(combine_args)[0]
+
+
 def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                   device: Optional[torch.device] = None) -> None:
     """A rejected call costs nothing (issue 26 case 2), in both modes: the last rank rejects its
@@ -455,17 +472,6 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         backend._combine_plan(hidden, K, 0, 2)
         warm_low_latency(backend, E, M, hidden, K)
         backend.warm_abort()
-
-    def ll_round_trip(rank, backend, ll_args, weights, mask):
-        recv_x, recv_count, handle, _ = backend.low_latency_dispatch(ll_args)
-        experts = rank * (E // R) + torch.arange(E // R, device=device)
-        valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
-        expert_out = torch.where(valid[..., None], expert_fn(experts.repeat_interleave(R * M),
-                                                             recv_x.float().reshape(-1, hidden)).reshape(recv_x.shape),
-                                 0.0).to(torch.bfloat16)
-        cargs = LowLatencyCombineArgs(expert_out, ll_args.topk_idx, weights, handle, None, None, False, mask)
-        backend.check_low_latency_combine(cargs)
-        return backend.low_latency_combine(cargs)[0]
 
     def raised(fn) -> str:
         try:
@@ -502,7 +508,7 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         x, topk = xs[rank].to(device), topks[rank].to(device)
         ll_args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
         backend.check_low_latency_dispatch(ll_args)
-        ll_round_trip(rank, backend, ll_args, weights[rank].to(device), mask)
+        _ll_round_trip(rank, backend, ll_args, weights[rank].to(device), hidden)
         if rank == R - 1:
             backend.agree("low_latency_dispatch", None, planted)
             seen.append("x")
@@ -512,7 +518,7 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
             seen.append(raised(backend.raise_pending))
         seen.append(backend.needs_resync)
         backend.resync()
-        ll_combined = ll_round_trip(rank, backend, ll_args, weights[rank].to(device), mask)
+        ll_combined = _ll_round_trip(rank, backend, ll_args, weights[rank].to(device), hidden)
         wait_stream(device)
         backend.raise_pending()
         return dict(seen=seen, recv_x=_cpu(result.recv_x), combined=_cpu(combined), ll_combined=_cpu(ll_combined),
@@ -573,15 +579,7 @@ def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         backend.resync()
         args = LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
         backend.check_low_latency_dispatch(args)
-        recv_x, recv_count, handle, _ = backend.low_latency_dispatch(args)
-        local = rank * (E // R) + torch.arange(E // R, device=device)
-        valid = torch.arange(R * M, device=device)[None, :] < recv_count[:, None]
-        out = torch.where(valid[..., None], expert_fn(local.repeat_interleave(R * M),
-                                                      recv_x.float().reshape(-1, hidden)).reshape(recv_x.shape),
-                          0.0).to(torch.bfloat16)
-        cargs = LowLatencyCombineArgs(out, topk, weights[rank].to(device), handle, None, None, False, mask)
-        backend.check_low_latency_combine(cargs)
-        combined, _ = backend.low_latency_combine(cargs)
+        combined = _ll_round_trip(rank, backend, args, weights[rank].to(device), hidden)
         wait_stream(device)
         return dict(seconds=seconds, raised=raised, masked=masked, combined=_cpu(combined))
 
