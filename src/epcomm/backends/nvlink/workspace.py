@@ -142,7 +142,12 @@ class Workspace:
         self.local_base = self.buffer.data_ptr()
         self.spare_word = self.local_base + SPARE_WORD
         # Flags, fingerprints and low-latency count words start at zero everywhere before anyone
-        # signals.
+        # signals. Zero only once every rank's GPU work so far has finished: the memory may be
+        # handed out again from a Buffer destroyed after an error, whose peers' last kernels (an
+        # abort launched at their next call) may still write into it.
+        if self.buffer.device.type == "cuda":
+            torch.cuda.synchronize(self.buffer.device)
+        barrier()
         self.buffer[:FLAGS_BYTES].zero_()
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
