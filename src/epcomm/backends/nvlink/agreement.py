@@ -154,6 +154,8 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
     for name in [n for word in FIELDS for n, _ in word if n != "abort"]:
         values = {r: _show(name, f[name]) for r, f in everyone.items()}
         if len(set(values.values())) > 1:
+            if name == "num_topk" and mine["call"] == CALL_COMBINE:
+                name = "topk_weights"  # a combine's top-k width is that of its topk_weights argument
             groups: Dict[str, list] = {}
             for r, value in sorted(values.items()):
                 groups.setdefault(value, []).append(r)

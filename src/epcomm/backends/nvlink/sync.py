@@ -248,8 +248,8 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
 def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0, fp1, EPOCH_SHIFT: tl.constexpr,
                               CHECK_ROWS: tl.constexpr):
     """:func:`poll_epochs`; with ``CHECK_ROWS``, a lane also stops waiting once its sender's
-    fingerprint row (``row_ptrs``: int64 pointer to each lane's row) holds this epoch with other
-    words than ``(fp0, fp1)``: that sender is in another call, whose signals may go elsewhere (a
+    fingerprint row (``row_ptrs``: int64 pointer to each lane's row) holds this epoch (or an abort's)
+    with other words than ``(fp0, fp1)``: that sender is in another call, whose signals may go elsewhere (a
     low-latency dispatch with another expert count writes other count words), so waiting for it
     would last the whole timeout. The rows are looked at only after ``ROW_CHECK_NS`` of waiting,
     and then every ``ROW_CHECK_NS``: a wait that ends in time costs nothing more. Such a lane is
@@ -272,8 +272,8 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0,
         if CHECK_ROWS:
             if now >= check_at:  # the rows are posted at the senders' kernel starts (plain stores, or puts)
                 rows = row_ptrs.to(tl.int64)
-                posted_epoch = load_acquire_sys(rows + 16)
-                other = (ready == 0) & (posted_epoch == epoch) & \
+                posted_epoch = load_acquire_sys(rows + 16)  # this call's, or a peer's abort (agreement.py)
+                other = (ready == 0) & ((posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)) & \
                     ((load_acquire_sys(rows) != fp0) | (load_acquire_sys(rows + 8) != fp1))
                 waited = tl.where(other, now - start, waited)
                 ready |= other
