@@ -64,7 +64,10 @@ ARGUMENTS = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
              "handle", "num_experts", "num_max_dispatch_tokens_per_rank", "num_worst_tokens", "expert_alignment",
              "use_fp8", "round_scale", "use_ue8m0", "bias", "out", "config", "previous_event", "expert_major",
              "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "combine_wait_recv_cost_stats",
-             "zero_copy", "num_tokens_per_rdma_rank")
+             "zero_copy", "num_tokens_per_rdma_rank",
+             # fingerprint fields: a rank that learns of a disagreement at its next call aborts that
+             # call naming the field (Buffer._start_call)
+             "hidden", "num_topk", "call")
 ABORT_NUM_TOKENS_PER_RANK = 1  # set on device by the staging kernel
 ABORT_NUM_TOKENS_PER_EXPERT = 2
 ABORT_OTHER = 255
