@@ -486,3 +486,27 @@ def gpu_recovery(case: str, timeout: float = 10.0):
         payload = epcomm.per_token_cast_to_fp8(x)
     first = _outcome(lambda: buffer.dispatch(payload, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E)))
     return first[:2], [normal_step(61), normal_step(62)]
+
+
+def rejected_layout_then_clean():
+    """A rank whose layout rejected its input goes on to clean_low_latency_buffer (a collective
+    barrier) while its peers make the dispatch it skipped: the clean stands in for that dispatch
+    first (the peers raise naming it), then every rank cleans and a round trip works."""
+    from epcomm.testing import reference_low_latency_combine
+    from epcomm.testing.sweeps import expert_fn
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
+    E, M, H = 2 * R, 8, 128
+    xs, topks, ws = make_routing(33, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    topk = topks[rank].clone()
+    if rank == 1:
+        topk[0, 0] = E + 1
+    first = _outcome(lambda: buffer.dispatch(xs[rank], topk_idx=topk, topk_weights=ws[rank],
+                                             **_layout_args(buffer, topk, E)))
+    buffer.clean_low_latency_buffer(M, H, E)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
+    local = rank * (E // R) + torch.arange(E // R)
+    out = torch.stack([expert_fn(torch.full((recv.shape[1],), int(e)), recv[i].float()) for i, e in enumerate(local)])
+    got = buffer.low_latency_combine(out.to(torch.bfloat16), topks[rank], ws[rank], handle)[0]
+    want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
+    return first[:2], bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))

@@ -107,3 +107,9 @@ def test_random_sequence_of_faults(pools):
     assert all(r == results[0] or set(r) == set(results[0]) for r in results), results
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
         assert results[0].get(key, 0) > 0, results[0]
+
+
+def test_rejected_layout_then_clean_low_latency_buffer(pools):
+    """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
+    results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)
+    assert results == [(("EPInputError", "topk_idx"), True)] * 3, results

@@ -480,7 +480,10 @@ class Buffer:
 
     # ------------------------------------------------------------------ low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset low-latency buffer state (needed after switching from normal mode on shared memory)."""
+        """Reset low-latency buffer state (needed after switching from normal mode on shared memory).
+        Collective: every rank calls it (a host barrier)."""
+        if self._rejected_layout is not None:  # the peers may still be in the call this rank skipped
+            self._stand_in_for_skipped_call("clean_low_latency_buffer")
         self._check_low_latency()
         checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         checks.check_int("hidden", hidden, minimum=1)
