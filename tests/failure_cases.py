@@ -510,3 +510,73 @@ def rejected_layout_then_clean():
     got = buffer.low_latency_combine(out.to(torch.bfloat16), topks[rank], ws[rank], handle)[0]
     want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
     return first[:2], bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+
+
+class _RecordingBackend:
+    """Wraps a backend: records agree/resync calls; ``pending`` is raised once by raise_pending,
+    ``resync_asked`` is what needs_resync says (the GPU backends' behaviour, on any machine)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls, self.pending, self.resync_asked = [], None, False
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def needs_resync(self):
+        return self.resync_asked
+
+    def resync(self):
+        self.calls.append("resync")
+        self.resync_asked = False
+
+    def raise_pending(self):
+        error, self.pending = self.pending, None
+        if error is not None:
+            raise error
+
+    def agree(self, kind, fingerprint, error=None, rank_mask=None):
+        self.calls.append((kind, "abort" if error is not None else "agree",
+                           None if error is None else error.argument))
+        if error is not None:
+            self.resync_asked = True  # as the GPU backends do after an abort
+        return self._inner.agree(kind, fingerprint, error, rank_mask)
+
+
+def buffer_resync_rules():
+    """Buffer's side of the GPU recovery, on one CPU rank with a recording backend: a resync the
+    backend asks for runs at the start of the next call (and restarts the low-latency halves); an
+    error reported for an earlier call makes a collective call take part as an abort; a rejected
+    layout's stand-in precedes the next call and a resync follows it."""
+    from epcomm.errors import EPInputError
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
+    backend = buffer._backend = _RecordingBackend(buffer._backend)
+    num_experts, M, H = 4, 8, 128
+    xs, topks, ws = make_routing(34, "uniform", 1, num_experts, 2, M, H, fixed_tokens=M)
+    x, topk, w = xs[0], topks[0], ws[0]
+    seen = {}
+    buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+    backend.resync_asked, backend.calls = True, []
+    buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+    seen["resync first, phase restarted"] = backend.calls[0] == "resync" and buffer._ll_phase == 1
+    args = _layout_args(buffer, topk, num_experts)
+    backend.calls, backend.pending = [], EPInputError("x", "reported for an earlier call")
+    try:
+        buffer.dispatch(x, topk_idx=topk, topk_weights=w, **args)
+        seen["deferred error raised"] = False
+    except EPInputError as err:
+        seen["deferred error raised"] = err.argument == "x"
+    seen["deferred error takes part as an abort"] = backend.calls == [("dispatch", "abort", "x")]
+    backend.resync_asked = False
+    bad = topk.clone()
+    bad[0, 0] = num_experts + 2
+    try:
+        buffer.get_dispatch_layout(bad, num_experts)
+    except EPInputError:
+        pass
+    backend.calls = []
+    buffer.dispatch(x, topk_idx=topk, topk_weights=w, **args)
+    seen["stand-in, resync, then the call"] = backend.calls == [("dispatch", "abort", "topk_idx"), "resync",
+                                                                ("dispatch", "agree", None)]
+    return seen

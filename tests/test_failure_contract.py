@@ -113,3 +113,9 @@ def test_rejected_layout_then_clean_low_latency_buffer(pools):
     """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
     results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)
     assert results == [(("EPInputError", "topk_idx"), True)] * 3, results
+
+
+def test_buffer_resyncs_and_aborts_as_the_gpu_backends_ask(pools):
+    """Buffer's part of the GPU recovery (issue 26 case 2), checked on CPU with a recording backend."""
+    seen = pools.get(1).run(failure_cases.buffer_resync_rules, timeout_s=120)[0]
+    assert all(seen.values()), seen
