@@ -655,8 +655,13 @@ class Buffer:
         """``topk_idx`` of a low-latency combine must be its dispatch's: the shape always, the values
         with ``check_values`` (a host read on CUDA) unless it is the very tensor. A handle older than
         the last two dispatches is not checked (its buffer half was reused: DeepEP's rule)."""
-        dispatched = next((topk for held, topk in filter(None, self._ll_dispatched) if held is handle), None)
-        if dispatched is None or dispatched is topk_idx:
+        for entry in self._ll_dispatched:  # (a plain loop: this runs on every call's host path)
+            if entry is not None and entry[0] is handle:
+                dispatched = entry[1]
+                break
+        else:
+            return
+        if dispatched is topk_idx:
             return
         if dispatched.shape != topk_idx.shape:
             raise EPInputError("topk_idx", f"has shape {list(topk_idx.shape)} but the low_latency_dispatch of this "
