@@ -404,8 +404,9 @@ def low_latency_combine_topk_idx(case: str):
 
 def masked_rank_learns_it():
     """Rank 0 masks rank 1 (enable_shrink) while rank 1 is alive: rank 1's next low-latency call
-    raises EPError saying rank 0 masked it, instead of exchanging with nobody; rank 0's call
-    completes without it."""
+    raises EPError saying rank 0 masked it, instead of exchanging with nobody; every other rank
+    masks it too for that call (the masks stay one) and completes without it. Returns ``("ok",
+    rows from rank 1 absent)`` or ``(error class, names rank 0)``."""
     R, rank = world()
     buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True, timeout=20)
     num_experts, M, hidden = 2 * R, 8, 128
@@ -413,10 +414,13 @@ def masked_rank_learns_it():
     if rank == 0:
         buffer.low_latency_update_mask_buffer(1, True)
     try:
-        buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
-        return ("ok",)
+        _, count, handle, _, _ = buffer.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=False)
     except epcomm.EPError as err:
         return (type(err).__name__, "ranks [0] masked this rank" in str(err))
+    from_rank_1 = (handle.recv_layout_range[:, 1] & 0xFFFFFFFF).sum()
+    mask = torch.zeros(R, dtype=torch.int32)
+    buffer.low_latency_query_mask_buffer(mask)
+    return ("ok", int(from_rank_1) == 0 and mask.tolist() == [1 if r == 1 else 0 for r in range(R)])
 
 
 GPU_RECOVERY_CASES = ("all_bad", "one_bad", "disagree", "layout", "ll_one_bad")

@@ -55,7 +55,8 @@ class StoreAgreement:
         naming the rejected argument; return once every rank posted the same fingerprint.
 
         ``rank_mask`` (low-latency calls, ``[R]`` int32, nonzero = masked): masked ranks are not
-        waited for, and a rank that does not arrive in time is masked there instead of raising."""
+        waited for, and a rank that does not arrive in time is masked there instead of raising. A
+        rank that a peer masked is masked here too (the masks stay one), and raises itself."""
         call = self.calls
         self.calls += 1
         masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
@@ -86,6 +87,11 @@ class StoreAgreement:
             raise EPError(f"rank {self.rank}: {kind}: ranks {masked_me} masked this rank (a wait for it timed out "
                           f"there), so its low-latency calls no longer pair with theirs: unmask it on every rank "
                           f"(low_latency_update_mask_buffer, then clean_low_latency_buffer) or mask them here too")
+        if rank_mask is not None:  # a rank any peer masked takes no part (it raises above): mask it here too
+            adopted = sorted({r for post in posts.values() for r in post.get("masked", ())} - masked - {self.rank})
+            if adopted:
+                rank_mask[adopted] = 1
+                posts = {r: post for r, post in posts.items() if r not in adopted}
         _raise_on_disagreement(kind, posts)
 
 
