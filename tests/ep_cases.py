@@ -744,9 +744,10 @@ def gpu_kernel_names_and_default_device(hidden: int = 512):
     x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
     torch.set_default_device("cuda")
     try:
+        # (on nvshmem the normal mode shares num_rdma_bytes with the low-latency one: room for both)
         buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20,
-                               num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts),
-                               low_latency_mode=True)
+                               num_rdma_bytes=max(64 << 20, epcomm.Buffer.get_low_latency_rdma_size_hint(
+                                   M, hidden, R, num_experts)), low_latency_mode=True)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
         routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                        topk_idx=topk, topk_weights=w)

@@ -284,6 +284,11 @@ def test_nodes_random_sequence_of_faults(node_pool):
     test_random_sequence_of_faults_on_nvlink(node_pool)
 
 
+def test_nodes_kernel_names_and_default_device(node_pool):
+    """Issue 26 cases 1 and 8 on nvshmem (virtual nodes)."""
+    test_kernel_names_and_default_device(node_pool)
+
+
 def test_nodes_timeout_names_the_peer(node_pool):
     assert node_pool.run(ep_cases.gpu_timeout_names_peer, timeout_s=120) == ["raised"] * (GPUS - 1) + ["absent"]
 
