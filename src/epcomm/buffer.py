@@ -191,12 +191,15 @@ class Buffer:
         """:meth:`_check_alive` for a call that exchanges anything: an EPInputError kernels reported
         for an earlier call (the GPU backends report at the next call when the failing one did not
         wait on the host) makes this call take part as an abort, so the peers raise in it too and
-        every rank resyncs at its next call."""
+        every rank resyncs at its next call; after a rejected layout, the stand-in comes first
+        (:meth:`_stand_in_for_skipped_call`)."""
         try:
             self._check_alive()
         except EPInputError as err:
             self._backend.agree(kind, None, err, self._rank_mask if kind.startswith("low_latency") else None)
             raise
+        if self._rejected_layout is not None:
+            self._stand_in_for_skipped_call(kind)
 
     def _resync(self) -> None:
         """After this rank raised EPInputError on a GPU backend: re-pair with the peers (collective,
@@ -340,8 +343,6 @@ class Buffer:
             In cached mode the top-k outputs and the list are ``None``.
         """
         self._start_call("dispatch")
-        if self._rejected_layout is not None:
-            self._stand_in_for_skipped_call("dispatch")
         try:
             R = self.group_size
             num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
@@ -439,8 +440,6 @@ class Buffer:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
         self._start_call("combine")
-        if self._rejected_layout is not None:
-            self._stand_in_for_skipped_call("combine")
         try:
             if not isinstance(handle, DispatchHandle):
                 raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
@@ -528,8 +527,6 @@ class Buffer:
             are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
         """
         self._check_low_latency("low_latency_dispatch")
-        if self._rejected_layout is not None:
-            self._stand_in_for_skipped_call("low_latency_dispatch")
         try:
             R = self.group_size
             checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
@@ -611,8 +608,6 @@ class Buffer:
             ``(combined_x [T, H] bf16, event, hook)``.
         """
         self._check_low_latency("low_latency_combine")
-        if self._rejected_layout is not None:
-            self._stand_in_for_skipped_call("low_latency_combine")
         try:
             if not isinstance(handle, LowLatencyHandle):
                 raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
