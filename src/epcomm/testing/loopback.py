@@ -488,6 +488,13 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                             num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights[rank].to(device),
                             expert_alignment=1, num_worst_tokens=0, config=config)
         backend.check_dispatch(args)
+        # the data region holds what earlier calls left (combine rows, low-latency data: the modes
+        # share these bytes): an aborting rank's count row is not put, and its peers must not read
+        # its stale bytes there as a count or an abort code
+        torch.cuda.synchronize(device)
+        backend.t.buffer[backend.pre.data:].fill_(0x5A)
+        torch.cuda.synchronize(device)
+        backend.t.barrier()
         seen = []
         if rank == R - 1:  # rejected: takes part as an abort (what Buffer does with the error)
             backend.agree("dispatch", None, planted)

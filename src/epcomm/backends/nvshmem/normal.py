@@ -189,13 +189,19 @@ def ml_notify_dispatch(peer_bases_ptr,  # [R] int64: each rank's workspace (the 
     report_late(late, peers, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     if arrive(state_ptr, num_ranks):
         src = tl.arange(0, R_P2)
-        live = (src[:, None] < num_ranks) & (src[None, :] < num_ranks)
+        # A rank that rejected its input set its signal to ABORT_EPOCH without putting a row (ml_abort):
+        # its row here holds whatever earlier calls left in these bytes (combine rows, low-latency
+        # data), so only rows signalled with this epoch are read. The step barrier has already
+        # recorded the aborting rank's words (the argument) in the mailbox; the host raises.
+        signalled = tl.load((signals + src * 8).to(tl.pointer_type(tl.int64)), mask=src < num_ranks, other=0)
+        posted = (src < num_ranks) & (signalled == epoch)  # (acquired above, by each row's program)
+        live = posted[:, None] & (src[None, :] < num_ranks)
         sends = tl.load(table_ptr + src[:, None] * meta_len + src[None, :], mask=live, other=0)  # per-rank counts
         prefix = tl.cumsum(sends, axis=0)
         tl.store(prefix_ptr + src[:, None] * num_ranks + src[None, :], prefix, mask=live)
         num_recv = tl.sum(tl.where((src[:, None] == num_ranks - 1) & (src[None, :] == rank), prefix, 0), axis=None)
-        max_tokens = tl.max(tl.load(table_ptr + src * meta_len + num_tokens_at, mask=src < num_ranks, other=0), axis=0)
-        codes = tl.load(table_ptr + src * meta_len + abort_at, mask=src < num_ranks, other=0).to(tl.int64)
+        max_tokens = tl.max(tl.load(table_ptr + src * meta_len + num_tokens_at, mask=posted, other=0), axis=0)
+        codes = tl.load(table_ptr + src * meta_len + abort_at, mask=posted, other=0).to(tl.int64)
         if tl.max(codes, axis=0) != 0:
             tl.store(agreement + src * 2, tl.zeros_like(codes), mask=codes != 0)
             tl.store(agreement + src * 2 + 1, codes, mask=codes != 0)  # the abort field of word 1
