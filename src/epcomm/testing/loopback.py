@@ -549,6 +549,86 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                                    msg=lambda m: f"{what} rank {rank} low-latency round trip after the resync: {m}")
 
 
+def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
+                      device: Optional[torch.device] = None) -> None:
+    """Ranks that disagree move nothing (issue 26, found on 2 x H200): a cached dispatch in which the
+    last rank sends FP8 and the others BF16 (rows of another size), then a combine in which only
+    the last rank passes top-k weights (combine rows of another size). Neither call waits on the
+    host, so each returns; every later kernel of the call must return at once (the step barrier
+    failed: nvshmem/step.py), since reading the peers' rows with this rank's layout indexes
+    anything. Every rank then raises EPInputError naming the argument at its next look at the
+    mailbox, resyncs, and the next full dispatch and combine match the reference."""
+    from ..errors import EPInputError
+    from ..fp8 import per_token_cast_to_fp8
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, T, K = num_ranks, 4 * num_ranks, 24, 4
+    routing = make_routing(85, "uniform", R, E, K, T, hidden, fixed_tokens=T)
+    config = Config(num_sms=4)
+
+    def warm(backend: NvshmemBackend) -> None:
+        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend._dispatch_plan(2 * hidden, 0, 0, E, 2, True)
+        backend._dispatch_plan(hidden, hidden // 128, 0, E, 2, True)
+        for num_topk in (0, K):
+            backend._combine_plan(hidden, num_topk, 0, 2)
+
+    def raised(backend) -> str:
+        wait_stream(device)
+        try:
+            backend.raise_pending()
+        except EPInputError as err:
+            return err.argument
+        return "no error"
+
+    def rank_body(rank: int, backend: NvshmemBackend):
+        xs, topks, weights = routing
+        x, topk = xs[rank].to(device), topks[rank].to(device)
+        per_rank, _, per_expert, in_rank = dispatch_layout(topk, E, R)
+
+        def full_dispatch():
+            args = DispatchArgs(x=x, handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=topk,
+                                topk_weights=weights[rank].to(device), expert_alignment=1, num_worst_tokens=0,
+                                config=config)
+            backend.check_dispatch(args)
+            return backend.dispatch(args)
+
+        first = full_dispatch()
+        seen = []
+        payload = per_token_cast_to_fp8(x) if rank == R - 1 else x
+        cached = DispatchArgs(x=payload, handle=first.handle, num_tokens_per_rank=None, is_token_in_rank=None,
+                              num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                              num_worst_tokens=0, config=config)
+        backend.check_dispatch(cached)
+        backend.dispatch(cached)
+        seen.append(raised(backend))
+        backend.resync()
+        y = rank_fn(rank, first.recv_x)
+        combine_weights = first.recv_topk_weights if rank == R - 1 else None
+        backend.check_combine(y, first.handle, combine_weights, ())
+        backend.combine(y, first.handle, combine_weights, (), config)
+        seen.append(raised(backend))
+        backend.resync()
+        result = full_dispatch()
+        y = rank_fn(rank, result.recv_x)
+        backend.check_combine(y, result.handle, None, ())
+        combined, _ = backend.combine(y, result.handle, None, (), config)
+        seen.append(raised(backend))
+        return dict(seen=seen, recv_x=_cpu(result.recv_x), combined=_cpu(combined))
+
+    what = f"disagreement case R={R} k={ranks_per_node}"
+    got = run_ranks(R, ranks_per_node, rank_body, bytes_for_tokens(T, R, ranks_per_node, E, hidden, K),
+                    timeout_s=5.0, device=device, warm=warm)
+    expected = reference_dispatch(*routing, E)
+    for rank in range(R):
+        mine = got[rank]
+        assert mine["seen"] == ["x", "topk_weights", "no error"], f"{what} rank {rank}: raised {mine['seen']}"
+        _equal_payload(mine["recv_x"], expected[rank]["recv_x"], f"{what} rank {rank} recv_x after the resyncs")
+        want = reference_combine(routing[0][rank], routing[1][rank], E, R, rank_fn)
+        torch.testing.assert_close(mine["combined"].float(), want.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{what} rank {rank} combine after the resyncs: {m}")
+
+
 def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                        device: Optional[torch.device] = None) -> None:
     """Issue 28's ``ll_num_experts`` case, near and far: the last rank's low-latency dispatch has
@@ -797,6 +877,7 @@ def main(argv=None) -> int:
         if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
                (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases),
+               (disagreement_case, dead_rank_cases),
                (ll_other_call_case, dead_rank_cases)] if args.mode != "normal" else []
     if args.only:
         suites = [(run_case, suite) for run_case, suite in suites if run_case.__name__ == args.only]
@@ -806,7 +887,7 @@ def main(argv=None) -> int:
                 started = time.monotonic()
                 try:
                     if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case, recovery_case,
-                                    ll_other_call_case):
+                                    disagreement_case, ll_other_call_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -821,7 +902,8 @@ def main(argv=None) -> int:
 
 
 __all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
-           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "ll_other_call_case", "main"]
+           "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "disagreement_case",
+           "ll_other_call_case", "main"]
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from ..nvlink.reach import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..nvlink.workspace import ALIGN, Workspace
 from ..nvlink.normal import copy_block_shape
 from ..nvlink.launch import current_stream
-from ..nvlink.sync import ARRIVE_NOTIFY, HostMailbox, check_host_mapping, device_state
+from ..nvlink.sync import ARRIVE_NOTIFY, CALL_FAILED, HostMailbox, check_host_mapping, device_state
 from . import combine as combine_kernels
 from . import normal as dispatch_kernels
 from . import step as step_kernels
@@ -150,6 +150,7 @@ class NvshmemBackend(Backend):
         self.peer_bases = transport.peer_bases.data_ptr()
         self.loopback = transport.loopback
         self.state = device_state(device)
+        self.failed_word = self.state.data_ptr() + 8 * CALL_FAILED  # (step.py: a failed step skips the call)
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
         self.timeout_s = float(timeout_s)
@@ -205,7 +206,7 @@ class NvshmemBackend(Backend):
         self.epoch += 1
         self._normal_since_clean = True
         self._steps[kind].launch(self.num_ranks, 1, stream, self.peer_bases, self.base, self.pre.step_rows,
-                          self.pre.fingerprint, self.mailbox.address, fingerprint[0], fingerprint[1], self.epoch,
+                          self.pre.fingerprint, self.mailbox.address, self.failed_word, fingerprint[0], fingerprint[1], self.epoch,
                           self.timeout_ns, self.rank, self.num_ranks)
         return self.epoch
 
@@ -356,7 +357,7 @@ class NvshmemBackend(Backend):
                                     meta.rdma_prefix, meta.abort)
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             sequence = self.mailbox.next_sequence()
-            self._notify.launch(R, 1, stream, self.peer_bases, self.base + layout.count_row, self.base + layout.table,
+            self._notify.launch(R, 1, stream, self.failed_word, self.peer_bases, self.base + layout.count_row, self.base + layout.table,
                                 self.base + self.pre.notify_signals, self.base + layout.table,
                                 self.state.data_ptr() + 8 * ARRIVE_NOTIFY, prefix.data_ptr(), self.mailbox.address, epoch,
                                 sequence, self.timeout_ns, rank, R, meta.length, num_experts, meta.num_tokens,
@@ -371,7 +372,7 @@ class NvshmemBackend(Backend):
         topk = args.topk_idx.data_ptr() if plan.num_topk else x_address
         weights = args.topk_weights.data_ptr() if plan.num_topk else x_address
         scale_strides = (scales.stride(0), scales.stride(1)) if is_fp8 else (0, 0)
-        plan.send.launch(C, N, stream, self.peer_bases, x_address, scales.data_ptr() if is_fp8 else x_address,
+        plan.send.launch(C, N, stream, self.failed_word, self.peer_bases, x_address, scales.data_ptr() if is_fp8 else x_address,
                          *scale_strides, topk, weights, state.node_tokens.data_ptr(), state.in_node_masks.data_ptr(),
                          state.node_row.data_ptr(), state.table.data_ptr(), self.base + layout.send,
                          self.base + layout.recv, self.base + self.pre.dispatch_signals, epoch, rank, R, k, num_tokens,
@@ -401,7 +402,7 @@ class NvshmemBackend(Backend):
         prefix_matrix = prefix if handle is None else handle.rank_prefix_matrix
         recv_x_address = recv_x.data_ptr()
         plan.forward.launch(
-            R, C, stream, self.peer_bases, layout.recv, self.pre.dispatch_signals, state.table.data_ptr(),
+            R, C, stream, self.failed_word, self.peer_bases, layout.recv, self.pre.dispatch_signals, state.table.data_ptr(),
             prefix_matrix.data_ptr(), recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
             recv_topk.data_ptr() if plan.num_topk else recv_x_address,
             recv_weights.data_ptr() if plan.num_topk else recv_x_address, recv_src.data_ptr(),
@@ -487,10 +488,10 @@ class NvshmemBackend(Backend):
         x_address = x.data_ptr()  # addresses, not tensors (dispatch says why)
         weights_in = topk_weights.data_ptr() if num_topk else x_address
         table, area_masks = state.table.data_ptr(), state.area_masks.data_ptr()
-        plan.push.launch(R, C, stream, x_address, weights_in, state.recv_area_row.data_ptr(), table,
+        plan.push.launch(R, C, stream, self.failed_word, x_address, weights_in, state.recv_area_row.data_ptr(), table,
                          handle.rank_prefix_matrix.data_ptr(), self.peer_bases, layout.slots, self.pre.push_flags, epoch, rank, R, k, hidden // 4, num_topk,
                          crow.row_bytes, crow.weights, meta_length, meta.gbl_prefix, C)
-        plan.forward.launch(N, C, stream, self.peer_bases, area_masks, table, self.base + layout.slots,
+        plan.forward.launch(N, C, stream, self.failed_word, self.peer_bases, area_masks, table, self.base + layout.slots,
                             self.base + self.pre.push_flags, self.base + layout.partials, self.base + layout.home,
                             self.base + self.pre.home_signals, self.mailbox.address, epoch, self.timeout_ns, rank, R, k,
                             hidden, num_topk, crow.row_bytes, crow.weights, layout.token_cap, meta_length,
@@ -499,7 +500,8 @@ class NvshmemBackend(Backend):
         out_w = combined_w.data_ptr() if num_topk else combined_address
         bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
         bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
-        plan.reduce.launch(max(1, min(-(-num_tokens // plan.block_t), config.num_sms)), 1, stream, state.in_node_masks.data_ptr(),
+        plan.reduce.launch(max(1, min(-(-num_tokens // plan.block_t), config.num_sms)), 1, stream, self.failed_word,
+                           state.in_node_masks.data_ptr(),
                            state.node_row.data_ptr(), combined_address, out_w, bias0, bias1, self.base + layout.home, self.base + self.pre.home_signals,
                            self.mailbox.address, epoch, self.timeout_ns, rank, R, k, num_tokens, hidden, num_topk,
                            crow.row_bytes, crow.weights, layout.token_cap, C)

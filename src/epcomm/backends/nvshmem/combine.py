@@ -39,14 +39,15 @@ import triton.language as tl
 
 from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
-from ..nvlink.sync import mailbox_words, poll_epochs, report_late, store_release_sys
+from ..nvlink.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
 from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hop2_program
 
 
 # ====================================================================== at each receiving rank
 @triton.jit
-def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
+def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                    y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
                     weights_ptr,  # [num_recv, K] float32 (HAS_WEIGHTS)
                     recv_area_row_ptr,  # [num_recv] int32 (the dispatch's ml_dispatch_forward)
                     meta_ptr,  # [R, meta_len] int32: the dispatch's count table
@@ -56,6 +57,8 @@ def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order 
                     epoch, rank, num_ranks, ranks_per_node, x_words, num_topk, row_bytes, weights_at, meta_len,
                     gbl_prefix_at, num_channels,
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Program (s, c) at d = (node, j): the rows d received from s in channel c are rows
     # [rank_prefix_matrix[s - 1][d] + gbl_prefix[s][d][c - 1], ... + gbl_prefix[s][d][c]) of y.
     # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
@@ -80,13 +83,14 @@ def ml_combine_push(y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order 
     store_release_sys(base + flags_offset + ((m * SIGNAL_STRIDE + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
 
 
-PUSH = KernelSpec(ml_combine_push, ["*i64", "*fp32", "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i64", "i32",
+PUSH = KernelSpec(ml_combine_push, ["*i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i64", "i32",
                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
 
 
 # ====================================================================== at each forwarder
 @triton.jit
-def ml_combine_forward(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                       peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
                        area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
                        meta_ptr,  # [R, meta_len] int32: the dispatch's count table
                        slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
@@ -97,6 +101,8 @@ def ml_combine_forward(peer_bases_ptr,  # [R] int64: each rank's workspace (the 
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
                        LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Program (m, c) at f = (node, l), for home s = (m, l): ACQUIRE the flags [m][c][0..k) that the
     # node's ranks released after pushing (bounded; a late rank is flagged in the mailbox and
     # nothing is sent: the home's wait times out too and names f). Rows [lo, hi) of s's block in
@@ -156,14 +162,15 @@ def ml_combine_forward(peer_bases_ptr,  # [R] int64: each rank's workspace (the 
                             signal_word, epoch, s, peer_bases_ptr, rank, LOOPBACK)
 
 
-FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
+FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                           "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== at home
 @triton.jit
-def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
+def ml_combine_reduce(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                      masks_ptr,  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
                       node_row_ptr,  # [T, N] int32 (the dispatch's ml_dispatch_send)
                       out_ptr,  # [T, H] bf16
                       out_weights_ptr,  # [T, K] float32 (HAS_WEIGHTS)
@@ -174,6 +181,8 @@ def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (
                       weights_at, home_cap, num_channels,
                       HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
     # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
     # program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
@@ -222,6 +231,6 @@ def ml_combine_reduce(masks_ptr,  # [T, N] int32 in-node masks of the dispatch (
                 tl.store(out_weights_ptr + tokens[:, None] * num_topk + k[None, :], acc_w, mask=mk)
 
 
-REDUCE = KernelSpec(ml_combine_reduce, ["*i32", "*i32", "*bf16", "*fp32", "*bf16", "*bf16", "i64", "i64", "i64",
+REDUCE = KernelSpec(ml_combine_reduce, ["*i64", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*bf16", "i64", "i64", "i64",
                                         "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                         "i32"])

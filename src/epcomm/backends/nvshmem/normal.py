@@ -21,7 +21,7 @@ import triton.language as tl
 from ..nvlink.copy import copy_rows, word_ptr
 from ..nvlink.launch import KernelSpec
 from ..nvlink.normal import expert_receive_counts
-from ..nvlink.sync import arrive, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
+from ..nvlink.sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from . import device as nvshmem
 from .workspace import MAX_CHANNELS
 
@@ -160,7 +160,8 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout, ["*i8", "*i64", "*i32", "*i32"
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify_dispatch(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                       peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
               my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
               table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
               table_ptr,  # the same table as a pointer (read after the wait)
@@ -170,6 +171,8 @@ def ml_notify_dispatch(peer_bases_ptr,  # [R] int64: each rank's workspace (the 
               epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
               abort_at,
               LOOPBACK: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
     # [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
     # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
@@ -219,13 +222,14 @@ def ml_notify_dispatch(peer_bases_ptr,  # [R] int64: each rank's workspace (the 
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
+NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
                                 "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== hop 1: send
 @triton.jit
-def ml_dispatch_send(peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                     peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
                      x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
@@ -239,6 +243,8 @@ def ml_dispatch_send(peer_bases_ptr,  # [R] int64: each rank's workspace (the lo
                      rdma_prefix_at, num_channels,
                      LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Program (c, n): the rows of channel c for node n (rows [lo, hi) of this rank's block there),
     # packed (x, scales, top-k, source index, in-node mask) and delivered to the forwarder
     # (n, local). Another node: packed into this rank's send area, then one put_signal — NVSHMEM
@@ -289,7 +295,7 @@ def ml_dispatch_send(peer_bases_ptr,  # [R] int64: each rank's workspace (the lo
                         signal_word, epoch, n * ranks_per_node + local, peer_bases_ptr, rank, LOOPBACK)
 
 
-SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
+SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
                                      "i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"],
@@ -298,7 +304,8 @@ SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i8", "*fp32", "i64", "i64", "*i64
 
 # ====================================================================== hop 2: forward
 @triton.jit
-def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
+def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+                        peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
                         area_offset, signals_offset,  # bytes from a base to this half's receive area / signals
                         meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
                         prefix_ptr,  # [R, R] int32 rank_prefix_matrix (the count exchange)
@@ -315,6 +322,8 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
                         num_out_rows,  # rows of the outputs (num_worst_tokens: rows past it are not written)
                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
+        return
     # Program (s, c) at destination d = (node, j): the rows of source s = (m, l), channel c, that
     # d needs. They sit in block m of forwarder f = (node, l) — put there by s over the network,
     # or stored by s itself when m == node. ACQUIRE f's signal [m][c] over NVLink (bounded: a
@@ -375,5 +384,5 @@ def ml_dispatch_forward(peer_bases_ptr,  # [R] int64: each rank's symmetric base
                 tl.store(area_masks_ptr + block_start + rows, mask, mask=rows < hi)
 
 
-FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
+FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
                                            "*i32", "*i32", "*i32", "*i64", "i64", "i64"] + ["i32"] * 19)

@@ -21,6 +21,13 @@ A rank that rejects its own input does not make the call; :func:`ml_abort` puts 
 with an epoch no wait can be ahead of (sync.ABORT_EPOCH) into its step row on every rank and
 sets every signal word it would have set in the call, so its peers' waits end at once and they
 raise naming the argument.
+
+A step barrier that finds another call's words (or an abort's) in a row, or a rank late, stores
+the epoch into the state word CALL_FAILED, and every later kernel of the call returns at once
+(:func:`nvlink.sync.call_failed`): the rows its peers would send were laid out for another call (another row
+size, another count table), so reading them could index anything. Every rank that passes the
+barrier finds the same mismatch (each compares every row with its own words), so all of them skip
+the same kernels and nobody waits on a signal a peer skipped; the host raises (mailbox).
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
                   workspace,  # int64: this rank's workspace (symmetric)
                   step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
                   mailbox_address,  # host mailbox (nvlink/sync.py)
+                  failed_ptr,  # int64 state word CALL_FAILED (local)
                   fp0, fp1, epoch, timeout_ns, rank, num_ranks,
                   LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
     # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
@@ -68,26 +76,28 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
     _, _, late = poll_epochs((rows + lanes * 32 + 16).to(tl.pointer_type(tl.int64)), sender, epoch, timeout_ns,
                              EPOCH_SHIFT=0)  # ACQUIRE: rank p's row
     report_late(late, lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
-    check_fingerprints(rows, lanes, sender & (late == 0), tl.zeros_like(lanes), fp0, fp1, epoch, agreement,
-                       num_ranks)
+    differ = check_fingerprints(rows, lanes, sender & (late == 0), tl.zeros_like(lanes), fp0, fp1, epoch, agreement,
+                                num_ranks)
+    if tl.max((differ | (late != 0)).to(tl.int32), axis=0) != 0:
+        tl.store(failed_ptr, epoch)  # the call's later kernels return at once (call_failed)
 
 
 # The same barrier under the name of the call it starts (the kernels' names are all that differs).
 @triton.jit
-def ml_dispatch_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
-                     timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
-    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
-                  timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+def ml_dispatch_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
+                     fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
+                  fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
 
 
 @triton.jit
-def ml_combine_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
-                    timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
-    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, fp0, fp1, epoch,
-                  timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+def ml_combine_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
+                    fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+    _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
+                  fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
 
 
-_STEP_TYPES = ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32"]
+_STEP_TYPES = ["*i64", "i64", "i64", "i64", "i64", "*i64", "i64", "i64", "i64", "i64", "i32", "i32"]
 STEPS = {kind: KernelSpec(kernel, _STEP_TYPES, library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
          for kind, kernel in (("dispatch", ml_dispatch_step), ("combine", ml_combine_step))}
 STEP = STEPS["dispatch"]
