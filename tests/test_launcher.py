@@ -36,3 +36,21 @@ def test_programs_per_sm_counts_threads_registers_and_shared_memory():
     assert programs_per_sm(8, 125, 0, 2048, 65536, 233472) == 2  # registers round up to 8 per thread
     assert programs_per_sm(4, 32, 100_000, 2048, 65536, 233472) == 2  # shared memory bound
     assert programs_per_sm(16, 255, 0, 2048, 65536, 233472) == 1  # never below one
+
+
+def test_a_port_taken_before_the_store_listens_is_replaced(monkeypatch):
+    """Another process may take the chosen port between _free_port() and rank 0's store (seen on a
+    GPU machine running benchmarks back to back): the pool starts again on a new port."""
+    import socket
+
+    from epcomm.testing import launcher
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    free = launcher._free_port
+    monkeypatch.setattr(launcher, "_free_port", lambda: next(ports, None) or free())
+    try:
+        assert run_distributed(ep_cases.echo_rank, 2) == [(0, 2), (1, 2)]
+    finally:
+        taken.close()

@@ -89,17 +89,28 @@ class WorkerPool:
         self.world_size = world_size
         self.backend = backend
         self._ctx = mp.get_context("spawn")
+        for attempt in range(3):
+            # The port is free when _free_port returns, but another process may take it before rank
+            # 0's store listens on it (machines that run test suites back to back): a new port then.
+            self._start(_free_port(), group_timeout_s)
+            try:
+                self._collect(None, start_timeout_s, "start")
+                return
+            except RankFailure as failure:
+                if "EADDRINUSE" not in str(failure) or attempt == 2:
+                    raise
+
+    def _start(self, port: int, group_timeout_s: float) -> None:
         self._results = self._ctx.Queue()
-        self._jobs = [self._ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        self._jobs = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [self._ctx.Process(target=_worker_main, daemon=True,
-                                         args=(r, world_size, port, backend, self._jobs[r], self._results, group_timeout_s))
-                       for r in range(world_size)]
+                                         args=(r, self.world_size, port, self.backend, self._jobs[r], self._results,
+                                               group_timeout_s))
+                       for r in range(self.world_size)]
         for p in self._procs:
             p.start()
         self._next_job = 0
         self._closed = False
-        self._collect(None, start_timeout_s, "start")
 
     def _collect(self, job_id, timeout_s: float, what: str) -> List[Any]:
         values: List[Any] = [None] * self.world_size
