@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epcomm.backends.nvlink.launch import KernelSpec, current_stream  # noqa: E402
-from epcomm.backends.nvlink.sync import load_acquire_sys, now_ns  # noqa: E402
-from epcomm.backends.nvshmem import device as nvshmem  # noqa: E402
+from epcomm.backends.gpu.launch import KernelSpec, current_stream  # noqa: E402
+from epcomm.backends.gpu.sync import load_acquire_sys, now_ns  # noqa: E402
+from epcomm.backends.gpu.reach import nvshmem  # noqa: E402
 
 
 @triton.jit

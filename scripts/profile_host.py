@@ -34,7 +34,7 @@ def _per_call_us(fn, n=2000, burst=40):
 def _breakdown(fn, backend, method: str, n: int = 400):
     """(full, backend, launches, number of launches), µs per call: ``fn`` timed as it is; the
     backend's ``method`` and the kernel launches of one call recorded, then each replayed alone."""
-    from epcomm.backends.nvlink.launch import BoundKernel
+    from epcomm.backends.gpu.launch import BoundKernel
     recorded_call, recorded_launches = [], []
     original_method = getattr(backend, method)
     original_launch = BoundKernel.launch
@@ -98,8 +98,8 @@ def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
 def profile_rank(tokens: int):
     import epcomm
     from epcomm import checks
-    from epcomm.backends.nvlink import sync
-    from epcomm.backends.nvlink.launch import current_stream
+    from epcomm.backends.gpu import sync
+    from epcomm.backends.gpu.launch import current_stream
     from epcomm.fp8 import per_token_cast_to_fp8
     rank, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -134,7 +134,7 @@ def profile_rank(tokens: int):
         probe = sync._probe_kernel.bind(num_warps=1)
         scratch = torch.zeros(1, dtype=torch.int64, device=dev)
         host_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        from epcomm.backends.nvlink import normal
+        from epcomm.backends.gpu import normal
         layout_kernel = normal.LAYOUT.bind(num_warps=4, BLOCK_T=128, E_P2=256, K_P2=8, R_P2=2, SUM_ROWS=16)
         layout_tensors = [topk, torch.empty(R, dtype=torch.int32, device=dev), torch.empty(E, dtype=torch.int32, device=dev),
                           torch.empty(T, R, dtype=torch.bool, device=dev), torch.empty(64, 258, dtype=torch.int32, device=dev)]

@@ -311,7 +311,7 @@ def worst_tokens_overflow():
 def gpu_rounds_counted(configs, num_nvl_bytes: int):
     """gpu_normal_against_reference with the stage launches counted: a batch larger than one half
     of the payload area must take several rounds (one stage launch each)."""
-    from epcomm.backends.nvlink import normal
+    from epcomm.backends.gpu import normal
     calls = []
     original = normal.NormalMode._stage
 

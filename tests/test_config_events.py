@@ -87,7 +87,7 @@ def test_host_tensors_name_their_device_under_another_default():
     try:
         assert channel_bounds(10, 3).device.type == "cpu"
         if importlib.util.find_spec("triton") is not None:
-            from epcomm.backends.nvlink.sync import HostMailbox
+            from epcomm.backends.gpu.mailbox import HostMailbox
             mailbox = HostMailbox(2, 8, pinned=False)
             assert mailbox.words.device.type == "cpu" and int(mailbox.view[0]) == 0
     finally:

@@ -8,14 +8,14 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from epcomm.backends.nvlink import agreement as A  # noqa: E402
-from epcomm.backends.nvlink import low_latency as L  # noqa: E402
-from epcomm.backends.nvlink import normal as N  # noqa: E402
-from epcomm.backends.nvlink import sync as S  # noqa: E402
+from epcomm.backends.gpu import agreement as A  # noqa: E402
+from epcomm.backends.gpu import low_latency as L  # noqa: E402
+from epcomm.backends.gpu import normal as N  # noqa: E402
+from epcomm.backends.gpu import mailbox as MB  # noqa: E402
 
 
 def _cases():
-    yield S._probe_kernel, {}, 1
+    yield MB._probe_kernel, {}, 1
     yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
     yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
@@ -58,17 +58,18 @@ def test_kernel_compiles_for_sm90(spec, constexprs, num_warps):
 
 
 def test_spec_rejects_wrong_type_count():
-    from epcomm.backends.nvlink.launch import KernelSpec
+    from epcomm.backends.gpu.launch import KernelSpec
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="runtime parameters"):
-        KernelSpec(N.ep_dispatch_layout, ["*i64"])
+        KernelSpec(N.layout.ep_dispatch_layout, ["*i64"])
 
 
 def test_spec_library_unless_names_a_constexpr():
     """``library_unless`` must name one of the kernel's constexprs; the library applies only where
     that constexpr is False (the multi-node kernels' LOOPBACK test transport links no NVSHMEM)."""
-    from epcomm.backends.nvlink.launch import KernelSpec
-    from epcomm.backends.nvshmem import device, step
+    from epcomm.backends.gpu.launch import KernelSpec
+    from epcomm.backends.gpu.reach import nvshmem as device
+    from epcomm.backends.nvshmem import step
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="LOOPBACKS"):
         types = [t for t in step.STEP.signature.values() if t != "constexpr"]
@@ -80,7 +81,7 @@ def test_spec_library_unless_names_a_constexpr():
 def test_spec_library_if():
     """``library_if=(constexpr, value)``: the library only where the constexpr has that value (the
     low-latency kernels link NVSHMEM only with REMOTE=FAR_BY_NVSHMEM)."""
-    from epcomm.backends.nvlink import reach
+    from epcomm.backends.gpu.reach import peers as reach
     assert L.DISPATCH.library_of(dict(REMOTE=reach.PEERS_BY_STORES)) is None
     assert L.DISPATCH.library_of(dict(REMOTE=reach.FAR_BY_LOOPBACK)) is None
     assert L.COMBINE.library_of(dict(REMOTE=reach.FAR_BY_NVSHMEM)).name == "libnvshmem_device"
@@ -162,7 +163,7 @@ def test_messages_and_receive_rows_always_use_16_byte_accesses():
 
 
 def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
-    """Kernels calling NVSHMEM (backends/nvshmem/device.py; here the probe's) compile for sm_90 with
+    """Kernels calling NVSHMEM (backends/gpu/reach/nvshmem.py; here the probe's) compile for sm_90 with
     the calls left to the device library that the GPU machine links (ptxas --compile-only)."""
     import os
     import sys

@@ -29,7 +29,7 @@ def test_timeout_names_ranks():
 
 def test_programs_per_sm_counts_threads_registers_and_shared_memory():
     pytest.importorskip("triton")
-    from epcomm.backends.nvlink.launch import programs_per_sm
+    from epcomm.backends.gpu.launch import programs_per_sm
     # H100/H200: 2048 threads, 64K registers, 228 KB shared memory per SM
     assert programs_per_sm(8, 32, 0, 2048, 65536, 233472) == 8  # threads bound
     assert programs_per_sm(8, 128, 0, 2048, 65536, 233472) == 2  # registers bound

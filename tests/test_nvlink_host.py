@@ -4,9 +4,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from epcomm.backends.nvlink import agreement  # noqa: E402
-from epcomm.backends.nvlink.normal import cdiv, copy_block_shape, p2  # noqa: E402
-from epcomm.backends.nvlink.sync import HostMailbox  # noqa: E402
+from epcomm.backends.gpu import agreement  # noqa: E402
+from epcomm.backends.gpu.copy import copy_block_shape
+from epcomm.backends.gpu.launch import cdiv, p2  # noqa: E402
+from epcomm.backends.gpu.mailbox import HostMailbox  # noqa: E402
 from epcomm.errors import EPInputError, EPTimeoutError  # noqa: E402
 
 

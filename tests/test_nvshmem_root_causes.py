@@ -36,7 +36,7 @@ try:  # the rest compiles kernels: Triton (not in the CPU CI's install)
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from epcomm.backends.nvshmem import device
+    from epcomm.backends.gpu.reach import nvshmem as device
 except ImportError:
     triton = None
 needs_triton = pytest.mark.skipif(triton is None, reason="needs Triton (kernels compiled for sm_90)")
@@ -57,7 +57,7 @@ if triton is not None:
 @needs_triton
 @pytest.mark.parametrize("one_thread", [False, True])
 def test_loopback_signal_is_a_store_for_set_and_an_add_otherwise(one_thread):
-    from epcomm.backends.nvlink.launch import KernelSpec
+    from epcomm.backends.gpu.launch import KernelSpec
     spec = KernelSpec(_signal_kernel, ["*i64", "i64"])
     target = GPUTarget("cuda", 90, 32)
     set_ptx = spec.compile(dict(OP=device.SIGNAL_SET.value, ONE_THREAD=one_thread), 4, target=target).asm["ptx"]
@@ -84,8 +84,8 @@ def test_modules_without_nvshmem_state_are_not_initialised(monkeypatch):
 def test_receive_only_low_latency_kernels_call_no_nvshmem_function():
     """The kernel that broke the first run (the low-latency receive, REMOTE=nvshmem): no NVSHMEM
     call, so no device state in its module once linked — the init above must skip it."""
-    from epcomm.backends.nvlink import low_latency as L
-    from epcomm.backends.nvlink import reach
+    from epcomm.backends.gpu import low_latency as L
+    from epcomm.backends.gpu.reach import peers as reach
     ptx = L.DISPATCH.compile(dict(SEND=False, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False,
                                   BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=True,
                                   BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=True,

@@ -1,9 +1,9 @@
-"""The nvlink workspace's layout (backends/nvlink/workspace.py), on CPU memory: the low-latency
+"""The nvlink workspace's layout (backends/gpu/workspace.py), on CPU memory: the low-latency
 halves with and without the nvshmem backend's staging area, the size hint, the scratch word."""
 import pytest
 import torch
 
-from epcomm.backends.nvlink import workspace as W
+from epcomm.backends.gpu import workspace as W
 from epcomm.errors import EPInputError
 
 

@@ -176,7 +176,7 @@ class Buffer:
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)
-        from .backends.nvlink.workspace import low_latency_bytes
+        from .backends.gpu.workspace import low_latency_bytes
         return low_latency_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ------------------------------------------------------------------ state

@@ -41,7 +41,7 @@ def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = No
         if choice in ("nvlink", "nvshmem") and not on_gpu:
             raise EPError(f"{source}={choice} needs CUDA GPUs and an NCCL process group")
         if choice == "nvshmem":
-            from .nvshmem.device import nvshmem_available
+            from .gpu.reach.nvshmem import nvshmem_available
             usable, why = nvshmem_available()
             if not usable:
                 raise EPError(f"{source}=nvshmem: NVSHMEM is not usable in this process ({why})")
@@ -59,7 +59,7 @@ def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = No
 
 def _everyone_has_nvshmem(group: dist.ProcessGroup) -> bool:
     """Collective: NVSHMEM is usable on every rank (so all ranks choose alike)."""
-    from .nvshmem.device import nvshmem_available
+    from .gpu.reach.nvshmem import nvshmem_available
     flags = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, nvshmem_available()[0], group=group)
     return all(flags)

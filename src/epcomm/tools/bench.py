@@ -395,7 +395,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     if settings.ranks_per_node:  # multi-node on virtual nodes, and the one-node backend beside it
         # NVSHMEM sizes its heap once, at the first allocation: room for both buffers (the nvlink
         # one is allocated there too once NVSHMEM is PyTorch's symmetric-memory backend)
-        from ..backends.nvlink.workspace import Workspace
+        from ..backends.gpu.workspace import Workspace
         from ..backends.nvshmem.backend import NvshmemBackend
         heap = NvshmemBackend.allocation_bytes(size, size, R, settings.ranks_per_node) + \
             Workspace.size_for(R, 0, size) + (512 << 20)
@@ -498,7 +498,7 @@ def low_latency_table(result: Dict) -> str:
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`)."""
-    from .cli import positive_int, token_list
+    from .args import positive_int, token_list
     parser.add_argument("mode", choices=["normal", "low-latency"], help="which mode to benchmark")
     parser.add_argument("--tokens", type=int, default=0,
                         help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")

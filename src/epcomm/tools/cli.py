@@ -11,29 +11,7 @@ import shutil
 import subprocess
 import sys
 
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def hidden_size(text: str) -> int:
-    """argparse type: a hidden size the FP8 paths accept (a positive multiple of 128)."""
-    value = positive_int(text)
-    if value % 128:
-        raise argparse.ArgumentTypeError(f"must be a multiple of 128 (FP8 scales cover 128 channels), got {value}")
-    return value
-
-
-def token_list(text: str):
-    """argparse type: comma-separated positive ints ('' = none)."""
-    return [positive_int(t) for t in text.split(",") if t.strip()]
+from .args import hidden_size, positive_int
 
 
 def _info() -> int:
@@ -44,7 +22,7 @@ def _info() -> int:
     print(f"torch    {torch.__version__}")
     try:
         import triton
-        from ..backends.nvlink.launch import launch_mode
+        from ..backends.gpu.launch import launch_mode
         print(f"triton   {triton.__version__} (kernel launches: {launch_mode()})")
     except ImportError:
         print("triton   not installed (the nvlink backend needs it)")

@@ -152,7 +152,7 @@ def estimate_low_latency(nodes: int, ranks_per_node: int, tokens: int, hidden: i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli import positive_int, token_list
+    from .args import positive_int, token_list
     parser.add_argument("--nodes", type=token_list, default=[2, 4], help="node counts to model, comma-separated")
     parser.add_argument("--ranks-per-node", type=positive_int, default=8, help="GPUs per node")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")

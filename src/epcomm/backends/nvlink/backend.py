@@ -1,13 +1,7 @@
-"""The NVLink backend: Triton kernels over symmetric memory on one node.
+"""The NVLink backend: the GPU layer (backends/gpu) on one node, every peer reached by stores.
 
-This class only wires the parts together; each concern has its own module:
-
-    workspace.py     the symmetric-memory layout (the only owner of offsets and sizes)
-    sync.py          flags, epochs, bounded waits, the host mailbox, the memory-ordering contract
-    agreement.py     call fingerprints (carried by every signal) and aborts: ranks raise together
-    launch.py        kernels compiled once per specialisation, launched without Triton's binder
-    normal.py        layout, dispatch and combine kernels (normal mode) and their launches
-    low_latency.py   low-latency kernels and their launches
+This class only wires the parts together: a workspace, the host mailbox, NormalMode and
+LowLatencyMode (backends/gpu says what each module does), and the resync after an abort.
 """
 from __future__ import annotations
 
@@ -17,11 +11,12 @@ import torch.distributed as dist
 from ...errors import EPInputError
 from ..agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
-from . import agreement
-from .low_latency import LowLatencyMode
-from .normal import NormalMode
-from .sync import HostMailbox, check_host_mapping, device_state
-from .workspace import Workspace
+from ..gpu import agreement
+from ..gpu.low_latency import LowLatencyMode
+from ..gpu.normal import NormalMode
+from ..gpu.mailbox import HostMailbox, check_host_mapping
+from ..gpu.sync import device_state
+from ..gpu.workspace import Workspace
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096

@@ -20,9 +20,9 @@ where a full dispatch's ml_notify_dispatch follows ml_dispatch_send_layout, whic
 layout (hierarchy.send_layout: in-node masks, channel prefix matrices), the per-node token lists
 (rows.node_tokens) and this rank's count row (rows.count_row) in one program.
 
-Low-latency mode runs the single-node kernels (nvlink/low_latency.py) with ``REMOTE`` set: each
+Low-latency mode runs the single-node kernels (gpu/low_latency/) with ``REMOTE`` set: each
 message goes straight to its expert's rank — by NVLink stores within the node, staged and put by
-NVSHMEM to other nodes (nvlink/reach.py). Its workspace (nvlink/workspace.py, ``staging=True``)
+NVSHMEM to other nodes (gpu/reach/peers.py). Its workspace (gpu/workspace.py, ``staging=True``)
 is a second region of the same symmetric allocation, after the normal-mode one, so both modes
 can be used on one Buffer; its epochs live on the device, so its calls can be captured in CUDA
 graphs (normal-mode calls cannot: their step barrier counts epochs on the host).
@@ -40,19 +40,19 @@ from ...handle import DispatchHandle
 from ...hierarchy import Topology
 from ..agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
-from ..nvlink import agreement
-from ..nvlink.copy import for_word_copies
-from ..nvlink.low_latency import LowLatencyMode
-from ..nvlink.reach import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
-from ..nvlink.workspace import ALIGN, Workspace
-from ..nvlink.normal import copy_block_shape
-from ..nvlink.launch import current_stream
-from ..nvlink.sync import ARRIVE_NOTIFY, CALL_FAILED, HostMailbox, check_host_mapping, device_state
+from ..gpu import agreement
+from ..gpu.copy import copy_block_shape, for_word_copies
+from ..gpu.low_latency import LowLatencyMode
+from ..gpu.reach.peers import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
+from ..gpu.workspace import ALIGN, Workspace
+from ..gpu.launch import current_stream
+from ..gpu.mailbox import HostMailbox, check_host_mapping
+from ..gpu.sync import ARRIVE_NOTIFY, CALL_FAILED, device_state
 from . import combine as combine_kernels
 from . import normal as dispatch_kernels
 from . import step as step_kernels
 from .rows import MetaRow
-from .transport import NvshmemTransport, Transport
+from ..gpu.reach.transport import NvshmemTransport, Transport
 from .workspace import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
 
 MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count words for

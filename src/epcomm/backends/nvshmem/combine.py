@@ -28,7 +28,7 @@ Three launches, C channels of contiguous tokens as in the dispatch:
 
 Rows (slots and partials, :class:`rows.CombineRow`): bf16 [H], then float32 [K] top-k weights when
 they are combined too; 16-byte multiples. Signals carry the call's epoch; a wait that passes the
-timeout flags the late rank in the host mailbox (nvlink/sync.py) and moves nothing. The areas are
+timeout flags the late rank in the host mailbox (gpu/mailbox.py) and moves nothing. The areas are
 free to write because the call's step barrier (step.py) passed: every rank finished its previous
 call.
 """
@@ -37,16 +37,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..nvlink.copy import copy_rows, word_ptr
-from ..nvlink.launch import KernelSpec
-from ..nvlink.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
-from . import device as nvshmem
+from ..gpu.copy import copy_rows, word_ptr
+from ..gpu.launch import KernelSpec
+from ..gpu.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
+from ..gpu.reach import nvshmem
 from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hop2_program
 
 
 # ====================================================================== at each receiving rank
 @triton.jit
-def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                     y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
                     weights_ptr,  # [num_recv, K] float32 (HAS_WEIGHTS)
                     recv_area_row_ptr,  # [num_recv] int32 (the dispatch's ml_dispatch_forward)
@@ -89,14 +89,14 @@ PUSH = KernelSpec(ml_combine_push, ["*i64", "*i64", "*fp32", "*i32", "*i32", "*i
 
 # ====================================================================== at each forwarder
 @triton.jit
-def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                        peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
                        area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
                        meta_ptr,  # [R, meta_len] int32: the dispatch's count table
                        slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
                        partials,  # int64 local address of this half's outgoing partial rows [area rows]
                        home_area, home_signals,  # int64 symmetric addresses (any rank's: puts and local stores)
-                       mailbox_address,  # host mailbox (nvlink/sync.py)
+                       mailbox_address,  # host mailbox (gpu/mailbox.py)
                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
                        LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -169,14 +169,14 @@ FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64",
 
 # ====================================================================== at home
 @triton.jit
-def ml_combine_reduce(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_combine_reduce(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                       masks_ptr,  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
                       node_row_ptr,  # [T, N] int32 (the dispatch's ml_dispatch_send)
                       out_ptr,  # [T, H] bf16
                       out_weights_ptr,  # [T, K] float32 (HAS_WEIGHTS)
                       bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
                       home_area, home_signals,  # int64 local addresses of this half: partials [N][cap], [N][C] signals
-                      mailbox_address,  # host mailbox (nvlink/sync.py)
+                      mailbox_address,  # host mailbox (gpu/mailbox.py)
                       epoch, timeout_ns, rank, num_ranks, ranks_per_node, num_tokens, hidden, num_topk, row_bytes,
                       weights_at, home_cap, num_channels,
                       HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,

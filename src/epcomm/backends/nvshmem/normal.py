@@ -18,14 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..nvlink.copy import copy_rows, word_ptr
-from ..nvlink.launch import KernelSpec
-from ..nvlink.normal import expert_receive_counts
-from ..nvlink.sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
-from . import device as nvshmem
+from ..gpu.copy import copy_rows, word_ptr
+from ..gpu.launch import KernelSpec
+from ..gpu.normal.notify import expert_receive_counts
+from ..gpu.sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
+from ..gpu.reach import nvshmem
 from .workspace import MAX_CHANNELS
 
-# abort codes of a count row (nvlink/agreement.py's numbering: raise_disagreement names the argument)
+# abort codes of a count row (gpu/agreement.py's numbering: raise_disagreement names the argument)
 ABORT_NUM_TOKENS_PER_RANK = tl.constexpr(1)
 ABORT_NUM_TOKENS_PER_EXPERT = tl.constexpr(2)
 CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of word 0
@@ -160,14 +160,14 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout, ["*i8", "*i64", "*i32", "*i32"
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                        peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
               my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
               table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
               table_ptr,  # the same table as a pointer (read after the wait)
               state_ptr,  # int64 local arrival counter
               prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
-              mailbox_address,  # host mailbox (nvlink/sync.py): receive counts, then the sequence number
+              mailbox_address,  # host mailbox (gpu/mailbox.py): receive counts, then the sequence number
               epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
               abort_at,
               LOOPBACK: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -179,7 +179,7 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.
     # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
     # mailbox and, last, the sequence number with a release — the host polls that word. A row
     # whose abort word is set (ml_dispatch_send_layout: its caller's counts did not match its routing) is
-    # recorded in the mailbox like a disagreement (nvlink/sync.py check_fingerprints): every rank
+    # recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
     # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
     nvshmem.deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
@@ -228,7 +228,7 @@ NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "
 
 # ====================================================================== hop 1: send
 @triton.jit
-def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                      peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
                      x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
@@ -304,7 +304,7 @@ SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64
 
 # ====================================================================== hop 2: forward
 @triton.jit
-def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (nvlink/sync.py call_failed)
+def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                         peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
                         area_offset, signals_offset,  # bytes from a base to this half's receive area / signals
                         meta_ptr,  # [R, meta_len] int32: every rank's count row of this call

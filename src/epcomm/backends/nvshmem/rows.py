@@ -47,7 +47,7 @@ class MetaRow:
     @property
     def abort(self) -> int:
         """Nonzero when the sender's caller-given counts did not summarise its routing (the code
-        nvlink/agreement.py's aborts use: 1 num_tokens_per_rank, 2 num_tokens_per_expert)."""
+        gpu/agreement.py's aborts use: 1 num_tokens_per_rank, 2 num_tokens_per_expert)."""
         return self.rdma_prefix + self.num_nodes * self.num_channels
 
     @property

@@ -15,7 +15,7 @@ backend alternates (workspace.py). The price is one all-to-all
 signal round per call on the critical path (a few µs; the count exchange of a full dispatch is
 another). The fingerprint words ride on the same puts: a rank whose call differs (another call
 kind, other shapes) is recorded in the host mailbox by every rank, which raises at its next look
-there (nvlink/agreement.py decodes the words).
+there (gpu/agreement.py decodes the words).
 
 A rank that rejects its own input does not make the call; :func:`ml_abort` puts the abort words
 with an epoch no wait can be ahead of (sync.ABORT_EPOCH) into its step row on every rank and
@@ -24,7 +24,7 @@ raise naming the argument.
 
 A step barrier that finds another call's words (or an abort's) in a row, or a rank late, stores
 the epoch into the state word CALL_FAILED, and every later kernel of the call returns at once
-(:func:`nvlink.sync.call_failed`): the rows its peers would send were laid out for another call (another row
+(:func:`gpu.sync.call_failed`): the rows its peers would send were laid out for another call (another row
 size, another count table), so reading them could index anything. Every rank that passes the
 barrier finds the same mismatch (each compares every row with its own words), so all of them skip
 the same kernels and nobody waits on a signal a peer skipped; the host raises (mailbox).
@@ -34,9 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..nvlink.launch import KernelSpec
-from ..nvlink.sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
-from . import device as nvshmem
+from ..gpu.launch import KernelSpec
+from ..gpu.sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
+from ..gpu.reach import nvshmem
 from .normal import SIGNAL_STRIDE
 
 
@@ -57,7 +57,7 @@ def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_p
 def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transport only)
                   workspace,  # int64: this rank's workspace (symmetric)
                   step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
-                  mailbox_address,  # host mailbox (nvlink/sync.py)
+                  mailbox_address,  # host mailbox (gpu/mailbox.py)
                   failed_ptr,  # int64 state word CALL_FAILED (local)
                   fp0, fp1, epoch, timeout_ns, rank, num_ranks,
                   LOOPBACK: tl.constexpr, R_P2: tl.constexpr):

@@ -38,7 +38,7 @@ from ...layout import align_up
 from .rows import CombineRow, MetaRow, RowLayout
 
 ALIGN = 256
-STEP_ROW_BYTES = 32  # (fp0, fp1, epoch, spare): the rows nvlink/sync.py's fingerprint checks read
+STEP_ROW_BYTES = 32  # (fp0, fp1, epoch, spare): the rows gpu/sync.py's fingerprint checks read
 MAX_CHANNELS = 64  # channels per call (Config.num_sms // 2) the fixed signal areas have room for
 
 

@@ -20,7 +20,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ...errors import EPError
+from ....errors import EPError
 
 
 class Transport:

@@ -20,7 +20,7 @@ SIGNAL_SET, which is all epcomm uses). ``dst`` and ``signal`` are this rank's ad
 symmetric memory (NVSHMEM translates them for ``pe``); ``src`` must be symmetric memory too when
 the transport is a NIC. Receivers never call ``nvshmem_signal_wait_until`` (it cannot time out):
 they poll their own signal words with acquire loads, bounded like every other wait
-(backends/nvlink/sync.py).
+(backends/gpu/sync.py).
 
 The kernels call :func:`deliver`, which is either NVSHMEM's put with signal or, with ``LOOPBACK``,
 the same hand-off done with plain stores into another workspace of the same process: the
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-from ..nvlink.launch import DeviceLibrary
+from ..launch import DeviceLibrary
 
 # NVSHMEM's signal operations: the codes of NVSHMEM_SIGNAL_SET / NVSHMEM_SIGNAL_ADD in the device
 # library PyTorch ships (NVSHMEM 3.x, libnvshmem_device.bc: nvshmemx_signal_op and the signal of

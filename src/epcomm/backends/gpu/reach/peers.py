@@ -4,7 +4,7 @@ On one node (the nvlink backend, ``PEERS_BY_STORES``) every peer's workspace is 
 all hand-offs are plain stores plus a release (sync.py). Across nodes (the nvshmem backend) a
 rank's stores reach only its own node — nodes are blocks of ``ranks_per_node`` consecutive
 ranks; bytes for a far peer are staged in symmetric memory and put there (``FAR_BY_NVSHMEM``,
-nvshmem/device.py), or, in the one-GPU tests, copied by the loopback transport
+gpu/reach/nvshmem.py), or, in the one-GPU tests, copied by the loopback transport
 (``FAR_BY_LOOPBACK``). The helpers here take both paths lane by lane; with ``REMOTE == 0`` the far
 path compiles away and the kernels are exactly the single-node ones.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..nvshmem.device import complete_sends, set_words
-from .sync import FP_ROW, live_peers, post_fingerprint, post_fingerprint_to_peers, publish
+from .nvshmem import complete_sends, set_words
+from ..sync import FP_ROW, live_peers, post_fingerprint, post_fingerprint_to_peers, publish
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
 LOOPBACK_MODE = tl.constexpr(FAR_BY_LOOPBACK)  # (the kernels' name for it)

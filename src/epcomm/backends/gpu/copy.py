@@ -21,8 +21,22 @@ words that is not even 8-byte aligned is copied first (:func:`for_word_copies`).
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import triton
 import triton.language as tl
+
+from .launch import p2
+
+# Copy tiles: remote loads take microseconds, so each program keeps many bytes in flight.
+COPY_TILE_WORDS = 16384
+COPY_WARPS = 16
+
+
+def copy_block_shape(row_words: int) -> Tuple[int, int]:
+    """(BLOCK_R, BLOCK_W) for rows of ``row_words`` 8-byte words: whole rows per step when they fit."""
+    block_w = min(p2(row_words), COPY_TILE_WORDS)
+    return max(COPY_TILE_WORDS // block_w, 1), block_w
 
 
 def is_aligned(*tensors) -> bool:

@@ -1,0 +1,18 @@
+"""The GPU layer both GPU backends share: Triton kernels over symmetric memory.
+
+    workspace.py     the symmetric-memory layout (the only owner of offsets and sizes)
+    sync.py          device side of the memory-ordering contract: flags, epochs, bounded waits,
+                     call fingerprints checked after every acquire
+    mailbox.py       the host mailbox: what kernels report to the host, without a stream sync
+    agreement.py     what a fingerprint holds, the errors it raises, the abort of a rejected call
+    launch.py        kernels compiled once per specialisation, launched without Triton's binder
+    copy.py          row copies with 16-byte accesses where the alignment allows
+    reach/           how a kernel reaches a peer — NVLink stores, NVSHMEM puts and signals, the
+                     loopback copies of the one-GPU tests; no other module knows the difference
+    normal/          normal mode: layout, count exchange, dispatch, combine kernels; NormalMode
+    low_latency/     low-latency mode: dispatch and combine kernels; LowLatencyMode
+
+The backends are thin classes over this layer: ``backends/nvlink`` (one node: every peer by
+stores) and ``backends/nvshmem`` (nodes: its own multi-node normal-mode kernels, the low-latency
+mode from here with far peers reached by NVSHMEM).
+"""

@@ -1,0 +1,149 @@
+"""``ep_ll_combine``: the send phase (every expert output row back into its home's slot, then a
+flag released per (expert, source)) and the receive phase (acquire, weighted float32 sum per
+token); the package docstring has the protocol."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import sync
+from ..copy import multiple, ptr_at, word_ptr
+from ..launch import KernelSpec
+from ..reach.nvshmem import NVSHMEM, complete_sends, send_bytes
+from ..reach.peers import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
+                    wait_peers)
+
+
+# ====================================================================== combine
+@triton.jit
+def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_ranks, rank, max_tokens, x_words,
+               half_offset, combine_offset, stage_offset, ranks_per_node, BLOCK_W: tl.constexpr,
+               REMOTE: tl.constexpr):
+    """Store the rows of local expert l that came from source s into their slots in s's combine
+    area (plain peer stores). The slots are free: s read them two combines ago (sync.py). For s
+    on another node (REMOTE): copy the rows to this rank's staging rows, then one put per row."""
+    if tl.load(mask_ptr + s) == 0:
+        packed = tl.load(layout_ptr + l * num_ranks + s)
+        offset = (packed >> 32).to(tl.int32)
+        n = (packed & 0xFFFFFFFF).to(tl.int32)
+        near = same_node(s, rank, ranks_per_node, REMOTE)
+        row_bytes = (x_words * 8).to(tl.int64)
+        first_row = (l * num_ranks * max_tokens + offset).to(tl.int64)
+        my_base = tl.load(bases_ptr + rank)
+        stage = my_base + half_offset + stage_offset + first_row * row_bytes  # (far s) rows staged in order
+        home = tl.where(near, tl.load(bases_ptr + s) + half_offset + combine_offset, 0)
+        cols = tl.arange(0, BLOCK_W)
+        for i in range(0, n):
+            row = first_row + i
+            slot = tl.load(slot_info_ptr + row).to(tl.int64)
+            src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + row * x_words
+            dst = word_ptr(tl.where(near, home + slot * row_bytes, stage + i * row_bytes), True)
+            for c0 in range(0, x_words, BLOCK_W):
+                c = c0 + cols
+                tl.store(dst + c, tl.load(src + c, mask=c < x_words), mask=c < x_words)
+        if REMOTE:
+            if near == 0:
+                tl.debug_barrier()  # every thread's staged rows precede the puts
+                for i in range(0, n):
+                    slot = tl.load(slot_info_ptr + first_row + i).to(tl.int64)
+                    send_bytes(my_base + half_offset + combine_offset + slot * row_bytes, stage + i * row_bytes,
+                               row_bytes, s, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+
+
+@triton.jit
+def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens, hidden,
+                   num_topk, num_local, num_ranks, K_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[t] = Σ_k w[t, k] · slot(t, k) in float32 over entries whose expert id is valid and
+    whose rank is not masked, for this program's tokens."""
+    slots = ptr_at(slots_address, tl.bfloat16, True)  # slots are 16-byte aligned, hidden % 128 == 0
+    ks = tl.arange(0, K_P2)
+    cols = tl.arange(0, BLOCK_C)
+    num_experts = num_local * num_ranks
+    for token in range(pid, num_tokens, num_programs):
+        t64 = token.to(tl.int64)
+        expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=ks < num_topk, other=-1)
+        present = (expert >= 0) & (expert < num_experts)
+        present &= tl.load(mask_ptr + expert // num_local, mask=present, other=1) == 0
+        weight = tl.load(weights_ptr + t64 * num_topk + ks, mask=present, other=0.0)
+        slot = t64 * num_topk + ks
+        for c0 in range(0, hidden, BLOCK_C):
+            c = c0 + cols
+            cm = c < hidden
+            rows = tl.load(slots + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
+            acc = tl.sum(rows.to(tl.float32) * weight[:, None], axis=0)
+            tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
+
+
+@triton.jit
+def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
+                  layout_ptr,  # [E_local, R] int64 (offset << 32) | count
+                  slot_info_ptr,  # [E_local, R*M] int32 home slot t*K+k
+                  topk_ptr, weights_ptr,  # [T, K] int64 / float32, as given to dispatch
+                  mask_ptr, bases_ptr, state_ptr,
+                  out_ptr,  # [T, H] bf16
+                  wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
+                  my_flags_address,  # this rank's LL-combine flag set
+                  slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
+                  mailbox_address,  # host mailbox (sync.py)
+                  num_tokens, hidden, num_topk, num_local, num_ranks, rank, max_tokens, x_words, half_offset,
+                  combine_offset, half, timeout_ns,
+                  stage_offset, ranks_per_node, spare_word,  # (REMOTE only)
+                  fp_offset, fp0, fp1,
+                  SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
+                  K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
+                  REMOTE: tl.constexpr):
+    # SEND: program 0 posts the call's fingerprint; programs take the (local expert, source) pairs
+    # in turn (_push_rows); the program arriving last RELEASES the epoch into every live peer's
+    # flag. RECEIVE: ACQUIRE every live peer's flag for this call, check the fingerprints (a
+    # difference is recorded: the host raises), then reduce this program's tokens
+    # (_reduce_tokens). One launch when no hook splits them (a cooperative grid, all resident:
+    # see ep_ll_dispatch).
+    # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    hidden = multiple(hidden, 128, True)
+    fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
+    if SEND:
+        epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
+        if pid == 0:
+            post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
+                                 spare_word, R_P2, REMOTE)
+        for item in range(pid, num_local * num_ranks, num_programs):
+            _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
+                       num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
+                       stage_offset, ranks_per_node, BLOCK_W, REMOTE)
+        if REMOTE:
+            complete_sends(REMOTE == LOOPBACK_MODE)  # this program's puts land before it arrives
+        if arrive(state_ptr + sync.ARRIVE_LL_PUSH, num_programs):
+            tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
+            tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)
+            peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
+            release_words(bases_ptr, (sync.FLAGS_LL_COMBINE * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int64),
+                          peers, tl.zeros([R_P2], tl.int64) + epoch, live, (state_ptr + sync.SPARE).to(tl.int64), rank,
+                          ranks_per_node, spare_word, REMOTE)  # RELEASE: rows, fingerprint -> homes
+    else:
+        epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
+    if RECEIVE:
+        peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
+        my_rows = tl.load(bases_ptr + rank) + fp_rows
+        settled = fingerprints_settled(my_rows, peers, live, fp0, fp1, epoch)
+        waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
+                            timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
+        _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+        # Recorded only: the reduction reads this rank's own slots, in bounds whatever a differing
+        # peer pushed, and the host raises; skipping would cost a reduction on the critical path.
+        check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+        if HAS_WAIT_STATS:
+            if pid == 0:
+                peers = tl.arange(0, R_P2)
+                tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
+        _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens,
+                       hidden, num_topk, num_local, num_ranks, K_P2, BLOCK_C)
+
+
+COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
+                                     "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "i64", "i64", "i32", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
+                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, library=NVSHMEM,
+                     library_if=("REMOTE", FAR_BY_NVSHMEM))

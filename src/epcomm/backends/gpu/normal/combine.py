@@ -1,0 +1,147 @@
+"""Combine, "push and reduce": ``ep_combine_push`` stores every received row into slot
+``(token, own rank)`` of the token's home (expert-major rows folded first), ``ep_combine_reduce``
+sums the slots present in ``is_token_in_rank`` in float32 at home."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import sync
+from ..copy import copy_rows, multiple, ptr_at, word_ptr
+from ..launch import KernelSpec
+from ..sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+
+FOLD_COLUMNS = tl.constexpr(512)  # bf16 columns per chunk of the expert-major fold (_fold_expert_major)
+
+
+# ====================================================================== combine: push
+@triton.jit
+def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
+                    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
+                    src_rank_ptr, src_idx_ptr,  # [N] int32: home rank and token of each row (-1 = padding)
+                    dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
+                    normal_bases_ptr, flag_bases_ptr, state_ptr,
+                    num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
+                    slots_w_offset, fp_offset, fp0, fp1,
+                    HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
+                    R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
+    # stores), for tokens in [token_lo, token_hi); then arrive and RELEASE the epoch to every rank.
+    # The slots are free: the home read them two barriers ago (double buffering, sync.py).
+    # EXPERT_MAJOR: row r is first folded from the expert-major rows of its entries,
+    # Σ_k weight · x[dest[r, k]] in float32 (expert_major.py, fold). ALIGNED: x and its rows are
+    # 16-byte aligned (copy.py).
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    x_words = multiple(x_words, 2, ALIGNED)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half_offset = (epoch % 2) * half_bytes
+    if pid == 0:
+        post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank, num_ranks,
+                                  state_ptr, fp0, fp1, epoch, HAS_MASK=False, R_P2=R_P2)
+    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_out = rows < num_rows
+        home = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
+        token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
+        move = in_out & (token >= token_lo) & (token < token_hi)
+        slot = (token - token_lo).to(tl.int64) * num_ranks + rank
+        base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
+        if EXPERT_MAJOR:
+            _fold_expert_major(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True), weights_ptr, dest_ptr,
+                               rows.to(tl.int64), move, ptr_at(base + slots_x_offset, tl.bfloat16, ALIGNED) +
+                               slot * (x_words * 4), x_words * 4, num_topk, K_P2)
+        else:
+            sx = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * x_words
+            dx = word_ptr(base + slots_x_offset, ALIGNED) + slot * x_words
+            copy_rows(sx, dx, move, x_words, BLOCK_W)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            m = move[:, None] & (k < num_topk)[None, :]
+            w = tl.load(weights_ptr + rows.to(tl.int64)[:, None] * num_topk + k[None, :], mask=m)
+            dw = (base + slots_w_offset).to(tl.pointer_type(tl.float32)) + slot * num_topk
+            tl.store(dw[:, None] + k[None, :], w, mask=m)
+    if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
+                     R_P2=R_P2)  # RELEASE: pushed rows, fingerprint -> their homes
+
+
+@triton.jit
+def _fold_expert_major(y_ptr, row_weights_ptr, dest_ptr, rows64, move, dst, hidden, num_topk, K_P2: tl.constexpr):
+    """dst[r] = Σ_k row_weights[d] · y[d] over d = dest[r, k] >= 0, in float32, k ascending, rounded
+    to bf16 (``dst`` [BLOCK_R] bf16 row pointers; rows where ``move`` is False are skipped). The k
+    loop is unrolled so that the K loads of a chunk are in flight together (narrow chunks keep
+    them in registers)."""
+    cols = tl.arange(0, FOLD_COLUMNS)
+    for start in range(0, hidden, FOLD_COLUMNS):
+        c = start + cols
+        cm = c < hidden
+        acc = tl.zeros([rows64.shape[0], FOLD_COLUMNS], tl.float32)
+        for k in tl.static_range(K_P2):
+            row = tl.load(dest_ptr + rows64 * num_topk + k, mask=move & (k < num_topk), other=-1)
+            weight = tl.load(row_weights_ptr + row, mask=row >= 0, other=0.0)
+            values = tl.load(y_ptr + row.to(tl.int64)[:, None] * hidden + c[None, :],
+                             mask=(row >= 0)[:, None] & cm[None, :], other=0.0)
+            acc += values.to(tl.float32) * weight[:, None]
+        tl.store(dst[:, None] + c[None, :], acc.to(tl.bfloat16), mask=move[:, None] & cm[None, :])
+
+
+PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32",
+                                    "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i64", "i64"],
+                  aligned_if={"ALIGNED": ["x_ptr"]})
+
+
+# ====================================================================== combine: reduce
+@triton.jit
+def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
+                      out_ptr,  # [T, H] bf16
+                      out_w_ptr,  # [T, K] float32 (HAS_WEIGHTS)
+                      bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
+                      normal_bases_ptr, flag_bases_ptr, state_ptr, mailbox_address,
+                      num_tokens, token_lo, token_hi, hidden, num_topk, rank, num_ranks, half_bytes,
+                      slots_x_offset, slots_w_offset, timeout_ns, fp_offset, fp0, fp1,
+                      NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
+                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    # ACQUIRE the rows pushed to this rank for this epoch (nothing is reduced when a rank's call
+    # differs: the host raises), then for each token t of the round:
+    # out[t] = Σ_j slot(t, j) over ranks j with is_token_in_rank[t, j], in float32, + biases.
+    # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
+    pid = tl.program_id(0)
+    hidden = multiple(hidden, 8, ALIGNED)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    token_hi = token_lo + acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
+                                             timeout_ns, fp_offset, fp0, fp1, token_hi - token_lo,
+                                             R_P2)  # ACQUIRE: rows pushed here
+    half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
+    slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
+    slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))
+    ranks = tl.arange(0, R_P2)
+    cols = tl.arange(0, BLOCK_C)
+    for token in range(token_lo + pid, tl.minimum(token_hi, num_tokens), num_programs):
+        t64 = token.to(tl.int64)
+        present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0
+        slot = (t64 - token_lo) * num_ranks + ranks
+        for c0 in range(0, hidden, BLOCK_C):
+            c = c0 + cols
+            cm = c < hidden
+            rows = tl.load(slots_x + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
+            acc = tl.sum(rows.to(tl.float32), axis=0)
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + t64 * hidden + c, mask=cm, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + t64 * hidden + c, mask=cm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
+        if HAS_WEIGHTS:
+            k = tl.arange(0, K_P2)
+            w = tl.load(slots_w + slot[:, None] * num_topk + k[None, :], mask=present[:, None] & (k < num_topk)[None, :],
+                        other=0.0)
+            tl.store(out_w_ptr + t64 * num_topk + k, tl.sum(w, axis=0), mask=k < num_topk)
+
+
+REDUCE = KernelSpec(ep_combine_reduce, ["*i8", "*bf16", "*fp32", "*bf16", "*bf16", "*i64", "*i64", "*i64", "i64",
+                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64",
+                                        "i64", "i64", "i64"],
+                    aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})

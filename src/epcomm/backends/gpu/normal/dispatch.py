@@ -1,0 +1,334 @@
+"""Dispatch, "stage and pull": ``ep_dispatch_stage`` copies this rank's tokens (x, scales, top-k,
+expert-major positions) into its own workspace half and lists, per destination, the tokens it
+sends; ``ep_dispatch_pull`` has every receiver acquire the sources' releases and pull its rows
+straight into ``recv_x`` at rank-prefix offsets (package docstring: the order)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import agreement, sync
+from ..copy import copy_rows, copy_rows_to_each, multiple, word_ptr
+from ..launch import KernelSpec
+from ..sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+
+POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
+POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
+POSITION_ELEMENTS = 16384  # the positions' [SUB, K, E] one-hot tile: SUB = this // (K * E), at least 1
+
+
+# ====================================================================== dispatch: stage
+@triton.jit
+def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_lo, num_topk, num_experts,
+                      HIST_T: tl.constexpr, SUB: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
+    """For the entries (t, k) of tokens [first, last): the number of entries with the same expert
+    before it in (token, k) order over this rank's batch — its place among the rows this rank sends
+    that expert (the receiver adds the rows of lower ranks and the groups before: expert-major
+    layout). Stored as int32 ``[K]`` at ``pos_address + (t - token_lo) * pos_row_bytes``.
+
+        running[e] = entries of e in tokens [0, first)            (histograms, HIST_T tokens a step)
+        for each SUB tokens:  hit[t, k, e] = (id[t, k] == e)
+            before[t, e] = running[e] + entries of e in earlier tokens of the step   (cumsum over t)
+            pos[t, k]    = before[t, id[t, k]] + #{k' < k : id[t, k'] == id[t, k]}
+    """
+    ks = tl.arange(0, K_P2)
+    experts = tl.arange(0, E_P2)
+    running = tl.zeros([E_P2], tl.int32)
+    for start in range(0, first, HIST_T):
+        t = start + tl.arange(0, HIST_T)
+        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :],
+                      mask=(t < first)[:, None] & (ks < num_topk)[None, :], other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        running += tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [HIST_T * K_P2]), E_P2,
+                                mask=tl.reshape(valid, [HIST_T * K_P2]))
+    for start in range(first, last, SUB):
+        t = start + tl.arange(0, SUB)
+        live = (t < last)[:, None] & (ks < num_topk)[None, :]
+        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :], mask=live, other=-1)
+        ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
+        hit = ids[:, :, None] == experts[None, None, :]  # [SUB, K_P2, E_P2]
+        per_token = tl.sum(hit.to(tl.int32), axis=1)  # [SUB, E_P2]
+        before = running[None, :] + tl.cumsum(per_token, axis=0) - per_token
+        pos = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)  # [SUB, K_P2]
+        same = (ids[:, :, None] == ids[:, None, :]) & (ks[None, None, :] < ks[None, :, None])
+        pos += tl.sum(same.to(tl.int32), axis=2)
+        running += tl.sum(per_token, axis=0)
+        rows = pos_address + (t - token_lo).to(tl.int64) * pos_row_bytes
+        tl.store(rows.to(tl.pointer_type(tl.int32))[:, None] + ks[None, :], pos, mask=live & (ids >= 0))
+
+
+@triton.jit
+def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32, any strides (FP8)
+                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (full dispatch with top-k)
+                      in_rank_ptr,  # [T, R] int8: is_token_in_rank (token lists)
+                      per_rank_ptr, per_expert_ptr,  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
+                      normal_bases_ptr, flag_bases_ptr, state_ptr,
+                      num_tokens, token_lo, token_hi, x_words, num_scales, num_topk, rank, num_ranks,
+                      half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
+                      num_local, fp_offset, fp0, fp1, num_position_programs,
+                      HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+                      EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+                      E_P2: tl.constexpr):
+    # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
+    # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
+    # first R programs write, for each destination j, the ascending list of tokens sent to j, and
+    # check the caller's counts against what they summarise: the list's length against
+    # num_tokens_per_rank[j], and (HAS_TOPK) the top-k entries of j's experts against
+    # num_tokens_per_expert. Then arrive and RELEASE the epoch, with the call's fingerprint (its
+    # abort field naming a count found wrong), to every rank: peers pull after acquiring it.
+    # EXPERT_MAJOR: the next num_position_programs programs add each top-k entry's position
+    # (_expert_positions) to the staged top-k rows. ALIGNED: x and its rows are 16-byte aligned (copy.py).
+    pid = tl.program_id(0)
+    x_words = multiple(x_words, 2, ALIGNED)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
+    fp_rows = fingerprint_half(fp_offset, epoch % 2, num_ranks)
+    if pid == 0:
+        post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1, epoch, HAS_MASK=False,
+                                  R_P2=R_P2)
+    first_copy = 0
+    if WRITE_LISTS:
+        first_copy = num_ranks
+        if pid < num_ranks:
+            lists = (half + lists_offset).to(tl.pointer_type(tl.int32)) + pid.to(tl.int64) * list_cap
+            running = 0
+            per_expert = tl.zeros([L_P2], tl.int32)
+            for start in range(0, num_tokens, LIST_BLOCK):
+                tokens = start + tl.arange(0, LIST_BLOCK)
+                member = tl.load(in_rank_ptr + tokens.to(tl.int64) * num_ranks + pid, mask=tokens < num_tokens,
+                                 other=0) != 0
+                position = running + tl.cumsum(member.to(tl.int32), axis=0) - 1
+                tl.store(lists + position, tokens, mask=member)
+                running += tl.sum(member.to(tl.int32), axis=0)
+                if HAS_TOPK:  # the layout kernel's count: every valid entry of one of j's experts
+                    k = tl.arange(0, K_P2)
+                    ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
+                                  mask=(tokens < num_tokens)[:, None] & (k < num_topk)[None, :], other=-1)
+                    local = ids - pid * num_local
+                    mine = (ids >= 0) & (local >= 0) & (local < num_local)
+                    per_expert += tl.histogram(tl.reshape(tl.where(mine, local, 0).to(tl.int32), [LIST_BLOCK * K_P2]),
+                                               L_P2, mask=tl.reshape(mine, [LIST_BLOCK * K_P2]))
+            if running != tl.load(per_rank_ptr + pid):
+                tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_RANK)
+            if HAS_TOPK:
+                experts = tl.arange(0, L_P2)
+                given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
+                if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
+                    tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+    if EXPERT_MAJOR:
+        first_position = first_copy
+        first_copy += num_position_programs
+        if (pid >= first_position) & (pid < first_copy):
+            first = token_lo + (pid - first_position) * POSITION_TOKENS
+            _expert_positions(topk_ptr, half + topk_offset + num_topk * 12, topk_row_bytes, first,
+                              tl.minimum(first + POSITION_TOKENS, tl.minimum(token_hi, num_tokens)), token_lo,
+                              num_topk, num_local * num_ranks, POSITION_HIST_ENTRIES // K_P2, POSITION_SUB, K_P2, E_P2)
+    if pid >= first_copy:
+        num_rows = tl.minimum(token_hi, num_tokens) - token_lo
+        for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
+            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)  # staging row; token = token_lo + row
+            live = rows < num_rows
+            tokens = (token_lo + rows).to(tl.int64)
+            src = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words
+            dst = word_ptr(half + x_offset, ALIGNED) + rows.to(tl.int64) * x_words
+            copy_rows(src, dst, live, x_words, BLOCK_W)
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                m = live[:, None] & (s < num_scales)[None, :]
+                values = tl.load(scales_ptr + tokens[:, None] * scale_stride_t + s[None, :] * scale_stride_c, mask=m)
+                sdst = (half + scales_offset).to(tl.pointer_type(tl.float32)) + rows.to(tl.int64) * num_scales
+                tl.store(sdst[:, None] + s[None, :], values, mask=m)
+            if HAS_TOPK:
+                k = tl.arange(0, K_P2)
+                m = live[:, None] & (k < num_topk)[None, :]
+                ids = tl.load(topk_ptr + tokens[:, None] * num_topk + k[None, :], mask=m)
+                weights = tl.load(weights_ptr + tokens[:, None] * num_topk + k[None, :], mask=m)
+                row = half + topk_offset + rows.to(tl.int64) * topk_row_bytes
+                tl.store(row.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], ids, mask=m)
+                tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
+    if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
+            count_error = tl.load(state_ptr + sync.COUNT_ERROR)
+            if count_error != 0:
+                tl.store(state_ptr + sync.COUNT_ERROR, 0)
+                post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1 | count_error,
+                                          epoch, HAS_MASK=False, R_P2=R_P2)
+        signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
+                     R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
+
+
+STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i32", "*i32", "*i64",
+                                       "*i64", "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
+                                       "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64", "i32"],
+                   aligned_if={"ALIGNED": ["x_ptr"]})
+
+
+# ====================================================================== dispatch: pull
+@triton.jit
+def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
+                     prefix_ptr,  # [R, R] int32 rank_prefix_matrix (INDEX)
+                     recv_info_ptr,  # [2] int32 (device): rows received (INDEX)
+                     src_rank_ptr, src_idx_ptr,  # [N] int32: written with INDEX, read otherwise
+                     recv_x_ptr,  # [N, x_bytes] bytes
+                     recv_scales_ptr,  # [N, S] float32
+                     recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32 (expert-major: [M])
+                     mailbox_address,
+                     table_ptr,  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
+                     dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
+                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
+                     lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
+                     num_local, timeout_ns, fp_offset, fp0, fp1, num_em_rows, zero_padding,
+                     INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    # ACQUIRE every rank's staged rows for this epoch and check the ranks' fingerprints (on a
+    # mismatch nothing moves: the host raises). Then for each received row r: its source
+    # rank (from the prefix column: rows are grouped by source) and source token (read from the
+    # source's token list for this rank) — with INDEX, written to the handle arrays; otherwise
+    # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
+    # staging half. Top-k ids become local ids (-1 for other ranks' experts, weight 0). Rows past
+    # the received total (num_worst_tokens padding) get source index -1 and top-k -1.
+    # EXPERT_MAJOR: the outputs are the expert-major rows (expert_major.py): entry (r, k) of a
+    # local expert e goes to row table[src][e] + its position on the source (_expert_positions) —
+    # written to dest with HAS_TOPK, read from it in a cached dispatch — and each pulled row is
+    # stored once per entry; with zero_padding the groups' padding rows are zeroed too.
+    # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
+    pid = tl.program_id(0)
+    x_words = multiple(x_words, 2, ALIGNED)
+    num_programs = tl.num_programs(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    half_offset = (epoch % 2) * half_bytes
+    num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
+                                  fp_offset, fp0, fp1, num_rows, R_P2)  # ACQUIRE: staged rows and lists
+    num_recv = num_rows
+    if INDEX:
+        num_recv = tl.load(recv_info_ptr)
+    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_out = rows < num_rows
+        if INDEX:
+            live = rows < num_recv
+            src = tl.zeros([BLOCK_R], tl.int32)
+            for i in range(0, num_ranks):
+                src += (tl.load(prefix_ptr + i * num_ranks + rank) <= rows).to(tl.int32)
+            src = tl.minimum(src, num_ranks - 1)
+            start = tl.load(prefix_ptr + (src - 1) * num_ranks + rank, mask=live & (src > 0), other=0)
+            lists = tl.load(normal_bases_ptr + src, mask=live, other=0) + half_offset + lists_offset
+            entry = lists + ((rank * list_cap).to(tl.int64) + rows - start) * 4
+            token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=live, other=-1)
+            tl.store(src_rank_ptr + rows, tl.where(live, src, -1), mask=in_out)
+            tl.store(src_idx_ptr + rows, token, mask=in_out)
+        else:
+            src = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
+            token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
+        move = in_out & (token >= token_lo) & (token < token_hi)
+        staged = tl.load(normal_bases_ptr + src, mask=move, other=0) + half_offset
+        srow = (token - token_lo).to(tl.int64)
+        rows64 = rows.to(tl.int64)
+        sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
+        if EXPERT_MAJOR:
+            _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, recv_topk_ptr,
+                               recv_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset,
+                               topk_offset, topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES, HAS_TOPK,
+                               BLOCK_W, S_P2, K_P2)
+        else:
+            dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
+            copy_rows(sx, dx, move, x_words, BLOCK_W)
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                m = move[:, None] & (s < num_scales)[None, :]
+                ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
+                         tl.load(ss[:, None] + s[None, :], mask=m), mask=m)
+            if HAS_TOPK:
+                k = tl.arange(0, K_P2)
+                m = move[:, None] & (k < num_topk)[None, :]
+                trow = staged + topk_offset + srow * topk_row_bytes
+                ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
+                weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=m,
+                                  other=0.0)
+                local = ids - expert_lo
+                mine = (ids >= 0) & (local >= 0) & (local < num_local)
+                out = rows64[:, None] * num_topk + k[None, :]
+                write = (move[:, None] | (in_out & (token < 0))[:, None]) & (k < num_topk)[None, :]
+                tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=write)
+                tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=write)
+    if EXPERT_MAJOR:
+        if zero_padding != 0:
+            _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
+                          num_em_rows, x_words, num_scales, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2)
+
+
+@triton.jit
+def _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, row_experts_ptr,
+                       row_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset, topk_offset,
+                       topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES: tl.constexpr,
+                       HAS_TOPK: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
+    """ep_dispatch_pull's rows in the expert-major layout: each row read once from its source and
+    stored to the row of each of its local entries."""
+    if HAS_TOPK:  # this dispatch's rows: the source's position plus this rank's group table
+        k = tl.arange(0, K_P2)
+        entries = move[:, None] & (k < num_topk)[None, :]
+        trow = staged + topk_offset + srow * topk_row_bytes
+        ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=entries, other=-1)
+        weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=entries,
+                          other=0.0)
+        position = tl.load((trow + num_topk * 12).to(tl.pointer_type(tl.int32))[:, None] + k[None, :], mask=entries,
+                           other=0)
+        local = ids - expert_lo
+        mine = entries & (ids >= 0) & (local >= 0) & (local < num_local)
+        dest = tl.load(table_ptr + src[:, None] * num_local + local, mask=mine, other=0) + position
+        mine = mine & (dest >= 0) & (dest < num_em_rows)  # (the counts behind the table were checked on device)
+        tl.store(dest_ptr + rows64[:, None] * num_topk + k[None, :], tl.where(mine, dest, -1), mask=entries)
+        tl.store(row_experts_ptr + dest, local.to(tl.int64), mask=mine)
+        tl.store(row_weights_ptr + dest, weights, mask=mine)
+        tl.debug_barrier()  # the copies below read these rows back (CTA-wide visibility)
+    # (a cached dispatch: the rows its handle's dispatch computed)
+    dest_rows = dest_ptr + rows64 * num_topk
+    copy_rows_to_each(sx, recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), dest_rows, move, num_topk, x_words,
+                      BLOCK_W)
+    if HAS_SCALES:
+        ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+        copy_rows_to_each(ss, recv_scales_ptr, dest_rows, move, num_topk, num_scales, S_P2)
+
+
+@triton.jit
+def _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, row_experts_ptr, row_weights_ptr, num_ranks, num_local,
+                  num_em_rows, x_words, num_scales, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr):
+    """Zero the padding rows of the expert-major groups this program owns (expert e: rows
+    table[R][e] .. table[R + 1][e]); with HAS_TOPK their expert is -1 and weight 0."""
+    pid = tl.program_id(0)
+    x_rows = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    cols = tl.arange(0, BLOCK_W)
+    for expert in range(pid, num_local, tl.num_programs(0)):
+        first = tl.maximum(tl.load(table_ptr + num_ranks * num_local + expert), 0)
+        end = tl.minimum(tl.load(table_ptr + (num_ranks + 1) * num_local + expert), num_em_rows)
+        for block in range(first, end, BLOCK_R):
+            rows = block + tl.arange(0, BLOCK_R)
+            live = rows < end
+            rows64 = rows.to(tl.int64)
+            for start in range(0, x_words, BLOCK_W):
+                c = start + cols
+                tl.store(x_rows + rows64[:, None] * x_words + c[None, :], tl.zeros([BLOCK_R, BLOCK_W], tl.int64),
+                         mask=live[:, None] & (c < x_words)[None, :])
+            if HAS_SCALES:
+                s = tl.arange(0, S_P2)
+                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
+                         tl.zeros([BLOCK_R, S_P2], tl.float32), mask=live[:, None] & (s < num_scales)[None, :])
+            if HAS_TOPK:
+                tl.store(row_experts_ptr + rows64, tl.full([BLOCK_R], -1, tl.int64), mask=live)
+                tl.store(row_weights_ptr + rows64, tl.zeros([BLOCK_R], tl.float32), mask=live)
+
+
+PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
+                                     "*fp32", "i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64", "i64",
+                                     "i64", "i64", "i32", "i32"],
+                  aligned_if={"ALIGNED": ["recv_x_ptr"]})

@@ -1,0 +1,410 @@
+"""Normal mode's host side: plans per shape, the launches of each call and their outputs (the
+kernels of each phase are in the sibling modules; the package docstring lists them per call)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ....errors import EPInputError
+from ....handle import DispatchHandle
+from ....expert_major import ExpertMajor
+from ...base import DispatchArgs, DispatchResult
+from .. import agreement
+from ..copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
+from ..launch import Specialisations, cdiv, current_stream, p2
+from ..workspace import FP_NORMAL
+from .combine import PUSH, REDUCE
+from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
+from .layout import LAYOUT, LAYOUT_BLOCK_T
+from .notify import NOTIFY_BOUND
+
+# The expert-major pull and fold store (read) each row once per local entry of its token — about
+# K * L / E times the plain layout's local bytes — so they run on this many times Config.num_sms
+# programs (bounded by the device's SMs): with num_sms programs alone the local stores, not NVLink,
+# would set their speed.
+EXPERT_MAJOR_SM_FACTOR = 6
+EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
+
+
+# ====================================================================== host side
+@dataclass
+class PullState:
+    """What the nvlink backend keeps in ``DispatchHandle.backend_state``."""
+
+    recv_src_rank: torch.Tensor  # [N] int32 source (home) rank of each received row, -1 = padding
+    recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
+    max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
+    sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
+    expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify_dispatch)
+    # Addresses of the handle's tensors the kernels read, in this order: rank_prefix_matrix,
+    # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank.
+    # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each tensor.
+    addresses: tuple = ()
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Everything about a dispatch that depends only on its shape (cached per shape)."""
+
+    x_words: int
+    num_scales: int
+    num_topk: int  # top-k width staged (0 in a cached dispatch)
+    entry_topk: int  # width of the top-k entries the pull reads: num_topk, or the expert-major map's
+    topk_row_bytes: int
+    offsets: Tuple[int, int, int]  # staging offsets of x, scales, top-k rows (half 0)
+    round_tokens: int
+    block_r: int
+    rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
+    expert_major: bool  # outputs in the expert-major layout (expert_major.py)
+    stage_lists: Specialisations  # (ALIGNED, L_P2, E_P2, POSITION_SUB) -> stage + token lists (a full
+    # dispatch's round 0); E_P2, POSITION_SUB: the expert-major positions' shape (1, 1 in the plain layout)
+    stage: Specialisations  # (ALIGNED, E_P2, POSITION_SUB) -> stage
+    pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
+    pull: object
+    fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
+    fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
+
+
+@dataclass(frozen=True)
+class CombinePlan:
+    slots_x: int
+    slots_w: int
+    round_tokens: int
+    block_r: int
+    rows_aligned: bool  # rows are a multiple of 16 bytes (copy.py)
+    expert_major: bool  # x in the expert-major layout: the push folds it first
+    push: Specialisations  # ALIGNED (expert outputs aligned) -> push
+    reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
+    fingerprint: Tuple[int, int]  # agreement.py: the call's words (handle added)
+
+
+class NormalMode:
+    """Host orchestration of normal mode for one backend: per call, argument-derived scalars and
+    2–3 bound launches; everything shape-dependent is computed once per shape (plans)."""
+
+    def __init__(self, backend):
+        self.b = backend
+        ws = backend.ws
+        self.ws = ws
+        self.R = ws.num_ranks
+        self.rank = ws.rank
+        self.R_P2 = p2(self.R)
+        self.dev_index = backend.device.index
+        self.device = backend.device
+        self.device_sms = torch.cuda.get_device_properties(backend.device).multi_processor_count
+        # persistent tensors go to the launcher as plain addresses
+        self.bases = ws.bases.data_ptr()
+        self.state = backend.state.data_ptr()
+        self.fingerprints = ws.fingerprint_set(FP_NORMAL)
+        self._layout_plans = {}
+        self._dispatch_plans = {}
+        self._combine_plans = {}
+
+    # ------------------------------------------------------------------ layout
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        R = self.R
+        num_tokens, num_topk = topk_idx.shape
+        key = (num_experts, num_topk)
+        plan = self._layout_plans.get(key)
+        if plan is None:
+            e_p2 = p2(num_experts)
+            kernel = LAYOUT.bind(num_warps=4, BLOCK_T=LAYOUT_BLOCK_T, E_P2=e_p2, K_P2=p2(num_topk), R_P2=self.R_P2,
+                                 SUM_ROWS=min(64, p2(8192 // (e_p2 + self.R_P2) + 1) // 2))
+            plan = self._layout_plans[key] = [kernel, None, e_p2, 0]
+        kernel, scratch, e_p2, scratch_address = plan
+        num_programs = max(1, cdiv(num_tokens, LAYOUT_BLOCK_T))
+        if scratch is None or scratch.shape[0] < num_programs:
+            scratch = plan[1] = torch.empty(max(num_programs, 64), e_p2 + self.R_P2, dtype=torch.int32,
+                                            device=self.device)
+            scratch_address = plan[3] = scratch.data_ptr()
+        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
+        kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx.data_ptr(), per_rank.data_ptr(),
+                      per_expert.data_ptr(), in_rank.data_ptr(), scratch_address, self.state, self.b.mailbox.address,
+                      num_tokens, num_topk, num_experts, R, num_experts // R)
+        return per_rank, None, per_expert, in_rank
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch_plan(self, x_bytes: int, num_scales: int, num_topk: int, expert_major_topk: int) -> DispatchPlan:
+        """``num_topk``: top-k width staged (0 in a cached dispatch); ``expert_major_topk``: the
+        width of the expert-major entries (0 = plain layout)."""
+        if x_bytes % 8:
+            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
+        expert_major = expert_major_topk > 0
+        # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
+        topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
+        row_bytes = (x_bytes,) + ((num_scales * 4,) if num_scales else ()) + ((topk_row_bytes,) if num_topk else ())
+        offsets, round_tokens = self.ws.dispatch_round_tokens(row_bytes)
+        offsets = (offsets[0], offsets[1] if num_scales else 0, offsets[-1] if num_topk else 0)
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        if expert_major:
+            block_w = min(block_w, EXPERT_MAJOR_BLOCK_W)
+        meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
+                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
+        positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
+        rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
+        words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
+                     expert_major=int(expert_major))
+        return DispatchPlan(x_bytes // 8, num_scales, num_topk, max(num_topk, expert_major_topk), topk_row_bytes,
+                            offsets, round_tokens, block_r, rows_aligned, expert_major,
+                            Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
+                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions),
+                            Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
+                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
+                                      **meta),
+                            PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
+                                      EXPERT_MAJOR=expert_major, **meta),
+                            agreement.pack(call=agreement.CALL_DISPATCH, **words),
+                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
+
+    def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
+        x = args.x[0] if args.x.__class__ is tuple else args.x
+        hidden = x.shape[1]
+        handle = args.handle
+        num_topk = args.topk_idx.shape[1] if handle is None and args.topk_idx is not None else 0
+        expert_major_topk = 0 if not args.expert_major else num_topk if handle is None else \
+            handle.expert_major.dest.shape[1]
+        key = (hidden * x.element_size(), hidden // 128 if args.x.__class__ is tuple else 0, num_topk,
+               expert_major_topk)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+        return plan
+
+    def check_dispatch(self, args: DispatchArgs) -> None:
+        """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
+        plan = args.plan = self._dispatch_plan_of(args)
+        if args.handle is not None:
+            if args.handle.backend_state.__class__ is not PullState:
+                raise EPInputError("handle", "was not made by the nvlink backend")
+            return
+        num_tokens = (args.x[0] if args.x.__class__ is tuple else args.x).shape[0]
+        self.ws.check_notify(args.num_tokens_per_expert.shape[0], num_tokens)
+        if args.num_worst_tokens and num_tokens > plan.round_tokens:
+            raise EPInputError("num_worst_tokens", f"needs the batch to fit the buffer in one round: {num_tokens} "
+                                                   f"tokens > {plan.round_tokens}; raise num_nvl_bytes")
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """(Buffer called check_dispatch first.)"""
+        b, ws, R, rank, dev = self.b, self.ws, self.R, self.rank, self.device
+        handle = args.handle
+        cached = handle is not None
+        x = args.x
+        is_fp8 = x.__class__ is tuple
+        x, scales = x if is_fp8 else (x, x)
+        x, x_aligned = for_word_copies(x)
+        num_tokens, hidden = x.shape
+        plan = args.plan if args.plan is not None else self._dispatch_plan_of(args)
+        num_topk = plan.num_topk
+        mapping = handle.expert_major if cached else None
+        stream = current_stream(self.dev_index)
+        round_tokens = plan.round_tokens
+        num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
+        expert_major = plan.expert_major
+
+        if cached:
+            state: PullState = handle.backend_state
+            num_rows, max_tokens = handle.num_recv_rows, state.max_tokens
+            counts_list = None
+            fp0, fp1 = plan.fingerprint_cached
+            fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+        else:
+            num_experts = num_local * R
+            prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
+            recv_info = torch.empty(2, dtype=torch.int32, device=dev)
+            table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
+            mailbox = b.mailbox
+            sequence = mailbox.next_sequence()
+            fp0, fp1 = plan.fingerprint_full
+            fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
+            fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
+            NOTIFY_BOUND[self.R_P2].launch(
+                R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
+                prefix, recv_info, table, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
+                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1,
+                int(expert_major))
+            # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1)
+            if args.num_worst_tokens == 0:
+                num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
+                counts_list = per_expert[:num_local].tolist()
+            else:
+                num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
+            src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
+            src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
+            state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None)
+            if expert_major:
+                mapping = ExpertMajor(torch.empty((num_rows, num_topk), dtype=torch.int32, device=dev),
+                                      torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
+                                      torch.empty(sum(counts_list), dtype=torch.float32, device=dev),
+                                      sum(counts_list), counts_list)
+            state.addresses = (prefix.data_ptr(), recv_info.data_ptr(), src_rank.data_ptr(), src_idx.data_ptr(),
+                               table.data_ptr(), (mapping.dest if expert_major else prefix).data_ptr(),
+                               args.is_token_in_rank.data_ptr())
+        num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
+
+        out_rows = mapping.num_rows if expert_major else num_rows
+        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
+        recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
+        if expert_major:
+            recv_topk, recv_weights = mapping.row_experts, mapping.row_weights
+        elif num_topk:
+            recv_topk = torch.empty((num_rows, num_topk), dtype=torch.int64, device=dev)
+            recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
+        else:
+            recv_topk = recv_weights = recv_x
+        prefix_address, recv_info_address, src_rank_address, src_idx_address, table_address, dest_address, _ = \
+            state.addresses
+        recv_x_address = recv_x.data_ptr()
+        outputs = (recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
+                   recv_topk.data_ptr() if num_topk else recv_x_address,
+                   recv_weights.data_ptr() if num_topk else recv_x_address)
+        num_local_rows = len(mapping.group_sizes) if expert_major else num_local
+        num_sms = args.config.num_sms
+        if expert_major:
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
+        pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        for round_idx in range(num_rounds):
+            lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
+            if cached or round_idx > 0:
+                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1)
+            # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
+            (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
+                pull_programs, 1, stream, self.bases, self.bases, self.state, prefix_address, recv_info_address,
+                src_rank_address, src_idx_address, *outputs, b.mailbox.address, table_address, dest_address, num_rows,
+                rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
+                ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
+                plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
+                out_rows, int(round_idx == 0))
+
+        recv = (recv_x, recv_scales) if is_fp8 else recv_x
+        if cached:
+            return DispatchResult(recv, None, None, None, handle)
+        num_recv_tokens = num_rows if max_tokens >= 0 else state.recv_info[0]
+        handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
+        return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
+                              handle)
+
+    def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
+               write_lists: bool, stream: int, fp0: int, fp1: int) -> None:
+        num_tokens = x.shape[0]
+        rows = max(0, min(hi, num_tokens) - lo)
+        programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
+        x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
+        scales_address = scales.data_ptr() if plan.num_scales else x_address
+        topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
+            (x_address, x_address)
+        aligned = plan.rows_aligned and x_aligned
+        num_local = 0 if args.handle is not None else args.num_tokens_per_expert.shape[0] // self.R
+        e_p2, sub, num_position_programs = 1, 1, 0
+        if plan.expert_major and plan.num_topk:  # positions of the entries (expert-major layout)
+            e_p2 = p2(num_local * self.R)
+            sub = max(1, POSITION_ELEMENTS // (p2(plan.num_topk) * e_p2))
+            num_position_programs = cdiv(rows, POSITION_TOKENS)
+            programs += num_position_programs
+        if write_lists:  # a full dispatch: the token lists and the count checks
+            kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
+            in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
+                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
+        else:
+            kernel = plan.stage[aligned, e_p2, sub]
+            in_rank = per_rank = per_expert = args.handle.backend_state.addresses[6] if args.handle is not None \
+                else args.is_token_in_rank.data_ptr()
+        kernel.launch(
+            programs, 1, stream,
+            x_address, scales_address, scales.stride(0) if plan.num_scales else 0,
+            scales.stride(1) if plan.num_scales else 0,
+            topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
+            plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
+            self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
+            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1, num_position_programs)
+
+    # ------------------------------------------------------------------ combine
+    def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
+        x_bytes = hidden * 2
+        if x_bytes % 8:
+            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+        (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
+        block_r, block_w = copy_block_shape(x_bytes // 8)
+        block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
+        rows_aligned = hidden % 8 == 0  # 16-byte accesses (copy.py) where x / the biases are aligned too
+        push = Specialisations(PUSH, ["ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
+                               BLOCK_W=block_w, K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
+                               EXPERT_MAJOR=expert_major_topk > 0)
+        reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
+                                 HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
+        return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
+                           expert_major_topk > 0, push, reduce,
+                           agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
+                                          expert_major=int(expert_major_topk > 0)))
+
+    def _combine_plan_of(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                         bias: Tuple[torch.Tensor, ...]) -> CombinePlan:
+        mapping = handle.expert_major
+        key = (x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
+               0 if mapping is None else mapping.dest.shape[1])
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            plan = self._combine_plans[key] = self._combine_plan(*key)
+        return plan
+
+    def check_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                      bias: Tuple[torch.Tensor, ...]) -> None:
+        """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
+        if handle.backend_state.__class__ is not PullState:
+            raise EPInputError("handle", "was not made by the nvlink backend")
+        plan = self._combine_plan_of(x, handle, topk_weights, bias)
+        if handle.backend_state.max_tokens < 0 and handle.is_token_in_rank.shape[0] > plan.round_tokens:
+            raise EPInputError("handle", "comes from a num_worst_tokens dispatch: its combine must fit the buffer "
+                                         "in one round; raise num_nvl_bytes")
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(Buffer called check_combine first.)"""
+        b, R, rank, dev = self.b, self.R, self.rank, self.device
+        state = handle.backend_state
+        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+        num_rows = handle.num_recv_rows
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        mapping = handle.expert_major  # x: the expert-major rows, folded by the push
+        plan = self._combine_plan_of(x, handle, topk_weights, bias)
+        round_tokens = plan.round_tokens
+        max_tokens = state.max_tokens if state.max_tokens >= 0 else round_tokens
+        num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
+        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
+        stream = current_stream(self.dev_index)
+        # addresses, not tensors (PullState.addresses says why)
+        _, _, src_rank_address, src_idx_address, _, dest_address, in_rank_address = state.addresses
+        combined_address = combined.data_ptr()
+        bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
+        bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
+        w_out = combined_w.data_ptr() if num_topk else combined_address
+        dest = src_idx_address if mapping is None else dest_address
+        num_sms = config.num_sms
+        if mapping is not None:
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
+        push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        half_bytes = self.ws.normal_half_bytes
+        x, x_aligned = for_word_copies(x)
+        x_address = x.data_ptr()
+        w_in = topk_weights.data_ptr() if num_topk else x_address if mapping is None else mapping.row_weights.data_ptr()
+        push = plan.push[plan.rows_aligned and x_aligned]
+        reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
+        fp0, fp1 = plan.fingerprint
+        fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+        for round_idx in range(num_rounds):
+            lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
+            push.launch(push_programs, 1, stream, x_address, w_in, src_rank_address, src_idx_address, dest, self.bases,
+                        self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
+                        num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
+                        plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
+            reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
+                          in_rank_address, combined_address, w_out, bias0, bias1, self.bases, self.bases,
+                          self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
+                          half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1)
+        return combined, combined_w

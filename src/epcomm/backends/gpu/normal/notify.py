@@ -1,0 +1,123 @@
+"""The count exchange of a full dispatch: ``ep_notify_dispatch`` puts each rank's counts into
+every peer's workspace and publishes the receive counts to the host mailbox (the host's one wait of
+a full dispatch polls that word: mailbox.py)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import sync
+from ..launch import KernelSpec
+from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
+                    post_fingerprint, store_release_sys, wait_peers)
+
+
+# ====================================================================== notify (count exchange)
+@triton.jit
+def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks, expert_alignment):
+    """Entries the local experts ``local`` ([BLOCK] ids) receive, summed over the ranks' count rows
+    (``first_count_ptr``: rank 0's count of local expert 0; rows ``row_len`` words apart), and
+    those totals rounded up to ``expert_alignment``: ``(total, aligned)``."""
+    total = tl.zeros(local.shape, tl.int32)
+    for i in range(0, num_ranks):
+        total += tl.load(first_count_ptr + i * row_len + local, mask=local < num_local, other=0)
+    return total, (total + expert_alignment - 1) // expert_alignment * expert_alignment
+
+
+@triton.jit
+def ep_notify_dispatch(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
+              flag_bases_ptr,  # [R] int64: each rank's flag region
+              state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
+              per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
+              prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
+              recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
+              table_ptr,  # out [R + 2, L] int32 (write_table): the expert-major group table, below
+              mailbox_address,  # host mailbox (sync.py)
+              num_tokens, num_experts, rank, num_ranks, half_bytes, counts_offset, timeout_ns, sequence,
+              expert_alignment, fp_offset, fp0, fp1, write_table,
+              R_P2: tl.constexpr, BLOCK: tl.constexpr):
+    # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
+    # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
+    # p's fingerprint row; RELEASE the epoch into p's flag; ACQUIRE p's flag here and check p's
+    # fingerprint. The program arriving last then owns the complete matrix: it writes
+    # rank_prefix_matrix, the receive sizes (device words and host mailbox) and, last, the mailbox
+    # sequence number with a release — the host polls that word, then raises any disagreement.
+    # With write_table, also the expert-major layout's group table for local expert e: row i < R
+    # the first row of source i's entries (group start + entries of lower sources), row R the end
+    # of the group's entries, row R + 1 the end of its padding (groups padded to expert_alignment).
+    peer = tl.program_id(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    half_offset = (epoch % 2) * half_bytes + counts_offset
+    row_len = num_ranks + num_experts + 1
+    dst = (tl.load(normal_bases_ptr + peer) + half_offset).to(tl.pointer_type(tl.int32)) + rank * row_len
+    for start in range(0, row_len, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        value = tl.load(per_rank_ptr + offs, mask=offs < num_ranks, other=0)
+        value += tl.load(per_expert_ptr + offs - num_ranks, mask=(offs >= num_ranks) & (offs < row_len - 1), other=0)
+        value = tl.where(offs == row_len - 1, num_tokens, value)
+        tl.store(dst + offs, value, mask=offs < row_len)
+    peers = tl.arange(0, R_P2)
+    one_peer = peers == peer
+    fp_rows = fingerprint_half(fp_offset, epoch % 2, num_ranks)  # this signal's half of the set
+    post_fingerprint(tl.load(flag_bases_ptr + peers, mask=one_peer, other=0) + fp_rows, rank, one_peer, fp0, fp1,
+                     epoch)  # (ends with a CTA barrier: every thread's row stores precede the release)
+    peer_flag = (tl.load(flag_bases_ptr + peer) + (sync.FLAGS_NORMAL * num_ranks + rank) * 8).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flag, epoch, sem="release", scope="sys")  # RELEASE: row, fingerprint -> peer
+    # ACQUIRE: peer p's row in this rank's matrix (a timeout is flagged in the mailbox)
+    my_base = tl.load(flag_bases_ptr + rank)
+    my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
+    settled = fingerprints_settled(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch)
+    wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
+               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)
+    check_fingerprints(my_base + fp_rows, peers, one_peer, settled, fp0, fp1, epoch, agreement, num_ranks)
+    if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
+        src = tl.arange(0, R_P2)
+        dst_r = tl.arange(0, R_P2)
+        live = (src[:, None] < num_ranks) & (dst_r[None, :] < num_ranks)
+        sends = tl.load(counts + src[:, None] * row_len + dst_r[None, :], mask=live, other=0)
+        prefix = tl.cumsum(sends, axis=0)
+        tl.store(prefix_ptr + src[:, None] * num_ranks + dst_r[None, :], prefix, mask=live)
+        num_recv = tl.sum(tl.where((src[:, None] == num_ranks - 1) & (dst_r[None, :] == rank), prefix, 0), axis=None)
+        max_tokens = tl.max(tl.load(counts + src * row_len + row_len - 1, mask=src < num_ranks, other=0), axis=0)
+        tl.store(recv_info_ptr, num_recv)
+        tl.store(recv_info_ptr + 1, max_tokens)
+        num_local = num_experts // num_ranks
+        group_start = 0  # of the expert-major groups
+        for start in range(0, num_local, BLOCK):
+            local = start + tl.arange(0, BLOCK)
+            total, aligned = expert_receive_counts(counts + num_ranks + rank * num_local, row_len, local, num_local,
+                                                   num_ranks, expert_alignment)
+            tl.store(notify + 3 + local, aligned.to(tl.int64), mask=local < num_local)
+            if write_table != 0:
+                first = group_start + tl.cumsum(aligned, axis=0) - aligned
+                for i in range(0, num_ranks):
+                    tl.store(table_ptr + i * num_local + local, first, mask=local < num_local)
+                    first += tl.load(counts + i * row_len + num_ranks + rank * num_local + local,
+                                     mask=local < num_local, other=0)
+                tl.store(table_ptr + num_ranks * num_local + local, first, mask=local < num_local)
+                tl.store(table_ptr + (num_ranks + 1) * num_local + local, first - total + aligned,
+                         mask=local < num_local)
+                group_start += tl.sum(tl.where(local < num_local, aligned, 0), axis=0)
+        tl.store(notify + 1, num_recv.to(tl.int64))
+        tl.store(notify + 2, max_tokens.to(tl.int64))
+        tl.debug_barrier()  # all mailbox words precede the sequence number
+        store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
+
+
+NOTIFY = KernelSpec(ep_notify_dispatch, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i64",
+                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64",
+                                "i32"])
+
+
+class _NotifyKernels(dict):
+    """NOTIFY bound per R_P2, looked up without keyword building."""
+
+    def __missing__(self, r_p2):
+        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=256)
+        return self[r_p2]
+
+
+NOTIFY_BOUND = _NotifyKernels()

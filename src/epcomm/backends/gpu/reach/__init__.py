@@ -1,0 +1,10 @@
+"""How a kernel reaches a peer: the one place that knows the transports.
+
+    peers.py      the ``REMOTE`` modes of the shared kernels: a peer of this node by plain stores
+                  (PEERS_BY_STORES), a far one by NVSHMEM (FAR_BY_NVSHMEM) or by the loopback
+                  copies (FAR_BY_LOOPBACK), lane by lane
+    nvshmem.py    NVSHMEM's device functions (put with signal, signal, quiet) as Triton externs, and
+                  ``deliver``: a put with signal, or with ``LOOPBACK`` the same hand-off by stores
+    transport.py  the host side: NVSHMEM symmetric memory through PyTorch, or the loopback world
+                  (every rank a thread of one process over one GPU)
+"""
