@@ -1,4 +1,4 @@
-"""Collective agreement on NVLink: every call's fingerprint travels with its signals.
+"""Collective agreement on the GPU layer: every call's fingerprint travels with its signals.
 
 The ``torch_dist`` backend agrees through the store before exchanging (../agreement.py); here that
 would cost a host round trip per call, so the fingerprint rides on the signals the kernels send

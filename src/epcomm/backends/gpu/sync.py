@@ -1,4 +1,4 @@
-"""Synchronisation of the NVLink backend: flags, epochs, bounded waits, and the host mailbox.
+"""Synchronisation of the GPU layer: flags, epochs, bounded waits, fingerprint checks (device side).
 
 The memory-ordering contract (every kernel of this backend follows it)
 ----------------------------------------------------------------------
@@ -229,7 +229,7 @@ def report_dropped(mailbox_address, num_ranks, dropped):
 @triton.jit
 def mailbox_words(mailbox_address, num_ranks):
     """int64 pointers to the mailbox's (timeouts, dropped-input count, agreement, notify) words
-    (layout: :class:`HostMailbox`)."""
+    (layout: mailbox.py :class:`HostMailbox`)."""
     words = mailbox_address.to(tl.pointer_type(tl.int64))
     return words + 1, words + num_ranks + 1, words + num_ranks + 2, words + 3 * num_ranks + 4
 

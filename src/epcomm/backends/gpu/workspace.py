@@ -1,4 +1,4 @@
-"""The symmetric-memory workspace of the NVLink backend: the only owner of its layout.
+"""The symmetric-memory workspace of the GPU layer: the only owner of its layout.
 
 One allocation per rank, fixed for the Buffer's life, carved at the same offsets on every rank (so
 a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the offsets)::
