@@ -172,27 +172,29 @@ class LowLatencyMode:
                                                                  topk.shape[1])
         handle = per_half.handle
         handle.backend_state.sequence = sequence
-        num_local, slots, scale_words = handle.recv_src_info.shape[0], handle.recv_src_info.shape[1], layout.scale_words
-        dev = self.device
-        recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
-                             device=dev)
-        # FP8 scales [E_local, R*M, S], column-major in the last two dims, as DeepEP returns them
-        scales = torch.empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots), device=dev,
-                                     dtype=torch.int32 if args.use_ue8m0 else torch.float32) if args.use_fp8 else recv_x
+        num_local, slots = handle.recv_src_info.shape[0], handle.recv_src_info.shape[1]
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
         x_address = x.data_ptr()
         src_info, slot_info, recv_layout, recv_count = per_half.indices
-        launch_args = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases,
-                       self.state, self.mailbox_address, recv_x.data_ptr(), scales.data_ptr(), src_info, slot_info,
-                       recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
-                       recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes
+        head = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases, self.state,
+                self.mailbox_address)
+        tail = (src_info, slot_info, recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
+                recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes
         send_items = num_tokens * plan.send_groups
-        packed = (recv_x, scales) if args.use_fp8 else recv_x
         stream = current_stream(self.dev_index)
-        if args.return_recv_hook or not self.one_launch:
-            plan.kernels[True, False, False, False, x_address & 15 == 0].launch(max(send_items, 1), 1, stream,
-                                                                                *launch_args)
+        two_launches = args.return_recv_hook or not self.one_launch
+        if two_launches:
+            # The send phase writes only into the receivers' workspaces, not into recv_x: it is
+            # launched before the outputs are allocated, so the GPU starts while the host allocates
+            # (in a synced call the kernels start that much sooner). Its out pointers are
+            # placeholders (src_info: mapped, aligned, never read by the send phase).
+            plan.kernels[True, False, False, False, x_address & 15 == 0].launch(
+                max(send_items, 1), 1, stream, *head, src_info, src_info, *tail)
+        recv_x, scales = self._dispatch_outputs(num_local, slots, hidden, layout.scale_words, args)
+        launch_args = head + (recv_x.data_ptr(), scales.data_ptr()) + tail
+        packed = (recv_x, scales) if args.use_fp8 else recv_x
+        if two_launches:
             receive_kernel = plan.kernels[False, True, stats is not None, wait_stats is not None, False]
             if not args.return_recv_hook:
                 receive_kernel.launch(num_local * self.R, 1, stream, *launch_args)
@@ -205,6 +207,18 @@ class LowLatencyMode:
         kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
         kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * self.R)), stream, *launch_args)
         return packed, per_half.recv_count, handle, None
+
+    def _dispatch_outputs(self, num_local: int, slots: int, hidden: int, scale_words: int, args):
+        """``(recv_x, scales)``: recv_x ``[E_local, R*M, H]`` (e4m3 or bf16) and, with FP8, the scales
+        ``[E_local, R*M, S]`` column-major in the last two dims, as DeepEP returns them (else
+        ``recv_x`` again)."""
+        recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
+                             device=self.device)
+        if not args.use_fp8:
+            return recv_x, recv_x
+        scales = torch.empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots), device=self.device,
+                                     dtype=torch.int32 if args.use_ue8m0 else torch.float32)
+        return recv_x, scales
 
     def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
         layout = self.ws.ll_layout(E, M, hidden, K, False, False)
@@ -249,23 +263,28 @@ class LowLatencyMode:
         self._calls[1] += 1
         topk = args.topk_idx
         num_tokens = topk.shape[0]
-        out = args.out if args.out is not None else torch.empty((num_tokens, x.shape[2]), dtype=torch.bfloat16,
-                                                                device=self.device)
-        out_address = out.data_ptr()
         wait_stats = args.combine_wait_recv_cost_stats
-        aligned = x_aligned and out_address & 15 == 0
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         areas, sizes = plan.per_half[half]
         # Pointers as addresses (see _dispatch_half).
-        launch_args = (x.data_ptr(), *state.addresses, topk.data_ptr(), args.topk_weights.data_ptr(),
-                       args.rank_mask.data_ptr(), self.bases, self.state, out_address,
-                       self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0,
-                       fp1)
+        head = (x.data_ptr(), *state.addresses, topk.data_ptr(), args.topk_weights.data_ptr(), args.rank_mask.data_ptr(),
+                self.bases, self.state)
+        tail = (self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0, fp1)
         pairs = x.shape[0] * self.R
         stream = current_stream(self.dev_index)
-        if args.return_recv_hook or not self.one_launch:
-            plan.kernels[True, False, False, aligned].launch(pairs, 1, stream, *launch_args)
+        two_launches = args.return_recv_hook or not self.one_launch
+        if two_launches:
+            # The send phase pushes rows into the homes' workspaces, not into out: it is launched
+            # before out is allocated (dispatch says why; its out pointer is a placeholder: the
+            # state words, mapped and aligned, never read by the send phase).
+            plan.kernels[True, False, False, x_aligned].launch(pairs, 1, stream, *head, self.state, *tail)
+        out = args.out if args.out is not None else torch.empty((num_tokens, x.shape[2]), dtype=torch.bfloat16,
+                                                                device=self.device)
+        out_address = out.data_ptr()
+        aligned = x_aligned and out_address & 15 == 0
+        launch_args = head + (out_address,) + tail
+        if two_launches:
             receive_kernel = plan.kernels[False, True, wait_stats is not None, aligned]
             receive_programs = max(1, min(num_tokens, self.num_sms))
             if not args.return_recv_hook:

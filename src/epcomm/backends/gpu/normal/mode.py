@@ -212,6 +212,9 @@ class NormalMode:
             counts_list = None
             fp0, fp1 = plan.fingerprint_cached
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+            # Round 0 is staged before the outputs are allocated: the GPU copies while the host
+            # allocates (in a synced call the kernels start that much sooner).
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1)
         else:
             num_experts = num_local * R
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
@@ -270,7 +273,7 @@ class NormalMode:
         pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            if cached or round_idx > 0:
+            if round_idx > 0:  # (round 0 was staged above, in both kinds of dispatch)
                 self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
@@ -375,15 +378,9 @@ class NormalMode:
         round_tokens = plan.round_tokens
         max_tokens = state.max_tokens if state.max_tokens >= 0 else round_tokens
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
-        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
-        combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
         stream = current_stream(self.dev_index)
         # addresses, not tensors (PullState.addresses says why)
         _, _, src_rank_address, src_idx_address, _, dest_address, in_rank_address = state.addresses
-        combined_address = combined.data_ptr()
-        bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
-        bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
-        w_out = combined_w.data_ptr() if num_topk else combined_address
         dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
         if mapping is not None:
@@ -397,12 +394,20 @@ class NormalMode:
         reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+        combined = combined_w = None
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             push.launch(push_programs, 1, stream, x_address, w_in, src_rank_address, src_idx_address, dest, self.bases,
                         self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
                         num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
                         plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
+            if combined is None:  # after the first push is launched: the GPU pushes while the host allocates
+                combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+                combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
+                combined_address = combined.data_ptr()
+                bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address
+                bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
+                w_out = combined_w.data_ptr() if num_topk else combined_address
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
                           in_rank_address, combined_address, w_out, bias0, bias1, self.bases, self.bases,
                           self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
