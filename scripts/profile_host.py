@@ -98,7 +98,7 @@ def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
 def profile_rank(tokens: int):
     import epcomm
     from epcomm import checks
-    from epcomm.backends.gpu import sync
+    from epcomm.backends.gpu import mailbox
     from epcomm.backends.gpu.launch import current_stream
     from epcomm.fp8 import per_token_cast_to_fp8
     rank, R = dist.get_rank(), dist.get_world_size()
@@ -131,7 +131,7 @@ def profile_rank(tokens: int):
     }
     report = []
     if rank == 0:
-        probe = sync._probe_kernel.bind(num_warps=1)
+        probe = mailbox._probe_kernel.bind(num_warps=1)
         scratch = torch.zeros(1, dtype=torch.int64, device=dev)
         host_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         from epcomm.backends.gpu import normal
