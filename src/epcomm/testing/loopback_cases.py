@@ -18,7 +18,7 @@ from .reference import (reference_combine, reference_dispatch, reference_low_lat
                         reference_low_latency_dispatch)
 from .sweeps import _equal_payload, _ll_rows, expert_fn, make_routing, rank_fn, to_fp8_input
 from .two_level import two_level_combine, two_level_dispatch
-from .loopback_world import (_bits16, _cpu, _differing_rows, _HandleView, low_latency_words, run_ranks, wait_stream,
+from .loopback_world import (HandleView, bits16, differing_rows, low_latency_words, run_ranks, to_cpu, wait_stream,
                              xs_home)
 
 
@@ -107,10 +107,10 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         combined, combined_w = backend.combine(y, handle, result.recv_topk_weights, bias, config)
         wait_stream(device)  # the kernels' reports land in the mailbox
         backend.raise_pending()
-        return dict(recv_x=_cpu(result.recv_x), recv_topk_idx=_cpu(result.recv_topk_idx),
-                    recv_topk_weights=_cpu(result.recv_topk_weights), recv_src_idx=_cpu(handle.recv_src_idx),
-                    rank_prefix_matrix=_cpu(handle.rank_prefix_matrix), counts=result.num_recv_tokens_per_expert_list,
-                    cached_x=_cpu(cached.recv_x), y=_cpu(y), combined=_cpu(combined), combined_w=_cpu(combined_w),
+        return dict(recv_x=to_cpu(result.recv_x), recv_topk_idx=to_cpu(result.recv_topk_idx),
+                    recv_topk_weights=to_cpu(result.recv_topk_weights), recv_src_idx=to_cpu(handle.recv_src_idx),
+                    rank_prefix_matrix=to_cpu(handle.rank_prefix_matrix), counts=result.num_recv_tokens_per_expert_list,
+                    cached_x=to_cpu(cached.recv_x), y=to_cpu(y), combined=to_cpu(combined), combined_w=to_cpu(combined_w),
                     num_rows=handle.num_recv_rows)
 
     what = f"case seed={seed} {scenario} R={num_ranks} k={ranks_per_node} fp8={use_fp8} worst={num_worst_tokens}"
@@ -127,7 +127,7 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         try:
             _equal_payload(part(mine["cached_x"]), want["recv_x"], f"{what} rank {rank} cached recv_x")
         except AssertionError as err:
-            raise AssertionError(f"{err} ({_differing_rows(part(mine['cached_x']), want['recv_x'])})") from None
+            raise AssertionError(f"{err} ({differing_rows(part(mine['cached_x']), want['recv_x'])})") from None
         assert torch.equal(mine["recv_src_idx"][rows], want["recv_src_idx"]), f"{what} rank {rank} recv_src_idx"
         assert torch.equal(mine["rank_prefix_matrix"], want["rank_prefix_matrix"]), f"{what} rank {rank} prefix"
         if num_worst_tokens:
@@ -146,7 +146,7 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
         ref = reference_combine(xs_home(inputs[rank], use_fp8), topks[rank], num_experts, num_ranks, rank_fn,
                                 biases[rank])
         if not num_bias:
-            assert torch.equal(_bits16(combined), _bits16(two_level[rank])), f"{what} rank {rank} combine (two-level)"
+            assert torch.equal(bits16(combined), bits16(two_level[rank])), f"{what} rank {rank} combine (two-level)"
         torch.testing.assert_close(combined.float(), ref.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"{what} rank {rank} combine: {m}")
         if with_weights:
@@ -221,7 +221,7 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
             results.append(got)
         wait_stream(device)
         backend.raise_pending()
-        results = [{key: _cpu(value) for key, value in got.items()} for got in results]
+        results = [{key: to_cpu(value) for key, value in got.items()} for got in results]
         for got in results:
             got["waits"] = tuple(w.tolist() for w in got["waits"])
         return dict(rounds=results, stats=stats.cpu(), mask=mask.cpu(), words=low_latency_words(backend, E))
@@ -242,7 +242,7 @@ def low_latency_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
         total = torch.zeros(num_local, dtype=torch.int32)
         for r, (xs, topks, weights) in enumerate(routings):
             mine = got[rank]["rounds"][r]
-            handle = _HandleView(mine["src_info"], mine["layout"])
+            handle = HandleView(mine["src_info"], mine["layout"])
             ref = reference_low_latency_dispatch(xs, topks, E, use_fp8, round_scale)[rank]
             total += mine["recv_count"]
             for e in range(num_local):

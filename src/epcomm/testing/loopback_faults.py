@@ -16,7 +16,7 @@ from .reference import (reference_combine, reference_dispatch, reference_low_lat
                         reference_low_latency_dispatch)
 from .sweeps import _equal_payload, expert_fn, make_routing, rank_fn
 from .loopback_cases import warm_low_latency
-from .loopback_world import _cpu, run_ranks, wait_stream
+from .loopback_world import run_ranks, to_cpu, wait_stream
 
 
 def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int = 512, rounds: int = 3,
@@ -192,7 +192,7 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         ll_combined = _ll_round_trip(rank, backend, ll_args, weights[rank].to(device), hidden)
         wait_stream(device)
         backend.raise_pending()
-        return dict(seen=seen, recv_x=_cpu(result.recv_x), combined=_cpu(combined), ll_combined=_cpu(ll_combined),
+        return dict(seen=seen, recv_x=to_cpu(result.recv_x), combined=to_cpu(combined), ll_combined=to_cpu(ll_combined),
                     mask=mask.cpu())
 
     what = f"recovery case R={R} k={ranks_per_node}"
@@ -278,7 +278,7 @@ def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         backend.check_combine(y, result.handle, None, ())
         combined, _ = backend.combine(y, result.handle, None, (), config)
         seen.append(raised(backend))
-        return dict(seen=seen, recv_x=_cpu(result.recv_x), combined=_cpu(combined))
+        return dict(seen=seen, recv_x=to_cpu(result.recv_x), combined=to_cpu(combined))
 
     what = f"disagreement case R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, bytes_for_tokens(T, R, ranks_per_node, E, hidden, K),
@@ -332,7 +332,7 @@ def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         backend.check_low_latency_dispatch(args)
         combined = _ll_round_trip(rank, backend, args, weights[rank].to(device), hidden)
         wait_stream(device)
-        return dict(seconds=seconds, raised=raised, masked=masked, combined=_cpu(combined))
+        return dict(seconds=seconds, raised=raised, masked=masked, combined=to_cpu(combined))
 
     what = f"other-call case R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=timeout_s, device=device, warm=warm,

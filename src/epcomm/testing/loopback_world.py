@@ -104,20 +104,20 @@ def low_latency_words(backend: NvshmemBackend, num_experts: int) -> str:
     return "; ".join(parts)
 
 
-def _cpu(value):
+def to_cpu(value):
     if isinstance(value, tuple):
         return tuple(v.cpu() for v in value)
     return None if value is None else value.cpu()
 
 
-class _HandleView:
+class HandleView:
     """The two index tensors of a LowLatencyHandle that ``sweeps._ll_rows`` reads (CPU copies)."""
 
     def __init__(self, recv_src_info: torch.Tensor, recv_layout_range: torch.Tensor):
         self.recv_src_info, self.recv_layout_range = recv_src_info, recv_layout_range
 
 
-def _differing_rows(got, want) -> str:
+def differing_rows(got, want) -> str:
     """Which rows differ (a hint for a failing comparison): their indices, and how many are zero."""
     got, want = (got[0], want[0]) if isinstance(want, tuple) else (got, want)
     got = got.contiguous().view(torch.uint8).reshape(len(want), -1)
@@ -136,5 +136,5 @@ def xs_home(x, use_fp8: bool) -> torch.Tensor:
     return (values.float() * scales.repeat_interleave(128, dim=1)).to(torch.bfloat16)
 
 
-def _bits16(t: torch.Tensor) -> torch.Tensor:
+def bits16(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
