@@ -135,9 +135,11 @@ def profile_rank(tokens: int):
         scratch = torch.zeros(1, dtype=torch.int64, device=dev)
         host_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         from epcomm.backends.gpu import normal
-        layout_kernel = normal.LAYOUT.bind(num_warps=4, BLOCK_T=128, E_P2=256, K_P2=8, R_P2=2, SUM_ROWS=16)
-        layout_tensors = [topk, torch.empty(R, dtype=torch.int32, device=dev), torch.empty(E, dtype=torch.int32, device=dev),
-                          torch.empty(T, R, dtype=torch.bool, device=dev), torch.empty(64, 258, dtype=torch.int32, device=dev)]
+        layout_kernel = normal.LAYOUT.bind(num_warps=4, BLOCK_T=128, E_P2=256, K_P2=8, R_P2=2, N_P2=1, HAS_NODES=False,
+                                           SUM_ROWS=16)
+        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        layout_tensors = [topk, per_rank, per_rank, torch.empty(E, dtype=torch.int32, device=dev),
+                          torch.empty(T, R, dtype=torch.bool, device=dev), torch.empty(64, 259, dtype=torch.int32, device=dev)]
         layout_state = buf._backend.state.data_ptr()
         block = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
         report.append("primitive costs (µs/call):")
@@ -147,10 +149,10 @@ def profile_rank(tokens: int):
                 ("bound launch (2 args)", lambda: probe.launch(1, 1, current_stream(dev.index), host_word.data_ptr(), scratch)),
                 ("raw stream handle", lambda: current_stream(dev.index)),
                 ("layout launch, 5 tensor pointers", lambda: layout_kernel.launch(
-                    1, 1, current_stream(dev.index), *layout_tensors, buf._backend.state, host_word.data_ptr(), 0, 0, E, R, E // R)),
+                    1, 1, current_stream(dev.index), *layout_tensors, buf._backend.state, host_word.data_ptr(), 0, 0, E, R, E // R, R)),
                 ("layout launch, 5 int pointers", lambda: layout_kernel.launch(
                     1, 1, current_stream(dev.index), *[t.data_ptr() for t in layout_tensors], layout_state, host_word.data_ptr(), 0, 0, E, R,
-                    E // R)),
+                    E // R, R)),
                 ("check_tensor", lambda: checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(T, None), device=dev)),
                 ("x.data_ptr()", lambda: x.data_ptr())):
             report.append(f"  {name:<34} {_per_call_us(fn):7.2f}")

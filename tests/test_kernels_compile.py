@@ -16,7 +16,9 @@ from epcomm.backends.gpu import mailbox as MB  # noqa: E402
 
 def _cases():
     yield MB._probe_kernel, {}, 1
-    yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, SUM_ROWS=32), 4
+    for nodes in (False, True):
+        yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, N_P2=4 if nodes else 1, HAS_NODES=nodes,
+                             SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
     yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)

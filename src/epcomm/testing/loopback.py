@@ -21,13 +21,20 @@ reference (within bf16 rounding).
 """
 from __future__ import annotations
 
-from .loopback_cases import low_latency_case, mixed_modes_case, normal_case, send_layout_case
+from .loopback_cases import layout_case, low_latency_case, mixed_modes_case, normal_case, send_layout_case
 from .loopback_faults import (bad_counts_case, disagreement_case, ll_other_call_case, low_latency_dead_rank_case,
                               recovery_case)
 from .loopback_world import run_ranks
 
 
 TOPOLOGIES = ((2, 1), (4, 2), (4, 1), (2, 2), (6, 2))  # (ranks, ranks per node)
+
+
+def layout_cases(num_ranks: int, ranks_per_node: int):
+    """get_dispatch_layout's kernel on its own (:func:`layout_case`): around the block edge, holes,
+    a hot rank, an empty batch, a large one."""
+    return [(40, "uniform", dict(num_tokens=300)), (41, "holes", dict(num_tokens=129)), (42, "one_rank", dict(num_tokens=1)),
+            (43, "skewed", dict(num_tokens=0)), (44, "holes", dict(num_tokens=5000))]
 
 
 def send_layout_cases(num_ranks: int, ranks_per_node: int):
@@ -93,8 +100,8 @@ def main(argv=None) -> int:
                                env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
-    suites = [(send_layout_case, send_layout_cases), (normal_case, cases), (bad_counts_case, bad_counts_cases)] \
-        if args.mode != "low_latency" else []
+    suites = [(layout_case, layout_cases), (send_layout_case, send_layout_cases), (normal_case, cases),
+              (bad_counts_case, bad_counts_cases)] if args.mode != "low_latency" else []
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
                (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases),
                (disagreement_case, dead_rank_cases),
@@ -121,7 +128,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["run_ranks", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
+__all__ = ["run_ranks", "layout_case", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
            "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "disagreement_case",
            "ll_other_call_case", "main"]
 

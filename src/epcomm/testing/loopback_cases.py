@@ -22,6 +22,44 @@ from .loopback_world import (HandleView, bits16, differing_rows, low_latency_wor
                              xs_home)
 
 
+def layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", num_tokens: int = 300,
+                device: Optional[torch.device] = None) -> None:
+    """get_dispatch_layout's kernel (gpu/normal/layout.py, both GPU backends) against
+    layout.dispatch_layout: the counts per rank, per node (None on one node) and per expert, and
+    is_token_in_rank; then one expert id out of range, which counts nowhere and is reported to the
+    host mailbox (EPInputError naming topk_idx at the next look)."""
+    from ..backends.gpu.mailbox import HostMailbox
+    from ..backends.gpu.normal.layout import LayoutKernel
+    from ..backends.gpu.sync import device_state
+    from ..errors import EPInputError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, k, E = num_ranks, ranks_per_node, 4 * num_ranks
+    _, topks, _ = make_routing(seed, scenario, R, E, 4, num_tokens, 128, fixed_tokens=num_tokens)
+    mailbox = HostMailbox(R, 64)
+    layout = LayoutKernel(R, k, device, device_state(device), mailbox.address)
+    what = f"layout seed={seed} {scenario} R={R} k={k} T={num_tokens}"
+    for rank in range(R):
+        topk = topks[rank].to(device)
+        got = layout(topk, E)
+        want = dispatch_layout(topk, E, R, k)
+        for name, g, w in zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                               "is_token_in_rank"), got, want):
+            assert (g is None) == (w is None), f"{what} rank {rank}: {name} {g} against {w}"
+            assert g is None or torch.equal(g, w), f"{what} rank {rank}: {name} {g.tolist()} != {w.tolist()}"
+        mailbox.raise_pending(rank, 1.0)
+    if num_tokens:
+        bad = topks[0].to(device).clone()
+        bad[0, 0] = E
+        layout(bad, E)
+        torch.cuda.synchronize(device)
+        try:
+            mailbox.raise_pending(0, 1.0)
+        except EPInputError as err:
+            assert err.argument == "topk_idx", f"{what}: an id out of range raised for {err.argument}"
+        else:
+            raise AssertionError(f"{what}: an id out of range was not reported")
+
+
 def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform",
                      num_tokens: int = 300, num_channels: int = 3, device: Optional[torch.device] = None) -> None:
     """ml_dispatch_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and

@@ -47,6 +47,7 @@ from ..gpu.reach.peers import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.workspace import ALIGN, Workspace
 from ..gpu.launch import current_stream
 from ..gpu.mailbox import HostMailbox, check_host_mapping
+from ..gpu.normal.layout import LayoutKernel
 from ..gpu.sync import ARRIVE_NOTIFY, CALL_FAILED, device_state
 from . import combine as combine_kernels
 from . import normal as dispatch_kernels
@@ -153,6 +154,7 @@ class NvshmemBackend(Backend):
         self.failed_word = self.state.data_ptr() + 8 * CALL_FAILED  # (step.py: a failed step skips the call)
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
+        self.layout = LayoutKernel(self.num_ranks, ranks_per_node, device, self.state, self.mailbox.address)
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.epoch = 0  # calls made: every rank makes the same ones (step.py)
@@ -197,6 +199,12 @@ class NvshmemBackend(Backend):
                          normal=False, staging=True, rank=self.rank, num_ranks=self.num_ranks)
 
     # ------------------------------------------------------------------ per call
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
+        """One kernel (gpu/normal/layout.py), the per-node counts included; a local call."""
+        if ranks_per_node != self.topology.ranks_per_node:  # (Buffer passes its own, the same)
+            return super().dispatch_layout(topk_idx, num_experts, ranks_per_node)
+        return self.layout(topk_idx, num_experts)
+
     def raise_pending(self) -> None:
         self.mailbox.raise_pending(self.rank, self.timeout_s)
 

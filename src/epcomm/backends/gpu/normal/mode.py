@@ -17,7 +17,7 @@ from ..launch import Specialisations, cdiv, current_stream, p2
 from ..workspace import FP_NORMAL
 from .combine import PUSH, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
-from .layout import LAYOUT, LAYOUT_BLOCK_T
+from .layout import LayoutKernel
 from .notify import NOTIFY_BOUND
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
@@ -98,34 +98,13 @@ class NormalMode:
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
         self.fingerprints = ws.fingerprint_set(FP_NORMAL)
-        self._layout_plans = {}
+        self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
 
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        R = self.R
-        num_tokens, num_topk = topk_idx.shape
-        key = (num_experts, num_topk)
-        plan = self._layout_plans.get(key)
-        if plan is None:
-            e_p2 = p2(num_experts)
-            kernel = LAYOUT.bind(num_warps=4, BLOCK_T=LAYOUT_BLOCK_T, E_P2=e_p2, K_P2=p2(num_topk), R_P2=self.R_P2,
-                                 SUM_ROWS=min(64, p2(8192 // (e_p2 + self.R_P2) + 1) // 2))
-            plan = self._layout_plans[key] = [kernel, None, e_p2, 0]
-        kernel, scratch, e_p2, scratch_address = plan
-        num_programs = max(1, cdiv(num_tokens, LAYOUT_BLOCK_T))
-        if scratch is None or scratch.shape[0] < num_programs:
-            scratch = plan[1] = torch.empty(max(num_programs, 64), e_p2 + self.R_P2, dtype=torch.int32,
-                                            device=self.device)
-            scratch_address = plan[3] = scratch.data_ptr()
-        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
-        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
-        kernel.launch(num_programs, 1, current_stream(self.dev_index), topk_idx.data_ptr(), per_rank.data_ptr(),
-                      per_expert.data_ptr(), in_rank.data_ptr(), scratch_address, self.state, self.b.mailbox.address,
-                      num_tokens, num_topk, num_experts, R, num_experts // R)
-        return per_rank, None, per_expert, in_rank
+        return self.layout(topk_idx, num_experts)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch_plan(self, x_bytes: int, num_scales: int, num_topk: int, expert_major_topk: int) -> DispatchPlan:
