@@ -32,27 +32,37 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
 def check_tensor(name: str, t, *, dtype=None, dtypes: Sequence[torch.dtype] = (), ndim: Optional[int] = None,
                  shape: Optional[Sequence[Optional[int]]] = None, device: Optional[torch.device] = None,
                  contiguous: bool = True) -> torch.Tensor:
-    """Type, dtype, rank, shape (``None`` = any size), device and contiguity of one tensor."""
+    """Type, dtype, rank, shape (``None`` = any size), device and contiguity of one tensor.
+    (On every call's host path: the valid case reads each attribute once and builds nothing.)"""
     if not isinstance(t, torch.Tensor):
         raise EPInputError(name, f"must be a torch.Tensor, got {type(t).__name__}")
-    allowed = tuple(dtypes) + ((dtype,) if dtype is not None else ())
-    if allowed and t.dtype not in allowed:
+    got_dtype = t.dtype
+    if (dtype is not None or dtypes) and got_dtype is not dtype and got_dtype not in dtypes:
+        allowed = tuple(dtypes) + ((dtype,) if dtype is not None else ())
         names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise EPInputError(name, f"must have dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+        raise EPInputError(name, f"must have dtype {names}, got {str(got_dtype).replace('torch.', '')}")
+    got_shape = t.shape
     if shape is not None:
         ndim = len(shape)
-    if ndim is not None and t.dim() != ndim:
-        raise EPInputError(name, f"must be {ndim}-dimensional, got shape {tuple(t.shape)}")
+    if ndim is not None and len(got_shape) != ndim:
+        raise EPInputError(name, f"must be {ndim}-dimensional, got shape {tuple(got_shape)}")
     if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+        for want, got in zip(shape, got_shape):
             if want is not None and want != got:
-                expected = tuple("*" if s is None else s for s in shape)
-                raise EPInputError(name, f"must have shape {expected}, got {tuple(t.shape)} (dim {axis})")
-    if device is not None and t.device != device and not _same_device(t.device, device):
-        raise EPInputError(name, f"must be on {device}, got {t.device}")
+                _raise_shape(name, shape, got_shape)
+    if device is not None:
+        got_device = t.device
+        if got_device != device and not _same_device(got_device, device):
+            raise EPInputError(name, f"must be on {device}, got {got_device}")
     if contiguous and not t.is_contiguous():
         raise EPInputError(name, "must be contiguous")
     return t
+
+
+def _raise_shape(name: str, shape, got_shape) -> None:
+    expected = tuple("*" if s is None else s for s in shape)
+    axis = next(i for i, (want, got) in enumerate(zip(shape, got_shape)) if want is not None and want != got)
+    raise EPInputError(name, f"must have shape {expected}, got {tuple(got_shape)} (dim {axis})")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
