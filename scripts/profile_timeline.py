@@ -32,7 +32,9 @@ def _iteration_events(prof, marker: str):
     """Per iteration: [(absolute start ns, duration ns, where, name)] for host calls and kernels."""
     start_ns = prof.profiler.kineto_results.trace_start_ns()
     events = prof.events()
-    marks = sorted((e for e in events if e.name == marker), key=lambda e: e.time_range.start)
+    # the host's ranges only (the profiler also records each range's GPU span under the same name)
+    marks = sorted((e for e in events if e.name == marker and e.device_type.name == "CPU"),
+                   key=lambda e: e.time_range.start)
     bounds = [m.time_range.start for m in marks] + [float("inf")]
     per_iteration = [[] for _ in marks]
     for event in events:
