@@ -56,6 +56,9 @@ def cases(num_ranks: int, ranks_per_node: int):
         (12, "holes", dict(num_worst_tokens=40 * R, num_experts=4 * R)),
         (13, "uniform", dict(with_weights=False, expert_alignment=8, num_experts=4 * R)),
         (14, "one_rank", dict(max_tokens=300, hidden=2048, num_experts=8 * R, num_topk=8)),
+        # a dispatch's send split over several programs per (channel, node), each putting a slice
+        (15, "uniform", dict(send_parts=3, max_tokens=120, num_experts=4 * R, num_channels=3)),
+        (16, "holes", dict(send_parts=2, use_fp8=True, num_experts=4 * R, hidden=512)),
     ]
 
 

@@ -98,7 +98,7 @@ def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
 def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", hidden: int = 256,
                 num_experts: int = 16, num_topk: int = 4, max_tokens: int = 40, use_fp8: bool = False,
                 with_weights: bool = True, num_bias: int = 0, num_worst_tokens: int = 0, num_channels: int = 2,
-                expert_alignment: int = 1, device: Optional[torch.device] = None) -> None:
+                expert_alignment: int = 1, send_parts: int = 1, device: Optional[torch.device] = None) -> None:
     """One multi-node dispatch + cached dispatch + combine on loopback ranks; raises AssertionError
     naming what differs from the references."""
     device = device or torch.device("cuda", torch.cuda.current_device())
@@ -153,7 +153,8 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
 
     what = f"case seed={seed} {scenario} R={num_ranks} k={ranks_per_node} fp8={use_fp8} worst={num_worst_tokens}"
     try:
-        got = run_ranks(num_ranks, ranks_per_node, rank_body, num_bytes, device=device, warm=warm)
+        got = run_ranks(num_ranks, ranks_per_node, rank_body, num_bytes, device=device, warm=warm,
+                        send_parts=send_parts)
     except RuntimeError as err:
         raise RuntimeError(f"{what} (tokens per rank {[len(x) for x in xs]}): {err}") from err
     for rank in range(num_ranks):

@@ -29,6 +29,7 @@ graphs (normal-mode calls cannot: their step barrier counts epochs on the host).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -128,13 +129,16 @@ class NvshmemBackend(Backend):
         ll_ranks_per_node: the nodes of low-latency mode, whose ranks reach each other by stores
             (default ``ranks_per_node``; 1 sends everything through NVSHMEM, DeepEP's
             ``allow_nvlink_for_low_latency_mode=False``).
+        send_parts: programs per (channel, node) of a dispatch's send: each packs and puts a slice
+            of the channel's rows (more puts in flight; default 1, or ``EPCOMM_NVSHMEM_SEND_PARTS``
+            for measurements).
     """
 
     name = "nvshmem"
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
-                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None):
+                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -155,6 +159,13 @@ class NvshmemBackend(Backend):
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
         self.layout = LayoutKernel(self.num_ranks, ranks_per_node, device, self.state, self.mailbox.address)
+        if send_parts is None:
+            send_parts = int(os.environ.get("EPCOMM_NVSHMEM_SEND_PARTS", "1"))
+        if send_parts < 1:
+            raise EPInputError("send_parts", f"must be >= 1, got {send_parts}")
+        self.send_parts = send_parts
+        # arrival counters of the send's parts, one per (channel, node); zero between calls
+        self.part_counters = torch.zeros(MAX_CHANNELS * self.topology.num_nodes, dtype=torch.int64, device=device)
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.epoch = 0  # calls made: every rank makes the same ones (step.py)
@@ -252,6 +263,7 @@ class NvshmemBackend(Backend):
         self._resync_rendezvous("resync")
         self.t.buffer[:self.pre.data].zero_()
         self.state.zero_()
+        self.part_counters.zero_()
         self.epoch = 0
         if self.low_latency is not None:
             self.ll_ws.zero_signals()
@@ -380,12 +392,13 @@ class NvshmemBackend(Backend):
         topk = args.topk_idx.data_ptr() if plan.num_topk else x_address
         weights = args.topk_weights.data_ptr() if plan.num_topk else x_address
         scale_strides = (scales.stride(0), scales.stride(1)) if is_fp8 else (0, 0)
-        plan.send.launch(C, N, stream, self.failed_word, self.peer_bases, x_address, scales.data_ptr() if is_fp8 else x_address,
+        plan.send.launch(C * self.send_parts, N, stream, self.failed_word, self.peer_bases, x_address, scales.data_ptr() if is_fp8 else x_address,
                          *scale_strides, topk, weights, state.node_tokens.data_ptr(), state.in_node_masks.data_ptr(),
                          state.node_row.data_ptr(), state.table.data_ptr(), self.base + layout.send,
                          self.base + layout.recv, self.base + self.pre.dispatch_signals, epoch, rank, R, k, num_tokens,
                          plan.x_words, plan.num_scales, plan.num_topk, row.row_bytes, row.scales, row.ids, row.weights,
-                         row.src, row.mask, layout.token_cap, meta.length, meta.per_node, meta.rdma_prefix, C)
+                         row.src, row.mask, layout.token_cap, meta.length, meta.per_node, meta.rdma_prefix, C,
+                         self.send_parts, self.part_counters.data_ptr())
 
         if handle is None:
             # The host reads the counts even with num_worst_tokens (which then only fixes the output

@@ -241,30 +241,40 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                      epoch, rank, num_ranks, ranks_per_node, num_tokens, x_words, num_scales, num_topk,
                      row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
                      rdma_prefix_at, num_channels,
+                     parts,  # programs per (channel, node): each packs and puts a slice of the rows
+                     part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                      LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program (c, n): the rows of channel c for node n (rows [lo, hi) of this rank's block there),
-    # packed (x, scales, top-k, source index, in-node mask) and delivered to the forwarder
-    # (n, local). Another node: packed into this rank's send area, then one put_signal — NVSHMEM
-    # delivers the rows before it SETs the forwarder's signal [this node][c] to epoch, and the
-    # forwarder's node peers ACQUIRE that word before reading the rows (ml_dispatch_forward).
-    # This node: this rank is the forwarder; the rows go straight into its receive area and the
-    # program RELEASEs the signal itself (st.release.sys after a CTA barrier: the same hand-off).
-    c = tl.program_id(0)
+    # Program (c * parts + part, n): slice `part` of the rows of channel c for node n (rows
+    # [lo, hi) of this rank's block there), packed (x, scales, top-k, source index, in-node mask)
+    # and delivered to the forwarder (n, local). Another node: packed into this rank's send area,
+    # then put — one put_signal when the channel is one program (NVSHMEM delivers the rows before
+    # it SETs the forwarder's signal [this node][c] to epoch); with several, each program puts its
+    # slice and completes it (quiet) before it arrives, and the last to arrive SETs the signal, so
+    # the signal still follows every byte. The forwarder's node peers ACQUIRE that word before
+    # reading the rows (ml_dispatch_forward). This node: this rank is the forwarder; the rows go
+    # straight into its receive area and the program (the last to arrive) RELEASEs the signal
+    # itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off).
+    pid = tl.program_id(0)
+    c = pid // parts
+    part = pid % parts
     n = tl.program_id(1)
     node = rank // ranks_per_node
     local = rank % ranks_per_node
     lo, hi = _channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
+    rows_in_channel = hi - lo
+    slice_lo = lo + rows_in_channel * part // parts
+    slice_hi = lo + rows_in_channel * (part + 1) // parts
     block_start = _block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
     here = n == node
     # row r of the block: at the forwarder (here) or in the send area (another node)
     base = tl.where(here, recv_area + block_start.to(tl.int64) * row_bytes,
                     send_area + (n * send_cap).to(tl.int64) * row_bytes)
-    for first in range(lo, hi, BLOCK_R):
+    for first in range(slice_lo, slice_hi, BLOCK_R):
         rows = first + tl.arange(0, BLOCK_R)
-        live = rows < hi
+        live = rows < slice_hi
         tokens = tl.load(node_tokens_ptr + n * num_tokens + rows, mask=live, other=0).to(tl.int64)
         row = base + rows.to(tl.int64) * row_bytes
         copy_rows(x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tokens * x_words, word_ptr(row, False), live,
@@ -287,18 +297,34 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
     signal_word = signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8
-    if here:
-        store_release_sys(signal_word, epoch)  # RELEASE: the rows -> this node's ranks
+    forwarder = n * ranks_per_node + local
+    if parts == 1:
+        if here:
+            store_release_sys(signal_word, epoch)  # RELEASE: the rows -> this node's ranks
+        else:
+            nvshmem.deliver(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
+                            send_area + (n * send_cap + lo).to(tl.int64) * row_bytes,
+                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, forwarder, peer_bases_ptr, rank,
+                            LOOPBACK)
     else:
-        nvshmem.deliver(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
-                        send_area + (n * send_cap + lo).to(tl.int64) * row_bytes, (hi - lo).to(tl.int64) * row_bytes,
-                        signal_word, epoch, n * ranks_per_node + local, peer_bases_ptr, rank, LOOPBACK)
+        if not here:
+            nvshmem.send_bytes(recv_area + (block_start + slice_lo).to(tl.int64) * row_bytes,
+                               send_area + (n * send_cap + slice_lo).to(tl.int64) * row_bytes,
+                               (slice_hi - slice_lo).to(tl.int64) * row_bytes, forwarder, peer_bases_ptr, rank,
+                               LOOPBACK)
+            nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
+        if arrive(part_counters_ptr + c * (num_ranks // ranks_per_node) + n, parts):  # (acq_rel)
+            if here:
+                store_release_sys(signal_word, epoch)  # RELEASE: every slice's rows -> this node's ranks
+            else:  # the signal alone, after every slice landed
+                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, forwarder, peer_bases_ptr, rank,
+                                LOOPBACK)
 
 
 SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
                                      "i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"],
+                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "*i64"],
                   library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
