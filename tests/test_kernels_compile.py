@@ -199,6 +199,9 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)
     send = M.SEND.compile(dict(meta, LOOPBACK=loopback), 8, target=target, **options)
     assert ("nvshmemx_putmem_signal_block" in send.asm["ptx"]) != loopback
+    # the send split over parts (send_parts > 1): each part's put, its completion, the last one's signal
+    for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet", "nvshmemx_signal_op"):
+        assert (symbol in send.asm["ptx"]) != loopback, symbol
     assert M.FORWARD.compile(meta, 8, target=target).asm["cubin"]
     assert M.SEND.library_of(dict(LOOPBACK=loopback)) is (None if loopback else M.nvshmem.NVSHMEM)
 
@@ -213,6 +216,8 @@ def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
     forward = C.FORWARD.compile(dict(LOOPBACK=loopback, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8,
                                      LOCAL_P2=8), 8, target=target, ptx_options=None if loopback else "--compile-only")
     assert ("nvshmemx_putmem_signal_block" in forward.asm["ptx"]) != loopback
+    for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet"):  # (send_parts > 1)
+        assert (symbol in forward.asm["ptx"]) != loopback, symbol
 
 
 def test_kernel_names_say_which_call_they_belong_to():

@@ -129,9 +129,9 @@ class NvshmemBackend(Backend):
         ll_ranks_per_node: the nodes of low-latency mode, whose ranks reach each other by stores
             (default ``ranks_per_node``; 1 sends everything through NVSHMEM, DeepEP's
             ``allow_nvlink_for_low_latency_mode=False``).
-        send_parts: programs per (channel, node) of a dispatch's send: each packs and puts a slice
-            of the channel's rows (more puts in flight; default 1, or ``EPCOMM_NVSHMEM_SEND_PARTS``
-            for measurements).
+        send_parts: programs per (channel, node) of the puts between nodes — a dispatch's send, a
+            combine's forward: each moves a slice of the channel's rows (more puts in flight;
+            default 1, or ``EPCOMM_NVSHMEM_SEND_PARTS`` for measurements).
     """
 
     name = "nvshmem"
@@ -512,11 +512,12 @@ class NvshmemBackend(Backend):
         plan.push.launch(R, C, stream, self.failed_word, x_address, weights_in, state.recv_area_row.data_ptr(), table,
                          handle.rank_prefix_matrix.data_ptr(), self.peer_bases, layout.slots, self.pre.push_flags, epoch, rank, R, k, hidden // 4, num_topk,
                          crow.row_bytes, crow.weights, meta_length, meta.gbl_prefix, C)
-        plan.forward.launch(N, C, stream, self.failed_word, self.peer_bases, area_masks, table, self.base + layout.slots,
+        plan.forward.launch(N * self.send_parts, C, stream, self.failed_word, self.peer_bases, area_masks, table, self.base + layout.slots,
                             self.base + self.pre.push_flags, self.base + layout.partials, self.base + layout.home,
                             self.base + self.pre.home_signals, self.mailbox.address, epoch, self.timeout_ns, rank, R, k,
                             hidden, num_topk, crow.row_bytes, crow.weights, layout.token_cap, meta_length,
-                            meta.per_node, meta.rdma_prefix, C)
+                            meta.per_node, meta.rdma_prefix, C,
+                            self.send_parts, self.part_counters.data_ptr())
         combined_address = combined.data_ptr()
         out_w = combined_w.data_ptr() if num_topk else combined_address
         bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address

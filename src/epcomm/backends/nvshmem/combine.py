@@ -41,7 +41,7 @@ from ..gpu.copy import copy_rows, word_ptr
 from ..gpu.launch import KernelSpec
 from ..gpu.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ..gpu.reach import nvshmem
-from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hop2_program
+from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hand_off, _hop2_program, _part_rows
 
 
 # ====================================================================== at each receiving rank
@@ -99,6 +99,8 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                        mailbox_address,  # host mailbox (gpu/mailbox.py)
                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
+                       parts,  # programs per (node, channel): each sums and puts a slice of the rows
+                       part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                        LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -110,7 +112,9 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     # rounded to bf16 — the same sums, in the same order, as two_level_combine. The partial rows
     # go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
     # [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
-    m = tl.program_id(0)
+    # With several programs per (m, c), each takes a slice of the rows (normal.py _hand_off).
+    m = tl.program_id(0) // parts
+    part = tl.program_id(0) % parts
     c = tl.program_id(1)
     node = rank // ranks_per_node
     local = rank % ranks_per_node
@@ -127,9 +131,10 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
         # partial row r: straight into the home area when s is this rank, else staged for the put
         out_base = tl.where(here, home_area + (node * home_cap).to(tl.int64) * row_bytes,
                             partials + block_start.to(tl.int64) * row_bytes)
-        for first in range(lo, hi, BLOCK_R):
+        part_lo, part_hi = _part_rows(lo, hi, part, parts)
+        for first in range(part_lo, part_hi, BLOCK_R):
             rows = first + tl.arange(0, BLOCK_R)
-            live = rows < hi
+            live = rows < part_hi
             area_rows = (block_start + rows).to(tl.int64)
             masks = tl.load(area_masks_ptr + area_rows, mask=live, other=0)
             out_rows = out_base + rows.to(tl.int64) * row_bytes
@@ -153,18 +158,15 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                     acc_w += tl.load(slot.to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=take, other=0.0)
                 tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
         tl.debug_barrier()  # every thread's partial rows precede the release / the put
-        signal_word = home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8
-        if here:
-            store_release_sys(signal_word, epoch)  # RELEASE: the partials of this node -> this rank
-        else:
-            nvshmem.deliver(home_area + (node * home_cap + lo).to(tl.int64) * row_bytes,
-                            partials + (block_start + lo).to(tl.int64) * row_bytes, (hi - lo).to(tl.int64) * row_bytes,
-                            signal_word, epoch, s, peer_bases_ptr, rank, LOOPBACK)
+        _hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
+                  partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, here,
+                  home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch, s, parts,
+                  part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, LOOPBACK)
 
 
 FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                                          "i32", "i32", "i32", "*i64"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
 # ====================================================================== at home

@@ -226,6 +226,43 @@ NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "
                                 "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
+# ====================================================================== a channel's hand-off, in parts
+@triton.jit
+def _part_rows(lo, hi, part, parts):
+    """Rows ``[lo, hi)`` of a channel, slice ``part`` of ``parts`` (contiguous, sizes within one)."""
+    return lo + (hi - lo) * part // parts, lo + (hi - lo) * (part + 1) // parts
+
+
+@triton.jit
+def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, here, signal_word, epoch, pe, parts, counter_ptr,
+              peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
+    """Rows ``[lo, hi)`` of a channel are ready (this program wrote rows ``[part_lo, part_hi)``:
+    at ``dst`` when ``here``, else staged at ``src``; both are row-0 addresses) and are handed to
+    ``pe``, whose readers ACQUIRE ``signal_word`` (SET to ``epoch``) before reading them. Call after
+    a CTA barrier that orders the program's row writes.
+
+    One program per channel (``parts == 1``): here, a RELEASE of the signal; else one put with
+    signal (the bytes land before the signal). Several: each program puts its own slice and
+    completes it (quiet) before it arrives at ``counter_ptr``; the last to arrive (acq_rel: it has
+    seen every slice's completion) RELEASEs the signal here, or SETs it alone on ``pe``."""
+    if parts == 1:
+        if here:
+            store_release_sys(signal_word, epoch)
+        else:
+            nvshmem.deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
+                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+    else:
+        if not here:
+            nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
+                               (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
+            nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
+        if arrive(counter_ptr, parts):
+            if here:
+                store_release_sys(signal_word, epoch)
+            else:  # the signal alone, after every slice landed
+                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+
+
 # ====================================================================== hop 1: send
 @triton.jit
 def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
@@ -264,9 +301,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
     node = rank // ranks_per_node
     local = rank % ranks_per_node
     lo, hi = _channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
-    rows_in_channel = hi - lo
-    slice_lo = lo + rows_in_channel * part // parts
-    slice_hi = lo + rows_in_channel * (part + 1) // parts
+    slice_lo, slice_hi = _part_rows(lo, hi, part, parts)
     block_start = _block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
     here = n == node
     # row r of the block: at the forwarder (here) or in the send area (another node)
@@ -296,29 +331,10 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                  tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
-    signal_word = signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8
-    forwarder = n * ranks_per_node + local
-    if parts == 1:
-        if here:
-            store_release_sys(signal_word, epoch)  # RELEASE: the rows -> this node's ranks
-        else:
-            nvshmem.deliver(recv_area + (block_start + lo).to(tl.int64) * row_bytes,
-                            send_area + (n * send_cap + lo).to(tl.int64) * row_bytes,
-                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, forwarder, peer_bases_ptr, rank,
-                            LOOPBACK)
-    else:
-        if not here:
-            nvshmem.send_bytes(recv_area + (block_start + slice_lo).to(tl.int64) * row_bytes,
-                               send_area + (n * send_cap + slice_lo).to(tl.int64) * row_bytes,
-                               (slice_hi - slice_lo).to(tl.int64) * row_bytes, forwarder, peer_bases_ptr, rank,
-                               LOOPBACK)
-            nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
-        if arrive(part_counters_ptr + c * (num_ranks // ranks_per_node) + n, parts):  # (acq_rel)
-            if here:
-                store_release_sys(signal_word, epoch)  # RELEASE: every slice's rows -> this node's ranks
-            else:  # the signal alone, after every slice landed
-                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, forwarder, peer_bases_ptr, rank,
-                                LOOPBACK)
+    _hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
+              row_bytes, lo, hi, slice_lo, slice_hi, here, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch,
+              n * ranks_per_node + local, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n,
+              peer_bases_ptr, rank, LOOPBACK)
 
 
 SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
