@@ -156,6 +156,7 @@ class NormalBenchSettings:
     peer: Optional[str] = None
     seed: int = 0
     ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend (issue 14)
+    send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
 
 
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
@@ -265,13 +266,19 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     started = time.time()
-    runs = [(tokens, settings.sms) for tokens in [settings.tokens] + [t for t in settings.extra_tokens
-                                                                      if t != settings.tokens]]
-    runs += [(settings.tokens, sms) for sms in settings.more_sms if sms != settings.sms]
-    for tokens, sms in runs:
+    runs = [(tokens, settings.sms, None) for tokens in [settings.tokens] + [t for t in settings.extra_tokens
+                                                                            if t != settings.tokens]]
+    runs += [(settings.tokens, sms, None) for sms in settings.more_sms if sms != settings.sms]
+    runs += [(settings.tokens, settings.sms, parts) for parts in settings.send_parts]
+    backend = buffers["epcomm"][0]._backend
+    for tokens, sms, parts in runs:
+        if parts is not None:  # the nvshmem backend reads it at every launch
+            backend.send_parts = parts
         if dist.get_rank() == 0:
-            print(f"[normal] T={tokens} num_sms={sms} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
-        points.append(_bench_normal_point(settings, tokens, buffers, flush, sms))
+            print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts}" if parts else "") +
+                  f" ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms),
+                           send_parts=getattr(backend, "send_parts", None)))
     buffers["epcomm"][0].destroy()
     return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
             "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
@@ -286,7 +293,8 @@ def normal_table(result: Dict) -> str:
         title = (f"# epcomm bench normal: {result['world']} x {result['device']}, backend {result['backend']}, "
                  f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
                  f"Config({point.get('sms', s['sms'])}, 8, 256); "
-                 f"rank 0 receives {point['recv_tokens']} rows")
+                 + (f"send_parts {point['send_parts']}; " if point.get("send_parts") else "")
+                 + f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
         if "inter_node" in point:
@@ -512,6 +520,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["deep_ep"], default=None,
                         help="also run this library on the same data (needs it importable)")
     parser.add_argument("--ranks", type=int, default=0, help="ranks to use (0: all GPUs)")
+    parser.add_argument("--send-parts", type=token_list, default=[],
+                        help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own at "
+                             "--tokens (programs per channel and node of the puts between nodes)")
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="virtual nodes of this many ranks (the nvshmem backend; low-latency mode runs nvlink "
                              "beside it); 0: one node")
@@ -540,7 +551,10 @@ def run(args: argparse.Namespace) -> int:
     settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms[0],
                                    more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer,
-                                   ranks_per_node=args.ranks_per_node)
+                                   ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts))
+    if args.send_parts and not args.ranks_per_node:
+        print("--send-parts needs --ranks-per-node (the nvshmem backend)", file=sys.stderr)
+        return 2
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
