@@ -253,8 +253,9 @@ def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, here, signal_word, 
                             (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
     else:
         if not here:
-            nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
-                               (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
+            if part_hi > part_lo:  # (a slice may be empty: the channel has fewer rows than parts)
+                nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
+                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
             nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
         if arrive(counter_ptr, parts):
             if here:
