@@ -352,13 +352,15 @@ class Buffer:
             if handle is not None:
                 if not isinstance(handle, DispatchHandle):
                     raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-                for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
-                                    ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
-                                    ("is_token_in_rank", is_token_in_rank),
-                                    ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                                    ("topk_weights", topk_weights)):
-                    if value is not None:
-                        raise EPInputError(name, "must be None in cached mode (a handle was given)")
+                if not (num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
+                        and num_tokens_per_expert is None and topk_idx is None and topk_weights is None):
+                    for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                                        ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
+                                        ("is_token_in_rank", is_token_in_rank),
+                                        ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                                        ("topk_weights", topk_weights)):
+                        if value is not None:
+                            raise EPInputError(name, "must be None in cached mode (a handle was given)")
                 if expert_major and handle.expert_major is None:
                     raise EPInputError("expert_major", "this handle comes from a plain dispatch; a cached dispatch "
                                                        "returns the layout of the dispatch that made the handle")

@@ -1,6 +1,7 @@
 """Kernel configuration (DeepEP's ``Config``) and tuned defaults per world size."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .errors import EPInputError
@@ -73,11 +74,19 @@ def _check_num_ranks(num_ranks: int) -> None:
 def dispatch_config(num_ranks: int) -> Config:
     """Tuned dispatch defaults for ``num_ranks`` ranks (queue sizes grow with fan-out)."""
     _check_num_ranks(num_ranks)
-    recv_tokens = 256 if num_ranks <= 4 else 288
-    return Config(default_num_sms(), 6 if num_ranks <= 4 else 8, recv_tokens)
+    return _default_config("dispatch", num_ranks, _default_num_sms)
 
 
 def combine_config(num_ranks: int) -> Config:
     """Tuned combine defaults for ``num_ranks`` ranks."""
     _check_num_ranks(num_ranks)
-    return Config(default_num_sms(), 6 if num_ranks <= 4 else 4, 256)
+    return _default_config("combine", num_ranks, _default_num_sms)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(kind: str, num_ranks: int, num_sms: int) -> Config:
+    """One Config per setting (frozen, so shared): a call without ``config`` resolves its default
+    on the host path of every call, where building and validating one costs about a microsecond."""
+    if kind == "dispatch":
+        return Config(num_sms, 6 if num_ranks <= 4 else 8, 256 if num_ranks <= 4 else 288)
+    return Config(num_sms, 6 if num_ranks <= 4 else 4, 256)
