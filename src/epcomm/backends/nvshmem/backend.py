@@ -211,9 +211,8 @@ class NvshmemBackend(Backend):
 
     # ------------------------------------------------------------------ per call
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
-        """One kernel (gpu/normal/layout.py), the per-node counts included; a local call."""
-        if ranks_per_node != self.topology.ranks_per_node:  # (Buffer passes its own, the same)
-            return super().dispatch_layout(topk_idx, num_experts, ranks_per_node)
+        """One kernel (gpu/normal/layout.py), the per-node counts of this backend's nodes included
+        (Buffer's ``ranks_per_node`` made them); a local call."""
         return self.layout(topk_idx, num_experts)
 
     def raise_pending(self) -> None:
