@@ -153,6 +153,11 @@ def profile_rank(tokens: int):
                 ("layout launch, 5 int pointers", lambda: layout_kernel.launch(
                     1, 1, current_stream(dev.index), *[t.data_ptr() for t in layout_tensors], layout_state, host_word.data_ptr(), 0, 0, E, R,
                     E // R, R)),
+                ("torch.empty [8] int32, device obj", lambda: torch.empty(8, dtype=torch.int32, device=dev)),
+                ("torch.empty [8] int32, device int", lambda: torch.empty(8, dtype=torch.int32, device=dev.index)),
+                ("x.new_empty [8] int32", lambda: x.new_empty(8, dtype=torch.int32)),
+                ("torch.empty [264] + split 2", lambda: torch.empty(264, dtype=torch.int32, device=dev).split([8, 256])),
+                ("torch.empty [T, R] bool", lambda: torch.empty((T, R), dtype=torch.bool, device=dev)),
                 ("check_tensor", lambda: checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(T, None), device=dev)),
                 ("x.data_ptr()", lambda: x.data_ptr())):
             report.append(f"  {name:<34} {_per_call_us(fn):7.2f}")

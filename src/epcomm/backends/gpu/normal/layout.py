@@ -99,6 +99,9 @@ class LayoutKernel:
         self.R, self.ranks_per_node, self.device = num_ranks, ranks_per_node, device
         self.num_nodes = num_ranks // ranks_per_node
         self.R_P2, self.N_P2 = p2(num_ranks), p2(self.num_nodes)
+        # The kernel gets only the address: holding the tensor keeps the caching allocator from
+        # handing its words to another tensor (a caller may pass a temporary).
+        self.state_words = state
         self.state, self.mailbox_address = state.data_ptr(), mailbox_address
         self._plans = {}
 
