@@ -48,7 +48,7 @@ fi
 # multi-node on virtual nodes of one GPU each (the nvshmem backend; no DeepEP peer there): normal mode
 # with the inter-node rows beside the minimum, low-latency mode beside nvlink on one node
 mkdir -p "$OUT/virtual_nodes"
-python3 -m epcomm bench normal --ranks-per-node 1 --send-parts 2,4,8 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_progress.log" \
+python3 -m epcomm bench normal --ranks-per-node 1 --send-parts 1,4 --p2p 1,0 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_progress.log" \
   | tee "$OUT/bench_normal_virtual_nodes.txt"
 vn_rc=${PIPESTATUS[0]}
 python3 -m epcomm bench low-latency --ranks-per-node 1 --out "$OUT/virtual_nodes" 2>"$OUT/bench_vn_ll_progress.log" \

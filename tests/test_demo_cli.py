@@ -96,3 +96,23 @@ def test_bench_tables_show_each_sms_setting_and_the_decode_loop():
           "decode_loop": {"epcomm": {"median": 80e-6, "p99": 120e-6}, "deep_ep": {"median": 72e-6, "p99": 90e-6}}}
     lines = bench.low_latency_table(ll)
     assert "epcomm median 80.0 p99 120.0" in lines and "decode loop epcomm / deep_ep (median): 1.11x" in lines
+
+
+def test_bench_transport_settings_of_the_nvshmem_backend():
+    """Issue 28: `--send-parts` and `--p2p` (0/1 lists) need virtual nodes, and each point's
+    table says which transport setting it ran."""
+    import argparse
+    from epcomm.tools import bench
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["normal", "--p2p", "1,0"]).p2p == [1, 0]
+    run = _epcomm("bench", "normal", "--p2p", "2")
+    assert run.returncode == 2 and "0 or 1" in run.stderr.splitlines()[-1], run.stderr
+    t = {"host": 1e-5, "gpu": 2e-5, "synced": 3e-5}
+    rows = [{"call": "dispatch, full, BF16", "epcomm": t, "nccl": t}]
+    points = [{"tokens": 4096, "sms": 24, "recv_tokens": 10, "rows": rows, "checks": {}, "send_parts": parts, "p2p": p2p}
+              for parts, p2p in ((1, True), (4, False))]
+    result = {"world": 2, "device": "GPU", "backend": "nvshmem", "peer": None, "points": points,
+              "settings": {"hidden": 7168, "num_topk": 8, "num_experts": 256, "sms": 24}}
+    table = bench.normal_table(result)
+    assert "send_parts 1, p2p 1" in table and "send_parts 4, p2p 0" in table

@@ -59,6 +59,11 @@ def cases(num_ranks: int, ranks_per_node: int):
         # a dispatch's send split over several programs per (channel, node), each putting a slice
         (15, "uniform", dict(send_parts=3, max_tokens=120, num_experts=4 * R, num_channels=3)),
         (16, "holes", dict(send_parts=2, use_fp8=True, num_experts=4 * R, hidden=512)),
+        # rows for another node stored straight into its workspace (p2p: a peer mapped here)
+        (17, "uniform", dict(p2p=True, num_experts=4 * R)),
+        (18, "skewed", dict(p2p=True, send_parts=3, num_bias=1, max_tokens=120, num_experts=4 * R, num_channels=3)),
+        (19, "holes", dict(p2p=True, send_parts=2, use_fp8=True, num_worst_tokens=40 * R, num_experts=4 * R,
+                           hidden=512)),
     ]
 
 

@@ -98,9 +98,11 @@ def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
 def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", hidden: int = 256,
                 num_experts: int = 16, num_topk: int = 4, max_tokens: int = 40, use_fp8: bool = False,
                 with_weights: bool = True, num_bias: int = 0, num_worst_tokens: int = 0, num_channels: int = 2,
-                expert_alignment: int = 1, send_parts: int = 1, device: Optional[torch.device] = None) -> None:
+                expert_alignment: int = 1, send_parts: int = 1, p2p: bool = False,
+                device: Optional[torch.device] = None) -> None:
     """One multi-node dispatch + cached dispatch + combine on loopback ranks; raises AssertionError
-    naming what differs from the references."""
+    naming what differs from the references. ``send_parts`` and ``p2p`` as in NvshmemBackend
+    (``p2p``: rows for another node stored straight into it, not put)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     xs, topks, weights = make_routing(seed, scenario, num_ranks, num_experts, num_topk, max_tokens, hidden)
     inputs = [to_fp8_input(x, column_major=seed % 2 == 1) for x in xs] if use_fp8 else xs
@@ -151,10 +153,11 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
                     cached_x=to_cpu(cached.recv_x), y=to_cpu(y), combined=to_cpu(combined), combined_w=to_cpu(combined_w),
                     num_rows=handle.num_recv_rows)
 
-    what = f"case seed={seed} {scenario} R={num_ranks} k={ranks_per_node} fp8={use_fp8} worst={num_worst_tokens}"
+    what = f"case seed={seed} {scenario} R={num_ranks} k={ranks_per_node} fp8={use_fp8} worst={num_worst_tokens}" \
+           f" parts={send_parts} p2p={p2p}"
     try:
         got = run_ranks(num_ranks, ranks_per_node, rank_body, num_bytes, device=device, warm=warm,
-                        send_parts=send_parts)
+                        send_parts=send_parts, p2p=p2p)
     except RuntimeError as err:
         raise RuntimeError(f"{what} (tokens per rank {[len(x) for x in xs]}): {err}") from err
     for rank in range(num_ranks):

@@ -16,18 +16,21 @@ from ..backends.gpu.reach.transport import LoopbackWorld
 def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBackend], object], num_bytes: int,
               timeout_s: float = 20.0, device: Optional[torch.device] = None,
               warm: Optional[Callable[[NvshmemBackend], None]] = None, num_ll_bytes: int = 0,
-              ll_ranks_per_node: Optional[int] = None, send_parts: int = 1) -> List[object]:
+              ll_ranks_per_node: Optional[int] = None, send_parts: int = 1, p2p: bool = False) -> List[object]:
     """``fn(rank, backend)`` for every rank, each in its own thread and CUDA stream, over one
     :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception.
     ``warm(backend)`` runs first, in this thread: compile the kernels ``fn`` will launch there,
     since a rank compiling inside ``fn`` holds up the others' waits (by seconds per kernel).
     ``num_ll_bytes``: the backends' low-latency workspace (0: none); ``send_parts``: programs per
-    (channel, node) of a dispatch's send (NvshmemBackend)."""
+    (channel, node) of a dispatch's send; ``p2p``: rows for another node stored straight into its
+    workspace (NvshmemBackend; every loopback workspace is mapped, so False keeps the puts that
+    ranks on other hosts take)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     world = LoopbackWorld(num_ranks, device,
                           NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks, ranks_per_node))
     backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
-                               num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node, send_parts=send_parts)
+                               num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node, send_parts=send_parts,
+                               p2p=p2p)
                 for rank in range(num_ranks)]
     if warm is not None:
         warm(backends[0])  # compiled kernels are shared by every backend of the process

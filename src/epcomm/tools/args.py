@@ -26,3 +26,15 @@ def hidden_size(text: str) -> int:
 def token_list(text: str):
     """argparse type: comma-separated positive ints ('' = none)."""
     return [positive_int(t) for t in text.split(",") if t.strip()]
+
+
+def switch_list(text: str):
+    """argparse type: comma-separated settings of an on/off switch, each 0 or 1 ('' = none)."""
+    values = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        if item.strip() not in ("0", "1"):
+            raise argparse.ArgumentTypeError(f"each value must be 0 or 1, got {item.strip()!r}")
+        values.append(int(item))
+    return values

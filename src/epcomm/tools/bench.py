@@ -157,6 +157,7 @@ class NormalBenchSettings:
     seed: int = 0
     ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend (issue 14)
     send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
+    p2p: List[int] = field(default_factory=list)  # nvshmem: p2p settings (1 stores, 0 puts), crossed with send_parts
 
 
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
@@ -266,19 +267,22 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     started = time.time()
-    runs = [(tokens, settings.sms, None) for tokens in [settings.tokens] + [t for t in settings.extra_tokens
-                                                                            if t != settings.tokens]]
-    runs += [(settings.tokens, sms, None) for sms in settings.more_sms if sms != settings.sms]
-    runs += [(settings.tokens, settings.sms, parts) for parts in settings.send_parts]
     backend = buffers["epcomm"][0]._backend
-    for tokens, sms, parts in runs:
-        if parts is not None:  # the nvshmem backend reads it at every launch
-            backend.send_parts = parts
+    default_transport = (getattr(backend, "send_parts", None), getattr(backend, "p2p", None))
+    runs = [(tokens, settings.sms, default_transport) for tokens in [settings.tokens] + [
+        t for t in settings.extra_tokens if t != settings.tokens]]
+    runs += [(settings.tokens, sms, default_transport) for sms in settings.more_sms if sms != settings.sms]
+    if settings.send_parts or settings.p2p:  # the nvshmem backend's transport settings, crossed
+        runs += [(settings.tokens, settings.sms, (parts, bool(p2p)))
+                 for parts in settings.send_parts or [default_transport[0]]
+                 for p2p in settings.p2p or [default_transport[1]] if (parts, bool(p2p)) != default_transport]
+    for tokens, sms, (parts, p2p) in runs:
+        if parts is not None:  # the nvshmem backend reads both at every launch
+            backend.send_parts, backend.p2p = parts, p2p
         if dist.get_rank() == 0:
-            print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts}" if parts else "") +
+            print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   f" ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
-        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms),
-                           send_parts=getattr(backend, "send_parts", None)))
+        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p))
     buffers["epcomm"][0].destroy()
     return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
             "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
@@ -293,7 +297,7 @@ def normal_table(result: Dict) -> str:
         title = (f"# epcomm bench normal: {result['world']} x {result['device']}, backend {result['backend']}, "
                  f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
                  f"Config({point.get('sms', s['sms'])}, 8, 256); "
-                 + (f"send_parts {point['send_parts']}; " if point.get("send_parts") else "")
+                 + (f"send_parts {point['send_parts']}, p2p {int(point['p2p'])}; " if point.get("send_parts") else "")
                  + f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
@@ -506,7 +510,7 @@ def low_latency_table(result: Dict) -> str:
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`)."""
-    from .args import positive_int, token_list
+    from .args import positive_int, switch_list, token_list
     parser.add_argument("mode", choices=["normal", "low-latency"], help="which mode to benchmark")
     parser.add_argument("--tokens", type=int, default=0,
                         help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")
@@ -523,6 +527,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--send-parts", type=token_list, default=[],
                         help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own at "
                              "--tokens (programs per channel and node of the puts between nodes)")
+    parser.add_argument("--p2p", type=switch_list, default=[],
+                        help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table of its "
+                             "own at --tokens (1: rows stored straight into a peer mapped here, 0: staged and put, "
+                             "as between hosts)")
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="virtual nodes of this many ranks (the nvshmem backend; low-latency mode runs nvlink "
                              "beside it); 0: one node")
@@ -551,9 +559,10 @@ def run(args: argparse.Namespace) -> int:
     settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms[0],
                                    more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer,
-                                   ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts))
-    if args.send_parts and not args.ranks_per_node:
-        print("--send-parts needs --ranks-per-node (the nvshmem backend)", file=sys.stderr)
+                                   ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts),
+                                   p2p=list(args.p2p))
+    if (args.send_parts or args.p2p) and not args.ranks_per_node:
+        print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)
         return 2
     result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:

@@ -132,13 +132,20 @@ class NvshmemBackend(Backend):
         send_parts: programs per (channel, node) of the puts between nodes — a dispatch's send, a
             combine's forward: each moves a slice of the channel's rows (more puts in flight;
             default 1, or ``EPCOMM_NVSHMEM_SEND_PARTS`` for measurements).
+        p2p: a dispatch's send and a combine's forward store their rows straight into a peer on
+            another node whose workspace this GPU can load and store (NVSHMEM maps it: the nodes
+            share an NVLink domain, or virtual nodes of one host) instead of staging them and
+            putting them — what NVSHMEM's put would do there anyway, less one copy. Peers it cannot
+            map (other hosts) always take the put. Default True, or ``EPCOMM_NVSHMEM_P2P=0`` (to
+            measure the puts between GPUs of one host).
     """
 
     name = "nvshmem"
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
-                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None):
+                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None,
+                 p2p: Optional[bool] = None):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -164,6 +171,9 @@ class NvshmemBackend(Backend):
         if send_parts < 1:
             raise EPInputError("send_parts", f"must be >= 1, got {send_parts}")
         self.send_parts = send_parts
+        if p2p is None:
+            p2p = os.environ.get("EPCOMM_NVSHMEM_P2P", "1") != "0"
+        self.p2p = bool(p2p)
         # arrival counters of the send's parts, one per (channel, node); zero between calls
         self.part_counters = torch.zeros(MAX_CHANNELS * self.topology.num_nodes, dtype=torch.int64, device=device)
         self.timeout_s = float(timeout_s)
@@ -397,7 +407,7 @@ class NvshmemBackend(Backend):
                          self.base + layout.recv, self.base + self.pre.dispatch_signals, epoch, rank, R, k, num_tokens,
                          plan.x_words, plan.num_scales, plan.num_topk, row.row_bytes, row.scales, row.ids, row.weights,
                          row.src, row.mask, layout.token_cap, meta.length, meta.per_node, meta.rdma_prefix, C,
-                         self.send_parts, self.part_counters.data_ptr())
+                         self.send_parts, int(self.p2p), self.part_counters.data_ptr())
 
         if handle is None:
             # The host reads the counts even with num_worst_tokens (which then only fixes the output
@@ -516,7 +526,7 @@ class NvshmemBackend(Backend):
                             self.base + self.pre.home_signals, self.mailbox.address, epoch, self.timeout_ns, rank, R, k,
                             hidden, num_topk, crow.row_bytes, crow.weights, layout.token_cap, meta_length,
                             meta.per_node, meta.rdma_prefix, C,
-                            self.send_parts, self.part_counters.data_ptr())
+                            self.send_parts, int(self.p2p), self.part_counters.data_ptr())
         combined_address = combined.data_ptr()
         out_w = combined_w.data_ptr() if num_topk else combined_address
         bias0 = bias[0].data_ptr() if len(bias) >= 1 else combined_address

@@ -21,7 +21,8 @@ Three launches, C channels of contiguous tokens as in the dispatch:
                         area row's slots over the ranks in its mask (float32, ascending j), rounds
                         to bf16 and delivers the partial rows to home s = (m, l), block n, rows
                         [lo, hi): one put_signal (NVSHMEM orders the rows before the signal), or,
-                        when s is f itself, local stores and a RELEASE of the signal.
+                        when s is f itself or its workspace is mapped here (p2p: NVLink), stores
+                        straight into s's area and a RELEASE of the signal.
     ml_combine_reduce   at s, <= num_sms programs over the tokens: ACQUIRE the N x C signals of
                         this call, then per token sum the partials of the nodes in its mask (float32, ascending node),
                         add the biases, round to bf16.
@@ -41,7 +42,7 @@ from ..gpu.copy import copy_rows, word_ptr
 from ..gpu.launch import KernelSpec
 from ..gpu.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ..gpu.reach import nvshmem
-from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hand_off, _hop2_program, _part_rows
+from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hand_off, _hop2_program, _part_rows, _reach
 
 
 # ====================================================================== at each receiving rank
@@ -90,7 +91,7 @@ PUSH = KernelSpec(ml_combine_push, ["*i64", "*i64", "*fp32", "*i32", "*i32", "*i
 # ====================================================================== at each forwarder
 @triton.jit
 def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                       peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+                       peer_bases_ptr,  # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
                        area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
                        meta_ptr,  # [R, meta_len] int32: the dispatch's count table
                        slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
@@ -100,6 +101,7 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
                        parts,  # programs per (node, channel): each sums and puts a slice of the rows
+                       p2p,  # 1: store straight into a home whose workspace is mapped here (normal._reach)
                        part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                        LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
@@ -127,9 +129,10 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     if tl.max(late.to(tl.int32), axis=0) == 0:
         lo, hi = _channel_range(meta_ptr + s * meta_len + rdma_prefix_at + node * num_channels, c)
         block_start = _block_start(meta_ptr, meta_len, per_node_at, m, node, local, ranks_per_node)
-        here = m == node
-        # partial row r: straight into the home area when s is this rank, else staged for the put
-        out_base = tl.where(here, home_area + (node * home_cap).to(tl.int64) * row_bytes,
+        direct, shift = _reach(s, rank, p2p, peer_bases_ptr)
+        # partial row r: straight into the home area when s is this rank or mapped here (p2p),
+        # else staged for the put
+        out_base = tl.where(direct, home_area + shift + (node * home_cap).to(tl.int64) * row_bytes,
                             partials + block_start.to(tl.int64) * row_bytes)
         part_lo, part_hi = _part_rows(lo, hi, part, parts)
         for first in range(part_lo, part_hi, BLOCK_R):
@@ -159,14 +162,15 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                 tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
         tl.debug_barrier()  # every thread's partial rows precede the release / the put
         _hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
-                  partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, here,
+                  partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, direct, shift,
                   home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch, s, parts,
                   part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, LOOPBACK)
 
 
 FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "*i64"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                                          "i32", "i32", "i32", "i32", "*i64"], library=nvshmem.NVSHMEM,
+                 library_unless="LOOPBACK")
 
 
 # ====================================================================== at home

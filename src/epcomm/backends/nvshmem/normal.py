@@ -234,32 +234,46 @@ def _part_rows(lo, hi, part, parts):
 
 
 @triton.jit
-def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, here, signal_word, epoch, pe, parts, counter_ptr,
-              peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
-    """Rows ``[lo, hi)`` of a channel are ready (this program wrote rows ``[part_lo, part_hi)``:
-    at ``dst`` when ``here``, else staged at ``src``; both are row-0 addresses) and are handed to
-    ``pe``, whose readers ACQUIRE ``signal_word`` (SET to ``epoch``) before reading them. Call after
-    a CTA barrier that orders the program's row writes.
+def _reach(pe, rank, p2p, peer_bases_ptr):
+    """``(direct, shift)`` for a hand-off to ``pe``: ``direct`` when this program stores the rows
+    straight into ``pe``'s area — ``pe`` is this rank, or (``p2p`` != 0) ``pe``'s workspace is
+    mapped into this process (``peer_bases[pe]`` != 0: a peer over NVLink, or a loopback rank; a
+    peer on another host is 0) — and ``shift``, the bytes from this rank's address of symmetric
+    memory to that mapping (0 for this rank). Otherwise the rows are staged and put."""
+    peer_base = tl.load(peer_bases_ptr + pe)
+    direct = (pe == rank) | ((p2p != 0) & (peer_base != 0))
+    return direct, peer_base - tl.load(peer_bases_ptr + rank)
 
-    One program per channel (``parts == 1``): here, a RELEASE of the signal; else one put with
+
+@triton.jit
+def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, direct, shift, signal_word, epoch, pe, parts,
+              counter_ptr, peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
+    """Rows ``[lo, hi)`` of a channel are ready (this program wrote rows ``[part_lo, part_hi)``:
+    at ``dst + shift`` when ``direct`` (:func:`_reach`), else staged at ``src``; both are row-0
+    addresses) and are handed to ``pe``, whose readers ACQUIRE ``signal_word`` (SET to ``epoch``)
+    before reading them. Call after a CTA barrier that orders the program's row writes.
+
+    One program per channel (``parts == 1``): direct, a RELEASE of the signal through the same
+    mapping (st.release.sys: the rows, stored before it, are seen with it); else one put with
     signal (the bytes land before the signal). Several: each program puts its own slice and
-    completes it (quiet) before it arrives at ``counter_ptr``; the last to arrive (acq_rel: it has
-    seen every slice's completion) RELEASEs the signal here, or SETs it alone on ``pe``."""
+    completes it (quiet) before it arrives at ``counter_ptr`` (a direct slice needs no
+    completion: the arrival orders it); the last to arrive (acq_rel: it has seen every slice)
+    RELEASEs the signal, or SETs it alone on ``pe``."""
     if parts == 1:
-        if here:
-            store_release_sys(signal_word, epoch)
+        if direct:
+            store_release_sys(signal_word + shift, epoch)
         else:
             nvshmem.deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
                             (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
     else:
-        if not here:
+        if not direct:
             if part_hi > part_lo:  # (a slice may be empty: the channel has fewer rows than parts)
                 nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
                                    (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
             nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
         if arrive(counter_ptr, parts):
-            if here:
-                store_release_sys(signal_word, epoch)
+            if direct:
+                store_release_sys(signal_word + shift, epoch)
             else:  # the signal alone, after every slice landed
                 nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
 
@@ -267,7 +281,7 @@ def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, here, signal_word, 
 # ====================================================================== hop 1: send
 @triton.jit
 def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                     peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
+                     peer_bases_ptr,  # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
                      x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
@@ -280,6 +294,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                      row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
                      rdma_prefix_at, num_channels,
                      parts,  # programs per (channel, node): each packs and puts a slice of the rows
+                     p2p,  # 1: store straight into a forwarder whose workspace is mapped here (_reach)
                      part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                      LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
@@ -294,7 +309,9 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
     # the signal still follows every byte. The forwarder's node peers ACQUIRE that word before
     # reading the rows (ml_dispatch_forward). This node: this rank is the forwarder; the rows go
     # straight into its receive area and the program (the last to arrive) RELEASEs the signal
-    # itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off).
+    # itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off). A
+    # forwarder on another node whose workspace is mapped here (p2p: NVLink) is written the same
+    # way, through the mapping: no staging copy, no put.
     pid = tl.program_id(0)
     c = pid // parts
     part = pid % parts
@@ -304,9 +321,10 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
     lo, hi = _channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
     slice_lo, slice_hi = _part_rows(lo, hi, part, parts)
     block_start = _block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
-    here = n == node
-    # row r of the block: at the forwarder (here) or in the send area (another node)
-    base = tl.where(here, recv_area + block_start.to(tl.int64) * row_bytes,
+    forwarder = n * ranks_per_node + local
+    direct, shift = _reach(forwarder, rank, p2p, peer_bases_ptr)
+    # row r of the block: at the forwarder (direct) or in the send area (put later)
+    base = tl.where(direct, recv_area + shift + block_start.to(tl.int64) * row_bytes,
                     send_area + (n * send_cap).to(tl.int64) * row_bytes)
     for first in range(slice_lo, slice_hi, BLOCK_R):
         rows = first + tl.arange(0, BLOCK_R)
@@ -333,15 +351,16 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
     _hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
-              row_bytes, lo, hi, slice_lo, slice_hi, here, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch,
-              n * ranks_per_node + local, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n,
-              peer_bases_ptr, rank, LOOPBACK)
+              row_bytes, lo, hi, slice_lo, slice_hi, direct, shift, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8,
+              epoch, forwarder, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n, peer_bases_ptr, rank,
+              LOOPBACK)
 
 
 SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
                                      "i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "*i64"],
+                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                                     "*i64"],
                   library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
