@@ -9,6 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from epcomm.backends.gpu import agreement as A  # noqa: E402
+from epcomm.backends.gpu import expert_major as EM  # noqa: E402
 from epcomm.backends.gpu import low_latency as L  # noqa: E402
 from epcomm.backends.gpu import normal as N  # noqa: E402
 from epcomm.backends.gpu import mailbox as MB  # noqa: E402
@@ -20,6 +21,9 @@ def _cases():
         yield N.LAYOUT, dict(BLOCK_T=128, E_P2=256, K_P2=8, R_P2=8, N_P2=4 if nodes else 1, HAS_NODES=nodes,
                              SUM_ROWS=32), 4
     yield N.NOTIFY, dict(R_P2=8, BLOCK=256), 4
+    for word_bytes in (8, 4):
+        yield EM.EXPAND, dict(WORD_BYTES=word_bytes, BLOCK_R=2, BLOCK_W=1024), 8
+    yield EM.FOLD, dict(BLOCK_R=4, K_P2=8), 4
     yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
@@ -220,6 +224,13 @@ def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
         assert (symbol in forward.asm["ptx"]) != loopback, symbol
 
 
+def test_expert_major_fold_rounds_as_torch_does():
+    """The fold kernel is compiled without FMA fusion: each product and sum rounded on its own, as
+    torch's expert_major.fold does (bit-for-bit equal results)."""
+    ptx = EM.FOLD.compile(dict(BLOCK_R=4, K_P2=8), 4, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx
+
+
 def test_kernel_names_say_which_call_they_belong_to():
     """Issue 26 case 8: profiler tools written for DeepEP count a call's kernels by "dispatch" and
     "combine" in their names (a low-latency call with return_recv_hook launches its kernel twice:
@@ -229,8 +240,8 @@ def test_kernel_names_say_which_call_they_belong_to():
     from epcomm.backends.nvshmem import normal as MN
     from epcomm.backends.nvshmem import step as MS
     calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
-                          MS.STEPS["dispatch"]],
-             "combine": [L.COMBINE, N.PUSH, N.REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"]]}
+                          MS.STEPS["dispatch"], EM.EXPAND],
+             "combine": [L.COMBINE, N.PUSH, N.REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
     for call, specs in calls.items():
         other = "combine" if call == "dispatch" else "dispatch"
         for spec in specs:

@@ -91,3 +91,40 @@ def test_ranks_per_host_blocks():
     for hosts in (["a", "b", "a", "b"], ["a", "a", "b"], ["a", "a", "a", "b", "b", "c"], ["a", "a", "b", "b", "a", "a"]):
         with pytest.raises(EPError, match="ranks_per_node"):
             ranks_per_block(hosts)
+
+
+def _expert_major_by_loops(topk_idx, weights, group_sizes):
+    """The expert-major mapping entry by entry: groups in expert order, plain (row, k) order inside."""
+    num_rows = sum(group_sizes)
+    dest = torch.full(topk_idx.shape, -1, dtype=torch.int32)
+    row_experts = torch.full((num_rows,), -1, dtype=torch.int64)
+    row_weights = torch.zeros(num_rows)
+    start = 0
+    for expert, size in enumerate(group_sizes):
+        next_row = start
+        for r in range(topk_idx.shape[0]):
+            for k in range(topk_idx.shape[1]):
+                if topk_idx[r, k] == expert:
+                    dest[r, k], row_experts[next_row], row_weights[next_row] = next_row, expert, weights[r, k]
+                    next_row += 1
+        start += size
+    return dest, row_experts, row_weights
+
+
+def test_expert_major_plan_matches_loops():
+    """expert_major.plan (sorts and scatters, no host sync) against the entry-by-entry mapping:
+    empty batches, no local entries, repeated experts in a row, padding to 1, 4 and 8."""
+    from epcomm import expert_major
+    g = torch.Generator().manual_seed(0)
+    for case in range(60):
+        N, K, L = (int(torch.randint(0, hi, (1,), generator=g)) + lo for lo, hi in ((0, 40), (1, 8), (1, 8)))
+        topk_idx = torch.randint(-1, L, (N, K), generator=g)
+        if case % 7 == 0:
+            topk_idx[:] = -1
+        weights = torch.rand(N, K, generator=g)
+        align = (1, 4, 8)[case % 3]
+        sizes = [-(-c // align) * align for c in torch.bincount(topk_idx[topk_idx >= 0], minlength=L).tolist()]
+        mapping = expert_major.plan(topk_idx, weights, sizes)
+        dest, row_experts, row_weights = _expert_major_by_loops(topk_idx, weights, sizes)
+        assert torch.equal(mapping.dest, dest) and torch.equal(mapping.row_experts, row_experts), case
+        assert torch.equal(mapping.row_weights, row_weights) and mapping.num_rows == sum(sizes), case

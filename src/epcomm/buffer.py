@@ -415,11 +415,11 @@ class Buffer:
             if not self._backend.native_expert_major:  # re-laid here from the plain rows
                 if expert_major:
                     mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)
-                    recv_x = expert_major_layout.expand(recv_x, mapping)
+                    recv_x = self._backend.expand_expert_major(recv_x, mapping)
                     recv_topk_idx, recv_topk_weights = mapping.row_experts, mapping.row_weights
                     out_handle = out_handle._replace(expert_major=mapping)
                 elif handle is not None and handle.expert_major is not None:
-                    recv_x = expert_major_layout.expand(recv_x, handle.expert_major)
+                    recv_x = self._backend.expand_expert_major(recv_x, handle.expert_major)
             scope.keep(recv_x, recv_topk_idx, recv_topk_weights)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, out_handle, scope.event_overlap()
 
@@ -474,7 +474,7 @@ class Buffer:
                                             ("topk_weights", None if topk_weights is None else topk_weights.shape[1])))
         with self._stream_scope(previous_event, async_finish, (x, topk_weights) + biases) as scope:
             if mapping is not None and not self._backend.native_expert_major:
-                x = expert_major_layout.fold(x, mapping)  # weighted fold back onto the plain rows
+                x = self._backend.fold_expert_major(x, mapping)  # weighted fold back onto the plain rows
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, scope.event_overlap()

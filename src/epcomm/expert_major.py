@@ -45,27 +45,33 @@ class ExpertMajor(NamedTuple):
 
 def plan(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, group_sizes: List[int]) -> ExpertMajor:
     """The mapping for one dispatch from its plain top-k outputs (``[N, K]`` local ids / weights).
-    ``group_sizes``: the padded per-expert counts the dispatch returned, so no host sync is needed."""
+    ``group_sizes``: the padded per-expert counts the dispatch returned. No host synchronisation:
+    a stable sort of every entry by its expert (entries of no local expert sort last, as expert
+    ``L``) gives each entry its place in its group; scatters with those entries aimed at a spare
+    last slot fill the outputs."""
     device = recv_topk_idx.device
     num_local = len(group_sizes)
     flat = recv_topk_idx.reshape(-1)
-    entries = (flat >= 0).nonzero().squeeze(1)  # (row, k) entries in plain order
-    expert = flat[entries]
-    order = torch.sort(expert, stable=True).indices  # group by expert, plain order inside
-    entries, expert = entries[order], expert[order]
-    counts = torch.bincount(expert, minlength=num_local)
-    padded = torch.tensor(group_sizes, dtype=torch.int64, device=device)
-    group_start = padded.cumsum(0) - padded
-    position = torch.arange(entries.numel(), device=device) - (counts.cumsum(0) - counts)[expert]
-    row = group_start[expert] + position
+    num_entries = flat.numel()
+    expert = torch.where(flat >= 0, flat, num_local)  # [N*K]: local expert, or L for none
+    order = torch.sort(expert, stable=True).indices  # group by expert, plain (row, k) order inside
+    sorted_expert = expert[order]
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    padded = torch.tensor(list(group_sizes) + [0], dtype=torch.int64, device=device)
+    group_start = padded.cumsum(0) - padded  # [L + 1]: where each group starts (L: after the last)
+    position = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
     num_rows = int(sum(group_sizes))
-    dest = torch.full((flat.numel(),), -1, dtype=torch.int32, device=device)
-    dest[entries] = row.to(torch.int32)
-    row_experts = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    row_weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    row_experts[row] = expert
-    row_weights[row] = recv_topk_weights.reshape(-1)[entries].float()
-    return ExpertMajor(dest.view(recv_topk_idx.shape), row_experts, row_weights, num_rows, list(group_sizes))
+    local = sorted_expert < num_local
+    row = torch.where(local, group_start[sorted_expert] + position, num_rows)  # [N*K] in sorted order
+    dest = torch.empty(num_entries, dtype=torch.int32, device=device)
+    dest[order] = torch.where(local, row, -1).to(torch.int32)
+    row_experts = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+    row_weights = torch.zeros(num_rows + 1, dtype=torch.float32, device=device)
+    row_experts.scatter_(0, row, torch.where(local, sorted_expert, -1))
+    row_weights.scatter_(0, row, torch.where(local, recv_topk_weights.reshape(-1)[order].float(), 0.0))
+    return ExpertMajor(dest.view(recv_topk_idx.shape), row_experts[:num_rows], row_weights[:num_rows], num_rows,
+                       list(group_sizes))
 
 
 def expand(recv_x, mapping: ExpertMajor):

@@ -96,6 +96,19 @@ class Backend(abc.ABC):
         from ..layout import dispatch_layout
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, ranks_per_node)
 
+    def expand_expert_major(self, recv_x, mapping):
+        """A plain dispatch's received rows (bf16 ``[N, H]`` or an FP8 pair) in the expert-major
+        layout of ``mapping`` (:mod:`epcomm.expert_major`); Buffer calls it when the backend is not
+        ``native_expert_major``. This default: torch ops."""
+        from .. import expert_major
+        return expert_major.expand(recv_x, mapping)
+
+    def fold_expert_major(self, y: torch.Tensor, mapping):
+        """Expert-major expert outputs bf16 ``[M, H]`` folded onto the plain rows bf16 ``[N, H]``
+        (the weighted sum of each row's entries, float32); the mirror of :meth:`expand_expert_major`."""
+        from .. import expert_major
+        return expert_major.fold(y, mapping)
+
     def raise_pending(self) -> None:
         """Raise errors kernels reported since the last call (backends without any: nothing)."""
 

@@ -75,12 +75,16 @@ class KernelSpec:
             (e.g. ``LOOPBACK``: the multi-node kernels' test transport, gpu/reach/nvshmem.py).
         library_if: ``(constexpr, value)``: the library is called only in specialisations where the
             constexpr has that value (e.g. the low-latency kernels' ``REMOTE``).
+        fp_fusion: let the compiler fuse a float multiply and add into one FMA (one rounding
+            instead of two). False where results must equal torch's separate operations bit for bit.
     """
 
     def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
                  aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
-                 library_unless: Optional[str] = None, library_if: Optional[Tuple[str, object]] = None):
+                 library_unless: Optional[str] = None, library_if: Optional[Tuple[str, object]] = None,
+                 fp_fusion: bool = True):
         self.fn = fn
+        self.fp_fusion = fp_fusion
         self.library = library
         self.library_unless = library_unless
         self.library_if = library_if
@@ -145,6 +149,8 @@ class KernelSpec:
         if target is None:
             target = triton.runtime.driver.active.get_current_target()
         options = {"num_warps": num_warps}
+        if not self.fp_fusion:
+            options["enable_fp_fusion"] = False
         library = self.library_of(constexprs)
         if ptx_options:
             options["ptx_options"] = ptx_options

@@ -42,6 +42,7 @@ from ...hierarchy import Topology
 from ..agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
+from ..gpu import expert_major as expert_major_kernels
 from ..gpu.copy import copy_block_shape, for_word_copies
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.reach.peers import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
@@ -141,6 +142,10 @@ class NvshmemBackend(Backend):
     """
 
     name = "nvshmem"
+    # The expert-major layout is re-laid from the plain rows after the exchange, by kernels
+    # (gpu/expert_major.py), not inside the multi-node kernels.
+    expand_expert_major = staticmethod(expert_major_kernels.expand)
+    fold_expert_major = staticmethod(expert_major_kernels.fold)
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
