@@ -152,7 +152,8 @@ def test_expert_major_layout(gpu_pool, shape):
     (0, 512, 4, 4, 1), (1, 256, 1, 1, 1), (37, 384, 3, 5, 4), (300, 2048, 8, 16, 8), (2000, 7168, 8, 128, 1)])
 def test_expert_major_kernels_equal_the_torch_relayout(num_plain, hidden, num_topk, num_local, alignment):
     """gpu/expert_major.py (the nvshmem backend's re-layout) against expert_major.expand / fold
-    bit for bit: bf16 rows, FP8 values and scales, padding rows, entries with no local expert."""
+    bit for bit: bf16 rows, FP8 values and scales, padding rows, entries with no local expert; the
+    plan and both kernels without a host synchronisation (CUDA's sync debug mode raises on one)."""
     from epcomm import expert_major
     from epcomm.backends.gpu import expert_major as kernels
     from epcomm.fp8 import per_token_cast_to_fp8
@@ -162,14 +163,20 @@ def test_expert_major_kernels_equal_the_torch_relayout(num_plain, hidden, num_to
     weights = torch.rand(num_plain, num_topk, device=dev, generator=g)
     counts = torch.bincount(topk[topk >= 0], minlength=num_local).tolist()
     sizes = [-(-c // alignment) * alignment for c in counts]
-    mapping = expert_major.plan(topk, weights, sizes)
     x = torch.randn(num_plain, hidden, device=dev, generator=g).to(torch.bfloat16)
-    assert torch.equal(kernels.expand(x, mapping), expert_major.expand(x, mapping))
+    y = torch.randn(sum(sizes), hidden, device=dev, generator=g).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the plan and the kernels never wait for the GPU
+    try:
+        mapping = expert_major.plan(topk, weights, sizes)
+        expanded, folded = kernels.expand(x, mapping), kernels.fold(y, mapping)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(expanded, expert_major.expand(x, mapping))
     x8 = per_token_cast_to_fp8(x)
     got, want = kernels.expand(x8, mapping), expert_major.expand(x8, mapping)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-    y = torch.randn(mapping.num_rows, hidden, device=dev, generator=g).to(torch.bfloat16)
-    assert torch.equal(kernels.fold(y, mapping), expert_major.fold(y, mapping))
+    assert torch.equal(folded, expert_major.fold(y, mapping))
 
 
 def test_misaligned_inputs_take_the_8_byte_path(gpu_pool):

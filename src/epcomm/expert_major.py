@@ -43,6 +43,14 @@ class ExpertMajor(NamedTuple):
     group_sizes: List[int]
 
 
+def _to_device(values: List[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on ``device`` without waiting for the stream: on CUDA through
+    pinned memory and an asynchronous copy (a copy from pageable memory would synchronise)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 def plan(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, group_sizes: List[int]) -> ExpertMajor:
     """The mapping for one dispatch from its plain top-k outputs (``[N, K]`` local ids / weights).
     ``group_sizes``: the padded per-expert counts the dispatch returned. No host synchronisation:
@@ -58,7 +66,7 @@ def plan(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, group_siz
     sorted_expert = expert[order]
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, expert, torch.ones_like(expert))
-    padded = torch.tensor(list(group_sizes) + [0], dtype=torch.int64, device=device)
+    padded = _to_device(list(group_sizes) + [0], device)
     group_start = padded.cumsum(0) - padded  # [L + 1]: where each group starts (L: after the last)
     position = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
     num_rows = int(sum(group_sizes))
