@@ -39,12 +39,12 @@ FOLD_WARPS = 2
 
 
 @triton.jit
-def ep_dispatch_expert_major_expand(src_ptr,  # [N, row_words] words of the plain rows (bytes viewed as WORD_BYTES words)
-                           dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
-                           row_experts_ptr,  # [M] int64: each output row's local expert, -1 on padding
-                           out_ptr,  # out [M, row_words] words
-                           num_plain, num_topk, row_words, num_out_rows, num_copy_programs,
-                           WORD_BYTES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def ep_dispatch_expert_major_expand(src_ptr,  # [N, row_words] words of the plain rows (WORD_BYTES each)
+                                    dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
+                                    row_experts_ptr,  # [M] int64: each output row's local expert, -1 on padding
+                                    out_ptr,  # out [M, row_words] words
+                                    num_plain, num_topk, row_words, num_out_rows, num_copy_programs,
+                                    WORD_BYTES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)
     if WORD_BYTES == 8:
         src = src_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
@@ -72,11 +72,11 @@ EXPAND = KernelSpec(ep_dispatch_expert_major_expand, ["*i8", "*i32", "*i64", "*i
 
 @triton.jit
 def ep_combine_expert_major_fold(y_ptr,  # [M, H] bf16 expert outputs, expert-major rows
-                         row_weights_ptr,  # [M] float32: each row's top-k weight
-                         dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
-                         out_ptr,  # out [N, H] bf16 plain rows
-                         num_plain, hidden, num_topk,
-                         BLOCK_R: tl.constexpr, K_P2: tl.constexpr):
+                                 row_weights_ptr,  # [M] float32: each row's top-k weight
+                                 dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
+                                 out_ptr,  # out [N, H] bf16 plain rows
+                                 num_plain, hidden, num_topk,
+                                 BLOCK_R: tl.constexpr, K_P2: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     move = rows < num_plain
     _fold_expert_major(y_ptr, row_weights_ptr, dest_ptr, rows, move, out_ptr + rows * hidden, hidden, num_topk,
