@@ -24,6 +24,10 @@ import torch.multiprocessing as mp
 
 from ..errors import EPError, EPTimeoutError
 
+# WorkerPool's backend for many ranks on one GPU: every rank on device 0, a gloo group for CPU and
+# CUDA tensors; NVSHMEM needs CUDA MPS running (scripts/gpu_check.sh's shared-gpu part starts it).
+SHARED_GPU = "shared-gpu"
+
 
 class RankFailure(EPError):
     """A rank raised; ``rank`` and ``remote_traceback`` say where and what."""
@@ -51,6 +55,13 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, jobs, resu
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
+        elif backend == SHARED_GPU:
+            # Every rank on device 0 (under CUDA MPS, which the caller starts): NCCL refuses two
+            # ranks on one GPU, so the group is gloo for CPU and CUDA tensors alike, and NVSHMEM
+            # runs in its full multi-process-per-GPU mode.
+            os.environ.setdefault("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")
+            torch.cuda.set_device(0)
+            backend = "cpu:gloo,cuda:gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout_s), **kwargs)
     except Exception:
@@ -78,7 +89,8 @@ class WorkerPool:
 
     Args:
         world_size: number of ranks (processes).
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or ``"shared-gpu"`` (every rank
+            on GPU 0 over ``"cpu:gloo,cuda:gloo"``; the nvshmem backend needs CUDA MPS running).
         group_timeout_s: the process group's own timeout for a stuck collective.
     """
 

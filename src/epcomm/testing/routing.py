@@ -48,3 +48,16 @@ def random_weights(topk_idx: torch.Tensor, generator: Optional[torch.Generator] 
     """float32 ``[T, K]`` positive router weights (0 where ``topk_idx == -1``)."""
     weights = torch.rand(topk_idx.shape, generator=generator) + 0.1
     return torch.where(topk_idx >= 0, weights, torch.zeros_like(weights))
+
+
+def group_limited_topk(num_tokens: int, num_experts: int, num_topk: int, num_groups: int, topk_groups: int,
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Group-limited gating (DeepSeek-V3, as DeepEP's internode tests route): the experts form
+    ``num_groups`` equal groups (one per node), each token keeps the ``topk_groups`` groups with
+    the best expert score and picks its ``num_topk`` experts among them only."""
+    scores = torch.randn(num_tokens, num_experts, generator=generator).abs() + 1
+    group_scores = scores.view(num_tokens, num_groups, -1).amax(dim=-1)
+    kept = group_scores.topk(min(topk_groups, num_groups), dim=-1, sorted=False).indices
+    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool).scatter_(1, kept, True)
+    masked = scores.masked_fill(~keep.repeat_interleave(num_experts // num_groups, dim=1), float("-inf"))
+    return masked.topk(num_topk, dim=-1, sorted=False).indices.to(torch.int64)

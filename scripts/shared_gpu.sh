@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Many ranks on one GPU: the nvshmem suite (tests/test_shared_gpu.py) under CUDA MPS at DeepEP's
+# shapes. Correctness and memory ordering on the real NVSHMEM runtime, not speed.
+#
+#   scripts/shared_gpu.sh PART        PART: a preset below (each fits one 10-minute device call)
+#   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
+#
+# Starts the MPS daemon in fresh folders, runs pytest in its own process group with a hard limit,
+# and always stops MPS and kills every rank (also after a failure or a hang), so the next run
+# finds the GPU free. Logs to $OUT (default ./out); a one-line result per test last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:-scale}"
+case "$part" in
+  scale)     shapes="16x8,8x8,16x2"; tests="internode or routings or low_latency_sweep" ;;
+  small)     shapes="2x1,4x2,8x1,8x4"; tests="internode or routings or rounds or low_latency" ;;
+  graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
+  fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
+  faults)    shapes="4x2,16x8"; tests="failure_contract or raised_everywhere or timeout or dead_rank" ;;
+  sequence)  shapes="4x2"; tests="random_sequence" ;;
+  custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
+  *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, custom)" >&2; exit 2 ;;
+esac
+limit_s="${LIMIT_S:-540}"
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 EPCOMM_SHARED_GPU=1 EPCOMM_SHARED_GPU_SHAPES="$shapes"
+mps="/tmp/epcomm-mps-$$"
+export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+tests_pgid=""
+stop() {
+  [ -n "$tests_pgid" ] && kill -KILL -- "-$tests_pgid" 2>/dev/null
+  echo quit | nvidia-cuda-mps-control 2>/dev/null
+  sleep 1
+  cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT/mps_control_$part.log" 2>/dev/null
+  rm -rf "$mps"
+}
+trap stop EXIT
+nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
+echo "shared-gpu part=$part shapes=$shapes tests=[$tests] limit=${limit_s}s"
+started=$(date +%s)
+setsid timeout -k 10 "$limit_s" python3 -m pytest -q -rA --durations=0 -p no:cacheprovider \
+  tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &
+tests_pgid=$!
+wait "$tests_pgid"; rc=$?
+tests_pgid_done=$tests_pgid
+echo "--- shared-gpu $part: rc=$rc in $(( $(date +%s) - started )) s (124: hit the ${limit_s} s limit)"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|AssertionError|Error:" "$OUT/shared_gpu_$part.log" | tail -40
+exit "$rc"

@@ -1,0 +1,145 @@
+"""Many ranks on one GPU: the nvshmem backend on the real NVSHMEM runtime at DeepEP's shapes.
+
+Every rank is a process on GPU 0 under CUDA MPS (NVSHMEM's full multi-process-per-GPU mode), the
+process group ``"cpu:gloo,cuda:gloo"`` (NCCL and PyTorch's CUDA symmetric memory refuse two ranks
+on one GPU, so the automatic backend is nvshmem here, also for one node). This checks correctness
+and memory ordering on the real runtime, not speed: the ranks share one GPU's SMs and memory.
+
+Skipped unless ``EPCOMM_SHARED_GPU=1`` (MPS running): ``GPU_CHECK=shared-gpu-<part>
+scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GPU_SHAPES``, e.g.
+``16x8,16x2``: ranks x ranks per node) and stops MPS afterwards. A pool per shape; the tests of one
+shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
+"""
+import os
+
+import pytest
+import torch
+
+import ep_cases
+import epcomm
+import failure_cases
+import training_cases
+from epcomm.testing import WorkerPool
+
+ALL_SHAPES = "2x1,4x2,8x1,8x4,8x8,16x8,16x2"
+SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("EPCOMM_SHARED_GPU_SHAPES", ALL_SHAPES).split(",")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(os.environ.get("EPCOMM_SHARED_GPU") != "1" or not torch.cuda.is_available(),
+                                 reason="needs CUDA MPS running and EPCOMM_SHARED_GPU=1 (GPU_CHECK=shared-gpu-*)")]
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"R{r}x{k}" for r, k in SHAPES])
+def shared_pool(request):
+    ranks, per_node = request.param
+    env = {"EPCOMM_RANKS_PER_NODE": str(per_node),
+           # each rank's symmetric heap: the largest test workspace (1024 tokens of 7168 at 16 ranks) fits
+           "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the workers inherit it at spawn
+    try:
+        pool = WorkerPool(ranks, backend="shared-gpu", start_timeout_s=300)
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    pool.per_node = per_node
+    yield pool
+    pool.close(force=True)
+
+
+def _all(pool, fn, *args, timeout_s=None, **kwargs):
+    timeout_s = timeout_s or float(os.environ.get("EPCOMM_SHARED_GPU_CALL_S", "240"))
+    return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+
+# ------------------------------------------------------------------ normal mode
+def test_internode_deepep_usage(shared_pool):
+    """DeepEP's internode test shape: 1024 tokens, H=7168, top-8 of 16 experts per rank within
+    the best 2 node groups, Config(24, 8, 512, 16, 128), BF16 + FP8, async_finish and
+    previous_event, num_worst_tokens, cached dispatch, combine (testing/internode.py)."""
+    from epcomm.testing.internode import internode_against_reference
+    results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2)
+    assert results == [{"backend": "nvshmem", "checked": 10}] * shared_pool.world_size, results
+
+
+SWEEP = [(scenario, tokens, hidden, False, False) for scenario in ep_cases.SCENARIOS
+         for tokens, hidden in ((0, 2048), (300, 4096))] + \
+    [("uniform", 1000, 7168, True, False), ("holes", 700, 4096, True, True), ("skewed", 512, 2048, False, True)]
+
+
+def test_routings_sizes_fp8_worst_tokens(shared_pool):
+    n = _all(shared_pool, ep_cases.gpu_normal_against_reference, SWEEP, 0, 1, shared_pool.per_node)
+    assert n == [len(SWEEP)] * shared_pool.world_size
+
+
+def test_rounds_of_repeated_calls(shared_pool):
+    repeated = [("uniform", 512, 2048, False, False), ("holes", 256, 2048, True, False)]
+    n = _all(shared_pool, ep_cases.gpu_normal_against_reference, repeated, 0, 5, shared_pool.per_node)
+    assert n == [10] * shared_pool.world_size
+
+
+# ------------------------------------------------------------------ low-latency mode
+def test_low_latency_sweep(shared_pool):
+    R = shared_pool.world_size
+    for hidden, cases in ((2048, 12), (7168, 4)):
+        size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, 8 * R)
+        n = _all(shared_pool, ep_cases.low_latency_sweep, cases, 400, hidden, 8, 128, "cuda", size, False, "nvshmem",
+                 shared_pool.per_node)
+        assert n == [cases] * R
+
+
+def test_low_latency_cuda_graph(shared_pool):
+    assert _all(shared_pool, ep_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", shared_pool.per_node) == \
+        [4] * shared_pool.world_size
+
+
+# ------------------------------------------------------------------ training
+def test_autograd_and_moe_layer_match_dense(shared_pool):
+    errors = _all(shared_pool, training_cases.autograd_against_dense, 3, 256, "cuda")
+    assert max(errors) <= 2e-2, errors
+    errors = _all(shared_pool, training_cases.moe_layer_against_dense, 256, 128, 2, 2, "cuda")
+    assert all(max(e.values()) <= 2e-2 for e in errors), errors
+
+
+def test_fuzz(shared_pool):
+    """Valid but unusual inputs (duplicates, NaN/inf, empty ranks) in both modes against the reference."""
+    from epcomm.testing.sweeps import normal_mode_sweep
+    R = shared_pool.world_size
+    assert _all(shared_pool, normal_mode_sweep, 100, 50_000, 128, 4, 24, True, "cuda") == [100] * R
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(16, 512, R, 4 * R)
+    assert _all(shared_pool, ep_cases.low_latency_sweep, 100, 60_000, 512, 4, 16, "cuda", size, True) == [100] * R
+
+
+# ------------------------------------------------------------------ failures (last: they can leave ranks out of step)
+@pytest.mark.parametrize("case", sorted(failure_cases.GPU_CASES))
+def test_failure_contract(shared_pool, case):
+    results = _all(shared_pool, failure_cases.gpu_contract, case, 60.0, timeout_s=240)
+    assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * shared_pool.world_size, results
+
+
+@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(shared_pool, case):
+    results = _all(shared_pool, failure_cases.gpu_recovery, case, 60.0, timeout_s=240)
+    want = {"layout": "topk_idx", "ll_one_bad": "x"}.get(case, "x")
+    for rank, (first, after) in enumerate(results):
+        assert first[:2] == ("EPInputError", want), (rank, first)
+        assert after == [True, True], (rank, after)
+
+
+def test_random_sequence_of_faults(shared_pool):
+    from epcomm.testing.sequence import error_sequence
+    results = _all(shared_pool, error_sequence, int(os.environ.get("EPCOMM_SHARED_GPU_STEPS", "200")), 5, "cuda")
+    for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
+        assert results[0].get(key, 0) > 0, results[0]
+
+
+def test_timeout_names_the_stalled_rank(shared_pool):
+    """A rank that stops taking part: every other rank raises EPTimeoutError naming it within the
+    timeout + 5 s (no hang at 16 ranks)."""
+    R = shared_pool.world_size
+    assert _all(shared_pool, ep_cases.gpu_timeout_names_peer, timeout_s=180) == ["raised"] * (R - 1) + ["absent"]
+
+
+def test_low_latency_dead_rank_is_masked(shared_pool):
+    R = shared_pool.world_size
+    assert _all(shared_pool, ep_cases.gpu_low_latency_dead_rank, 2048, "nvshmem", shared_pool.per_node,
+                timeout_s=240) == ["masked"] * (R - 1) + ["dead"]
