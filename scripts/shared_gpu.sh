@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-scale}"
 case "$part" in
-  scale)     shapes="16x8,8x8,16x2"; tests="internode or routings or low_latency_sweep" ;;
+  scale)     shapes="16x8,8x8,16x2,2x1"; tests="internode or routings or low_latency_sweep or round_trips" ;;
   small)     shapes="2x1,4x2,8x1,8x4"; tests="internode or routings or rounds or low_latency" ;;
   graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;

@@ -102,9 +102,11 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
             assert counts == want["num_recv_tokens_per_expert_list"], f"{what}: per-expert counts {counts}"
 
             worst = num_tokens * R
-            (fp8_x, fp8_scales), idx8, _, counts8, _, _ = buffer.dispatch(fp8.per_token_cast_to_fp8(x),
-                                                                          num_worst_tokens=worst, **routing)
-            want8 = reference_dispatch([fp8.per_token_cast_to_fp8(v) for v in xs], topks, weights, num_experts)[rank]
+            # cast on the CPU once: the reference and the GPU call see the same bytes
+            xs8 = [fp8.per_token_cast_to_fp8(v) for v in xs]
+            (fp8_x, fp8_scales), idx8, _, counts8, _, _ = buffer.dispatch(
+                (xs8[rank][0].to(dev), xs8[rank][1].to(dev)), num_worst_tokens=worst, **routing)
+            want8 = reference_dispatch(xs8, topks, weights, num_experts)[rank]
             assert fp8_x.shape[0] == worst, f"{what}: FP8 dispatch with num_worst_tokens: {fp8_x.shape[0]} rows"
             for label, got, ref in (("values", fp8_x[:n].view(torch.uint8), want8["recv_x"][0].view(torch.uint8)),
                                     ("scales", fp8_scales[:n], want8["recv_x"][1]),
@@ -129,5 +131,50 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
                                        msg=lambda m: f"{what}: combined weights {m}")
             checked += 5
         return {"backend": buffer.backend_name, "checked": checked}
+    finally:
+        buffer.destroy()
+
+
+def round_trip_times(num_tokens: int = 256, hidden: int = 2048, reps: int = 10) -> dict:
+    """Median milliseconds of a cached dispatch + combine and of a low-latency dispatch + combine
+    on the automatic backend, every call synchronised. On ranks sharing a GPU this measures no
+    speed, but a wait that ends only through a backoff or a timeout shows as milliseconds."""
+    import time
+    R, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, num_topk = 8 * R, min(8, 8 * R)
+    xs, topks, weights = _inputs(11, R, num_tokens, hidden, num_experts, num_topk, 1, 1)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, R, num_experts)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=256 << 20, num_rdma_bytes=max(size, 256 << 20),
+                           low_latency_mode=True)
+    times = {}
+    try:
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                          num_tokens_per_rdma_rank=per_rdma,
+                                                          num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                          topk_weights=w)
+
+        def normal():
+            got, *_ = buffer.dispatch(x, handle=handle)
+            buffer.combine(got, handle)
+
+        def low_latency():
+            got, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, topk, num_tokens, num_experts, use_fp8=False)
+            buffer.low_latency_combine(got, topk, w, ll_handle)
+
+        for name, step in (("normal", normal), ("low_latency", low_latency)):
+            if name == "low_latency":
+                buffer.clean_low_latency_buffer(num_tokens, hidden, num_experts)
+            samples = []
+            for _ in range(reps + 2):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - started) * 1e3)
+            times[name] = sorted(samples[2:])[reps // 2]
+        return times
     finally:
         buffer.destroy()
