@@ -41,11 +41,11 @@ trap stop EXIT
 nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
 echo "shared-gpu part=$part shapes=$shapes tests=[$tests] limit=${limit_s}s"
 started=$(date +%s)
-setsid timeout -k 10 "$limit_s" python3 -m pytest -q -rA --durations=0 -p no:cacheprovider \
+setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
   tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &
 tests_pgid=$!
 wait "$tests_pgid"; rc=$?
 tests_pgid_done=$tests_pgid
 echo "--- shared-gpu $part: rc=$rc in $(( $(date +%s) - started )) s (124: hit the ${limit_s} s limit)"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|AssertionError|Error:" "$OUT/shared_gpu_$part.log" | tail -40
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^R=|passed|failed|median ms" "$OUT/shared_gpu_$part.log" | cut -c1-400 | tail -40
 exit "$rc"

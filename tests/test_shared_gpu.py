@@ -49,7 +49,12 @@ class SharedPool:
                 for name, value in saved.items():
                     os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         timeout_s = timeout_s or float(os.environ.get("EPCOMM_SHARED_GPU_CALL_S", "240"))
-        return self._pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+        try:
+            return self._pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+        except Exception as exc:  # shown at once: a run cut off at its limit prints no summary
+            print(f"\nR={self.world_size}x{self.per_node} {getattr(fn, '__name__', fn)}: {type(exc).__name__}: "
+                  f"{str(exc)[-3000:]}", flush=True)
+            raise
 
     def close(self):
         if self._pool is not None:

@@ -13,6 +13,7 @@ tells the rank.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue as queue_mod
 import socket
@@ -50,6 +51,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, jobs, resu
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    # EPCOMM_STACK_DUMP_S: every rank prints its Python stack when a job runs longer (diagnosis)
+    stack_dump_s = float(os.environ.get("EPCOMM_STACK_DUMP_S", "0"))
     try:
         kwargs = {}
         if backend == "nccl":
@@ -73,11 +76,16 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, jobs, resu
         if job is None:
             break
         job_id, fn, args, kwargs = job
+        if stack_dump_s:  # a rank stuck in a job prints where it is (to find a hang's call)
+            faulthandler.dump_traceback_later(stack_dump_s, exit=False)
         try:
             value = fn(*args, **kwargs)
             results.put((job_id, rank, "ok", value))
         except BaseException:
             results.put((job_id, rank, "error", traceback.format_exc()))
+        finally:
+            if stack_dump_s:
+                faulthandler.cancel_dump_traceback_later()
     try:
         dist.destroy_process_group()
     except Exception:
