@@ -63,6 +63,10 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, jobs, resu
             # ranks on one GPU, so the group is gloo for CPU and CUDA tensors alike, and NVSHMEM
             # runs in its full multi-process-per-GPU mode.
             os.environ.setdefault("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")
+            # MPS runs every rank's kernels in one GPU context, where loading a module lazily (at
+            # its first launch) waits for the running kernels — other ranks' spinning waits for
+            # this rank: modules load whole at load time instead (set before CUDA starts).
+            os.environ["CUDA_MODULE_LOADING"] = "EAGER"
             torch.cuda.set_device(0)
             backend = "cpu:gloo,cuda:gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
