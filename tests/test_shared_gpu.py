@@ -40,7 +40,9 @@ class SharedPool:
         if self._pool is None or self._pool.closed:
             env = {"EPCOMM_RANKS_PER_NODE": str(self.per_node),
                    # each rank's symmetric heap: the largest workspace here (1024 tokens of 7168) fits
-                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"}
+                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
+                   # the ranks' spinning low-latency receivers together leave SMs to the senders
+                   "EPCOMM_LL_RECEIVE_PROGRAMS": str(max(2, 96 // self.world_size))}
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)  # the workers inherit it at spawn
             try:

@@ -102,8 +102,8 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
             assert counts == want["num_recv_tokens_per_expert_list"], f"{what}: per-expert counts {counts}"
 
             worst = num_tokens * R
-            # cast on the CPU once: the reference and the GPU call see the same bytes
-            xs8 = [fp8.per_token_cast_to_fp8(v) for v in xs]
+            # every rank casts every rank's rows alike (on the GPU: fast), the reference sees the same bytes
+            xs8 = [tuple(t.cpu() for t in fp8.per_token_cast_to_fp8(v.to(dev))) for v in xs]
             (fp8_x, fp8_scales), idx8, _, counts8, _, _ = buffer.dispatch(
                 (xs8[rank][0].to(dev), xs8[rank][1].to(dev)), num_worst_tokens=worst, **routing)
             want8 = reference_dispatch(xs8, topks, weights, num_experts)[rank]

@@ -139,6 +139,9 @@ class NvshmemBackend(Backend):
             putting them — what NVSHMEM's put would do there anyway, less one copy. Peers it cannot
             map (other hosts) always take the put. Default True, or ``EPCOMM_NVSHMEM_P2P=0`` (to
             measure the puts between GPUs of one host).
+        ll_receive_programs: at most this many programs per low-latency receive phase (default 0:
+            no cap, or ``EPCOMM_LL_RECEIVE_PROGRAMS``). Ranks sharing one GPU (CUDA MPS) need
+            about SMs / ranks, so that spinning receivers leave SMs to the senders.
     """
 
     name = "nvshmem"
@@ -150,7 +153,7 @@ class NvshmemBackend(Backend):
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
                  num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None,
-                 p2p: Optional[bool] = None):
+                 p2p: Optional[bool] = None, ll_receive_programs: Optional[int] = None):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -196,8 +199,11 @@ class NvshmemBackend(Backend):
         if num_ll_bytes:
             self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
             self.ll_ws = self._ll_workspace(num_ll_bytes)
+            if ll_receive_programs is None:
+                ll_receive_programs = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
-                                              *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0)
+                                              *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
+                                              receive_programs=ll_receive_programs)
 
     @staticmethod
     def _ll_start(num_ranks: int, ranks_per_node: int) -> int:

@@ -73,10 +73,16 @@ class LowLatencyMode:
         ranks_per_node: nodes are blocks of this many consecutive ranks (with ``remote``).
         num_sms: programs of the combine's receive phase (default: the GPU's SMs; the loopback
             tests keep it small so that every rank's programs fit on one GPU at once).
+        receive_programs: at most this many programs in each receive phase (0: no cap — one
+            per (local expert, source) in a dispatch, ``num_sms`` in a combine). Receive programs
+            spin until their messages land, so where several ranks share one GPU (CUDA MPS) their
+            receivers together must leave SMs for the senders: a cap of SMs / ranks does that.
+            The receive loops stride over their items, so any cap gives the same results.
     """
 
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
-                 remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0):
+                 remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0,
+                 receive_programs: int = 0):
         self.ws = ws
         # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
         # would then keep the workspace alive through a reference cycle)
@@ -91,6 +97,7 @@ class LowLatencyMode:
         self.device = device
         # The one-launch kernels keep every program resident: at most one per SM.
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+        self.receive_cap = receive_programs or (1 << 30)
         self.reach = (ranks_per_node or self.R, ws.spare_word)  # the kernels' ranks_per_node, spare_word
         self.bases = self.ws.bases.data_ptr()
         self.state_words = state
@@ -196,13 +203,14 @@ class LowLatencyMode:
         packed = (recv_x, scales) if args.use_fp8 else recv_x
         if two_launches:
             receive_kernel = plan.kernels[False, True, stats is not None, wait_stats is not None, False]
+            receive_programs = min(num_local * self.R, self.receive_cap)
             if not args.return_recv_hook:
-                receive_kernel.launch(num_local * self.R, 1, stream, *launch_args)
+                receive_kernel.launch(receive_programs, 1, stream, *launch_args)
                 return packed, per_half.recv_count, handle, None
 
             # The launch arguments are addresses: the hook holds the tensors they point into.
             def receive(_keep=(recv_x, scales, stats, wait_stats)) -> None:
-                receive_kernel.launch(num_local * self.R, 1, current_stream(self.dev_index), *launch_args)
+                receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return packed, per_half.recv_count, handle, receive
         kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
         kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * self.R)), stream, *launch_args)
@@ -286,7 +294,7 @@ class LowLatencyMode:
         launch_args = head + (out_address,) + tail
         if two_launches:
             receive_kernel = plan.kernels[False, True, wait_stats is not None, aligned]
-            receive_programs = max(1, min(num_tokens, self.num_sms))
+            receive_programs = max(1, min(num_tokens, self.num_sms, self.receive_cap))
             if not args.return_recv_hook:
                 receive_kernel.launch(receive_programs, 1, stream, *launch_args)
                 return out, None
