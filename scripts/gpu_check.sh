@@ -8,6 +8,8 @@
 # nodes — every GPU its own node, automatic backend — and on loopback ranks; both virtual-node
 # benchmarks); GPU_CHECK=one-node only the rest (the demo, the one-node GPU tests, both benchmarks
 # beside the peer): the two halves fit one device call each (10 minutes), the whole run does not.
+# GPU_CHECK=shared-gpu-PART runs the nvshmem suite with many ranks on this one GPU (CUDA MPS,
+# DeepEP's shapes up to 16 ranks; scripts/shared_gpu.sh lists the parts, each one device call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -15,6 +17,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 part="${GPU_CHECK:-all}"
+case "$part" in  # many ranks on one GPU under CUDA MPS: scripts/shared_gpu.sh, one preset per call
+  shared-gpu-*) exec scripts/shared_gpu.sh "${part#shared-gpu-}" ;;
+esac
 peer=()
 if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/peers .peers/deep_ep-*.whl \

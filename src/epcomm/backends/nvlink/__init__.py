@@ -22,9 +22,15 @@ def nvlink_usable(group: dist.ProcessGroup) -> bool:
         triton_ok = False
     places = [None] * dist.get_world_size(group)
     dist.all_gather_object(places, (socket.gethostname(), _gpu_identity()), group=group)
+    return triton_ok and torch.cuda.is_available() and one_host_one_gpu_each(places)
+
+
+def one_host_one_gpu_each(places) -> bool:
+    """``places``: every rank's ``(host name, GPU identity)``. True when all are on one host and no
+    two ranks share a GPU — what the nvlink backend's symmetric memory needs."""
     hosts = {host for host, _ in places}
     gpus = [gpu for _, gpu in places]
-    return triton_ok and torch.cuda.is_available() and len(hosts) == 1 and len(set(gpus)) == len(gpus)
+    return len(hosts) == 1 and len(set(gpus)) == len(gpus)
 
 
 def _gpu_identity() -> str:
