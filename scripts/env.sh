@@ -12,8 +12,21 @@ else
     python3 -m venv "$EPCOMM_ROOT/.venv"
   fi
   PY="$EPCOMM_ROOT/.venv/bin/python"
-  if ! "$PY" -c 'import torch, pytest, numpy' 2>/dev/null; then
-    "$PY" -m pip install -q torch==2.13.0 'pytest>=7' numpy
+  if ! "$PY" -c 'import torch' 2>/dev/null; then
+    # The CPU build from PyTorch's CPU index first: a plain `pip install torch` resolves the
+    # multi-GB CUDA build (and its nvidia-* packages) on most machines. Only where that index
+    # cannot be reached, the plain name (which some machines serve as a local CPU wheel).
+    if "$PY" -m pip install -q --timeout 15 --retries 1 --index-url https://download.pytorch.org/whl/cpu \
+         torch==2.13.0 2>/dev/null; then
+      echo "epcomm: installed torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+           "(asked PyTorch's CPU index: https://download.pytorch.org/whl/cpu)" >&2
+    else
+      echo "epcomm: PyTorch's CPU index could not be reached; installing torch==2.13.0 from the default index" >&2
+      "$PY" -m pip install -q torch==2.13.0
+    fi
+  fi
+  if ! "$PY" -c 'import pytest, numpy' 2>/dev/null; then
+    "$PY" -m pip install -q 'pytest>=7' numpy
   fi
   # The `epcomm` command (.venv/bin/epcomm), as an editable install of this checkout.
   if [ ! -x "$EPCOMM_ROOT/.venv/bin/epcomm" ]; then

@@ -16,7 +16,7 @@ case "$part" in
   small)     shapes="2x1,4x2,8x1,8x4"; tests="internode or routings or rounds or low_latency" ;;
   graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
-  faults)    shapes="4x2,16x8"; tests="failure_contract or raised_everywhere or timeout or dead_rank" ;;
+  faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or timeout or dead_rank" ;;
   sequence)  shapes="4x2"; tests="random_sequence" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
   *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, custom)" >&2; exit 2 ;;

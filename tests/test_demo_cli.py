@@ -47,6 +47,33 @@ def test_cli_usage_errors_are_one_line():
         assert words in run.stderr.splitlines()[-1], run.stderr
 
 
+def test_cli_numeric_options_are_checked_in_one_line():
+    """Every numeric option of every command: a bad value is a one-line usage error (exit 2)."""
+    for args, words in ((("check", "--ranks", "-1"), "--ranks: must be >= 0"),
+                        (("demo", "--ranks", "-3"), "--ranks: must be >= 0"),
+                        (("bench", "normal", "--tokens", "-5"), "--tokens: must be >= 0"),
+                        (("bench", "normal", "--ranks-per-node", "-1"), "--ranks-per-node: must be >= 0"),
+                        (("bench", "normal", "--sms", "24,-2"), "--sms: must be >= 1"),
+                        (("model", "--nic-gbps", "-2"), "--nic-gbps: must be a finite number > 0"),
+                        (("model", "--latency-us", "nan"), "--latency-us: must be a finite number >= 0"),
+                        (("model", "--ll-tokens", "-1"), "--ll-tokens: must be >= 0")):
+        run = _epcomm(*args)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (args, run.stderr)
+        assert words in run.stderr.splitlines()[-1], (args, run.stderr)
+
+
+def test_cli_model_without_a_usable_node_count_is_an_error():
+    run = _epcomm("model", "--experts", "7")
+    assert run.returncode == 2 and "--experts 7" in run.stderr.strip() and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_cli_list_defaults_print_as_typed():
+    out = _epcomm("bench", "--help").stdout
+    assert "(default: 24)" in out and "(default: 512)" in out and "[24]" not in out
+    assert "2 or more CUDA GPUs" in out
+    assert "(default: 2,4)" in _epcomm("model", "--help").stdout
+
+
 def test_cli_help_shows_options_and_defaults():
     run = _epcomm("bench", "--help")
     assert run.returncode == 0 and "rest" not in run.stdout

@@ -144,6 +144,13 @@ def test_round_trips_end_without_a_backoff(shared_pool):
 
 
 # ------------------------------------------------------------------ failures (last: they can leave ranks out of step)
+def test_out_of_range_expert_ids_raise(shared_pool):
+    """An expert id >= num_experts: get_dispatch_layout on nvshmem rejects it as nvlink does (the
+    next call raises EPInputError naming topk_idx) and the Buffer stays usable."""
+    assert _all(shared_pool, failure_cases.gpu_out_of_range_expert) == \
+        [("EPInputError", "topk_idx")] * shared_pool.world_size
+
+
 @pytest.mark.parametrize("case", sorted(failure_cases.GPU_CASES))
 def test_failure_contract(shared_pool, case):
     results = _all(shared_pool, failure_cases.gpu_contract, case, 60.0, timeout_s=240)

@@ -31,6 +31,6 @@ class EPTimeoutError(EPError, TimeoutError):
 
     def __init__(self, message: str, peers=()):
         self.peers = sorted(int(p) for p in peers)
-        if self.peers:
+        if self.peers and str(self.peers) not in message:  # said once, whether or not the message names them
             message = f"{message} (waited for ranks {self.peers})"
         super().__init__(message)

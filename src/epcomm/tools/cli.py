@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from .args import hidden_size, positive_int
+from .args import hidden_size, non_negative_int, positive_int
 
 
 def _info() -> int:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", formatter_class=formatter,
                           help="EP MoE layer forward in normal and low-latency mode, checked against one process")
-    demo.add_argument("--ranks", type=int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
+    demo.add_argument("--ranks", type=non_negative_int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
     demo.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank")
     demo.add_argument("--hidden", type=hidden_size, default=512, help="hidden size H (a multiple of 128)")
     demo.add_argument("--experts-per-rank", type=positive_int, default=4, help="experts each rank hosts")
@@ -76,10 +76,16 @@ def main(argv=None) -> int:
     sub.add_parser("info", formatter_class=formatter, help="versions, GPUs and links, the backend that would run")
     check = sub.add_parser("check", formatter_class=formatter,
                            help="randomized correctness checks of the backend that would run here")
-    check.add_argument("--ranks", type=int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
+    check.add_argument("--ranks", type=non_negative_int, default=0, help="number of ranks (0: all GPUs, else 4 CPU ranks)")
     check.add_argument("--cases", type=positive_int, default=24, help="randomized cases per mode")
     bench = sub.add_parser("bench", formatter_class=formatter,
-                           help="host/gpu/synced µs per call beside the NCCL baseline and optionally DeepEP (GPU)")
+                           help="host/gpu/synced µs per call beside the NCCL baseline and optionally DeepEP "
+                                "(needs 2 or more CUDA GPUs)",
+                           description="Benchmark one mode on this machine's GPUs (2 or more CUDA GPUs; "
+                                       "with --ranks-per-node, virtual nodes on the nvshmem backend). normal: "
+                                       "get_dispatch_layout, dispatch (full, cached, FP8), combine, at --tokens "
+                                       "and --extra-tokens per --sms setting. low-latency: dispatch + combine "
+                                       "round trips at --tokens (default 128), eager and in a CUDA graph.")
     from .bench import add_arguments
     add_arguments(bench)
     model = sub.add_parser("model", formatter_class=formatter,

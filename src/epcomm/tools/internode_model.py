@@ -152,25 +152,33 @@ def estimate_low_latency(nodes: int, ranks_per_node: int, tokens: int, hidden: i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .args import positive_int, token_list
-    parser.add_argument("--nodes", type=token_list, default=[2, 4], help="node counts to model, comma-separated")
+    from .args import non_negative_float, non_negative_int, positive_float, positive_int, token_list
+    parser.add_argument("--nodes", type=token_list, default="2,4", help="node counts to model, comma-separated")
     parser.add_argument("--ranks-per-node", type=positive_int, default=8, help="GPUs per node")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
     parser.add_argument("--topk", type=positive_int, default=8, help="experts per token")
     parser.add_argument("--experts", type=positive_int, default=256, help="experts in total")
-    parser.add_argument("--nic-gbps", type=float, default=45.0,
+    parser.add_argument("--nic-gbps", type=positive_float, default=45.0,
                         help="GB/s one GPU's NIC delivers each way (400 Gb/s line = 50; DeepEP V1 reports 43-58)")
-    parser.add_argument("--nvlink-gbps", type=float, default=336.0,
+    parser.add_argument("--nvlink-gbps", type=positive_float, default=336.0,
                         help="GB/s one GPU receives over NVLink (DeepEP V1's cached dispatch on 8xH200: 336)")
-    parser.add_argument("--latency-us", type=float, default=25.0, help="fixed cost per call (count exchange, launches)")
-    parser.add_argument("--ll-tokens", type=int, default=128,
+    parser.add_argument("--latency-us", type=non_negative_float, default=25.0,
+                        help="fixed cost per call (count exchange, launches)")
+    parser.add_argument("--ll-tokens", type=non_negative_int, default=128,
                         help="tokens per rank of the low-latency rows (decode batch; 0: no low-latency rows)")
-    parser.add_argument("--ll-latency-us", type=float, default=15.0,
+    parser.add_argument("--ll-latency-us", type=non_negative_float, default=15.0,
                         help="fixed cost per low-latency call (launches, one signal round)")
 
 
 def run(args) -> int:
+    import sys
+    usable = [n for n in args.nodes if n >= 2 and args.experts % (n * args.ranks_per_node) == 0]
+    if not usable:
+        print(f"epcomm model: error: no node count in --nodes {','.join(map(str, args.nodes))} (2 or more nodes of "
+              f"--ranks-per-node {args.ranks_per_node}) splits --experts {args.experts} evenly over its ranks",
+              file=sys.stderr)
+        return 2
     print(f"model: T={args.tokens} (low-latency {args.ll_tokens}) H={args.hidden} K={args.topk} E={args.experts}, "
           f"NIC {args.nic_gbps:g} GB/s, NVLink {args.nvlink_gbps:g} GB/s, +{args.latency_us:g} µs per call "
           f"(low-latency +{args.ll_latency_us:g}); busiest rank")
