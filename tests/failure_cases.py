@@ -584,3 +584,70 @@ def buffer_resync_rules():
     seen["stand-in, resync, then the call"] = backend.calls == [("dispatch", "abort", "topk_idx"), "resync",
                                                                 ("dispatch", "agree", None)]
     return seen
+
+
+DEBUG_MESSAGES = False
+
+
+def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0):
+    """A rank whose expert code raised skips a call its peers make (``skipped``: ``"combine"``,
+    ``"ll_combine"``, ``"dispatch"``), then every rank goes on as a serving loop does: each step
+    runs in ``try`` and a failed step is dropped. Steps: a normal round trip on Buffer A, a
+    low-latency round trip on Buffer B of the same group, then both again. Returns per step
+    ``(outcome, seconds)``, outcome ``"ok"`` (checked against the reference) or the error's class
+    and argument — never wrong data."""
+    from epcomm.testing.reference import reference_combine, reference_low_latency_combine
+    R, rank = world()
+    skipper = 1 % R
+    num_experts = 4 * R
+    normal = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
+    ll = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
+    xs, topks, weights = make_routing(35, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
+    x, topk, w = xs[rank], topks[rank], weights[rank]
+
+    def normal_round():
+        recv_x, _, recv_w, _, handle, _ = normal.dispatch(x, **_layout_args(normal, topk, num_experts),
+                                                          topk_idx=topk, topk_weights=w)
+        if skipped == "combine" and rank == skipper and not state["skipped"]:
+            state["skipped"] = True
+            raise RuntimeError("expert code failed")
+        out = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
+        combined, _, _ = normal.combine(out, handle, topk_weights=recv_w)
+        want = reference_combine(x, topk, num_experts, R, lambda j, rows: (rows.float() * (j + 1)).to(torch.bfloat16))
+        assert torch.allclose(combined.float(), want.float(), rtol=1e-2, atol=1e-2), "normal round: wrong data"
+
+    def ll_round():
+        if skipped == "dispatch" and rank == skipper and not state["skipped"]:
+            state["skipped"] = True
+            raise RuntimeError("expert code failed before the dispatch")
+        recv_x, count, handle, _, _ = ll.low_latency_dispatch(x, topk, 8, num_experts, use_fp8=False)
+        if skipped == "ll_combine" and rank == skipper and not state["skipped"]:
+            state["skipped"] = True
+            raise RuntimeError("expert code failed")
+        combined, _, _ = ll.low_latency_combine(recv_x, topk, w, handle)
+        want = reference_low_latency_combine(x, topk, w, lambda e, rows: rows, False, False)
+        assert torch.allclose(combined.float(), want.float(), rtol=2e-2, atol=2e-2), "low-latency round: wrong data"
+
+    state = {"skipped": False}
+    steps = [("ll" if skipped == "dispatch" else "normal" if skipped == "combine" else "ll", None)]
+    steps += [("normal", None), ("ll", None), ("normal", None), ("ll", None), ("normal", None), ("ll", None)]
+    results = []
+    for name, _ in steps:
+        started = time.monotonic()
+        try:
+            (normal_round if name == "normal" else ll_round)()
+            outcome = ("ok",)
+        except epcomm.EPInputError as err:
+            outcome = ("EPInputError", err.argument) if not DEBUG_MESSAGES else ("EPInputError", err.argument, str(err)[:400])
+        except epcomm.EPTimeoutError as err:
+            outcome = ("EPTimeoutError", tuple(err.peers))
+        except epcomm.EPError as err:
+            outcome = ("EPError", str(err)[:200])
+        except RuntimeError as err:
+            outcome = ("expert code", str(err)) if "expert code" in str(err) else ("RuntimeError", str(err)[:200])
+        except AssertionError as err:
+            outcome = ("WRONG DATA", str(err))
+        results.append((name, outcome, round(time.monotonic() - started, 2)))
+    normal.destroy()
+    ll.destroy()
+    return results

@@ -119,3 +119,23 @@ def test_buffer_resyncs_and_aborts_as_the_gpu_backends_ask(pools):
     """Buffer's part of the GPU recovery (issue 26 case 2), checked on CPU with a recording backend."""
     seen = pools.get(1).run(failure_cases.buffer_resync_rules, timeout_s=120)[0]
     assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("skipped", ["combine", "ll_combine", "dispatch"])
+def test_a_rank_that_skips_a_call_never_gets_wrong_data(pools, skipped):
+    """Rank 1's expert code fails, so it skips a call its peers make (a normal combine, a
+    low-latency combine, a whole low-latency round), then every rank goes on with normal and
+    low-latency round trips on two Buffers of one group, dropping any step that raises. Every
+    error is EPInputError('call') raised at once (no waiting out the timeout, no raw gloo error),
+    no step returns wrong data, and every rank ends with a normal and a low-latency round that
+    pair. (The last two steps are not judged: a rank that dropped fewer steps than rank 1 has
+    calls left over once rank 1 returns — a rank that left, which the timeout covers.)"""
+    timeout = 5.0
+    results = pools.get(4).run(failure_cases.skipped_call_then_next_calls, skipped, timeout, timeout_s=300)
+    for rank, steps in enumerate(results):
+        judged = steps[:-2]
+        for name, outcome, seconds in judged:
+            assert outcome[0] in ("ok", "expert code", "EPInputError"), (rank, steps)
+            if outcome[0] == "EPInputError":
+                assert outcome[1] == "call" and seconds < timeout / 2, (rank, steps)
+        assert [o[0] for _, o, _ in judged[-2:]] == ["ok", "ok"], (rank, steps)

@@ -12,6 +12,15 @@ and compares. What this turns into errors, on every rank:
 
 Keys of call ``n - 2`` are deleted at call ``n``: by then every rank has read them (a rank posts
 call ``n - 1`` only after it finished reading call ``n - 2``).
+
+**A rank that skipped a call.** Each rank also posts where it waits (``epcomm/<group>/at/<rank>``:
+which Buffer's agreement, which call, which kind). A wait whose missing rank waits at a call this
+rank never made — another Buffer's, or one this rank has not reached — can never end: the two wait
+for each other. Both see it within a wait slice and raise :class:`EPInputError` (argument
+``"call"``) naming the ranks and their calls, instead of waiting out the timeout (and, in
+low-latency mode, instead of masking a live rank and returning partial sums). Before raising, each
+turns its post into a *void* naming the ranks that skipped it; a rank that arrives later at a void
+call that names it takes the next call number instead, so the next call pairs on every rank.
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ import torch.distributed as dist
 from ..errors import EPError, EPInputError, EPTimeoutError
 
 _buffer_numbers: Dict[str, itertools.count] = {}
+# calls made per agreement prefix, in this process: "has this rank made call c of prefix p?"
+_calls_made: Dict[str, int] = {}
 # A wait for peers checks who is still missing after a short first slice, then at least once a
 # second, so that it can name them if the store dies (StoreAgreement._wait_for).
 _FIRST_SLICE_S, _WAIT_SLICE_S = 0.1, 1.0
@@ -44,7 +55,18 @@ class StoreAgreement:
         name = group.group_name
         number = next(_buffer_numbers.setdefault(name, itertools.count()))
         self.prefix = f"epcomm/{name}/{number}"
+        self.number = number
+        self._where_key = f"epcomm/{name}/at/{self.rank}"
+        self._where_prefix = f"epcomm/{name}/at"
         self.calls = 0
+
+    @property
+    def calls(self) -> int:
+        return _calls_made.get(self.prefix, 0)
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        _calls_made[self.prefix] = value
 
     def _key(self, call: int, rank: int) -> str:
         return f"{self.prefix}/{call}/{rank}"
@@ -57,6 +79,11 @@ class StoreAgreement:
         ``rank_mask`` (low-latency calls, ``[R]`` int32, nonzero = masked): masked ranks are not
         waited for, and a rank that does not arrive in time is masked there instead of raising. A
         rank that a peer masked is masked here too (the masks stay one), and raises itself."""
+        while not self._agree_once(kind, fingerprint, error, rank_mask):
+            pass  # that call number was given up by the peers while this rank was elsewhere: the next one
+
+    def _agree_once(self, kind, fingerprint, error, rank_mask) -> bool:
+        """One call number; False when it is void for this rank (it skipped it: take the next)."""
         call = self.calls
         self.calls += 1
         masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
@@ -72,7 +99,25 @@ class StoreAgreement:
         present = [r for r in range(self.num_ranks) if r not in masked or r == self.rank]
         others = [self._key(call, r) for r in present if r != self.rank]
         if others:
-            missing = self._wait_for(kind, call, [r for r in present if r != self.rank])
+            # the call's first arrival, in the group's one arrival order: of two calls that wait for
+            # each other, the one waited in longer gives way (_check_elsewhere)
+            arrival = int(self.store.add(f"{self._where_prefix}/arrivals", 1))
+            first = int(self.store.compare_set(f"{self.prefix}/{call}/first", "", str(arrival)))
+            if call >= 2:
+                self.store.delete_key(f"{self.prefix}/{call - 2}/first")
+            self.store.set(self._where_key, json.dumps([self.prefix, self.number, call, kind, first]))
+            while True:
+                try:
+                    missing = self._wait_for(kind, call, [r for r in present if r != self.rank])
+                    break
+                except _Desync as desync:
+                    # first verdict wins: void (the missing ranks are elsewhere) unless every post
+                    # arrived meanwhile and a peer sealed the call as made (then wait on: it ends)
+                    verdict = desync.verdict or self._seal(call, {"void_for": desync.ranks, "message": desync.message})
+                    if "void_for" in verdict:
+                        if self.rank in verdict["void_for"]:
+                            return False
+                        raise EPInputError("call", verdict["message"]) from None
             if missing:
                 if rank_mask is None:
                     raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
@@ -80,6 +125,11 @@ class StoreAgreement:
                                          missing) from None
                 rank_mask[missing] = 1  # low-latency mode goes on without them
                 present = [r for r in present if r not in missing]
+            verdict = self._seal(call, {"made": True})
+            if "void_for" in verdict:
+                if self.rank in verdict["void_for"]:
+                    return False  # this rank was elsewhere when its peers gave this call up: the next one
+                raise EPInputError("call", verdict["message"])
         posts = {r: json.loads(self.store.get(self._key(call, r))) for r in present}
         masked_me = [] if self.rank in masked else \
             sorted(r for r, post in posts.items() if self.rank in post.get("masked", ()))
@@ -93,7 +143,16 @@ class StoreAgreement:
                 rank_mask[adopted] = 1
                 posts = {r: post for r, post in posts.items() if r not in adopted}
         _raise_on_disagreement(kind, posts)
+        return True
 
+
+    def _seal(self, call: int, verdict: dict) -> dict:
+        """The call's verdict — made, or void for the ranks that were elsewhere — the first one
+        any rank posts (an atomic compare-and-set in the store); every rank acts on the same one."""
+        key = f"{self.prefix}/{call}/verdict"
+        if call >= 2:
+            self.store.delete_key(f"{self.prefix}/{call - 2}/verdict")
+        return json.loads(self.store.compare_set(key, "", json.dumps(verdict)))
 
     def _wait_for(self, kind: str, call: int, peers: Sequence[int]) -> list:
         """Wait, bounded by the timeout, for ``peers``' posts of ``call``; returns those still missing.
@@ -119,9 +178,52 @@ class StoreAgreement:
                                          missing) from None
             if not missing:
                 return []
+            self._check_elsewhere(kind, call, missing)
             if time.monotonic() >= deadline:
                 return missing
             slice_s = _WAIT_SLICE_S
+
+    def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int]) -> None:
+        """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
+        rank waits at a call this rank never made — it can only be waiting for this rank there, as
+        this rank waits for it here — and this call was waited in longer, so it gives way (the
+        other call then meets this rank's next one)."""
+        try:
+            sealed = self.store.check([f"{self.prefix}/{call}/verdict"])
+            verdict = json.loads(self.store.get(f"{self.prefix}/{call}/verdict")) if sealed else {}
+        except Exception:
+            verdict = {}
+        if "void_for" in verdict:
+            raise _Desync(verdict["void_for"], verdict["message"], verdict)
+        try:
+            mine = json.loads(self.store.get(self._where_key))[4]
+        except Exception:
+            return
+        elsewhere = {}
+        for r in missing:
+            key = f"{self._where_prefix}/{r}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                prefix, number, their_call, their_kind, their_first = json.loads(self.store.get(key))
+            except Exception:
+                continue
+            if (prefix, their_call) != (self.prefix, call) and _calls_made.get(prefix, 0) <= their_call \
+                    and mine < their_first:
+                elsewhere[r] = (number, their_call, their_kind)
+        if elsewhere:
+            theirs = "; ".join(f"rank {r} waits in {k} (Buffer #{n}, call {c})" for r, (n, c, k) in sorted(elsewhere.items()))
+            # void for every rank that has not made this call yet: arriving here, each takes the next
+            raise _Desync(sorted(missing),
+                          f"ranks are in different calls: rank {self.rank} waits in {kind} (Buffer #{self.number}, "
+                          f"call {call}); {theirs}, a call rank {self.rank} did not make: a rank skipped a call its "
+                          f"peers made. Every rank raises; each one's next call pairs again")
+
+
+class _Desync(Exception):
+    def __init__(self, ranks, message: str, verdict: Optional[dict] = None):
+        super().__init__(message)
+        self.ranks, self.message, self.verdict = ranks, message, verdict
 
 
 class StoreRendezvous:
