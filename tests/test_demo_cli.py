@@ -96,10 +96,11 @@ def test_bench_needs_gpus(monkeypatch):
 
 
 def test_cli_check_on_cpu_ranks():
-    run = subprocess.run([sys.executable, "-m", "epcomm", "check", "--ranks", "2", "--cases", "6"],
+    run = subprocess.run([sys.executable, "-m", "epcomm", "check", "--ranks", "4", "--cases", "6"],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "normal mode" in run.stdout and "low-latency" in run.stdout and "OK" in run.stdout
+    assert "[c10d]" not in run.stderr and "waitForInput" not in run.stderr, run.stderr[-2000:]
 
 
 def test_bench_tables_show_each_sms_setting_and_the_decode_loop():

@@ -37,9 +37,10 @@ from ..errors import EPError, EPInputError, EPTimeoutError
 _buffer_numbers: Dict[str, itertools.count] = {}
 # calls made per agreement prefix, in this process: "has this rank made call c of prefix p?"
 _calls_made: Dict[str, int] = {}
-# A wait for peers checks who is still missing after a short first slice, then at least once a
-# second, so that it can name them if the store dies (StoreAgreement._wait_for).
+# A wait for peers looks for missing ranks waiting at another call after a first 0.1 s, then once a
+# second (StoreAgreement._wait_for, _check_elsewhere).
 _FIRST_SLICE_S, _WAIT_SLICE_S = 0.1, 1.0
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 0.0005, 0.05  # the polling pauses of a wait
 
 
 class StoreAgreement:
@@ -157,31 +158,34 @@ class StoreAgreement:
     def _wait_for(self, kind: str, call: int, peers: Sequence[int]) -> list:
         """Wait, bounded by the timeout, for ``peers``' posts of ``call``; returns those still missing.
 
-        The wait runs in slices (a short first one, so the fast path is one wait); after each slice
-        that times out it checks who is still missing. If the store itself goes away meanwhile (its
-        host, rank 0 of the group, reached its own timeout and exited), the error still names the
-        ranks this one was waiting for."""
+        It polls the store (``check``, which never blocks) with a growing pause, from half a
+        millisecond to 50 ms: a blocking ``store.wait`` that times out makes PyTorch's store client
+        log a warning per slice, which reached the users' stderr twice a second while a peer was
+        late. About once a second it also looks for a missing rank waiting elsewhere
+        (:meth:`_check_elsewhere`). If the store itself goes away meanwhile (its host, rank 0 of the
+        group, reached its own timeout and exited), the error still names the ranks this one was
+        waiting for."""
         deadline = time.monotonic() + self.timeout_s
-        missing, slice_s = list(peers), _FIRST_SLICE_S
+        missing, pause = list(peers), _FIRST_PAUSE_S
+        next_look = time.monotonic() + _FIRST_SLICE_S
         while True:
-            left = deadline - time.monotonic()
             try:
-                self.store.wait([self._key(call, r) for r in missing], datetime.timedelta(seconds=max(min(left, slice_s), 1e-3)))
-                return []
-            except Exception as err:  # a timeout (its type differs between torch versions) or a dead store
-                try:
-                    missing = [r for r in missing if not self.store.check([self._key(call, r)])]
-                except Exception:
-                    raise EPTimeoutError(f"rank {self.rank}: {kind}: the process group's store became unreachable "
-                                         f"(its host rank exited?) while this rank waited for ranks {missing}, "
-                                         f"which had not made the call: {str(err).splitlines()[0][:200]}",
-                                         missing) from None
+                missing = [r for r in missing if not self.store.check([self._key(call, r)])]
+            except Exception as err:  # a dead store
+                raise EPTimeoutError(f"rank {self.rank}: {kind}: the process group's store became unreachable "
+                                     f"(its host rank exited?) while this rank waited for ranks {missing}, "
+                                     f"which had not made the call: {str(err).splitlines()[0][:200]}",
+                                     missing) from None
             if not missing:
                 return []
-            self._check_elsewhere(kind, call, missing)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= next_look:
+                self._check_elsewhere(kind, call, missing)
+                next_look = now + _WAIT_SLICE_S
+            if now >= deadline:
                 return missing
-            slice_s = _WAIT_SLICE_S
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _MAX_PAUSE_S)
 
     def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int]) -> None:
         """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
