@@ -68,14 +68,16 @@ def test_cli_model_without_a_usable_node_count_is_an_error():
 
 
 def test_cli_list_defaults_print_as_typed():
-    out = _epcomm("bench", "--help").stdout
+    out = _epcomm("bench", "normal", "--help").stdout
     assert "(default: 24)" in out and "(default: 512)" in out and "[24]" not in out
-    assert "2 or more CUDA GPUs" in out
+    assert "2 or more CUDA GPUs" in _epcomm("bench", "--help").stdout
+    low_latency = _epcomm("bench", "low-latency", "--help").stdout
+    assert "Normal mode" in out and "Low-latency mode" in low_latency and "2 or more CUDA GPUs" in low_latency
     assert "(default: 2,4)" in _epcomm("model", "--help").stdout
 
 
 def test_cli_help_shows_options_and_defaults():
-    run = _epcomm("bench", "--help")
+    run = _epcomm("bench", "normal", "--help")
     assert run.returncode == 0 and "rest" not in run.stdout
     for option in ("--tokens", "--hidden", "--sms", "--peer", "--out", "(default: 7168)"):
         assert option in run.stdout, option

@@ -508,10 +508,28 @@ def low_latency_table(result: Dict) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
+MODE_DESCRIPTIONS = {
+    "normal": "Normal mode on this machine's GPUs (2 or more CUDA GPUs): get_dispatch_layout, dispatch (full, "
+              "cached, FP8) and combine, host / gpu / synced µs per call beside the NCCL baseline (and DeepEP "
+              "with --peer), at --tokens and each of --extra-tokens, a table per --sms setting; with "
+              "--ranks-per-node, on virtual nodes (the nvshmem backend), a table per --send-parts x --p2p setting.",
+    "low-latency": "Low-latency mode on this machine's GPUs (2 or more CUDA GPUs): dispatch + combine round "
+                   "trips at --tokens (default 128) per rank, eager and in a CUDA graph, beside the NCCL "
+                   "baseline (and DeepEP with --peer); with --ranks-per-node, on virtual nodes beside nvlink.",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`)."""
+    """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`): one
+    sub-command per mode, each with its own ``--help``."""
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="{normal,low-latency}")
+    for mode, description in MODE_DESCRIPTIONS.items():
+        _add_mode_arguments(modes.add_parser(mode, help=description.split(":")[0], description=description,
+                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
+
+def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
     from .args import non_negative_int, positive_int, switch_list, token_list
-    parser.add_argument("mode", choices=["normal", "low-latency"], help="which mode to benchmark")
     parser.add_argument("--tokens", type=non_negative_int, default=0,
                         help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
