@@ -4,48 +4,38 @@ from __future__ import annotations
 import argparse
 
 
+def _parsed(text: str, kind, lowest, strict: bool):
+    """``text`` as ``kind`` (int or float), finite and at least ``lowest`` (above it if ``strict``)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'a whole number' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+    finite = kind is int or value - value == 0  # (inf - inf and nan - nan are nan)
+    if not finite or value < lowest or (strict and value == lowest):
+        bound = f"> {lowest}" if strict else f">= {lowest}"
+        raise argparse.ArgumentTypeError(f"must be {'a finite number ' if kind is float else ''}{bound}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _parsed(text, int, 1, strict=False)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an int >= 0 (0 usually means "automatic")."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _parsed(text, int, 0, strict=False)
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _parsed(text, float, 0, strict=True)
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _parsed(text, float, 0, strict=False)
 
 
 def hidden_size(text: str) -> int:
