@@ -13,14 +13,15 @@ and compares. What this turns into errors, on every rank:
 Keys of call ``n - 2`` are deleted at call ``n``: by then every rank has read them (a rank posts
 call ``n - 1`` only after it finished reading call ``n - 2``).
 
-**A rank that skipped a call.** Each rank also posts where it waits (``epcomm/<group>/at/<rank>``:
-which Buffer's agreement, which call, which kind). A wait whose missing rank waits at a call this
-rank never made — another Buffer's, or one this rank has not reached — can never end: the two wait
-for each other. Both see it within a wait slice and raise :class:`EPInputError` (argument
-``"call"``) naming the ranks and their calls, instead of waiting out the timeout (and, in
-low-latency mode, instead of masking a live rank and returning partial sums). Before raising, each
-turns its post into a *void* naming the ranks that skipped it; a rank that arrives later at a void
-call that names it takes the next call number instead, so the next call pairs on every rank.
+**A rank that skipped a call.** A rank whose wait lasts past a first 0.1 s posts where it waits
+(``epcomm/<group>/at/<rank>``: which Buffer's agreement, which call, which kind, and the call's
+first arrival in one group-wide order). A wait whose missing rank waits at a call this rank never
+made — another Buffer's, or one this rank has not reached — can never end: the two wait for each
+other. The call waited in longer gives way: its ranks raise :class:`EPInputError` (argument
+``"call"``) naming the ranks and both calls, instead of waiting out the timeout, and seal it *void*
+(each call's verdict — made or void — is one compare-and-set in the store, so every rank acts on
+the same one). A rank arriving later at a call void for it takes the next call number, so the
+other call meets the ranks' next one and they pair again.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ class StoreAgreement:
         self.number = number
         self._where_key = f"epcomm/{name}/at/{self.rank}"
         self._where_prefix = f"epcomm/{name}/at"
+        self._waiting_at: Optional[Tuple[int, str]] = None  # the (call, kind) _post_where posted last
+        self._first_arrival = 0
         self.calls = 0
 
     @property
@@ -100,13 +103,6 @@ class StoreAgreement:
         present = [r for r in range(self.num_ranks) if r not in masked or r == self.rank]
         others = [self._key(call, r) for r in present if r != self.rank]
         if others:
-            # the call's first arrival, in the group's one arrival order: of two calls that wait for
-            # each other, the one waited in longer gives way (_check_elsewhere)
-            arrival = int(self.store.add(f"{self._where_prefix}/arrivals", 1))
-            first = int(self.store.compare_set(f"{self.prefix}/{call}/first", "", str(arrival)))
-            if call >= 2:
-                self.store.delete_key(f"{self.prefix}/{call - 2}/first")
-            self.store.set(self._where_key, json.dumps([self.prefix, self.number, call, kind, first]))
             while True:
                 try:
                     missing = self._wait_for(kind, call, [r for r in present if r != self.rank])
@@ -180,12 +176,28 @@ class StoreAgreement:
                 return []
             now = time.monotonic()
             if now >= next_look:
+                if self._waiting_at != (call, kind):
+                    self._post_where(kind, call)  # peers waiting as long post theirs now too:
+                    next_look = now + _FIRST_SLICE_S  # look again soon
+                else:
+                    next_look = now + _WAIT_SLICE_S
                 self._check_elsewhere(kind, call, missing)
-                next_look = now + _WAIT_SLICE_S
             if now >= deadline:
                 return missing
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 2, _MAX_PAUSE_S)
+
+    def _post_where(self, kind: str, call: int) -> None:
+        """Post where this rank waits, once per call and only when a wait lasts (the fast path
+        posts nothing): the call, its kind, and the call's first arrival in the group's one
+        arrival order — of two calls that wait for each other, the one waited in longer gives way.
+        A peer reading an older post of this rank finds a call it made: no false alarm."""
+        arrival = int(self.store.add(f"{self._where_prefix}/arrivals", 1))
+        self._first_arrival = int(self.store.compare_set(f"{self.prefix}/{call}/first", "", str(arrival)))
+        self.store.set(self._where_key, json.dumps([self.prefix, self.number, call, kind, self._first_arrival]))
+        if call >= 2:
+            self.store.delete_key(f"{self.prefix}/{call - 2}/first")
+        self._waiting_at = (call, kind)
 
     def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int]) -> None:
         """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
@@ -199,10 +211,7 @@ class StoreAgreement:
             verdict = {}
         if "void_for" in verdict:
             raise _Desync(verdict["void_for"], verdict["message"], verdict)
-        try:
-            mine = json.loads(self.store.get(self._where_key))[4]
-        except Exception:
-            return
+        mine = self._first_arrival
         elsewhere = {}
         for r in missing:
             key = f"{self._where_prefix}/{r}"
