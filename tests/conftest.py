@@ -4,6 +4,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # ep_cases must be importable by spawned ranks
+# the opt-in `deep_ep` package (compat/deep_ep), for the engine tests' `import deep_ep`
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat", "deep_ep"))
 
 from epcomm.testing import WorkerPool  # noqa: E402
 

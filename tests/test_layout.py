@@ -57,7 +57,9 @@ def test_rank_prefix_matrix_and_local_ids():
 def test_public_names():
     assert epcomm.topk_idx_t is torch.int64
     from epcomm.compat import deep_ep
-    assert deep_ep.Buffer is epcomm.Buffer and deep_ep.Config is epcomm.Config
+    # DeepEP's Buffer is epcomm's with DeepEP's device rule (CUDA whenever it is available)
+    assert issubclass(deep_ep.Buffer, epcomm.Buffer) and deep_ep.Config is epcomm.Config
+    assert deep_ep.EventOverlap is epcomm.EventOverlap and deep_ep.topk_idx_t is torch.int64
 
 
 def test_backend_choice_on_cpu(pools):

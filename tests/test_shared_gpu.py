@@ -74,13 +74,26 @@ def _all(pool, fn, *args, timeout_s=None, **kwargs):
     return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
+# ------------------------------------------------------------------ engines
+@pytest.mark.parametrize("case", ["vllm_high_throughput", "vllm_low_latency", "sglang_dispatchers", "megatron_fused"])
+def test_engines_through_deep_ep(shared_pool, case):
+    """``import deep_ep`` driven as each engine drives DeepEP (tests/engine_cases.py); vLLM's buffers
+    on a plain gloo group, as vLLM passes it: the GPU backend on the current device all the same."""
+    import engine_cases
+    results = _all(shared_pool, getattr(engine_cases, case))
+    assert all(results), results
+
+
 # ------------------------------------------------------------------ normal mode
 def test_internode_deepep_usage(shared_pool):
     """DeepEP's internode test shape: 1024 tokens, H=7168, top-8 of 16 experts per rank within
     the best 2 node groups, Config(24, 8, 512, 16, 128), BF16 + FP8, async_finish and
     previous_event, num_worst_tokens, cached dispatch, combine (testing/internode.py)."""
     from epcomm.testing.internode import internode_against_reference
-    results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2)
+    config = (24, 8, 512, 16, 128)
+    if os.environ.get("EPCOMM_SHARED_GPU_NUM_SMS"):  # fewer programs per rank: do the ranks starve each other?
+        config = (int(os.environ["EPCOMM_SHARED_GPU_NUM_SMS"]),) + config[1:]
+    results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2, config)
     assert results == [{"backend": "nvshmem", "checked": 10}] * shared_pool.world_size, results
 
 

@@ -20,13 +20,14 @@ from .config import Config
 from .errors import EPError, EPInputError
 from .events import EventOverlap, StreamScope, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
+from .rank_mask import RankMasking
 from .types import Payload
 
 DEFAULT_TIMEOUT_S = 100.0
 _INLINE_SCOPE = StreamScope(None, None, False)  # a synchronous call without previous_event (events.py)
 
 
-class Buffer:
+class Buffer(RankMasking):
     """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``Buffer`` API).
 
     Args:
@@ -35,12 +36,11 @@ class Buffer:
         num_rdma_bytes: bytes of inter-node (or low-latency) communication memory.
         low_latency_mode: enable the low-latency (decode) kernels.
         num_qps_per_rank: RDMA queue pairs per peer (inter-node only; accepted for compatibility).
-        allow_nvlink_for_low_latency_mode: let low-latency traffic use NVLink within a node (on
-            nvshmem; False sends every message to another rank through NVSHMEM).
+        allow_nvlink_for_low_latency_mode: low-latency traffic within a node uses NVLink (nvshmem;
+            False: every message to another rank goes through NVSHMEM).
         allow_mnnvl: allow multi-node NVLink (accepted for compatibility).
-        use_fabric: DeepEP allocates fabric-handle memory for multi-node NVLink with it; epcomm's
-            symmetric memory comes from PyTorch, which picks the handle type itself: accepted,
-            recorded, no effect.
+        use_fabric: fabric-handle memory for multi-node NVLink in DeepEP; PyTorch picks the handle
+            type of epcomm's symmetric memory itself: accepted, recorded, no effect.
         explicitly_destroy: if True, :meth:`destroy` must be called to free resources.
         enable_shrink: enable the low-latency rank-mask calls (``low_latency_update_mask_buffer``,
             ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
@@ -58,6 +58,12 @@ class Buffer:
             mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
             host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
+        device: where the Buffer's tensors live. Default: from the group — CUDA (the current
+            device) for a group with CUDA collectives (``nccl``, ``"cpu:gloo,cuda:nccl"``), the CPU
+            for a ``gloo`` group (the reference backend). ``device="cuda"`` with a gloo group on
+            CUDA ranks (as vLLM passes one) runs the GPU backends on the current device, the group
+            carrying only host-side exchanges, as in DeepEP (``deep_ep.Buffer`` does this by
+            default); ``device="cpu"`` asks for the CPU reference backend.
 
     Everything before ``timeout`` is DeepEP V1's constructor, keyword for keyword and in order. The
     backend is chosen from the group (``torch_dist`` for gloo, ``nvlink`` for CUDA on one node,
@@ -77,7 +83,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  timeout: Optional[float] = None, check_values: Optional[bool] = None,
-                 backend: Optional[str] = None, ranks_per_node: Optional[int] = None):
+                 backend: Optional[str] = None, ranks_per_node: Optional[int] = None, device=None):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
@@ -107,10 +113,13 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = bool(enable_shrink)
         self.timeout = float(timeout)
-        self.device = group_device(group)
+        try:
+            self.device = group_device(group, device)
+        except EPError as err:
+            raise EPInputError("device", str(err)) from None
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-        self.backend_name = default_backend_name(group, backend, ranks_per_node)
+        self.backend_name = default_backend_name(group, backend, ranks_per_node, self.device)
         if ranks_per_node is None:  # one node, except on nvshmem: its hosts' blocks of ranks
             ranks_per_node = ranks_per_host(group) if self.backend_name == "nvshmem" else self.group_size
         self.ranks_per_node = ranks_per_node
@@ -134,6 +143,7 @@ class Buffer:
         # (handle, topk_idx) of the last two low-latency dispatches: combine checks its topk_idx against them
         self._ll_dispatched: List[Optional[Tuple[LowLatencyHandle, torch.Tensor]]] = [None, None]
         self._destroyed = False
+        self._spare_bytes = {}  # get_local_buffer_tensor's memory where the backend has none
         # A get_dispatch_layout that rejected its input (a local call): the next call that exchanges
         # anything takes part as an abort, so no peer pairs its current call with this rank's next one.
         self._rejected_layout: Optional[EPInputError] = None
@@ -242,6 +252,31 @@ class Buffer:
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The stream communication runs on (``None`` on CPU)."""
         return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's communication memory as a tensor of ``dtype`` (DeepEP's raw-buffer view).
+
+        Args:
+            dtype: the element type of the view.
+            size: view the first ``size.numel()`` elements with this shape (default: all of them, 1-D).
+            offset: bytes from the start of the memory (a multiple of the element size).
+            use_rdma_buffer: the inter-node / low-latency memory instead of the intra-node one.
+
+        On nvlink the two are the normal-mode and the low-latency parts of the symmetric memory; on
+        nvshmem both are its one symmetric allocation; torch_dist moves data with collectives and
+        has none, so it returns a zeroed byte buffer of ``num_nvl_bytes`` / ``num_rdma_bytes`` that
+        no call reads. Warning: the kernels own the memory during calls; write it only between calls.
+        """
+        self._check_alive()
+        memory = self._backend.local_buffer(bool(use_rdma_buffer))
+        if memory is None:  # (torch_dist) one byte buffer per kind, made on first use
+            kind = bool(use_rdma_buffer)
+            if kind not in self._spare_bytes:
+                nbytes = self.num_rdma_bytes if kind else self.num_nvl_bytes
+                self._spare_bytes[kind] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            memory = self._spare_bytes[kind]
+        return checks.view_of_bytes(memory, dtype, size, offset)
 
     def destroy(self) -> None:
         """Free the buffer's resources; required when constructed with ``explicitly_destroy=True``."""
@@ -506,7 +541,8 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None):
         """Low-latency dispatch: one message per (token, expert) into fixed per-(expert, source) slots.
 
         Args:
@@ -517,6 +553,8 @@ class Buffer:
             use_fp8: send e4m3 with per-128-channel float32 scales; round_scale: power-of-two scales;
                 use_ue8m0: pack those scales as UE8M0 bytes, 4 per int32 (needs round_scale).
             return_recv_hook: only send now; ``hook()`` receives.
+            use_nvfp4, x_global_scale: newer DeepEP's NVFP4 dispatch, which epcomm does not have:
+                ``use_nvfp4=True`` (or a global scale) raises EPInputError naming it on every rank.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
@@ -531,6 +569,9 @@ class Buffer:
         self._check_low_latency("low_latency_dispatch")
         try:
             R = self.group_size
+            if use_nvfp4 or x_global_scale is not None:
+                raise EPInputError("use_nvfp4" if use_nvfp4 else "x_global_scale",
+                                   "NVFP4 dispatch (e2m1 with per-16 E4M3 scales) is not implemented: use use_fp8=True")
             checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
             checks.check_num_experts(num_experts, R)
             checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
@@ -622,7 +663,7 @@ class Buffer:
             if num_tokens > handle.num_max_dispatch_tokens_per_rank:
                 raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
                                                f"{handle.num_max_dispatch_tokens_per_rank}")
-            self._check_combine_topk_idx(topk_idx, handle)
+            checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
             checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
             if out is not None:
                 checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
@@ -647,49 +688,3 @@ class Buffer:
             combined_x, hook = self._backend.low_latency_combine(args)
             scope.keep(combined_x)
         return combined_x, scope.event_overlap(), hook
-
-    def _check_combine_topk_idx(self, topk_idx: torch.Tensor, handle: LowLatencyHandle) -> None:
-        """``topk_idx`` of a low-latency combine must be its dispatch's: the shape always, the values
-        with ``check_values`` (a host read on CUDA) unless it is the very tensor. A handle older than
-        the last two dispatches is not checked (its buffer half was reused: DeepEP's rule)."""
-        for entry in self._ll_dispatched:  # (a plain loop: this runs on every call's host path)
-            if entry is not None and entry[0] is handle:
-                dispatched = entry[1]
-                break
-        else:
-            return
-        if dispatched is topk_idx:
-            return
-        if dispatched.shape != topk_idx.shape:
-            raise EPInputError("topk_idx", f"has shape {list(topk_idx.shape)} but the low_latency_dispatch of this "
-                                           f"handle had {list(dispatched.shape)}: pass the same topk_idx")
-        if self._check_values and not torch.equal(dispatched, topk_idx):
-            raise EPInputError("topk_idx", "differs from the one the low_latency_dispatch of this handle was given: "
-                                           "pass the same topk_idx")
-
-    # ------------------------------------------------------------------ rank masking
-    def _check_shrink(self) -> None:
-        self._check_low_latency()
-        if not self.enable_shrink:
-            raise EPError("the rank-mask calls need a Buffer constructed with enable_shrink=True (as in DeepEP)")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark ``rank_to_mask`` as dead (``mask=True``) or alive again; masked ranks are skipped.
-        Needs ``enable_shrink=True``. After unmasking, call :meth:`clean_low_latency_buffer` on every
-        rank before the next low-latency call, so the ranks' call counts agree again."""
-        self._check_shrink()
-        checks.check_int("rank_to_mask", rank_to_mask, minimum=0)
-        if rank_to_mask >= self.group_size:
-            raise EPInputError("rank_to_mask", f"must be < {self.group_size}, got {rank_to_mask}")
-        self._rank_mask[rank_to_mask] = 1 if mask else 0
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write the mask (``[R]`` int32, 1 = masked) into ``mask_status``. Needs ``enable_shrink=True``."""
-        self._check_shrink()
-        checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,), device=self.device)
-        mask_status.copy_(self._rank_mask)
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank. Needs ``enable_shrink=True``."""
-        self._check_shrink()
-        self._rank_mask.zero_()

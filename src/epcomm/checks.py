@@ -149,3 +149,44 @@ def check_payload(name: str, x, device: torch.device, num_tokens: Optional[int] 
         return num_tokens, hidden, True
     check_tensor(name, x, dtype=torch.bfloat16, shape=(num_tokens, None), device=device)
     return x.shape[0], x.shape[1], False
+
+
+def view_of_bytes(memory: torch.Tensor, dtype, size=None, offset: int = 0) -> torch.Tensor:
+    """``memory`` (uint8, 1-D) from byte ``offset`` on, viewed as ``dtype`` — the first
+    ``size.numel()`` elements shaped ``size`` when given; EPInputError naming a bad argument."""
+    if not isinstance(dtype, torch.dtype):
+        raise EPInputError("dtype", f"must be a torch.dtype, got {type(dtype).__name__}")
+    element = torch.empty((), dtype=dtype).element_size()
+    check_int("offset", offset, minimum=0)
+    if offset % element or offset > memory.numel():
+        raise EPInputError("offset", f"must be a multiple of {element} bytes within the {memory.numel()} bytes of "
+                                     f"the buffer, got {offset}")
+    tensor = memory[offset:offset + (memory.numel() - offset) // element * element].view(dtype)
+    if size is None:
+        return tensor
+    size = torch.Size(size)
+    if size.numel() > tensor.numel():
+        raise EPInputError("size", f"{list(size)} needs {size.numel()} elements; the buffer holds {tensor.numel()} "
+                                   f"of {dtype} after byte {offset}")
+    return tensor[:size.numel()].view(size)
+
+
+def check_combine_topk_idx(topk_idx: torch.Tensor, handle, dispatched_entries, check_values: bool) -> None:
+    """``topk_idx`` of a low-latency combine must be its dispatch's: the shape always, the values
+    with ``check_values`` (a host read on CUDA) unless it is the very tensor. ``dispatched_entries``
+    are the ``(handle, topk_idx)`` of the last two dispatches; an older handle is not checked (its
+    buffer half was reused: DeepEP's rule)."""
+    for entry in dispatched_entries:  # (a plain loop: this runs on every call's host path)
+        if entry is not None and entry[0] is handle:
+            dispatched = entry[1]
+            break
+    else:
+        return
+    if dispatched is topk_idx:
+        return
+    if dispatched.shape != topk_idx.shape:
+        raise EPInputError("topk_idx", f"has shape {list(topk_idx.shape)} but the low_latency_dispatch of this "
+                                       f"handle had {list(dispatched.shape)}: pass the same topk_idx")
+    if check_values and not torch.equal(dispatched, topk_idx):
+        raise EPInputError("topk_idx", "differs from the one the low_latency_dispatch of this handle was given: "
+                                       "pass the same topk_idx")

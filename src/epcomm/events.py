@@ -14,11 +14,37 @@ from typing import Iterable, Optional
 import torch
 
 
+class EventHandle:
+    """A capture of the current CUDA stream's progress (DeepEP's ``deep_ep.utils.EventHandle``).
+
+    ``EventHandle()`` records an event on the current stream of the current device; on a machine
+    without CUDA there is nothing to wait for and it is complete. ``EventOverlap(EventHandle())``
+    is what Megatron-Core passes as ``previous_event``.
+    """
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the captured point (no-op without CUDA)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+def _cuda_event(event):
+    """The ``torch.cuda.Event`` behind an EventOverlap's ``event`` (an EventHandle's), or None."""
+    return event.event if isinstance(event, EventHandle) else event
+
+
 class EventOverlap:
     """A handle on work that may still be running on the communication stream.
 
     Args:
-        event: a ``torch.cuda.Event`` recorded after the work, or ``None`` when the work is done.
+        event: a ``torch.cuda.Event`` or :class:`EventHandle` recorded after the work, or ``None``
+            when the work is done.
         extra_tensors: tensors to keep alive until the event is waited on.
 
     ``with event: ...`` runs the block and then makes the current stream wait for the event, so
@@ -31,13 +57,15 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         """Make the caller's current CUDA stream wait for the work (no-op on CPU)."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        event = _cuda_event(self.event)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def synchronize(self) -> None:
         """Block the host until the work is done."""
-        if self.event is not None:
-            self.event.synchronize()
+        event = _cuda_event(self.event)
+        if event is not None:
+            event.synchronize()
 
     def __enter__(self):
         return self
@@ -78,8 +106,9 @@ class StreamScope:
         self.inputs = [t for t in self._inputs if isinstance(t, torch.Tensor)]
         self._stack = contextlib.ExitStack()
         self.caller_stream = torch.cuda.current_stream()
-        if self.previous_event is not None and self.previous_event.event is not None:
-            self.comm_stream.wait_event(self.previous_event.event)
+        previous = _cuda_event(self.previous_event.event) if self.previous_event is not None else None
+        if previous is not None:
+            self.comm_stream.wait_event(previous)
         else:
             self.comm_stream.wait_stream(self.caller_stream)
         self._stack.enter_context(torch.cuda.stream(self.comm_stream))

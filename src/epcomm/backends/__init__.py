@@ -25,21 +25,28 @@ DEFAULT_NVSHMEM_BYTES = 1 << 30  # the nvshmem workspace of a Buffer made with n
 
 
 def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
-                         ranks_per_node: Optional[int] = None) -> str:
+                         ranks_per_node: Optional[int] = None, device: Optional[torch.device] = None) -> str:
     """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
     the automatic choice (the same for both modes: every backend runs both): ``nvlink`` when the
     group is one node — on one host, and ``ranks_per_node`` (if given) spans the whole group —
-    else ``nvshmem`` when every rank can use NVSHMEM, else ``torch_dist``. Raises EPError for an
-    unknown name or one this group cannot run. Collective on CUDA groups (the automatic choice
-    gathers every rank's host)."""
+    else ``nvshmem`` when every rank can use NVSHMEM, else ``torch_dist``. ``device`` is the
+    Buffer's (:func:`group_device`; default: the group's). Raises EPError for an unknown name or
+    one this group cannot run. Collective on CUDA (the automatic choice gathers every rank's host)."""
     choice = os.environ.get("EPCOMM_BACKEND") or requested
     source = "EPCOMM_BACKEND" if os.environ.get("EPCOMM_BACKEND") else "backend"
-    on_gpu = dist.get_backend(group) != "gloo" and torch.cuda.is_available()
+    backend_string = dist.get_backend(group)
+    device_type = device.type if device is not None else choose_device(backend_string, None, torch.cuda.is_available())
+    on_gpu = device_type == "cuda"
+    cpu_only_group = not _has_cuda_collectives(backend_string)
     if choice:
         if choice not in BACKENDS:
             raise EPError(f"{source}={choice!r} is not one of {BACKENDS}")
         if choice in ("nvlink", "nvshmem") and not on_gpu:
-            raise EPError(f"{source}={choice} needs CUDA GPUs and an NCCL process group")
+            raise EPError(f"{source}={choice} needs CUDA GPUs (the Buffer's device is the CPU: an NCCL "
+                          f"group, or device='cuda')")
+        if choice == "torch_dist" and on_gpu and cpu_only_group:
+            raise EPError(f"{source}=torch_dist on CUDA tensors needs a group with CUDA collectives (NCCL); "
+                          f"this group is {backend_string!r}: ask for device='cpu' for the CPU reference")
         if choice == "nvshmem":
             from .gpu.reach.nvshmem import nvshmem_available
             usable, why = nvshmem_available()
@@ -54,6 +61,10 @@ def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = No
         return "nvlink"
     if _everyone_has_nvshmem(group):
         return "nvshmem"
+    if cpu_only_group:  # the reference would need CUDA collectives; moving the data to the CPU would crawl
+        raise EPError(f"the group is {backend_string!r} (host exchanges only) and the Buffer's device is "
+                      f"CUDA: that needs the nvlink backend (one NVLink node, a GPU per rank) or nvshmem "
+                      f"(NVSHMEM on every rank), and neither is usable here; pass an NCCL group, or device='cpu'")
     return "torch_dist"
 
 
@@ -87,11 +98,34 @@ def ranks_per_block(hosts) -> int:
     return size
 
 
-def group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a group's tensors live: CPU for gloo, the current CUDA device otherwise."""
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+def _has_cuda_collectives(backend_string: str) -> bool:
+    """True when a process group's backend string (``dist.get_backend``) runs collectives on CUDA
+    tensors: ``"nccl"``, or a mixed ``"cpu:gloo,cuda:nccl"`` (also ``"cuda:gloo"``)."""
+    return backend_string != "gloo" and backend_string not in ("cpu:gloo", "mpi")
+
+
+def choose_device(backend_string: str, requested=None, cuda_available: bool = True) -> str:
+    """``"cpu"`` or ``"cuda"``: where a Buffer's tensors live.
+
+    ``requested`` (``"cpu"``, ``"cuda"``, a ``torch.device``, or None) wins; ``"cuda"`` on a
+    machine without CUDA raises EPError. Otherwise a group with CUDA collectives (``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``) means CUDA and a host-only one (``"gloo"``)
+    the CPU. A gloo group on CUDA ranks (vLLM passes one) gets the GPU backends with
+    ``requested="cuda"``: the group then carries only host-side exchanges, as in DeepEP."""
+    if requested is not None:
+        kind = torch.device(requested).type if isinstance(requested, (str, torch.device)) else None
+        if kind not in ("cpu", "cuda"):
+            raise EPError(f"device must be 'cpu', 'cuda' or a torch.device of either, got {requested!r}")
+        if kind == "cuda" and not cuda_available:
+            raise EPError("device='cuda' but CUDA is not available in this process")
+        return kind
+    return "cuda" if _has_cuda_collectives(backend_string) and cuda_available else "cpu"
+
+
+def group_device(group: dist.ProcessGroup, requested=None) -> torch.device:
+    """The Buffer's device (:func:`choose_device`): the CPU, or the current CUDA device."""
+    kind = choose_device(dist.get_backend(group), requested, torch.cuda.is_available())
+    return torch.device("cpu") if kind == "cpu" else torch.device("cuda", torch.cuda.current_device())
 
 
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
@@ -102,12 +136,12 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         return TorchDistBackend(group, device, timeout_s)
     if name == "nvlink":
         if device.type != "cuda":
-            raise EPError("the nvlink backend needs a CUDA (NCCL) process group")
+            raise EPError("the nvlink backend needs CUDA tensors (an NCCL group, or device='cuda')")
         from .nvlink import NVLinkBackend
         return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s)
     if name == "nvshmem":
         if device.type != "cuda":
-            raise EPError("the nvshmem backend needs a CUDA (NCCL) process group")
+            raise EPError("the nvshmem backend needs CUDA tensors (an NCCL group, or device='cuda')")
         from .nvshmem.backend import NvshmemBackend
         # A low-latency Buffer's modes share num_rdma_bytes, as in DeepEP (NvshmemBackend.allocation_bytes).
         # Code written for one node passes only num_nvl_bytes (or nothing): the workspace takes that,

@@ -163,6 +163,12 @@ class Backend(abc.ABC):
     def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
         """Returns ``(combined_x, hook)``; ``hook`` is set iff ``return_recv_hook``."""
 
+    def local_buffer(self, use_rdma_buffer: bool) -> Optional[torch.Tensor]:
+        """This rank's communication memory (uint8, 1-D) for ``Buffer.get_local_buffer_tensor``:
+        the intra-node part, or with ``use_rdma_buffer`` the inter-node / low-latency part. None:
+        the backend has no such memory (Buffer then hands out a byte buffer no call reads)."""
+        return None
+
     def clean_low_latency(self) -> None:
         """Reset low-latency state (e.g. after a dispatch whose hook was never called)."""
 

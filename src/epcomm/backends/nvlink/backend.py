@@ -108,5 +108,11 @@ class NVLinkBackend(Backend):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """The symmetric memory's normal-mode part, or with ``use_rdma_buffer`` its low-latency part."""
+        if use_rdma_buffer:
+            return self.ws.buffer[self.ws.ll_offset:]
+        return self.ws.buffer[self.ws.normal_offset:self.ws.ll_offset]
+
     def destroy(self) -> None:
         self.ws = None

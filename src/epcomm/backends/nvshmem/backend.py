@@ -236,6 +236,10 @@ class NvshmemBackend(Backend):
         (Buffer's ``ranks_per_node`` made them); a local call."""
         return self.layout(topk_idx, num_experts)
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """The one symmetric allocation (both modes' memory), whichever part is asked for."""
+        return self.t.buffer
+
     def raise_pending(self) -> None:
         self.mailbox.raise_pending(self.rank, self.timeout_s)
 
