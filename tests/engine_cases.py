@@ -72,7 +72,8 @@ def vllm_high_throughput(hidden: int = 256):
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, expert_alignment=alignment,
             num_worst_tokens=worst, config=dispatch_config, previous_event=None, async_finish=False,
             allocate_on_comm_stream=False)
-        sent = [fp8.per_token_cast_to_fp8(x) for x in xs] if use_fp8 else xs
+        # every rank's payload cast where the senders cast it (this device), so the bits compare
+        sent = [_cpu(fp8.per_token_cast_to_fp8(x.to(dev))) for x in xs] if use_fp8 else xs
         want = reference_dispatch(sent, topks, weights, num_experts, alignment)[rank]
         plain = reference_dispatch(xs, topks, weights, num_experts, alignment)[rank]["recv_x"]
         received = plain.shape[0]
@@ -92,7 +93,7 @@ def vllm_high_throughput(hidden: int = 256):
         expert_out = rank_fn(rank, rows.to(dev))
         combined, _, event = buffer.combine(expert_out, handle, topk_weights=None, config=combine_config,
                                             previous_event=None, async_finish=False, allocate_on_comm_stream=False)
-        home = fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(xs[rank]), torch.bfloat16) if use_fp8 else xs[rank]
+        home = fp8.per_token_cast_back(*sent[rank], torch.bfloat16) if use_fp8 else xs[rank]  # as the experts saw it
         _close(combined, reference_combine(home, topks[rank], num_experts, R, rank_fn), f"combine step {step}")
         # the handle kept for this shape serves a cached dispatch of new activations
         again, *_ = buffer.dispatch(x * 2, handle=handle, config=dispatch_config)
@@ -146,11 +147,12 @@ def vllm_low_latency(hidden: int = 512, num_max_tokens: int = 8):
         assert combined.data_ptr() == out.data_ptr()
         _close(out, reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8,
                                                   round_scale), f"low-latency round trip {step}")
-    # newer engines' NVFP4 dispatch: refused by name on every rank, and the Buffer stays usable
+    # newer engines' NVFP4 dispatch (every rank asks, as an engine does): refused by name, and the
+    # Buffer stays usable
     xs, topks, _ = make_routing(499, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
     try:
         buffer.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M, num_experts, use_fp8=False,
-                                    use_nvfp4=(rank == R - 1), x_global_scale=None)
+                                    use_nvfp4=True, x_global_scale=torch.ones((), device=dev))
         raise AssertionError("use_nvfp4=True was not refused")
     except EPInputError as err:
         assert "use_nvfp4" in str(err), err
