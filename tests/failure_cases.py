@@ -547,6 +547,9 @@ class _RecordingBackend:
             self.resync_asked = True  # as the GPU backends do after an abort
         return self._inner.agree(kind, fingerprint, error, rank_mask)
 
+    def stand_in(self, kind, error, rank_mask=None):  # (the GPU backends' default: an abort through agree)
+        self.agree(kind, None, error, rank_mask)
+
 
 def buffer_resync_rules():
     """Buffer's side of the GPU recovery, on one CPU rank with a recording backend: a resync the

@@ -109,6 +109,19 @@ def test_random_sequence_of_faults(pools):
         assert results[0].get(key, 0) > 0, results[0]
 
 
+def test_random_sequence_with_skipped_calls_on_two_buffers(pools):
+    """300 steps on two Buffers of one group (normal mode on one, low-latency on the other), the
+    faults above plus skipped calls: a rank skips a combine or a low-latency combine (its next call
+    on the same Buffer or on the other one), or drops a whole step before its dispatch. Every step
+    either raised EPInputError naming the argument or ``call`` on every rank the plan says, or
+    returned the reference's result; the next step is correct on every rank — no wrong data."""
+    from epcomm.testing.sequence import error_sequence
+    results = pools.get(4).run(error_sequence, 300, 23, two_buffers=True, timeout_s=400)
+    assert all(set(r) == set(results[0]) for r in results), results
+    for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised", "drop_raised"):
+        assert results[0].get(key, 0) > 0, results[0]
+
+
 def test_rejected_layout_then_clean_low_latency_buffer(pools):
     """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
     results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)

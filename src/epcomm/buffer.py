@@ -243,7 +243,7 @@ class Buffer(RankMasking):
         error = EPInputError(rejected.argument, f"get_dispatch_layout rejected it on rank {self.rank} ({reason}), "
                                                 f"which skipped the call that layout was for")
         try:
-            self._backend.agree(kind, None, error, self._rank_mask if kind.startswith("low_latency") else None)
+            self._backend.stand_in(kind, error, self._rank_mask if kind.startswith("low_latency") else None)
         except EPInputError:
             pass  # this rank's own abort, expected: its peers raised in the call it skipped
         if self._backend.needs_resync:  # GPU backends: the abort left the signals out of step

@@ -17,8 +17,9 @@ call ``n - 1`` only after it finished reading call ``n - 2``).
 (``epcomm/<group>/at/<rank>``: which Buffer's agreement, which call, which kind, and the call's
 first arrival in one group-wide order). A wait whose missing rank waits at a call this rank never
 made — another Buffer's, or one this rank has not reached — can never end: the two wait for each
-other. The call waited in longer gives way: its ranks raise :class:`EPInputError` (argument
-``"call"``) naming the ranks and both calls, instead of waiting out the timeout, and seal it *void*
+other. One of them gives way — the one more ranks wait in when every rank waits in one of the two
+(the fewer skipped a call), else the one waited in longer: its ranks raise :class:`EPInputError`
+(argument ``"call"``) naming the ranks and both calls, instead of waiting out the timeout, and seal it *void*
 (each call's verdict — made or void — is one compare-and-set in the store, so every rank acts on
 the same one). A rank arriving later at a call void for it takes the next call number, so the
 other call meets the ranks' next one and they pair again.
@@ -76,15 +77,21 @@ class StoreAgreement:
         return f"{self.prefix}/{call}/{rank}"
 
     def agree(self, kind: str, fingerprint: Optional[Sequence[Tuple[str, object]]],
-              error: Optional[EPInputError] = None, rank_mask=None) -> None:
+              error: Optional[EPInputError] = None, rank_mask=None, stand_in: bool = False) -> None:
         """Post this rank's fingerprint (``(argument, value)`` pairs) or, with ``error``, an abort
         naming the rejected argument; return once every rank posted the same fingerprint.
 
         ``rank_mask`` (low-latency calls, ``[R]`` int32, nonzero = masked): masked ranks are not
         waited for, and a rank that does not arrive in time is masked there instead of raising. A
-        rank that a peer masked is masked here too (the masks stay one), and raises itself."""
+        rank that a peer masked is masked here too (the masks stay one), and raises itself.
+
+        ``stand_in``: this abort stands in for a call this rank skipped (Buffer: a rejected layout);
+        if the peers already gave that call up (this rank was found waiting on another Buffer), there
+        is nothing left to stand in for: return without posting."""
         while not self._agree_once(kind, fingerprint, error, rank_mask):
-            pass  # that call number was given up by the peers while this rank was elsewhere: the next one
+            if stand_in:
+                return
+            # that call number was given up by the peers while this rank was elsewhere: the next one
 
     def _agree_once(self, kind, fingerprint, error, rank_mask) -> bool:
         """One call number; False when it is void for this rank (it skipped it: take the next)."""
@@ -199,6 +206,20 @@ class StoreAgreement:
             self.store.delete_key(f"{self.prefix}/{call - 2}/first")
         self._waiting_at = (call, kind)
 
+    def _gives_way(self, num_missing: int, their_prefix: str, their_call: int, mine: int, their_first: int) -> bool:
+        """Of this call and the one a missing rank waits in (each waiting for the other), does this
+        one give way? Decided only once every rank waits in one of the two (then both sides count
+        the same ranks): the call more ranks wait in — the fewer ranks are the ones that skipped a
+        call (one rank whose code raised, the usual case), so their call goes on and the call they
+        skipped is given up, whoever got there first; on a tie, the call waited in longer (the
+        arrival order is one for all). While ranks are still on their way, not yet: a rank that
+        drops a whole step reaches its next call before its peers reach the dropped one."""
+        here = self.num_ranks - num_missing
+        there = _count_posts(self.store, their_prefix, their_call, self.num_ranks)
+        if here + there != self.num_ranks:
+            return False
+        return here > there if here != there else mine < their_first
+
     def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int]) -> None:
         """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
         rank waits at a call this rank never made — it can only be waiting for this rank there, as
@@ -222,7 +243,7 @@ class StoreAgreement:
             except Exception:
                 continue
             if (prefix, their_call) != (self.prefix, call) and _calls_made.get(prefix, 0) <= their_call \
-                    and mine < their_first:
+                    and self._gives_way(len(missing), prefix, their_call, mine, their_first):
                 elsewhere[r] = (number, their_call, their_kind)
         if elsewhere:
             theirs = "; ".join(f"rank {r} waits in {k} (Buffer #{n}, call {c})" for r, (n, c, k) in sorted(elsewhere.items()))
@@ -231,6 +252,14 @@ class StoreAgreement:
                           f"ranks are in different calls: rank {self.rank} waits in {kind} (Buffer #{self.number}, "
                           f"call {call}); {theirs}, a call rank {self.rank} did not make: a rank skipped a call its "
                           f"peers made. Every rank raises; each one's next call pairs again")
+
+
+def _count_posts(store, prefix: str, call: int, num_ranks: int) -> int:
+    """How many ranks posted their fingerprint of ``call`` under ``prefix`` (wait there, or passed)."""
+    try:
+        return sum(1 for r in range(num_ranks) if store.check([f"{prefix}/{call}/{r}"]))
+    except Exception:
+        return 0
 
 
 class _Desync(Exception):

@@ -128,6 +128,11 @@ class Backend(abc.ABC):
         disagree on ``fingerprint`` (``(argument, value)`` pairs), when a rank rejected its own input
         (``error``), or when a rank does not arrive in time (see agreement.py). Default: nothing."""
 
+    def stand_in(self, kind: str, error, rank_mask=None) -> None:
+        """An abort for a call this rank skipped (Buffer's stand-in after a rejected layout), at its
+        next exchanging call. Default: :meth:`agree` with the error."""
+        self.agree(kind, None, error, rank_mask)
+
     # Backend-specific limits of one call (row sizes, buffer capacity, handles of another backend),
     # checked before anything is exchanged: Buffer calls these inside its argument validation, so a
     # rejection on one rank reaches every rank through agree(kind, None, error). Raise EPInputError

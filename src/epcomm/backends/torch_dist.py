@@ -47,6 +47,9 @@ class TorchDistBackend(Backend):
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
         self.agreement.agree(kind, fingerprint, error, rank_mask)
 
+    def stand_in(self, kind, error, rank_mask=None) -> None:
+        self.agreement.agree(kind, None, error, rank_mask, stand_in=True)
+
     # ---------------------------------------------------------------- collectives
     def _finish(self, work, what: str) -> None:
         """Wait for a gloo collective, bounded by the timeout; name the failure. (NCCL: its own watchdog.)"""

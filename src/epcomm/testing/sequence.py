@@ -6,9 +6,19 @@ carries at most one fault:
 
 - ``bad``: some ranks (a random non-empty subset) pass an invalid argument to one call;
 - ``disagree``: some ranks pass valid arguments that differ from the others' (hidden, FP8, top-k);
-- ``layout``: one rank's ``get_dispatch_layout`` rejects its ``topk_idx``; that rank skips the step;
-- ``skip``: one rank skips the step's combine (its expert code failed); it learns so at its next
-  call, which raises naming ``call``, and makes that call again — the recovery the README states.
+- ``layout``: one rank's ``get_dispatch_layout`` rejects its ``topk_idx``; that rank skips the step
+  (its peers raise naming ``topk_idx`` — or ``call`` where its next call is on the other Buffer);
+- ``skip``: one rank skips the step's combine (its expert code failed). Its peers raise naming
+  ``call`` in that combine. Where its next call is on the same Buffer, that call meets the skipped
+  one and raises naming ``call`` too, and the rank makes it again; on the other Buffer
+  (``two_buffers``) the peers' combine gives way and the rank's next call just pairs.
+- ``drop`` (``two_buffers``): one rank drops the whole step (it fails before the dispatch) and
+  the next step is on the other Buffer; its peers raise naming ``call`` in the dispatch.
+
+With ``two_buffers`` normal-mode steps run on one Buffer and low-latency steps on a second one of
+the same group, as a server's prefill and decode paths do. (A rank that drops a whole step and
+then makes the same kind of call on the same Buffer pairs with its peers' dropped call: calls pair
+by order, and nothing in DeepEP's API says which step a call belongs to — so the plan never does.)
 
 After every step each rank asserts that it either raised an :class:`epcomm.EPError` naming the
 argument (and, where a peer caused it, that peer) or returned the reference's result; a step
@@ -28,19 +38,27 @@ from .reference import reference_combine, reference_dispatch, reference_low_late
 from .sweeps import _bits, expert_fn, make_routing, rank_fn, world
 
 OPS = ("normal", "cached", "low_latency")
-FAULTS = ("none", "bad", "disagree", "layout", "skip")
-FAULT_WEIGHTS = (5, 2, 2, 2, 2)
+FAULTS = ("none", "bad", "disagree", "layout", "skip", "drop")
+FAULT_WEIGHTS = (5, 2, 2, 2, 2, 0)
+TWO_BUFFER_WEIGHTS = (5, 2, 2, 2, 3, 2)
 
 
 class _Expected(Exception):
     """An EPError the plan expected (the step stops there on this rank)."""
 
 
-def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: bool, last: bool, gpu: bool) -> Dict:
+def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: bool, last: bool, gpu: bool,
+          two_buffers: bool = False) -> Dict:
     rng = random.Random(seed * 100003 + step)
-    op = rng.choice(OPS if have_handle else ("normal", "low_latency"))
+    ops = OPS if have_handle else ("normal", "low_latency")
+    op = previous.get("next_op") or rng.choice(ops)
     # a fault is followed by a valid step (the last step too: a rank that skipped needs a next call)
-    fault = "none" if previous["fault"] != "none" or last else rng.choices(FAULTS, FAULT_WEIGHTS)[0]
+    weights = TWO_BUFFER_WEIGHTS if two_buffers else FAULT_WEIGHTS
+    fault = "none" if previous["fault"] != "none" or last else rng.choices(FAULTS, weights)[0]
+    next_op = None
+    if fault in ("skip", "drop") or (fault == "layout" and two_buffers):  # the next step's op is part of it
+        other = ["low_latency"] if op != "low_latency" else [o for o in ops if o != "low_latency"]
+        next_op = rng.choice(other if fault == "drop" else list(ops))
     if fault == "layout" and op != "normal":
         fault = "bad"
     if gpu and previous["fault"] == "skip" and (previous["op"] == "low_latency") != (op == "low_latency"):
@@ -53,11 +71,13 @@ def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: boo
     subset = sorted(rng.sample(ranks, rng.randint(1, num_ranks)))
     proper = sorted(rng.sample(ranks, rng.randint(1, num_ranks - 1)))
     return dict(op=op, fault=fault, at=rng.choice(("dispatch", "combine")), bad_ranks=subset, odd_ranks=proper,
-                one=rng.randrange(num_ranks), variant=rng.randrange(2), routing_seed=seed * 7919 + step)
+                one=rng.randrange(num_ranks), variant=rng.randrange(2), routing_seed=seed * 7919 + step,
+                next_op=next_op)
 
 
 def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: int = 256, num_topk: int = 2,
-                   tokens: int = 8, backend: Optional[str] = None, progress: Optional[Callable[[str], None]] = None):
+                   tokens: int = 8, backend: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
+                   two_buffers: bool = False):
     """Run ``num_steps`` planned steps on this rank (all ranks call it with the same arguments);
     returns ``{outcome: count}``. Raises AssertionError naming the step on any broken promise.
     A step that completes updates the handle later cached steps use; one that raised anywhere
@@ -68,7 +88,9 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
     must raise and returns instead, the step synchronises and makes it again, and that attempt
     must raise. A skipped normal-mode combine is followed by a normal-mode step there (its peers
     wait on signals only a normal-mode call sets); low-latency steps skip nothing (a peer that
-    misses a low-latency call is masked at the timeout, DeepEP's semantics)."""
+    misses a low-latency call is masked at the timeout, DeepEP's semantics). ``two_buffers``: normal
+    and low-latency steps on two Buffers of the group, with ``drop`` faults (the reference backend:
+    the GPU backends do not detect a skip across Buffers yet)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     num_experts, M = 2 * R, tokens
@@ -78,7 +100,10 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
                   check_values=True)  # (a GPU rank then rejects out-of-range or changed top-k itself)
     if backend is not None:
         kwargs["backend"] = backend
+    if two_buffers and gpu:
+        raise ValueError("two_buffers runs on the reference backend (device='cpu')")
     buffer = epcomm.Buffer(dist.group.WORLD, **kwargs)
+    normal_buffer = epcomm.Buffer(dist.group.WORLD, **dict(kwargs, low_latency_mode=False)) if two_buffers else buffer
     outcomes: Counter = Counter()
     previous, cached = {"fault": "none", "op": "normal"}, None  # cached: (routing seed, handle) of the last normal step
     retry_pending = False  # this rank skipped a combine: its next call raises, then it makes it again
@@ -105,7 +130,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         return fn()
 
     for step in range(num_steps):
-        plan = _plan(seed, step, R, previous, cached is not None, step == num_steps - 1, gpu)
+        plan = _plan(seed, step, R, previous, cached is not None, step == num_steps - 1, gpu, two_buffers)
         op, fault = plan["op"], plan["fault"]
         where = f"rank {rank} step {step} ({op}, {fault} at {plan['at']}, ranks {plan['bad_ranks']}/{plan['odd_ranks']}/{plan['one']})"
 
@@ -121,24 +146,27 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
                 raise AssertionError(f"{where}: did not raise (expected EPInputError for {argument!r})")
             return check
 
-        if op == "low_latency" and previous_mode == "normal" and buffer.backend_name == "nvshmem":
+        if op == "low_latency" and previous_mode == "normal" and buffer.backend_name == "nvshmem" and not two_buffers:
             # nvshmem: the modes share their bytes, as in DeepEP (every rank is at this step)
             buffer.clean_low_latency_buffer(M, hidden, num_experts)
         previous_mode = "low_latency" if op == "low_latency" else "normal"
         try:
+            if fault == "drop" and rank == plan["one"]:
+                raise _Expected()  # this rank failed before the step's dispatch: it makes none of its calls
             if op == "low_latency":
                 _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collective, expect, where)
             else:
                 if op == "cached" and fault == "layout":
                     fault = plan["fault"] = "bad"
-                cached = _normal_step(buffer, plan, rank, R, num_experts, num_topk, M, hidden, dev, collective,
+                cached = _normal_step(normal_buffer, plan, rank, R, num_experts, num_topk, M, hidden, dev, collective,
                                       expect, where, cached)
             outcomes["ok" if fault == "none" else f"{fault}_ok"] += 1
         except _Expected:
             outcomes[f"{fault}_raised"] += 1
-        if fault == "skip" and rank == plan["one"]:
-            retry_pending = True
-        previous = {"fault": fault, "op": op}
+        same_buffer_next = (plan["next_op"] == "low_latency") == (op == "low_latency") or not two_buffers
+        if fault == "skip" and rank == plan["one"] and same_buffer_next:
+            retry_pending = True  # its next call meets the skipped one (same Buffer): it raises, then again
+        previous = {"fault": fault, "op": op, "next_op": plan["next_op"]}
         if progress is not None and (step + 1) % 100 == 0:
             progress(f"rank {rank}: {step + 1}/{num_steps} steps")
     return dict(outcomes)
@@ -177,7 +205,13 @@ def _normal_step(buffer, plan, rank, R, num_experts, num_topk, M, hidden, dev, c
     else:
         call = lambda: buffer.dispatch(payload, handle=handle)  # noqa: E731
 
-    if fault == "layout":
+    if fault == "drop":
+        expect("call")(lambda: collective(call))  # a rank dropped this step: its next call is elsewhere
+    if fault == "layout" and (plan["next_op"] == "low_latency") != (op == "low_latency") and plan["next_op"]:
+        # the rejecting rank's next call is on the other Buffer: the peers find it waiting there and
+        # give this call up (naming call); its stand-in, due at its next call here, is then void
+        expect("call")(lambda: collective(call))
+    elif fault == "layout":
         expect("topk_idx", peer=one)(lambda: collective(call))
     elif fault == "bad" and at == "dispatch":
         expect("x")(lambda: collective(call))
@@ -220,6 +254,8 @@ def _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collec
     if fault == "disagree" and at == "dispatch" and odd:
         dispatch_topk = topk[:, :1].contiguous()  # another top-k width
     call = lambda: buffer.low_latency_dispatch(dispatch_x, dispatch_topk, M, num_experts, use_fp8=False)  # noqa: E731
+    if fault == "drop":
+        expect("call")(lambda: collective(call))  # a rank dropped this round: its next call is elsewhere
     if fault == "bad" and at == "dispatch":
         expect("x")(lambda: collective(call))
     elif fault == "disagree" and at == "dispatch":
