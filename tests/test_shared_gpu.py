@@ -133,6 +133,14 @@ def test_low_latency_cuda_graph(shared_pool):
 
 
 # ------------------------------------------------------------------ training
+def test_autograd_case_calls_against_the_reference(shared_pool):
+    """A diagnosis of the autograd case that fails at 16 ranks: its plain calls, each checked."""
+    found = _all(shared_pool, training_cases.autograd_routing_dispatch, (0, 1, 2), 256)
+    bad = {rank: f for rank, f in enumerate(found) if f}
+    print(f"\nR={shared_pool.world_size}x{shared_pool.per_node} mismatches (rank: case: what): {bad}")
+    assert not bad, bad
+
+
 def test_autograd_and_moe_layer_match_dense(shared_pool):
     errors = _all(shared_pool, training_cases.autograd_against_dense, 3, 256, "cuda")
     assert max(errors) <= 2e-2, errors
