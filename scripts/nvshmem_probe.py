@@ -1,4 +1,4 @@
-"""Probe NVSHMEM from Triton through epcomm's launch layer (issue 14's first GPU step).
+"""Probe NVSHMEM from Triton through epcomm's launch layer (the first GPU step of the multi-node backend).
 
 Run on a GPU machine: ``python3 scripts/nvshmem_probe.py`` (one process per GPU, or ``--ranks N``
 processes over the GPUs). Prints, per phase, what worked: PyTorch's NVSHMEM symmetric memory

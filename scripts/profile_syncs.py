@@ -1,6 +1,6 @@
 """Which CUDA runtime calls that wait for the GPU (stream/device/event synchronisation, blocking
-copies) each epcomm call makes, rank 0 — the host waits that keep work from queueing ahead
-(issue 25). Every GPU is a rank (one GPU: the nvlink backend on one rank).
+copies) each epcomm call makes, rank 0 — the host waits that keep work from queueing ahead.
+Every GPU is a rank (one GPU: the nvlink backend on one rank).
 
 Run on a GPU machine: ``python3 scripts/profile_syncs.py [tokens] [low-latency tokens]``.
 Prints one row per call: the count per call of each such runtime call, and the kernels launched.

@@ -1,4 +1,4 @@
-"""Where the time of one synced call goes, epcomm beside a peer library on one timeline (issue 25).
+"""Where the time of one synced call goes, epcomm beside a peer library on one timeline.
 
 Each iteration does what a decode loop does: ``dist.barrier()``, ``torch.cuda.synchronize()``,
 then the call (or a dispatch + combine pair) and ``torch.cuda.synchronize()``. torch.profiler

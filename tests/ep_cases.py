@@ -692,7 +692,7 @@ def gpu_low_latency_one_launch(hidden: int = 2048):
 
 
 def gpu_user_program_on_nodes(hidden: int = 2048, num_tokens: int = 256):
-    """Issue 28's user program, run where ``EPCOMM_RANKS_PER_NODE`` splits the group into nodes:
+    """A user's multi-node program, run where ``EPCOMM_RANKS_PER_NODE`` splits the group into nodes:
     the automatic backend, DeepEP-style sizes, layout, BF16 and FP8 dispatch, cached dispatch,
     combine, then a low-latency round trip — each against the torch_dist reference. Returns the
     backend names (fast, low-latency)."""
@@ -731,7 +731,7 @@ def gpu_user_program_on_nodes(hidden: int = 2048, num_tokens: int = 256):
 
 
 def gpu_kernel_names_and_default_device(hidden: int = 512):
-    """Issue 26 cases 1 and 8 on the GPU backend: under ``torch.set_default_device("cuda")`` a
+    """On the GPU backend: under ``torch.set_default_device("cuda")`` a
     Buffer is built and every call runs; a profiler counts kernels whose names contain "dispatch"
     and "combine" as tools written for DeepEP do — one each per low-latency call, two with
     ``return_recv_hook`` (send and receive phase) — and the normal-mode calls' kernels name theirs.

@@ -427,7 +427,7 @@ GPU_RECOVERY_CASES = ("all_bad", "one_bad", "disagree", "layout", "ll_one_bad")
 
 
 def gpu_recovery(case: str, timeout: float = 10.0):
-    """Issue 26 cases 2 and 3 on the group's GPU backend (nvlink on one node; nvshmem on virtual
+    """A rejected call and a disagreement on the group's GPU backend (nvlink on one node; nvshmem on virtual
     nodes): a call that raised on every rank leaves the Buffer usable — the next call pairs (every
     rank that raised resyncs there) and matches the reference. Returns ``(what the failing step
     raised on this rank, after-checks passed)``."""

@@ -67,7 +67,7 @@ def test_synchronous_scope_runs_inline():
 
 
 def test_submodules_after_a_plain_import():
-    """Issue 26 case 7: the README's ``epcomm.autograd.dispatch`` / ``epcomm.nn.MoE`` after ``import epcomm``."""
+    """The README's ``epcomm.autograd.dispatch`` / ``epcomm.nn.MoE`` after ``import epcomm``."""
     import subprocess
     import sys
     code = "import epcomm; print(epcomm.autograd.dispatch.__name__, epcomm.nn.MoE.__name__)"
@@ -76,7 +76,7 @@ def test_submodules_after_a_plain_import():
 
 
 def test_host_tensors_name_their_device_under_another_default():
-    """Issue 26 case 1: what epcomm keeps on the host is made there whatever
+    """What epcomm keeps on the host is made there whatever
     ``torch.set_default_device`` says (here "meta", which a CPU machine has). The mailbox module
     needs Triton (not in the CPU CI's install): checked where it is present."""
     import importlib.util

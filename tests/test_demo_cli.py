@@ -106,7 +106,7 @@ def test_cli_check_on_cpu_ranks():
 
 
 def test_bench_tables_show_each_sms_setting_and_the_decode_loop():
-    """Issue 25: `--sms` takes a list (one table per setting) and the low-latency table has a
+    """`--sms` takes a list (one table per setting) and the low-latency table has a
     decode-loop row (median and p99 of barrier; dispatch + combine; sync)."""
     import argparse
     from epcomm.tools import bench
@@ -129,7 +129,7 @@ def test_bench_tables_show_each_sms_setting_and_the_decode_loop():
 
 
 def test_bench_transport_settings_of_the_nvshmem_backend():
-    """Issue 28: `--send-parts` and `--p2p` (0/1 lists) need virtual nodes, and each point's
+    """`--send-parts` and `--p2p` (0/1 lists) need virtual nodes, and each point's
     table says which transport setting it ran."""
     import argparse
     from epcomm.tools import bench

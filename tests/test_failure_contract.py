@@ -77,7 +77,7 @@ def test_low_latency_masks_a_dead_rank_and_goes_on(pools):
 
 
 def test_rejected_layout_stands_in_for_the_skipped_dispatch(pools):
-    """Issue 26 case 3: calls pair by identity after a local layout error."""
+    """Calls pair by identity after a local layout error."""
     results = pools.get(4).run(failure_cases.rejected_layout_stands_in, timeout_s=120)
     for rank, seen in enumerate(results):
         first = ("EPInputError", "topk_idx", True) if rank != 1 else ("EPInputError", "topk_idx", False)
@@ -87,19 +87,19 @@ def test_rejected_layout_stands_in_for_the_skipped_dispatch(pools):
 
 @pytest.mark.parametrize("case", ["shape", "values"])
 def test_low_latency_combine_checks_topk_idx_against_its_dispatch(pools, case):
-    """Issue 26 case 5: EPInputError naming topk_idx on every rank, nothing exchanged, then usable."""
+    """EPInputError naming topk_idx on every rank, nothing exchanged, then usable."""
     assert pools.get(4).run(failure_cases.low_latency_combine_topk_idx, case, timeout_s=120) == \
         [("EPInputError", "topk_idx")] * 4
 
 
 def test_a_rank_masked_by_its_peers_raises_instead_of_exchanging(pools):
-    """Issue 26 case 4: no call returns data after a desync unless it paired."""
+    """No call returns data after a desync unless it paired."""
     results = pools.get(4).run(failure_cases.masked_rank_learns_it, timeout_s=120)
     assert results == [("ok", True), ("EPError", True), ("ok", True), ("ok", True)], results
 
 
 def test_random_sequence_of_faults(pools):
-    """Issue 26: 200 steps of valid calls, bad inputs on random ranks, disagreements, rejected
+    """200 steps of valid calls, bad inputs on random ranks, disagreements, rejected
     layouts and skipped combines; after each step every rank raised naming the argument (and
     the rank) or returned the reference's result, and the next valid call succeeded."""
     from epcomm.testing.sequence import error_sequence
@@ -129,7 +129,7 @@ def test_rejected_layout_then_clean_low_latency_buffer(pools):
 
 
 def test_buffer_resyncs_and_aborts_as_the_gpu_backends_ask(pools):
-    """Buffer's part of the GPU recovery (issue 26 case 2), checked on CPU with a recording backend."""
+    """Buffer's part of the GPU recovery (a rejected call), checked on CPU with a recording backend."""
     seen = pools.get(1).run(failure_cases.buffer_resync_rules, timeout_s=120)[0]
     assert all(seen.values()), seen
 

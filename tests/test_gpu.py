@@ -238,7 +238,7 @@ def test_out_of_range_expert_ids_raise_without_a_device_assert(gpu_pool):
 
 # ---------------------------------------------------------------------- every GPU its own node
 def test_kernel_names_and_default_device(gpu_pool):
-    """Issue 26 cases 1 and 8: a CUDA default device, and kernels named by their call: each call's
+    """A CUDA default device, and kernels named by their call: each call's
     kernels name it and not the other; a low-latency call with return_recv_hook launches two (send
     and receive phase), without it one or two (one launch, or the two phases back to back)."""
     for rows in gpu_pool.run(ep_cases.gpu_kernel_names_and_default_device):
@@ -251,7 +251,7 @@ def test_kernel_names_and_default_device(gpu_pool):
 @needs_peers
 @pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
 def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
-    """Issue 26 cases 2 and 3 on nvlink: every rank raises naming the argument, then resyncs at its
+    """A rejected call and a disagreement on nvlink: every rank raises naming the argument, then resyncs at its
     next call, which pairs and matches the reference."""
     results = gpu_pool.run(failure_cases.gpu_recovery, case)
     want = {"layout": "topk_idx", "ll_one_bad": "x"}.get(case, "x")
@@ -264,7 +264,7 @@ def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
 
 @needs_peers
 def test_random_sequence_of_faults_on_nvlink(gpu_pool):
-    """Issue 26: 1000 steps of valid calls, bad inputs on random ranks, disagreements, rejected
+    """1000 steps of valid calls, bad inputs on random ranks, disagreements, rejected
     layouts and skipped combines on the GPU backend (testing/sequence.py says how deferred reports
     are expected there)."""
     from epcomm.testing.sequence import error_sequence
@@ -276,7 +276,7 @@ def test_random_sequence_of_faults_on_nvlink(gpu_pool):
 @pytest.fixture(scope="module")
 def node_pool():
     """Ranks whose nodes are one GPU each (``EPCOMM_RANKS_PER_NODE=1``) and the automatic backend:
-    every Buffer the cases make without naming a backend runs on nvshmem (issue 28)."""
+    every Buffer the cases make without naming a backend runs on nvshmem."""
     if GPUS < 2:
         pytest.skip("needs at least 2 CUDA GPUs (one node each)")
     import os
@@ -306,17 +306,17 @@ def test_nodes_failure_contract(node_pool, case):
 
 @pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
 def test_nodes_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case):
-    """Issue 26 case 2 and 3 on nvshmem (virtual nodes)."""
+    """A rejected call and a disagreement on nvshmem (virtual nodes)."""
     test_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case)
 
 
 def test_nodes_random_sequence_of_faults(node_pool):
-    """Issue 26 on nvshmem (virtual nodes): the fault sequence, 1000 steps."""
+    """The fault sequence on nvshmem (virtual nodes), 1000 steps."""
     test_random_sequence_of_faults_on_nvlink(node_pool)
 
 
 def test_nodes_kernel_names_and_default_device(node_pool):
-    """Issue 26 cases 1 and 8 on nvshmem (virtual nodes)."""
+    """A CUDA default device and kernel names on nvshmem (virtual nodes)."""
     test_kernel_names_and_default_device(node_pool)
 
 

@@ -232,7 +232,7 @@ def test_expert_major_fold_rounds_as_torch_does():
 
 
 def test_kernel_names_say_which_call_they_belong_to():
-    """Issue 26 case 8: profiler tools written for DeepEP count a call's kernels by "dispatch" and
+    """Profiler tools written for DeepEP count a call's kernels by "dispatch" and
     "combine" in their names (a low-latency call with return_recv_hook launches its kernel twice:
     send and receive phase). Every kernel a dispatch or combine launches names its call, and only
     that one; the compiled kernel carries the name."""

@@ -1,4 +1,4 @@
-"""The first two-GPU run of the nvshmem backend (issue 28) failed four ways; each root cause has a
+"""The first two-GPU run of the nvshmem backend (2 × H200, 2026-11-23) failed four ways; each root cause has a
 check here that needs no GPU:
 
 1./2. Desync and stale fingerprints: the signal-op codes were not the device library's (SET was

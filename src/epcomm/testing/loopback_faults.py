@@ -119,7 +119,7 @@ def _ll_round_trip(rank: int, backend: NvshmemBackend, args: LowLatencyDispatchA
 
 def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                   device: Optional[torch.device] = None) -> None:
-    """A rejected call costs nothing (issue 26 case 2), in both modes: the last rank rejects its
+    """A rejected call costs nothing, in both modes: the last rank rejects its
     input and aborts; the others' call raises EPInputError naming the argument (a full dispatch at
     its count wait; a low-latency dispatch at the next look at the mailbox); every rank then
     resyncs (what Buffer does at the next call) and the next call pairs and matches the reference."""
@@ -215,7 +215,7 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
 
 def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                       device: Optional[torch.device] = None) -> None:
-    """Ranks that disagree move nothing (issue 26, found on 2 x H200): a cached dispatch in which the
+    """Ranks that disagree move nothing (a fault first seen on 2 x H200): a cached dispatch in which the
     last rank sends FP8 and the others BF16 (rows of another size), then a combine in which only
     the last rank passes top-k weights (combine rows of another size). Neither call waits on the
     host, so each returns; every later kernel of the call must return at once (the step barrier
@@ -295,7 +295,7 @@ def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
 
 def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
                        device: Optional[torch.device] = None) -> None:
-    """Issue 28's ``ll_num_experts`` case, near and far: the last rank's low-latency dispatch has
+    """Ranks that disagree on a low-latency dispatch's expert count, near and far: the last rank's low-latency dispatch has
     twice the others' expert count, so its count words lie elsewhere. Every rank's receive must
     end its wait by the senders' fingerprint rows — well before the timeout, nobody masked — and
     raise EPInputError naming num_experts; after the resync a round trip matches the reference."""

@@ -155,7 +155,7 @@ class NormalBenchSettings:
     num_nvl_bytes: int = 3 << 30
     peer: Optional[str] = None
     seed: int = 0
-    ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend (issue 14)
+    ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend
     send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
     p2p: List[int] = field(default_factory=list)  # nvshmem: p2p settings (1 stores, 0 puts), crossed with send_parts
 
@@ -347,7 +347,7 @@ class LowLatencyBenchSettings:
     reps: int = 50
     peer: Optional[str] = None
     seed: int = 0
-    ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node (issue 14)
+    ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node
     decode_pairs: int = 100  # iterations of the decode-loop row
 
 
@@ -492,7 +492,7 @@ def low_latency_table(result: Dict) -> str:
     graph = next((r for r in result["rows"] if r["call"] == "round trip, one CUDA graph"), {})
     if s.get("ranks_per_node") and graph.get("epcomm") and graph.get("nvlink"):
         ratio = graph["epcomm"]["synced"] / graph["nvlink"]["synced"]
-        lines.append(f"target (issue 14): round trip in a graph on virtual nodes <= 2x one node: {ratio:.2f}x "
+        lines.append(f"target: round trip in a graph on virtual nodes <= 2x one node: {ratio:.2f}x "
                      f"({'met' if ratio <= 2 else 'missed'})")
     loop = result.get("decode_loop", {})
     if loop:

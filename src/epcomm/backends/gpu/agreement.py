@@ -181,7 +181,7 @@ def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
              fingerprints_offset,  # bytes from a workspace to its fingerprint area
              ll_counts_ptr,  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
              num_shapes, fp0, fp1, rank, num_ranks,
-             ranks_per_node, spare_word,  # (REMOTE only: reach.py)
+             ranks_per_node, spare_word,  # (REMOTE only: gpu/reach/)
              NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
              REMOTE: tl.constexpr):
     # On every peer (self included): the abort words into each fingerprint row this rank owns (all
@@ -236,7 +236,7 @@ def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
     rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
     expert counts ``experts_seen`` used so far) this rank owns, on every peer. ``remote`` and
-    ``ranks_per_node``: how far peers are reached (reach.py)."""
+    ``ranks_per_node``: how far peers are reached (gpu/reach/)."""
     import torch
 
     from .launch import current_stream

@@ -3,7 +3,7 @@ receive plain rows and re-lay them after the exchange (nvshmem; nvlink builds th
 its pull and push instead).
 
 The torch re-layout (``expert_major.expand`` / ``fold``) moves each row through index_put and
-boolean-mask gathers: on 2 × H200 at T=4096 (virtual nodes, session 11) the expansion took
+boolean-mask gathers: on 2 × H200 at T=4096 (virtual nodes, measured 2026-11-23) the expansion took
 ~1.6 ms and the fold ~5.7 ms, against ~0.6 ms and ~1.7 ms for the plain cached dispatch and
 combine they follow. Here each plain row is read once and written to its expert rows, and each
 plain row is folded from its expert rows in one pass — the same bytes and the same float32 sums
@@ -33,7 +33,7 @@ from .launch import KernelSpec, cdiv, current_stream, p2
 from .normal.combine import _fold_expert_major
 
 # Plain rows per fold program and its warps: one row of 2 warps read 582 MB in 242 µs on H100
-# (8161 rows, H=7168, top-8), against 276-1138 µs for 2-16 rows of 2-8 warps (a sweep, session 12).
+# (8161 rows, H=7168, top-8), against 276-1138 µs for 2-16 rows of 2-8 warps (a sweep on one H100, 2026-11-24).
 FOLD_BLOCK_R = 1
 FOLD_WARPS = 2
 

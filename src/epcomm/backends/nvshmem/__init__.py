@@ -1,4 +1,4 @@
-"""The multi-node backend: NVSHMEM through PyTorch (issue 14; docs/MULTINODE.md).
+"""The multi-node backend: NVSHMEM through PyTorch (docs/MULTINODE.md).
 
 :mod:`.backend` wires it together over the GPU layer (backends/gpu: its transport, the loopback
 test transport, and the low-latency mode come from there): :mod:`.workspace` and :mod:`.rows`

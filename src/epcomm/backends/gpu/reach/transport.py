@@ -5,10 +5,10 @@ every rank's workspace address where this GPU can load and store it (``peer_base
 int64 on the device; 0 where it cannot: other hosts), and a host barrier:
 
 - :class:`NvshmemTransport`: PyTorch symmetric memory on its NVSHMEM backend, one process per GPU.
-  The kernels move bytes between nodes with NVSHMEM puts (device.py) and within a node with
+  The kernels move bytes between nodes with NVSHMEM puts (reach/nvshmem.py) and within a node with
   stores through ``peer_bases``.
 - :class:`LoopbackWorld`: every rank in one process on one GPU, each in its own thread and
-  stream; the kernels' ``deliver`` becomes plain stores into the other workspace (device.py,
+  stream; the kernels' ``deliver`` becomes plain stores into the other workspace (reach/nvshmem.py,
   ``LOOPBACK``). It runs the multi-node kernels where NVSHMEM cannot (one GPU: NVSHMEM needs a GPU
   per process) — a test transport, not a fast path.
 """
