@@ -314,3 +314,63 @@ def device_cuda_without_cuda():
     view = buffer.get_local_buffer_tensor(torch.int32, torch.Size([8, 8]))
     assert view.shape == (8, 8) and buffer.get_local_buffer_tensor(torch.int32).data_ptr() == view.data_ptr()
     return True
+
+
+def vllm_low_latency_graph(replays: int = 3, hidden: int = 2048, num_max_tokens: int = 32):
+    """vLLM's decode step under a CUDA graph, on its gloo group: low-latency dispatch (FP8, power-of-
+    two scales, ``return_recv_hook``) → hook → experts → combine (``return_recv_hook``, ``out=``) →
+    hook, captured once; each replay on new inputs (copied into the captured tensors) matches the
+    reference. GPU only (returns True without CUDA)."""
+    if not torch.cuda.is_available():
+        return True
+    deep_ep = _deep_ep()
+    R, rank = world()
+    dev = _device()
+    cpu_group = dist.new_group(list(range(R)), backend="gloo")
+    num_experts, M, K = 4 * R, num_max_tokens, 4
+    buffer = deep_ep.Buffer(cpu_group, num_nvl_bytes=0,
+                            num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts),
+                            low_latency_mode=True, num_qps_per_rank=num_experts // R,
+                            allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True)
+    x = torch.zeros(M, hidden, dtype=torch.bfloat16, device=dev)
+    topk = torch.zeros(M, K, dtype=torch.int64, device=dev)
+    weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+    out = torch.empty(M, hidden, dtype=torch.bfloat16, device=dev)
+    scale = ((rank * (num_experts // R) + torch.arange(num_experts // R, device=dev)).float() + 1) / 8
+
+    def step():
+        recv, _, handle, _, hook = buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=True, round_scale=True,
+                                                               use_ue8m0=False, async_finish=False, return_recv_hook=True)
+        hook()
+        expert_out = (fp8.per_token_cast_back(recv[0], recv[1], torch.float32) * scale[:, None, None]).to(torch.bfloat16)
+        _, _, hook = buffer.low_latency_combine(expert_out, topk, weights, handle, zero_copy=False, async_finish=False,
+                                                return_recv_hook=True, out=out)
+        hook()
+
+    def load(seed):
+        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
+        x.copy_(xs[rank])
+        topk.copy_(topks[rank])
+        weights.copy_(ws[rank])
+        return xs, topks, ws
+
+    load(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as vLLM's graph runner does
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier(group=cpu_group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(replays):
+        xs, topks, ws = load(900 + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, True, True)
+        _close(out, want, f"graph replay {replay}")
+    buffer.destroy()
+    dist.destroy_process_group(cpu_group)
+    return True

@@ -28,6 +28,16 @@ def gpu_pool(request):
     pool.close()
 
 
+@needs_peers
+@pytest.mark.parametrize("case", ["vllm_high_throughput", "vllm_low_latency", "vllm_low_latency_graph",
+                                  "sglang_dispatchers", "megatron_fused"])
+def test_engines_through_deep_ep(gpu_pool, case):
+    """``import deep_ep`` driven as each engine drives DeepEP (tests/engine_cases.py), one rank per
+    GPU: vLLM's buffers on a plain gloo group take the nvlink backend on one node all the same."""
+    import engine_cases
+    assert all(gpu_pool.run(getattr(engine_cases, case), timeout_s=600))
+
+
 SCENARIO_CONFIGS = [(scenario, tokens, hidden, False, False)
                     for scenario in ep_cases.SCENARIOS for tokens, hidden in ((0, 2048), (300, 4096), (1000, 7168))]
 EDGE_CONFIGS = [("uniform", 4096, 7168, True, False), ("skewed", 2048, 7168, True, False),

@@ -81,7 +81,8 @@ def _all(pool, fn, *args, timeout_s=None, **kwargs):
 
 
 # ------------------------------------------------------------------ engines
-@pytest.mark.parametrize("case", ["vllm_high_throughput", "vllm_low_latency", "sglang_dispatchers", "megatron_fused"])
+@pytest.mark.parametrize("case", ["vllm_high_throughput", "vllm_low_latency", "vllm_low_latency_graph",
+                                  "sglang_dispatchers", "megatron_fused"])
 def test_engines_through_deep_ep(shared_pool, case):
     """``import deep_ep`` driven as each engine drives DeepEP (tests/engine_cases.py); vLLM's buffers
     on a plain gloo group, as vLLM passes it: the GPU backend on the current device all the same."""
