@@ -214,3 +214,48 @@ def autograd_routing_dispatch(cases=(0, 1, 2), hidden: int = 256, device: str = 
         if found:
             report[case] = found
     return report
+
+
+def autograd_by_hand(cases=(0, 1, 2), hidden: int = 256, device: str = "cuda"):
+    """:func:`autograd_against_dense`'s calls made by hand on this thread — dispatch, combine, then
+    backward's cached dispatch of the output gradient and combine with the weights' gradient — and
+    the gradients compared with the dense ones. Returns per case ``(x error, weights error)``: with
+    the autograd version failing and this one passing, the fault is in how autograd runs the calls."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
+    errors = {}
+    for case in cases:
+        num_experts = 4 * R
+        xs, topks, weights = make_routing(700 + case, SCENARIOS[case % len(SCENARIOS)], R, num_experts,
+                                          min(3, num_experts), 20, hidden)
+        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+        grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(900 + case * 31 + rank))
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
+        scale = _scale(torch.where(recv_idx >= 0, recv_idx + rank * (num_experts // R), recv_idx)).float()
+        out = ((recv_w * scale).sum(1, keepdim=True) * recv_x.float()).to(torch.bfloat16)
+        buffer.combine(out, handle)
+        grad_rows = buffer.dispatch(grad_out.to(dev).to(torch.bfloat16), handle=handle)[0].float()
+        grad_recv_x = ((recv_w * scale).sum(1, keepdim=True) * grad_rows).to(torch.bfloat16)
+        grad_recv_w = scale * (recv_x.float() * grad_rows).sum(1, keepdim=True)
+        grad_x, grad_w, _ = buffer.combine(grad_recv_x, handle, topk_weights=grad_recv_w.contiguous())
+        want_x, want_w = dense_gradients(xs[rank], topks[rank], weights[rank], grad_out)
+        errors[case] = tuple(round(float((got.cpu().double() - want).norm() / want.norm().clamp_min(1e-12)), 4)
+                             for got, want in ((grad_x, want_x), (grad_w, want_w)))
+        # which of the inputs the weights' gradient is computed from changed (on every rank: the
+        # receivers of a wrong gradient compute it)
+        from epcomm.testing import reference_dispatch
+        ref = reference_dispatch(xs, topks, weights, num_experts)[rank]
+        ref_grad = reference_dispatch([torch.randn(t.shape, generator=torch.Generator().manual_seed(
+            900 + case * 31 + r)).to(torch.bfloat16) for r, t in enumerate(xs)], topks, weights, num_experts)[rank]
+        rows = lambda a, b: (a.cpu().float() != b.float()).reshape(a.shape[0], -1).any(1).nonzero().flatten().tolist()[:6]  # noqa: E731
+        changed = {name: found for name, found in (("recv_x", rows(recv_x, ref["recv_x"])),
+                                                   ("recv_topk_weights", rows(recv_w, ref["recv_topk_weights"])),
+                                                   ("gradient rows", rows(grad_rows.to(torch.bfloat16), ref_grad["recv_x"])))
+                   if found}
+        if changed:
+            errors[case] += (changed, handle.recv_src_idx.cpu().tolist()[:0])
+    return errors
