@@ -134,25 +134,6 @@ def test_low_latency_cuda_graph(shared_pool):
 
 
 # ------------------------------------------------------------------ training
-def test_autograd_case_calls_against_the_reference(shared_pool):
-    """A diagnosis of the autograd case that fails at 16 ranks: its plain calls, each checked."""
-    found = _all(shared_pool, training_cases.autograd_routing_dispatch, (0, 1, 2), 256)
-    bad = {rank: f for rank, f in enumerate(found) if f}
-    print(f"\nR={shared_pool.world_size}x{shared_pool.per_node} mismatches (rank: case: what): {bad}")
-    assert not bad, bad
-
-
-def test_autograd_calls_by_hand(shared_pool):
-    """The autograd check's calls made by hand on the rank's own thread (a diagnosis)."""
-    errors = _all(shared_pool, training_cases.autograd_by_hand, (0, 1, 2), 256)
-    print(f"\nR={shared_pool.world_size}x{shared_pool.per_node} by hand, per rank {{case: (x error, weights error)}}: "
-          f"{[e for e in errors]}")
-    bad = {rank: {c: v for c, v in e.items() if max(v[:2]) > 2e-2 or len(v) > 2} for rank, e in enumerate(errors)}
-    bad = {rank: e for rank, e in bad.items() if e}
-    print(f"R={shared_pool.world_size}x{shared_pool.per_node} by hand, failing: {bad}")
-    assert not bad, bad
-
-
 def test_autograd_and_moe_layer_match_dense(shared_pool):
     errors = _all(shared_pool, training_cases.autograd_against_dense, 3, 256, "cuda")
     assert max(errors) <= 2e-2, errors

@@ -21,7 +21,10 @@ def dense_gradients(x, topk, weights, grad_out):
     x = x.detach().double().requires_grad_(True)
     w = weights.detach().double().requires_grad_(True)
     y = ((w * _scale(topk)).sum(1, keepdim=True) * x)
-    (y * grad_out.double()).sum().backward()
+    # The layer's output is bf16, so the gradient reaching it is bf16 too (autograd casts it): a
+    # token whose <x, grad> nearly cancels (|x| 178, |grad| 16, <x, grad> 1.9 in the "skewed" case
+    # at 16 ranks) moves by 20% between the float32 and the bf16 gradient, in any implementation.
+    (y * grad_out.to(torch.bfloat16).double()).sum().backward()
     return x.grad, w.grad
 
 
@@ -168,94 +171,3 @@ def expert_major_against_reference(num_cases: int = 8, hidden: int = 128, device
         torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"case {case}: {m}")
     return num_cases
 
-
-def autograd_routing_dispatch(cases=(0, 1, 2), hidden: int = 256, device: str = "cuda"):
-    """The plain calls under :func:`autograd_against_dense`, case after case on one Buffer as it
-    runs them, each against the reference: layout, dispatch with top-k and weights, cached
-    dispatch, combine with weights. Returns per case the mismatches found on this rank (empty
-    when all agree) — a diagnosis, not a verdict."""
-    from epcomm.testing import reference_dispatch
-    R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
-    num_experts = 4 * R
-    report = {}
-    for case in cases:
-        xs, topks, weights = make_routing(700 + case, SCENARIOS[case % len(SCENARIOS)], R, num_experts,
-                                          min(3, num_experts), 20, hidden)
-        want = reference_dispatch(xs, topks, weights, num_experts)[rank]
-        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topks[rank].to(dev), num_experts)
-        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            xs[rank].to(dev), topk_idx=topks[rank].to(dev), topk_weights=weights[rank].to(dev),
-            num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert)
-        found = {}
-        for name, got, expected in (("recv_x", recv_x, want["recv_x"]), ("recv_topk_idx", recv_idx, want["recv_topk_idx"]),
-                                    ("recv_topk_weights", recv_w, want["recv_topk_weights"])):
-            got = got.cpu()
-            if got.shape != expected.shape:
-                found[name] = f"shape {list(got.shape)} != {list(expected.shape)}"
-                continue
-            rows = (got.float() != expected.float()).reshape(got.shape[0], -1).any(1).nonzero().flatten().tolist()
-            if rows:
-                found[name] = rows[:8]
-        grad = torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(5 + rank)).to(torch.bfloat16)
-        want_grad = reference_dispatch([torch.randn(x.shape, generator=torch.Generator().manual_seed(5 + r)).to(
-            torch.bfloat16) for r, x in enumerate(xs)], topks, weights, num_experts)[rank]["recv_x"]
-        again = buffer.dispatch(grad.to(dev), handle=handle)[0].cpu()  # combine's backward: a cached dispatch
-        if not torch.equal(again, want_grad):
-            found["cached recv_x"] = (again != want_grad).any(1).nonzero().flatten().tolist()[:8]
-        grad_w = torch.where(recv_idx >= 0, recv_w * 3, torch.zeros_like(recv_w))  # dispatch's backward
-        _, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=grad_w)
-        expect_w = torch.where(topks[rank] >= 0, weights[rank] * 3, torch.zeros_like(weights[rank]))
-        if combined_w is None or not torch.allclose(combined_w.cpu(), expect_w, atol=1e-5):
-            found["combined_topk_weights"] = None if combined_w is None else \
-                (combined_w.cpu() - expect_w).abs().max(1).values.nonzero().flatten().tolist()[:8]
-        if found:
-            report[case] = found
-    return report
-
-
-def autograd_by_hand(cases=(0, 1, 2), hidden: int = 256, device: str = "cuda"):
-    """:func:`autograd_against_dense`'s calls made by hand on this thread — dispatch, combine, then
-    backward's cached dispatch of the output gradient and combine with the weights' gradient — and
-    the gradients compared with the dense ones. Returns per case ``(x error, weights error)``: with
-    the autograd version failing and this one passing, the fault is in how autograd runs the calls."""
-    R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES)
-    errors = {}
-    for case in cases:
-        num_experts = 4 * R
-        xs, topks, weights = make_routing(700 + case, SCENARIOS[case % len(SCENARIOS)], R, num_experts,
-                                          min(3, num_experts), 20, hidden)
-        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
-        grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(900 + case * 31 + rank))
-        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
-        scale = _scale(torch.where(recv_idx >= 0, recv_idx + rank * (num_experts // R), recv_idx)).float()
-        out = ((recv_w * scale).sum(1, keepdim=True) * recv_x.float()).to(torch.bfloat16)
-        buffer.combine(out, handle)
-        grad_rows = buffer.dispatch(grad_out.to(dev).to(torch.bfloat16), handle=handle)[0].float()
-        grad_recv_x = ((recv_w * scale).sum(1, keepdim=True) * grad_rows).to(torch.bfloat16)
-        grad_recv_w = scale * (recv_x.float() * grad_rows).sum(1, keepdim=True)
-        grad_x, grad_w, _ = buffer.combine(grad_recv_x, handle, topk_weights=grad_recv_w.contiguous())
-        want_x, want_w = dense_gradients(xs[rank], topks[rank], weights[rank], grad_out)
-        errors[case] = tuple(round(float((got.cpu().double() - want).norm() / want.norm().clamp_min(1e-12)), 4)
-                             for got, want in ((grad_x, want_x), (grad_w, want_w)))
-        # which of the inputs the weights' gradient is computed from changed (on every rank: the
-        # receivers of a wrong gradient compute it)
-        from epcomm.testing import reference_dispatch
-        ref = reference_dispatch(xs, topks, weights, num_experts)[rank]
-        ref_grad = reference_dispatch([torch.randn(t.shape, generator=torch.Generator().manual_seed(
-            900 + case * 31 + r)).to(torch.bfloat16) for r, t in enumerate(xs)], topks, weights, num_experts)[rank]
-        rows = lambda a, b: (a.cpu().float() != b.float()).reshape(a.shape[0], -1).any(1).nonzero().flatten().tolist()[:6]  # noqa: E731
-        changed = {name: found for name, found in (("recv_x", rows(recv_x, ref["recv_x"])),
-                                                   ("recv_topk_weights", rows(recv_w, ref["recv_topk_weights"])),
-                                                   ("gradient rows", rows(grad_rows.to(torch.bfloat16), ref_grad["recv_x"])))
-                   if found}
-        if changed:
-            errors[case] += (changed, handle.recv_src_idx.cpu().tolist()[:0])
-    return errors
