@@ -126,7 +126,7 @@ class Backend(abc.ABC):
     def agree(self, kind: str, fingerprint, error=None, rank_mask=None) -> None:
         """Collective agreement before a call exchanges anything: raise on every rank when ranks
         disagree on ``fingerprint`` (``(argument, value)`` pairs), when a rank rejected its own input
-        (``error``), or when a rank does not arrive in time (see agreement.py). Default: nothing."""
+        (``error``), or when a rank does not arrive in time (see store_agreement.py, gpu/agreement.py). Default: nothing."""
 
     def stand_in(self, kind: str, error, rank_mask=None) -> None:
         """An abort for a call this rank skipped (Buffer's stand-in after a rejected layout), at its

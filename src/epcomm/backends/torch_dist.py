@@ -18,7 +18,7 @@ from .. import fp8
 from ..errors import EPError, EPTimeoutError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..layout import aligned_counts, local_expert_ids, rank_prefix_matrix
-from .agreement import StoreAgreement
+from .store_agreement import StoreAgreement
 from .base import Backend, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .rows import pack_rows, spec_of, unpack_rows
 
@@ -29,7 +29,7 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 class TorchDistBackend(Backend):
     """The reference backend. Every exchanging call first agrees with the peers through the
-    store (agreement.py: fingerprints, aborts, who is missing); gloo collectives are then waited
+    store (store_agreement.py: fingerprints, aborts, who is missing); gloo collectives are then waited
     for with the timeout too, and a failed one raises EPError instead of a raw gloo error."""
 
     name = "torch_dist"

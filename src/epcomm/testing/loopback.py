@@ -24,7 +24,7 @@ from __future__ import annotations
 from .loopback_cases import layout_case, low_latency_case, mixed_modes_case, normal_case, send_layout_case
 from .loopback_faults import (bad_counts_case, disagreement_case, ll_other_call_case, low_latency_dead_rank_case,
                               recovery_case)
-from .loopback_world import run_ranks
+from .loopback_common import run_ranks
 
 
 TOPOLOGIES = ((2, 1), (4, 2), (4, 1), (2, 2), (6, 2))  # (ranks, ranks per node)

@@ -18,7 +18,7 @@ from .reference import (reference_combine, reference_dispatch, reference_low_lat
                         reference_low_latency_dispatch)
 from .sweeps import _equal_payload, _ll_rows, expert_fn, make_routing, rank_fn, to_fp8_input
 from .two_level import two_level_combine, two_level_dispatch
-from .loopback_world import (HandleView, bits16, differing_rows, low_latency_words, run_ranks, to_cpu, wait_stream,
+from .loopback_common import (HandleView, bits16, differing_rows, low_latency_words, run_ranks, to_cpu, wait_stream,
                              xs_home)
 
 

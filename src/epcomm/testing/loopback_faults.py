@@ -16,7 +16,7 @@ from .reference import (reference_combine, reference_dispatch, reference_low_lat
                         reference_low_latency_dispatch)
 from .sweeps import _equal_payload, expert_fn, make_routing, rank_fn
 from .loopback_cases import warm_low_latency
-from .loopback_world import run_ranks, to_cpu, wait_stream
+from .loopback_common import run_ranks, to_cpu, wait_stream
 
 
 def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int = 512, rounds: int = 3,

@@ -45,7 +45,7 @@ from ...errors import EPInputError
 from . import sync
 from .launch import KernelSpec
 from .reach.nvshmem import NVSHMEM, complete_sends
-from .reach.peers import FAR_BY_NVSHMEM, LOOPBACK_MODE, release_words, same_node, set_row
+from .reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, release_words, same_node, set_row
 from .sync import fingerprint_half, post_fingerprint
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.

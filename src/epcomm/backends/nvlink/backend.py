@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import EPInputError
-from ..agreement import StoreRendezvous
+from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
 from ..gpu.low_latency import LowLatencyMode
@@ -44,7 +44,7 @@ class NVLinkBackend(Backend):
         self.mailbox.raise_pending(self.rank, self.timeout_s)
 
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
-        """Calls agree through the fingerprints their kernels carry (agreement.py); here only a
+        """Calls agree through the fingerprints their kernels carry (gpu/agreement.py); here only a
         rejected input acts: the peers are told (:meth:`abort`), so every rank raises."""
         if error is not None:
             self.abort(kind, error)

@@ -22,7 +22,7 @@ layout (hierarchy.send_layout: in-node masks, channel prefix matrices), the per-
 
 Low-latency mode runs the single-node kernels (gpu/low_latency/) with ``REMOTE`` set: each
 message goes straight to its expert's rank — by NVLink stores within the node, staged and put by
-NVSHMEM to other nodes (gpu/reach/peers.py). Its workspace (gpu/workspace.py, ``staging=True``)
+NVSHMEM to other nodes (gpu/reach/modes.py). Its workspace (gpu/workspace.py, ``staging=True``)
 is a second region of the same symmetric allocation, after the normal-mode one, so both modes
 can be used on one Buffer; its epochs live on the device, so its calls can be captured in CUDA
 graphs (normal-mode calls cannot: their step barrier counts epochs on the host).
@@ -39,13 +39,13 @@ import torch.distributed as dist
 from ...errors import EPError, EPInputError
 from ...handle import DispatchHandle
 from ...hierarchy import Topology
-from ..agreement import StoreRendezvous
+from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
 from ..gpu import expert_major as expert_major_kernels
 from ..gpu.copy import copy_block_shape, for_word_copies
 from ..gpu.low_latency import LowLatencyMode
-from ..gpu.reach.peers import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
+from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.workspace import ALIGN, Workspace
 from ..gpu.launch import current_stream
 from ..gpu.mailbox import HostMailbox, check_host_mapping

@@ -10,7 +10,7 @@ from .. import sync
 from ..copy import multiple, ptr_at, word_ptr
 from ..launch import KernelSpec
 from ..reach.nvshmem import NVSHMEM, complete_sends, send_bytes
-from ..reach.peers import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
 from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     wait_peers)
 

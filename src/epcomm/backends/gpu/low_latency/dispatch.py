@@ -10,7 +10,7 @@ from .. import sync
 from ..copy import multiple, word_ptr
 from ..launch import KernelSpec
 from ..reach.nvshmem import NVSHMEM, complete_sends, send_bytes
-from ..reach.peers import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
 from ..sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
                     poll_epochs_or_other_call, report_dropped, report_late)
 

@@ -11,7 +11,7 @@ from ....handle import LowLatencyHandle
 from .. import agreement, sync
 from ..copy import for_word_copies
 from ..launch import Specialisations, current_stream, p2
-from ..reach.peers import PEERS_BY_STORES
+from ..reach.modes import PEERS_BY_STORES
 from ..workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_ROW_BYTES
 from .combine import COMBINE
 from .dispatch import DISPATCH, LL_PULL_MESSAGES

@@ -1,6 +1,6 @@
-"""The loopback world: every rank a thread of this process over one GPU (backends/gpu/reach/
-transport.py), and what the loopback cases share to run and to report a failure (signal words,
-row differences). The cases are in loopback_cases.py and loopback_faults.py; the runner in
+"""What the loopback cases share: running ranks as threads of this process over one GPU (the
+``LoopbackWorld`` itself is backends/gpu/reach/transport.py's), and reporting a failure (signal
+words, row differences). The cases are in loopback_cases.py and loopback_faults.py; the runner in
 loopback.py."""
 from __future__ import annotations
 
