@@ -26,8 +26,6 @@ launches fall back to ``kernel[grid](...)``: the same compiled code, only slower
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -35,6 +33,7 @@ import torch
 import triton
 
 from ...errors import EPError
+from .compile_lock import compile_lock
 
 
 def cdiv(a: int, b: int) -> int:
@@ -158,33 +157,8 @@ class KernelSpec:
             options["ptx_options"] = ptx_options
         elif library is not None:
             options["extern_libs"] = {library.name: library.path()}
-        with _compile_lock(f"{self.name}:{sorted(constexprs.items())}:{num_warps}:{target}"):
+        with compile_lock(f"{self.name}:{sorted(constexprs.items())}:{num_warps}:{target}"):
             return triton.compile(source, target=target, options=options)
-
-
-@contextlib.contextmanager
-def _compile_lock(key: str):
-    """One process per host compiles a specialisation; the others, waiting here, then find it in
-    Triton's on-disk cache. The ranks of a node all compile the same kernels at the same call, and
-    a kernel linked with NVSHMEM's device library takes seconds: eight or sixteen compiles at once
-    on a node's cores made one call outlast its peers' timeout. Where no lock can be taken (a
-    read-only temporary folder), compile without it."""
-    import fcntl
-    import hashlib
-    import tempfile
-    folder = os.path.join(tempfile.gettempdir(), f"epcomm-compile-locks-{os.getuid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        handle = open(os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32]), "w")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class BoundKernel:
