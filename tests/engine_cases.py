@@ -14,6 +14,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
+import epcomm
 from epcomm import fp8
 from epcomm.errors import EPInputError
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
@@ -300,7 +301,6 @@ def megatron_fused(hidden: int = 128, async_finish: bool = False):
 def device_cuda_without_cuda():
     """On a machine without CUDA, ``device="cuda"`` is an EPInputError naming ``device``; the
     deep_ep Buffer there is the CPU reference; a torch_dist Buffer hands out spare bytes."""
-    import epcomm
     deep_ep = _deep_ep()
     if torch.cuda.is_available():
         return True
@@ -373,4 +373,99 @@ def vllm_low_latency_graph(replays: int = 3, hidden: int = 2048, num_max_tokens:
         _close(out, want, f"graph replay {replay}")
     buffer.destroy()
     dist.destroy_process_group(cpu_group)
+    return True
+
+
+# ---------------------------------------------------------------------- the drop-in and backend choice
+def deep_ep_dropin(hidden: int = 512):
+    """What vLLM and SGLang call on deep_ep.Buffer, run unchanged on epcomm.compat.deep_ep."""
+    import epcomm.compat.deep_ep as deep_ep
+    dev = _device()
+    if dev.type == "cuda":  # (this case's tensors are the CPU's; the GPU suite runs the engine cases above)
+        return True
+    R, rank = world()
+    # DeepEP V1's whole constructor: positionally, and keyword for keyword
+    positional = deep_ep.Buffer(dist.group.WORLD, 0, 0, False, 24, True, False, False, False, False)
+    assert not positional.use_fabric and not positional.enable_shrink
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(8, hidden, R, 4 * R)
+    ll = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=0, num_rdma_bytes=size, low_latency_mode=True,
+                        num_qps_per_rank=4, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                        use_fabric=True, explicitly_destroy=True, enable_shrink=True)
+    assert (ll.rank, ll.group_size, ll.num_nvl_bytes, ll.num_rdma_bytes, ll.low_latency_mode) == \
+        (rank, R, 0, size, True)
+    assert isinstance(deep_ep.Buffer.num_sms, int) and deep_ep.topk_idx_t == torch.int64
+    # configs as vLLM asks for them, and SGLang's Config(**json) + size hints
+    for n in range(2, 161):
+        assert deep_ep.Buffer.get_dispatch_config(n).num_sms > 0 and deep_ep.Buffer.get_combine_config(n).num_sms > 0
+    config = deep_ep.Config(**{"num_sms": 24, "nvl_chunked_send_tokens": 8, "nvl_chunked_recv_tokens": 256,
+                               "rdma_chunked_send_tokens": 6, "rdma_chunked_recv_tokens": 256})
+    normal = deep_ep.Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(hidden * 2, R),
+                            config.get_rdma_buffer_size_hint(hidden * 2, R))
+    # normal mode, vLLM's keywords
+    num_experts = 4 * R
+    xs, topks, weights = make_routing(77, "uniform", R, num_experts, 2, 12, hidden)
+    event = normal.capture()
+    per_rank, per_rdma, per_expert, in_rank, event = normal.get_dispatch_layout(
+        topks[rank], num_experts, previous_event=event, async_finish=True, allocate_on_comm_stream=True)
+    recv_x, recv_idx, recv_w, counts, handle, event = normal.dispatch(
+        xs[rank], topk_idx=topks[rank], topk_weights=weights[rank], num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        expert_alignment=128, config=config, previous_event=event, async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    ref = reference_dispatch(xs, topks, weights, num_experts, 128)[rank]
+    assert torch.equal(recv_x, ref["recv_x"]) and counts == ref["num_recv_tokens_per_expert_list"]
+    combined, _, event = normal.combine(rank_fn(rank, recv_x), handle, config=config, previous_event=event,
+                                        async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    torch.testing.assert_close(combined, reference_combine(xs[rank], topks[rank], num_experts, R, rank_fn),
+                               rtol=1e-2, atol=1e-2)
+    # low-latency mode, vLLM's keywords: hooks, FP8 with UE8M0 scales, zero-copy combine into out=
+    M = 8
+    xs, topks, weights = make_routing(78, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
+    recv, count, ll_handle, _, hook = ll.low_latency_dispatch(xs[rank], topks[rank], M, num_experts, use_fp8=True,
+                                                              round_scale=True, use_ue8m0=True, async_finish=False,
+                                                              return_recv_hook=True)
+    hook()
+    want = reference_low_latency_dispatch(xs, topks, num_experts, True, True)[rank]
+    assert [int(c) for c in count] == [w["rows"].shape[0] for w in want]
+    buf = ll.get_next_low_latency_combine_buffer(ll_handle)
+    buf.copy_(torch.ones_like(buf))  # every expert outputs ones
+    out = torch.empty(M, hidden, dtype=torch.bfloat16)
+    combined, _, hook = ll.low_latency_combine(torch.zeros_like(buf), topks[rank], weights[rank], ll_handle,
+                                               zero_copy=True, return_recv_hook=True, out=out)
+    hook()
+    assert combined.data_ptr() == out.data_ptr()
+    # every valid (token, k) contributes weight * 1.0
+    torch.testing.assert_close(out.float(), weights[rank].sum(1, keepdim=True).expand(M, hidden), rtol=1e-2, atol=1e-2)
+    ll.clean_low_latency_buffer(M, hidden, num_experts)
+    ll.destroy()
+    return True
+
+
+def backend_argument():
+    """backend= picks the backend; nvlink on a CPU group is an error (not a claim); the
+    EPCOMM_BACKEND override wins over the argument."""
+    import os
+    assert epcomm.Buffer(dist.group.WORLD, backend="torch_dist").backend_name == "torch_dist"
+    try:
+        epcomm.Buffer(dist.group.WORLD, backend="nvlink")
+        raise AssertionError("nvlink accepted on a gloo group")
+    except epcomm.EPError as err:
+        assert "nvlink needs CUDA" in str(err)
+    try:
+        epcomm.Buffer(dist.group.WORLD, backend="nvshmem", num_rdma_bytes=1 << 20)
+        raise AssertionError("nvshmem accepted on a gloo group")
+    except epcomm.EPError as err:
+        assert "nvshmem needs CUDA" in str(err)
+    for name in ("nvlink", "nvshmem"):
+        os.environ["EPCOMM_BACKEND"] = name
+        try:
+            epcomm.Buffer(dist.group.WORLD, backend="torch_dist")
+            raise AssertionError(f"EPCOMM_BACKEND={name} accepted on a gloo group")
+        except epcomm.EPError as err:
+            assert f"EPCOMM_BACKEND={name}" in str(err)
+        finally:
+            os.environ.pop("EPCOMM_BACKEND")
+    # virtual nodes on torch_dist stay the reference's business; one node by default
+    assert epcomm.Buffer(dist.group.WORLD).num_nodes == 1
     return True

@@ -11,6 +11,16 @@ import engine_cases
 COMPAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat", "deep_ep")
 
 
+def test_deep_ep_dropin(pools):
+    """vLLM's and SGLang's deep_ep.Buffer calls run unchanged on epcomm.compat.deep_ep: DeepEP V1's
+    whole constructor, configs, normal and low-latency keywords."""
+    assert pools.get(2).run(engine_cases.deep_ep_dropin) == [True, True]
+
+
+def test_backend_argument_and_override(pools):
+    assert pools.get(2).run(engine_cases.backend_argument) == [True, True]
+
+
 def test_vllm_high_throughput_prepare_finalize_on_its_gloo_group(pools):
     assert pools.get(4).run(engine_cases.vllm_high_throughput) == [3] * 4
 
@@ -96,3 +106,14 @@ def test_local_buffer_view_checks_dtype_offset_and_size():
                          ({"dtype": torch.int32, "size": (17,)}, "size")):
         with pytest.raises(EPInputError, match=name):
             view_of_bytes(memory, **kwargs)
+
+
+def test_import_says_it_is_epcomm_when_logging_asks():
+    """One line at import (rank 0, or no process group) with logging at INFO; silent otherwise."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([COMPAT] + sys.path))
+    code = "import logging, sys; logging.basicConfig(level=getattr(logging, sys.argv[1])); import deep_ep"
+    said = subprocess.run([sys.executable, "-c", code, "INFO"], env=env, capture_output=True, text=True, timeout=120)
+    quiet = subprocess.run([sys.executable, "-c", code, "WARNING"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert said.returncode == 0 and "is epcomm" in said.stderr, said.stderr
+    assert quiet.returncode == 0 and "epcomm" not in quiet.stderr, quiet.stderr
