@@ -6,6 +6,7 @@
     mailbox.py       the host mailbox: what kernels report to the host, without a stream sync
     agreement.py     what a fingerprint holds, the errors it raises, the abort of a rejected call
     launch.py        kernels compiled once per specialisation, launched without Triton's binder
+    compile_lock.py  one process per host compiles a specialisation at a time
     copy.py          row copies with 16-byte accesses where the alignment allows
     expert_major.py  the expert-major re-layout as kernels, for a backend that receives plain rows
     reach/           how a kernel reaches a peer — NVLink stores, NVSHMEM puts and signals, the
