@@ -188,7 +188,7 @@ class StoreAgreement:
                     next_look = now + _FIRST_SLICE_S  # look again soon
                 else:
                     next_look = now + _WAIT_SLICE_S
-                self._check_elsewhere(kind, call, missing)
+                self._check_elsewhere(kind, call, missing, len(peers) + 1)
             if now >= deadline:
                 return missing
             time.sleep(min(pause, max(deadline - now, 0.0)))
@@ -206,7 +206,8 @@ class StoreAgreement:
             self.store.delete_key(f"{self.prefix}/{call - 2}/first")
         self._waiting_at = (call, kind)
 
-    def _gives_way(self, num_missing: int, their_prefix: str, their_call: int, mine: int, their_first: int) -> bool:
+    def _gives_way(self, num_ranks: int, num_missing: int, their_prefix: str, their_call: int, mine: int,
+                   their_first: int) -> bool:
         """Of this call and the one a missing rank waits in (each waiting for the other), does this
         one give way? Decided only once every rank waits in one of the two (then both sides count
         the same ranks): the call more ranks wait in — the fewer ranks are the ones that skipped a
@@ -214,13 +215,13 @@ class StoreAgreement:
         skipped is given up, whoever got there first; on a tie, the call waited in longer (the
         arrival order is one for all). While ranks are still on their way, not yet: a rank that
         drops a whole step reaches its next call before its peers reach the dropped one."""
-        here = self.num_ranks - num_missing
+        here = num_ranks - num_missing  # (num_ranks: the ranks taking part; masked ones do not)
         there = _count_posts(self.store, their_prefix, their_call, self.num_ranks)
-        if here + there != self.num_ranks:
+        if here + there != num_ranks:
             return False
         return here > there if here != there else mine < their_first
 
-    def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int]) -> None:
+    def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int], num_ranks: int) -> None:
         """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
         rank waits at a call this rank never made — it can only be waiting for this rank there, as
         this rank waits for it here — and this call was waited in longer, so it gives way (the
@@ -243,7 +244,7 @@ class StoreAgreement:
             except Exception:
                 continue
             if (prefix, their_call) != (self.prefix, call) and _calls_made.get(prefix, 0) <= their_call \
-                    and self._gives_way(len(missing), prefix, their_call, mine, their_first):
+                    and self._gives_way(num_ranks, len(missing), prefix, their_call, mine, their_first):
                 elsewhere[r] = (number, their_call, their_kind)
         if elsewhere:
             theirs = "; ".join(f"rank {r} waits in {k} (Buffer #{n}, call {c})" for r, (n, c, k) in sorted(elsewhere.items()))
