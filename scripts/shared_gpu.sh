@@ -17,9 +17,10 @@ case "$part" in
   graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
   faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or timeout or dead_rank" ;;
-  sequence)  shapes="4x2"; tests="random_sequence" ;;
+  sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
+  engines)   shapes="4x2,8x8"; tests="engines" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
-  *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, custom)" >&2; exit 2 ;;
+  *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
 esac
 limit_s="${LIMIT_S:-540}"
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
