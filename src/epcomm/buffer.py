@@ -31,7 +31,8 @@ class Buffer(RankMasking):
     """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``Buffer`` API).
 
     Args:
-        group: the process group of the expert-parallel ranks (gloo → CPU tensors, NCCL → CUDA).
+        group: the process group of the expert-parallel ranks (gloo → CPU tensors, NCCL → CUDA;
+            ``device`` below changes that).
         num_nvl_bytes: bytes of intra-node communication memory, fixed for the buffer's life.
         num_rdma_bytes: bytes of inter-node (or low-latency) communication memory.
         low_latency_mode: enable the low-latency (decode) kernels.
