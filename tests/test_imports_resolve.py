@@ -1,27 +1,31 @@
-"""Every ``from .x import name`` inside epcomm names a module that exists and a name it defines.
+"""Every ``from .x import name`` inside epcomm, and every ``from epcomm.x import name`` in the
+package, its tests and scripts, names a module that exists and a name it defines.
 
 The GPU modules import Triton, which the CPU CI does not install, so their imports never run
-there: a renamed module or a moved name would first fail on a GPU machine. This reads the
-sources instead (``ast``) and resolves each relative import to its file.
+there (nor the tests' imports of them): a renamed module or a moved name would first fail on a GPU
+machine. This reads the sources instead (``ast``) and resolves each import to its file.
 """
 import ast
 import os
 
 import pytest
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src")
 
 
-def _modules():
-    for folder, _, files in os.walk(os.path.join(SRC, "epcomm")):
-        for name in files:
-            if name.endswith(".py"):
-                yield os.path.join(folder, name)
+def _modules(*tops):
+    for top in tops or (os.path.join(SRC, "epcomm"),):
+        for folder, _, files in os.walk(top):
+            for name in files:
+                if name.endswith(".py"):
+                    yield os.path.join(folder, name)
 
 
 def _target(path: str, level: int, module: str):
-    """The file a relative import ``from <level dots><module> import ...`` in ``path`` reads."""
-    base = os.path.dirname(path)
+    """The file an import ``from <level dots><module> import ...`` in ``path`` reads (level 0: an
+    absolute ``epcomm...`` module)."""
+    base = os.path.dirname(path) if level else SRC
     for _ in range(level - 1):
         base = os.path.dirname(base)
     target = os.path.join(base, *module.split(".")) if module else base
@@ -58,15 +62,29 @@ def _defined(path: str):
     return names
 
 
-@pytest.mark.parametrize("path", sorted(_modules()), ids=lambda p: os.path.relpath(p, SRC))
-def test_relative_imports_resolve(path):
+FILES = sorted(_modules(os.path.join(SRC, "epcomm"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts"),
+                        os.path.join(ROOT, "examples"), os.path.join(ROOT, "compat")))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_epcomm_imports_resolve(path):
     tree = ast.parse(open(path, encoding="utf-8").read())
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.ImportFrom) and node.level):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "epcomm":
+                    target, _ = _target(path, 0, alias.name)
+                    assert os.path.exists(target), f"{os.path.relpath(path, ROOT)}:{node.lineno}: no module {alias.name}"
             continue
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if not node.level and (node.module or "").split(".")[0] != "epcomm":
+            continue
+        if node.level and not path.startswith(SRC):
+            continue  # (a test's own relative import: none today)
         target, package = _target(path, node.level, node.module or "")
-        where = f"{os.path.relpath(path, SRC)}:{node.lineno}"
-        assert os.path.exists(target), f"{where}: no module {target}"
+        where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+        assert os.path.exists(target), f"{where}: no module {os.path.relpath(target, ROOT)}"
         defined = _defined(target)
         for alias in node.names:
             if alias.name == "*":
@@ -74,4 +92,4 @@ def test_relative_imports_resolve(path):
             submodule = package and os.path.exists(os.path.join(package, alias.name + ".py"))
             subpackage = package and os.path.isdir(os.path.join(package, alias.name))
             assert alias.name in defined or submodule or subpackage, \
-                f"{where}: {alias.name!r} is not defined in {os.path.relpath(target, SRC)}"
+                f"{where}: {alias.name!r} is not defined in {os.path.relpath(target, ROOT)}"

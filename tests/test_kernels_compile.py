@@ -87,7 +87,7 @@ def test_spec_library_unless_names_a_constexpr():
 def test_spec_library_if():
     """``library_if=(constexpr, value)``: the library only where the constexpr has that value (the
     low-latency kernels link NVSHMEM only with REMOTE=FAR_BY_NVSHMEM)."""
-    from epcomm.backends.gpu.reach import peers as reach
+    from epcomm.backends.gpu.reach import modes as reach
     assert L.DISPATCH.library_of(dict(REMOTE=reach.PEERS_BY_STORES)) is None
     assert L.DISPATCH.library_of(dict(REMOTE=reach.FAR_BY_LOOPBACK)) is None
     assert L.COMBINE.library_of(dict(REMOTE=reach.FAR_BY_NVSHMEM)).name == "libnvshmem_device"

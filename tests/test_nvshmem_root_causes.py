@@ -85,7 +85,7 @@ def test_receive_only_low_latency_kernels_call_no_nvshmem_function():
     """The kernel that broke the first run (the low-latency receive, REMOTE=nvshmem): no NVSHMEM
     call, so no device state in its module once linked — the init above must skip it."""
     from epcomm.backends.gpu import low_latency as L
-    from epcomm.backends.gpu.reach import peers as reach
+    from epcomm.backends.gpu.reach import modes as reach
     ptx = L.DISPATCH.compile(dict(SEND=False, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False,
                                   BLOCK_H=8192, MSGS=8, BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=True,
                                   BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4, R_P2=8, ALIGNED=True,
