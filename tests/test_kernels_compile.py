@@ -248,3 +248,39 @@ def test_kernel_names_say_which_call_they_belong_to():
             assert call in spec.name and other not in spec.name, spec.name
     compiled = MS.STEPS["combine"].compile(dict(LOOPBACK=True, R_P2=2), 4, target=GPUTarget("cuda", 90, 32))
     assert compiled.metadata.name == "ml_combine_step", compiled.metadata.name
+
+
+def _multi_node_cases():
+    """The nvshmem backend's own normal-mode kernels (backends/nvshmem/), loopback flavour: they
+    need no NVSHMEM library, so they compile here too and guard a move of that code."""
+    from epcomm.backends.gpu.copy import COPY_WARPS, copy_block_shape
+    from epcomm.backends.nvshmem import combine as C
+    from epcomm.backends.nvshmem import normal as D
+    from epcomm.backends.nvshmem import step as S
+    for spec in S.STEPS.values():
+        yield spec, dict(LOOPBACK=True, R_P2=16), 4
+    yield S.ABORT, dict(LOOPBACK=True), 4
+    yield D.NOTIFY, dict(LOOPBACK=True, R_P2=16, BLOCK_E=128), 4
+    for topk in (False, True):
+        yield D.SEND_LAYOUT, dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=2, BLOCK_E=256, K_P2=8 if topk else 1), 4
+    block_r, block_w = copy_block_shape(7168 * 2 // 8)
+    for scales, topk in itertools.product([False, True], repeat=2):
+        meta = dict(HAS_SCALES=scales, HAS_TOPK=topk, BLOCK_R=block_r, BLOCK_W=block_w, S_P2=64 if scales else 1,
+                    K_P2=8 if topk else 1)
+        yield D.SEND, dict(LOOPBACK=True, **meta), COPY_WARPS
+        yield D.FORWARD, meta, COPY_WARPS
+    for weights, num_bias in itertools.product([False, True], [0, 2]):
+        k_p2 = 8 if weights else 1
+        yield C.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=block_r, BLOCK_W=block_w, K_P2=k_p2), COPY_WARPS
+        yield C.FORWARD, dict(LOOPBACK=True, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=k_p2, LOCAL_P2=8), 8
+        yield C.REDUCE, dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=k_p2,
+                             SIGNALS_P2=32), 8
+
+
+@pytest.mark.parametrize("spec,constexprs,num_warps", list(_multi_node_cases()),
+                         ids=lambda v: v.name if hasattr(v, "name") else None)
+def test_multi_node_kernels_compile_on_loopback(spec, constexprs, num_warps):
+    import re
+    compiled = spec.compile(constexprs, num_warps, target=GPUTarget("cuda", 90, 32))
+    code = "\n".join(line for line in compiled.asm["ptx"].splitlines() if not line.lstrip().startswith(".file"))
+    assert not re.search(r"\bnvshmemx?_\w+", code), "the loopback flavour calls NVSHMEM"
