@@ -43,7 +43,7 @@ from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
 from ..gpu import expert_major as expert_major_kernels
-from ..gpu.copy import copy_block_shape, for_word_copies
+from ..gpu.copy import COPY_WARPS, copy_block_shape, for_word_copies
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.workspace import ALIGN, Workspace
@@ -60,7 +60,6 @@ from .workspace import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layo
 
 MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count words for
 LOOPBACK_LL_PROGRAMS = 8  # the loopback tests' low-latency receive programs (all ranks share one GPU)
-COPY_WARPS = 16  # the row-moving kernels keep many bytes in flight per program (as on nvlink)
 
 
 def p2(n: int) -> int:
