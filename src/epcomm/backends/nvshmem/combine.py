@@ -42,7 +42,7 @@ from ..gpu.copy import copy_rows, word_ptr
 from ..gpu.launch import KernelSpec
 from ..gpu.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ..gpu.reach import nvshmem
-from .normal import SIGNAL_STRIDE, _block_start, _channel_range, _hand_off, _hop2_program, _part_rows, _reach
+from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 
 
 # ====================================================================== at each receiving rank
@@ -65,8 +65,8 @@ def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py cal
     # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
     # CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
     # whoever acquires the flag). Every (s, c) program releases, with rows or without.
-    s, c, j, m, base = _hop2_program(peer_bases_ptr, rank, ranks_per_node)
-    lo, hi = _channel_range(meta_ptr + s * meta_len + gbl_prefix_at + rank * num_channels, c)
+    s, c, j, m, base = hop2_program(peer_bases_ptr, rank, ranks_per_node)
+    lo, hi = channel_range(meta_ptr + s * meta_len + gbl_prefix_at + rank * num_channels, c)
     first_row = tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
     for first in range(first_row + lo, first_row + hi, BLOCK_R):
         rows = first + tl.arange(0, BLOCK_R)
@@ -101,7 +101,7 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
                        home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
                        parts,  # programs per (node, channel): each sums and puts a slice of the rows
-                       p2p,  # 1: store straight into a home whose workspace is mapped here (normal._reach)
+                       p2p,  # 1: store straight into a home whose workspace is mapped here (normal.peer_reach)
                        part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                        LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
@@ -114,7 +114,7 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     # rounded to bf16 — the same sums, in the same order, as two_level_combine. The partial rows
     # go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
     # [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
-    # With several programs per (m, c), each takes a slice of the rows (normal.py _hand_off).
+    # With several programs per (m, c), each takes a slice of the rows (channels.hand_off).
     m = tl.program_id(0) // parts
     part = tl.program_id(0) % parts
     c = tl.program_id(1)
@@ -127,14 +127,14 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     _, _, late = poll_epochs(flag_words, lanes < ranks_per_node, epoch, timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE
     report_late(late, node * ranks_per_node + lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     if tl.max(late.to(tl.int32), axis=0) == 0:
-        lo, hi = _channel_range(meta_ptr + s * meta_len + rdma_prefix_at + node * num_channels, c)
-        block_start = _block_start(meta_ptr, meta_len, per_node_at, m, node, local, ranks_per_node)
-        direct, shift = _reach(s, rank, p2p, peer_bases_ptr)
+        lo, hi = channel_range(meta_ptr + s * meta_len + rdma_prefix_at + node * num_channels, c)
+        block_start = node_block_start(meta_ptr, meta_len, per_node_at, m, node, local, ranks_per_node)
+        direct, shift = peer_reach(s, rank, p2p, peer_bases_ptr)
         # partial row r: straight into the home area when s is this rank or mapped here (p2p),
         # else staged for the put
         out_base = tl.where(direct, home_area + shift + (node * home_cap).to(tl.int64) * row_bytes,
                             partials + block_start.to(tl.int64) * row_bytes)
-        part_lo, part_hi = _part_rows(lo, hi, part, parts)
+        part_lo, part_hi = part_rows(lo, hi, part, parts)
         for first in range(part_lo, part_hi, BLOCK_R):
             rows = first + tl.arange(0, BLOCK_R)
             live = rows < part_hi
@@ -161,7 +161,7 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                     acc_w += tl.load(slot.to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=take, other=0.0)
                 tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
         tl.debug_barrier()  # every thread's partial rows precede the release / the put
-        _hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
+        hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
                   partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, direct, shift,
                   home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch, s, parts,
                   part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, LOOPBACK)

@@ -2,7 +2,7 @@
 
 The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
 (launched by backend.py, after the step barrier of step.py). They pass against the references on
-loopback ranks (epcomm.testing.loopback); the NVSHMEM puts have not run yet (no two GPUs lent).
+loopback ranks (epcomm.testing.loopback); the NVSHMEM puts ran on 2 × H200 and with up to 16 ranks sharing one H100 (docs/MULTINODE.md).
 The combine kernels are in combine.py.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table:
@@ -23,45 +23,13 @@ from ..gpu.launch import KernelSpec
 from ..gpu.normal.notify import expert_receive_counts
 from ..gpu.sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from ..gpu.reach import nvshmem
+from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 from .workspace import MAX_CHANNELS
 
 # abort codes of a count row (gpu/agreement.py's numbering: raise_disagreement names the argument)
 ABORT_NUM_TOKENS_PER_RANK = tl.constexpr(1)
 ABORT_NUM_TOKENS_PER_EXPERT = tl.constexpr(2)
 CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of word 0
-
-# Signal and flag words are indexed [node][channel] with this stride whatever the call's channel
-# count, so they keep fixed places for the buffer's life (workspace.py; ml_abort sets them all).
-SIGNAL_STRIDE = tl.constexpr(MAX_CHANNELS)
-
-
-@triton.jit
-def _channel_range(prefix_row, c):
-    """``[lo, hi)`` of channel ``c`` from an inclusive prefix row over channels."""
-    lo = tl.load(prefix_row + c - 1, mask=c > 0, other=0)
-    return lo, tl.load(prefix_row + c)
-
-
-@triton.jit
-def _hop2_program(peer_bases_ptr, rank, ranks_per_node):
-    """Program (s, c) of a hop-2 kernel at d = (node, j): ``(s, c, j, m, base)`` — source s on node
-    m, and the NVLink base of s's forwarder on d's node, f = (node, local(s))."""
-    s = tl.program_id(0)
-    c = tl.program_id(1)
-    node = rank // ranks_per_node
-    forwarder = node * ranks_per_node + s % ranks_per_node
-    return s, c, rank % ranks_per_node, s // ranks_per_node, tl.load(peer_bases_ptr + forwarder)
-
-
-@triton.jit
-def _block_start(meta_ptr, meta_len, per_node_at, node, dest_node, local, ranks_per_node):
-    """Where block ``node`` starts in the receive area of forwarder ``(dest_node, local)``: the rows
-    its rail peers on nodes ``0..node-1`` send to ``dest_node`` (recv_rdma_rank_prefix_sum[node - 1])."""
-    start = 0
-    for m in range(0, node):
-        start += tl.load(meta_ptr + (m * ranks_per_node + local) * meta_len + per_node_at + dest_node)
-    return start
-
 
 # ====================================================================== send layout
 @triton.jit
@@ -226,58 +194,6 @@ NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "
                                 "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
 
 
-# ====================================================================== a channel's hand-off, in parts
-@triton.jit
-def _part_rows(lo, hi, part, parts):
-    """Rows ``[lo, hi)`` of a channel, slice ``part`` of ``parts`` (contiguous, sizes within one)."""
-    return lo + (hi - lo) * part // parts, lo + (hi - lo) * (part + 1) // parts
-
-
-@triton.jit
-def _reach(pe, rank, p2p, peer_bases_ptr):
-    """``(direct, shift)`` for a hand-off to ``pe``: ``direct`` when this program stores the rows
-    straight into ``pe``'s area — ``pe`` is this rank, or (``p2p`` != 0) ``pe``'s workspace is
-    mapped into this process (``peer_bases[pe]`` != 0: a peer over NVLink, or a loopback rank; a
-    peer on another host is 0) — and ``shift``, the bytes from this rank's address of symmetric
-    memory to that mapping (0 for this rank). Otherwise the rows are staged and put."""
-    peer_base = tl.load(peer_bases_ptr + pe)
-    direct = (pe == rank) | ((p2p != 0) & (peer_base != 0))
-    return direct, peer_base - tl.load(peer_bases_ptr + rank)
-
-
-@triton.jit
-def _hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, direct, shift, signal_word, epoch, pe, parts,
-              counter_ptr, peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
-    """Rows ``[lo, hi)`` of a channel are ready (this program wrote rows ``[part_lo, part_hi)``:
-    at ``dst + shift`` when ``direct`` (:func:`_reach`), else staged at ``src``; both are row-0
-    addresses) and are handed to ``pe``, whose readers ACQUIRE ``signal_word`` (SET to ``epoch``)
-    before reading them. Call after a CTA barrier that orders the program's row writes.
-
-    One program per channel (``parts == 1``): direct, a RELEASE of the signal through the same
-    mapping (st.release.sys: the rows, stored before it, are seen with it); else one put with
-    signal (the bytes land before the signal). Several: each program puts its own slice and
-    completes it (quiet) before it arrives at ``counter_ptr`` (a direct slice needs no
-    completion: the arrival orders it); the last to arrive (acq_rel: it has seen every slice)
-    RELEASEs the signal, or SETs it alone on ``pe``."""
-    if parts == 1:
-        if direct:
-            store_release_sys(signal_word + shift, epoch)
-        else:
-            nvshmem.deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
-                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
-    else:
-        if not direct:
-            if part_hi > part_lo:  # (a slice may be empty: the channel has fewer rows than parts)
-                nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
-                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
-            nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
-        if arrive(counter_ptr, parts):
-            if direct:
-                store_release_sys(signal_word + shift, epoch)
-            else:  # the signal alone, after every slice landed
-                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
-
-
 # ====================================================================== hop 1: send
 @triton.jit
 def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
@@ -294,7 +210,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                      row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
                      rdma_prefix_at, num_channels,
                      parts,  # programs per (channel, node): each packs and puts a slice of the rows
-                     p2p,  # 1: store straight into a forwarder whose workspace is mapped here (_reach)
+                     p2p,  # 1: store straight into a forwarder whose workspace is mapped here (peer_reach)
                      part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                      LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
@@ -318,11 +234,11 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
     n = tl.program_id(1)
     node = rank // ranks_per_node
     local = rank % ranks_per_node
-    lo, hi = _channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
-    slice_lo, slice_hi = _part_rows(lo, hi, part, parts)
-    block_start = _block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
+    lo, hi = channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
+    slice_lo, slice_hi = part_rows(lo, hi, part, parts)
+    block_start = node_block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
     forwarder = n * ranks_per_node + local
-    direct, shift = _reach(forwarder, rank, p2p, peer_bases_ptr)
+    direct, shift = peer_reach(forwarder, rank, p2p, peer_bases_ptr)
     # row r of the block: at the forwarder (direct) or in the send area (put later)
     base = tl.where(direct, recv_area + shift + block_start.to(tl.int64) * row_bytes,
                     send_area + (n * send_cap).to(tl.int64) * row_bytes)
@@ -350,7 +266,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                  tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
-    _hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
+    hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
               row_bytes, lo, hi, slice_lo, slice_hi, direct, shift, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8,
               epoch, forwarder, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n, peer_bases_ptr, rank,
               LOOPBACK)
@@ -395,7 +311,7 @@ def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py
     # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
     # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
     # in-node mask of each row of its own area.
-    s, c, j, m, base = _hop2_program(peer_bases_ptr, rank, ranks_per_node)
+    s, c, j, m, base = hop2_program(peer_bases_ptr, rank, ranks_per_node)
     node = rank // ranks_per_node
     signal_word = base + signals_offset + (m * SIGNAL_STRIDE + c).to(tl.int64) * 8
     start = now_ns()
@@ -408,9 +324,9 @@ def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py
         tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
     else:
         meta_s = meta_ptr + s * meta_len
-        lo, hi = _channel_range(meta_s + rdma_prefix_at + node * num_channels, c)
-        block_start = _block_start(meta_ptr, meta_len, per_node_at, m, node, s % ranks_per_node, ranks_per_node)
-        out, _ = _channel_range(meta_s + gbl_prefix_at + rank * num_channels, c)
+        lo, hi = channel_range(meta_s + rdma_prefix_at + node * num_channels, c)
+        block_start = node_block_start(meta_ptr, meta_len, per_node_at, m, node, s % ranks_per_node, ranks_per_node)
+        out, _ = channel_range(meta_s + gbl_prefix_at + rank * num_channels, c)
         out += tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
         area = base + area_offset + block_start.to(tl.int64) * row_bytes
         running = out

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..gpu.launch import KernelSpec
 from ..gpu.sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
 from ..gpu.reach import nvshmem
-from .normal import SIGNAL_STRIDE
+from .channels import SIGNAL_STRIDE
 
 
 @triton.jit
