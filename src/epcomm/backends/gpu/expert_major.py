@@ -30,12 +30,32 @@ from ... import expert_major as torch_layout
 from ...expert_major import ExpertMajor
 from .copy import copy_block_shape, copy_rows_to_each, for_word_copies
 from .launch import KernelSpec, cdiv, current_stream, p2
-from .normal.combine import _fold_expert_major
 
 # Plain rows per fold program and its warps: one row of 2 warps read 582 MB in 242 µs on H100
 # (8161 rows, H=7168, top-8), against 276-1138 µs for 2-16 rows of 2-8 warps (a sweep on one H100, 2026-11-24).
 FOLD_BLOCK_R = 1
 FOLD_WARPS = 2
+FOLD_COLUMNS = tl.constexpr(512)  # bf16 columns per chunk of the fold (fold_expert_major_rows)
+
+
+@triton.jit
+def fold_expert_major_rows(y_ptr, row_weights_ptr, dest_ptr, rows64, move, dst, hidden, num_topk, K_P2: tl.constexpr):
+    """dst[r] = Σ_k row_weights[d] · y[d] over d = dest[r, k] >= 0, in float32, k ascending, rounded
+    to bf16 (``dst`` [BLOCK_R] bf16 row pointers; rows where ``move`` is False are skipped). The k
+    loop is unrolled so that the K loads of a chunk are in flight together (narrow chunks keep
+    them in registers)."""
+    cols = tl.arange(0, FOLD_COLUMNS)
+    for start in range(0, hidden, FOLD_COLUMNS):
+        c = start + cols
+        cm = c < hidden
+        acc = tl.zeros([rows64.shape[0], FOLD_COLUMNS], tl.float32)
+        for k in tl.static_range(K_P2):
+            row = tl.load(dest_ptr + rows64 * num_topk + k, mask=move & (k < num_topk), other=-1)
+            weight = tl.load(row_weights_ptr + row, mask=row >= 0, other=0.0)
+            values = tl.load(y_ptr + row.to(tl.int64)[:, None] * hidden + c[None, :],
+                             mask=(row >= 0)[:, None] & cm[None, :], other=0.0)
+            acc += values.to(tl.float32) * weight[:, None]
+        tl.store(dst[:, None] + c[None, :], acc.to(tl.bfloat16), mask=move[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -79,7 +99,7 @@ def ep_combine_expert_major_fold(y_ptr,  # [M, H] bf16 expert outputs, expert-ma
                                  BLOCK_R: tl.constexpr, K_P2: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     move = rows < num_plain
-    _fold_expert_major(y_ptr, row_weights_ptr, dest_ptr, rows, move, out_ptr + rows * hidden, hidden, num_topk,
+    fold_expert_major_rows(y_ptr, row_weights_ptr, dest_ptr, rows, move, out_ptr + rows * hidden, hidden, num_topk,
                        K_P2)
 
 

@@ -8,10 +8,10 @@ import triton.language as tl
 
 from .. import sync
 from ..copy import copy_rows, multiple, ptr_at, word_ptr
+from ..expert_major import fold_expert_major_rows
 from ..launch import KernelSpec
 from ..sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
 
-FOLD_COLUMNS = tl.constexpr(512)  # bf16 columns per chunk of the expert-major fold (_fold_expert_major)
 
 
 # ====================================================================== combine: push
@@ -48,7 +48,7 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
         slot = (token - token_lo).to(tl.int64) * num_ranks + rank
         base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
         if EXPERT_MAJOR:
-            _fold_expert_major(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True), weights_ptr, dest_ptr,
+            fold_expert_major_rows(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True), weights_ptr, dest_ptr,
                                rows.to(tl.int64), move, ptr_at(base + slots_x_offset, tl.bfloat16, ALIGNED) +
                                slot * (x_words * 4), x_words * 4, num_topk, K_P2)
         else:
@@ -66,26 +66,6 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
                      (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
                      R_P2=R_P2)  # RELEASE: pushed rows, fingerprint -> their homes
-
-
-@triton.jit
-def _fold_expert_major(y_ptr, row_weights_ptr, dest_ptr, rows64, move, dst, hidden, num_topk, K_P2: tl.constexpr):
-    """dst[r] = Σ_k row_weights[d] · y[d] over d = dest[r, k] >= 0, in float32, k ascending, rounded
-    to bf16 (``dst`` [BLOCK_R] bf16 row pointers; rows where ``move`` is False are skipped). The k
-    loop is unrolled so that the K loads of a chunk are in flight together (narrow chunks keep
-    them in registers)."""
-    cols = tl.arange(0, FOLD_COLUMNS)
-    for start in range(0, hidden, FOLD_COLUMNS):
-        c = start + cols
-        cm = c < hidden
-        acc = tl.zeros([rows64.shape[0], FOLD_COLUMNS], tl.float32)
-        for k in tl.static_range(K_P2):
-            row = tl.load(dest_ptr + rows64 * num_topk + k, mask=move & (k < num_topk), other=-1)
-            weight = tl.load(row_weights_ptr + row, mask=row >= 0, other=0.0)
-            values = tl.load(y_ptr + row.to(tl.int64)[:, None] * hidden + c[None, :],
-                             mask=(row >= 0)[:, None] & cm[None, :], other=0.0)
-            acc += values.to(tl.float32) * weight[:, None]
-        tl.store(dst[:, None] + c[None, :], acc.to(tl.bfloat16), mask=move[:, None] & cm[None, :])
 
 
 PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32",
