@@ -1,5 +1,5 @@
 """GPU time of the expert-major re-layout: the torch functions (expert_major.py) against the
-kernels the nvshmem backend uses (backends/gpu/expert_major.py), on one GPU, same data.
+kernels the nvshmem backend uses (backends/gpu/expert_major_kernels.py), on one GPU, same data.
 
 Run on a GPU machine: ``python3 scripts/profile_expert_major.py [plain_rows] [hidden]`` (default
 8161 rows — what rank 0 receives at T=4096 on two ranks — H=7168, top-8 of 128 local experts).
@@ -30,7 +30,7 @@ def _median_us(fn, reps: int = 20) -> float:
 
 def main(num_plain: int, hidden: int, num_topk: int = 8, num_local: int = 128) -> None:
     from epcomm import expert_major
-    from epcomm.backends.gpu import expert_major as kernels
+    from epcomm.backends.gpu import expert_major_kernels as kernels
     from epcomm.fp8 import per_token_cast_to_fp8
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(0)

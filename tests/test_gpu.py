@@ -161,11 +161,11 @@ def test_expert_major_layout(gpu_pool, shape):
 @pytest.mark.parametrize("num_plain,hidden,num_topk,num_local,alignment", [
     (0, 512, 4, 4, 1), (1, 256, 1, 1, 1), (37, 384, 3, 5, 4), (300, 2048, 8, 16, 8), (2000, 7168, 8, 128, 1)])
 def test_expert_major_kernels_equal_the_torch_relayout(num_plain, hidden, num_topk, num_local, alignment):
-    """gpu/expert_major.py (the nvshmem backend's re-layout) against expert_major.expand / fold
+    """gpu/expert_major_kernels.py (the nvshmem backend's re-layout) against expert_major.expand / fold
     bit for bit: bf16 rows, FP8 values and scales, padding rows, entries with no local expert; the
     plan and both kernels without a host synchronisation (CUDA's sync debug mode raises on one)."""
     from epcomm import expert_major
-    from epcomm.backends.gpu import expert_major as kernels
+    from epcomm.backends.gpu import expert_major_kernels as kernels
     from epcomm.fp8 import per_token_cast_to_fp8
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(num_plain)

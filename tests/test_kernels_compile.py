@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from epcomm.backends.gpu import agreement as A  # noqa: E402
-from epcomm.backends.gpu import expert_major as EM  # noqa: E402
+from epcomm.backends.gpu import expert_major_kernels as EM  # noqa: E402
 from epcomm.backends.gpu import low_latency as L  # noqa: E402
 from epcomm.backends.gpu import normal as N  # noqa: E402
 from epcomm.backends.gpu import mailbox as MB  # noqa: E402
@@ -67,7 +67,7 @@ def test_spec_rejects_wrong_type_count():
     from epcomm.backends.gpu.launch import KernelSpec
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="runtime parameters"):
-        KernelSpec(N.layout.ep_dispatch_layout, ["*i64"])
+        KernelSpec(N.layout_kernel.ep_dispatch_layout, ["*i64"])
 
 
 def test_spec_library_unless_names_a_constexpr():

@@ -70,7 +70,7 @@ def test_backend_choice_on_cpu(pools):
 def test_unpack_rows_with_one_row():
     """One received row whose parts do not start at 8-byte offsets (found by the fuzz)."""
     import torch
-    from epcomm.backends.rows import pack_rows, spec_of, unpack_rows
+    from epcomm.backends.packed_rows import pack_rows, spec_of, unpack_rows
     parts = [torch.randn(1, 141).to(torch.bfloat16), torch.arange(3, dtype=torch.int64).view(1, 3),
              torch.rand(1, 3)]
     for got, want in zip(unpack_rows(pack_rows(parts), [spec_of(p) for p in parts]), parts):

@@ -20,7 +20,7 @@ from ..handle import DispatchHandle, LowLatencyHandle
 from ..layout import aligned_counts, local_expert_ids, rank_prefix_matrix
 from .store_agreement import StoreAgreement
 from .base import Backend, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs
-from .rows import pack_rows, spec_of, unpack_rows
+from .packed_rows import pack_rows, spec_of, unpack_rows
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,12 @@ from .loopback_common import (HandleView, bits16, differing_rows, low_latency_wo
 
 def layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = "uniform", num_tokens: int = 300,
                 device: Optional[torch.device] = None) -> None:
-    """get_dispatch_layout's kernel (gpu/normal/layout.py, both GPU backends) against
+    """get_dispatch_layout's kernel (gpu/normal/layout_kernel.py, both GPU backends) against
     layout.dispatch_layout: the counts per rank, per node (None on one node) and per expert, and
     is_token_in_rank; then one expert id out of range, which counts nowhere and is reported to the
     host mailbox (EPInputError naming topk_idx at the next look)."""
     from ..backends.gpu.mailbox import HostMailbox
-    from ..backends.gpu.normal.layout import LayoutKernel
+    from ..backends.gpu.normal.layout_kernel import LayoutKernel
     from ..backends.gpu.sync import device_state
     from ..errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())

@@ -8,7 +8,7 @@
     launch.py        kernels compiled once per specialisation, launched without Triton's binder
     compile_lock.py  one process per host compiles a specialisation at a time
     copy.py          row copies with 16-byte accesses where the alignment allows
-    expert_major.py  the expert-major re-layout as kernels, for a backend that receives plain rows
+    expert_major_kernels.py  the expert-major re-layout as kernels, for a backend that receives plain rows
     reach/           how a kernel reaches a peer — NVLink stores, NVSHMEM puts and signals, the
                      loopback copies of the one-GPU tests; no other module knows the difference
     normal/          normal mode: layout, count exchange, dispatch, combine kernels; NormalMode

@@ -42,14 +42,14 @@ from ...hierarchy import Topology
 from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
-from ..gpu import expert_major as expert_major_kernels
+from ..gpu import expert_major_kernels
 from ..gpu.copy import COPY_WARPS, copy_block_shape, for_word_copies
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.workspace import ALIGN, Workspace
 from ..gpu.launch import current_stream
 from ..gpu.mailbox import HostMailbox, check_host_mapping
-from ..gpu.normal.layout import LayoutKernel
+from ..gpu.normal.layout_kernel import LayoutKernel
 from ..gpu.sync import ARRIVE_NOTIFY, CALL_FAILED, device_state
 from . import combine as combine_kernels
 from . import normal as dispatch_kernels
@@ -145,7 +145,7 @@ class NvshmemBackend(Backend):
 
     name = "nvshmem"
     # The expert-major layout is re-laid from the plain rows after the exchange, by kernels
-    # (gpu/expert_major.py), not inside the multi-node kernels.
+    # (gpu/expert_major_kernels.py), not inside the multi-node kernels.
     expand_expert_major = staticmethod(expert_major_kernels.expand)
     fold_expert_major = staticmethod(expert_major_kernels.fold)
 
@@ -231,7 +231,7 @@ class NvshmemBackend(Backend):
 
     # ------------------------------------------------------------------ per call
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
-        """One kernel (gpu/normal/layout.py), the per-node counts of this backend's nodes included
+        """One kernel (gpu/normal/layout_kernel.py), the per-node counts of this backend's nodes included
         (Buffer's ``ranks_per_node`` made them); a local call."""
         return self.layout(topk_idx, num_experts)
 

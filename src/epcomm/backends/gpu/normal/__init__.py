@@ -22,7 +22,7 @@ the mailbox word the notify kernel publishes.
 """
 from .combine import PUSH, REDUCE
 from .dispatch import PULL, STAGE
-from .layout import LAYOUT
+from .layout_kernel import LAYOUT
 from .mode import NormalMode
 from .notify import NOTIFY, expert_receive_counts
 

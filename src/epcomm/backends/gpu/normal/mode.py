@@ -17,7 +17,7 @@ from ..launch import Specialisations, cdiv, current_stream, p2
 from ..workspace import FP_NORMAL
 from .combine import PUSH, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
-from .layout import LayoutKernel
+from .layout_kernel import LayoutKernel
 from .notify import NOTIFY_BOUND
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
