@@ -19,7 +19,7 @@ from epcomm import fp8
 from epcomm.errors import EPInputError
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
     reference_low_latency_dispatch
-from epcomm.testing.sweeps import _ll_rows, expert_fn, make_routing, rank_fn, world
+from epcomm.testing.sweeps import _ll_rows, cuda_graph_replays, expert_fn, make_routing, rank_fn, world
 
 
 def _deep_ep():
@@ -354,21 +354,8 @@ def vllm_low_latency_graph(replays: int = 3, hidden: int = 2048, num_max_tokens:
         weights.copy_(ws[rank])
         return xs, topks, ws
 
-    load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture, as vLLM's graph runner does
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    dist.barrier(group=cpu_group)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for replay in range(replays):
-        xs, topks, ws = load(900 + replay)
-        graph.replay()
-        torch.cuda.synchronize()
+    seeds = [0] + [900 + replay for replay in range(replays)]
+    for replay, ((xs, topks, ws), _) in enumerate(cuda_graph_replays(step, load, seeds, cpu_group)):
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, True, True)
         _close(out, want, f"graph replay {replay}")
     buffer.destroy()

@@ -12,8 +12,9 @@ import epcomm
 from epcomm import fp8
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
     reference_low_latency_dispatch
-from epcomm.testing.sweeps import (SCENARIOS, _buffers_on_gpu, _ll_rows, expert_fn, gpu_normal_against_reference,  # noqa: F401
-                                   low_latency_sweep, make_routing, normal_mode_sweep, rank_fn, to_fp8_input, world)
+from epcomm.testing.sweeps import (SCENARIOS, _buffers_on_gpu, _ll_rows, cuda_graph_replays, expert_fn,  # noqa: F401
+                                   gpu_normal_against_reference, low_latency_sweep, make_routing, normal_mode_sweep,
+                                   rank_fn, to_fp8_input, world)
 
 
 def worst_tokens_and_options(seed: int = 7):
@@ -379,20 +380,8 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
         weights.copy_(ws[rank])
         return xs, topks, ws
 
-    load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for replay in range(replays):
-        xs, topks, ws = load(100 + replay)
-        graph.replay()
-        torch.cuda.synchronize()
+    seeds = [0] + [100 + replay for replay in range(replays)]
+    for replay, ((xs, topks, ws), out) in enumerate(cuda_graph_replays(step, load, seeds)):
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=True)
         torch.testing.assert_close(out.cpu(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"replay {replay}: {m}")
     return replays

@@ -359,3 +359,30 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
         checked += 1
     fast.destroy()
     return checked
+
+
+def cuda_graph_replays(step, load, seeds, group=None):
+    """Capture ``step()`` in a CUDA graph and replay it on new inputs; yields ``(load(seed), out)``
+    per seed, after the replay finished (``out``: what ``step`` returned during the capture).
+
+    ``load(seed)`` copies a seed's inputs into the tensors ``step`` reads (and returns what the
+    caller checks against). ``step`` runs once on a side stream first (warm-up outside the capture,
+    as engines' graph runners do); every rank of ``group`` then meets at a barrier before the
+    capture, so no rank's capture overlaps a peer's warm-up. Collective over ``group``."""
+    load(seeds[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in seeds[1:]:
+        loaded = load(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield loaded, out
+
