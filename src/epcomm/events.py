@@ -155,6 +155,4 @@ def capture_event(device: torch.device) -> EventOverlap:
     """An event recorded on the current stream (``Buffer.capture``); a done event on CPU."""
     if device.type != "cuda":
         return EventOverlap(None)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
-    return EventOverlap(event)
+    return EventOverlap(EventHandle().event)
