@@ -19,7 +19,7 @@ from epcomm import fp8
 from epcomm.errors import EPInputError
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
     reference_low_latency_dispatch
-from epcomm.testing.sweeps import _ll_rows, cuda_graph_replays, expert_fn, make_routing, rank_fn, world
+from epcomm.testing.sweeps import _ll_rows, _to_cpu, cuda_graph_replays, expert_fn, make_routing, rank_fn, world
 
 
 def _deep_ep():
@@ -33,10 +33,6 @@ def _deep_ep():
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _cpu(value):
-    return tuple(_cpu(v) for v in value) if isinstance(value, tuple) else value.cpu()
 
 
 def _close(got, want, what, tol=2e-2):
@@ -74,14 +70,14 @@ def vllm_high_throughput(hidden: int = 256):
             num_worst_tokens=worst, config=dispatch_config, previous_event=None, async_finish=False,
             allocate_on_comm_stream=False)
         # every rank's payload cast where the senders cast it (this device), so the bits compare
-        sent = [_cpu(fp8.per_token_cast_to_fp8(x.to(dev))) for x in xs] if use_fp8 else xs
+        sent = [_to_cpu(fp8.per_token_cast_to_fp8(x.to(dev))) for x in xs] if use_fp8 else xs
         want = reference_dispatch(sent, topks, weights, num_experts, alignment)[rank]
         plain = reference_dispatch(xs, topks, weights, num_experts, alignment)[rank]["recv_x"]
         received = plain.shape[0]
         if use_fp8:
             assert torch.equal(recv_x[0].cpu()[:received].view(torch.uint8), want["recv_x"][0].view(torch.uint8))
             assert torch.equal(recv_x[1].cpu()[:received], want["recv_x"][1])
-            rows = fp8.per_token_cast_back(*_cpu(recv_x), torch.bfloat16)
+            rows = fp8.per_token_cast_back(*_to_cpu(recv_x), torch.bfloat16)
         else:
             rows = recv_x.cpu()
             assert torch.equal(rows[:received], plain)
@@ -137,7 +133,7 @@ def vllm_low_latency(hidden: int = 512, num_max_tokens: int = 8):
                                      recv_layout_range=handle.recv_layout_range.cpu())
         expert_out = torch.zeros(num_experts // R, R * M, hidden, dtype=torch.bfloat16)
         for e in range(num_experts // R):
-            rows, _, _ = _ll_rows(_cpu(recv_x), recv_count.cpu(), cpu_handle, e, use_fp8)
+            rows, _, _ = _ll_rows(_to_cpu(recv_x), recv_count.cpu(), cpu_handle, e, use_fp8)
             assert rows.shape[0] == want[e]["rows"].shape[0], f"step {step} expert {e}: count"
             expert_out[e, :rows.shape[0]] = expert_fn(torch.full((rows.shape[0],), rank * (num_experts // R) + e),
                                                       rows).to(torch.bfloat16)
