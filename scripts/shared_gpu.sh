@@ -23,6 +23,8 @@ case "$part" in
   *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
 esac
 limit_s="${LIMIT_S:-540}"
+# a job still running after this long prints every rank's Python stack (a hang shows where it waits)
+export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -18,6 +18,7 @@ import torch
 import ep_cases
 import epcomm
 import failure_cases
+import lifetime_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -92,6 +93,13 @@ def test_engines_through_deep_ep(shared_pool, case):
 
 
 # ------------------------------------------------------------------ normal mode
+def test_buffers_dropped_unevenly(shared_pool):
+    """Buffers ending at different points on different ranks (reference cycles, uneven collection)
+    never hang or skew the symmetric heap; the ledger lets go of every old allocation."""
+    for held in _all(shared_pool, lifetime_cases.buffers_dropped_unevenly, 6, 512):
+        assert held is not None and [let_go for _, _, let_go in held].count(False) == 0, held
+
+
 def test_internode_deepep_usage(shared_pool):
     """DeepEP's internode test shape: 1024 tokens, H=7168, top-8 of 16 experts per rank within
     the best 2 node groups, Config(num_sms, 8, 512, 16, 128), BF16 + FP8, async_finish and

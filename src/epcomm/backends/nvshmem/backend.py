@@ -581,4 +581,6 @@ class NvshmemBackend(Backend):
         self._low_latency().reset(self.t.barrier)
 
     def destroy(self) -> None:
-        self.t = self.ll_ws = self.low_latency = None  # the symmetric memory goes with the last view
+        if self.t is not None:
+            self.t.release()  # back to the ledger, freed at a later agreed point (gpu/reach/symmetric_heap.py)
+        self.t = self.ll_ws = self.low_latency = None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ....errors import EPError
+from .symmetric_heap import process_heap
 
 
 class Transport:
@@ -37,6 +38,9 @@ class Transport:
         """Every rank's host arrives, with its GPU work so far finished."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """The Buffer is destroyed; its workspace may go (only where every rank let go of it)."""
+
 
 class NvshmemTransport(Transport):
     """``num_bytes`` of NVSHMEM symmetric memory on every rank of ``group`` (collective)."""
@@ -51,9 +55,9 @@ class NvshmemTransport(Transport):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
-        try:
-            symm_mem.set_backend("NVSHMEM")
-            self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+        self.group_ranks = dist.get_process_group_ranks(group)
+        try:  # through the ledger: PyTorch frees NVSHMEM memory collectively, so only at agreed points
+            self.buffer = process_heap().take(self.group_ranks, device, num_bytes, self, self._all_gather)
             handle = symm_mem.rendezvous(self.buffer, group.group_name)
         except Exception as exc:  # RuntimeError from NVSHMEM's bootstrap, allocation or rendezvous
             raise EPError(f"the nvshmem backend could not set up {num_bytes} bytes of NVSHMEM symmetric memory "
@@ -70,6 +74,16 @@ class NvshmemTransport(Transport):
     def barrier(self) -> None:
         torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=self.group)
+
+    def _all_gather(self, obj):
+        gathered = [None] * self.num_ranks
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def release(self) -> None:
+        """The Buffer is destroyed: its bytes go back to the ledger (not freed here: see symmetric_heap)."""
+        process_heap().release(self.group_ranks, self.buffer)
+        self.buffer = self.handle = self.peer_bases = None
 
 
 LOOPBACK_BARRIER_TIMEOUT_S = 60.0

@@ -1,0 +1,59 @@
+"""Buffers that end at different points on different ranks (run on every rank of a world).
+
+A Buffer in a reference cycle ends when that process's collector runs, which differs between
+ranks; on the nvshmem backend freeing symmetric memory is a barrier over every process, so such
+frees must wait for an agreed point (backends/gpu/reach/symmetric_heap.py). A CPU run checks the
+results; the shared-GPU suite runs it on the real NVSHMEM runtime, where the old frees hung.
+"""
+import gc
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm.testing import reference_low_latency_combine
+from epcomm.testing.sweeps import expert_fn, make_routing, world
+
+
+def buffers_dropped_unevenly(rounds: int = 6, hidden: int = 512, backend=None, ranks_per_node=None):
+    """Each round: a low-latency Buffer (two sizes in turn) makes a round trip that matches the
+    reference, then is dropped — on some ranks into a reference cycle, collected at once on even
+    ranks only. No round hangs or returns wrong data. Returns, on nvshmem, the ledger's
+    (id, bytes, let go of) per allocation once a last Buffer is destroyed: every one should be let
+    go of (no view of it left anywhere, PyTorch's rendezvous included)."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    num_experts, K = 4 * R, 4
+    last = None
+    for round_ in range(rounds + 1):
+        M = 16 if round_ % 2 == 0 else 32
+        size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
+        buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
+                               ranks_per_node=ranks_per_node)
+        xs, topks, ws = make_routing(500 + round_, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M,
+                                                                num_experts, use_fp8=False)
+        num_local = num_experts // R
+        experts = rank * num_local + torch.arange(num_local, device=dev)
+        expert_out = (recv.float() * ((experts.float() + 1) / 8)[:, None, None]).to(torch.bfloat16)
+        out = buffer.low_latency_combine(expert_out, topks[rank].to(dev), ws[rank].to(dev), handle)[0]
+        want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
+        torch.testing.assert_close(out.cpu(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"round {round_}: {m}")
+        if round_ == rounds:
+            last = buffer
+            break
+        if (round_ + rank) % 3 == 0:  # this rank's Buffer ends only when its collector runs
+            cycle = {"buffer": buffer}
+            cycle["self"] = cycle
+            del cycle
+        del buffer, recv, handle, out
+        if rank % 2 == 0:
+            gc.collect()
+    on_nvshmem = last.backend_name == "nvshmem" and dev.type == "cuda"
+    last.destroy()
+    del last
+    gc.collect()
+    if not on_nvshmem:
+        return None
+    from epcomm.backends.gpu.reach.symmetric_heap import process_heap
+    return process_heap().held(dist.get_process_group_ranks(dist.group.WORLD), dev)
