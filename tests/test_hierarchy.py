@@ -117,6 +117,8 @@ def test_two_level_dispatch_and_combine_equal_one_level(R, k, kind):
     for rank in range(R):
         torch.testing.assert_close(combined[rank], reference_combine(xs[rank], topks[rank], E, R, rank_fn),
                                    rtol=1e-2, atol=1e-2)
+        # the reference told the node size rounds each node's partial as the kernels do: bit for bit
+        assert torch.equal(combined[rank], reference_combine(xs[rank], topks[rank], E, R, rank_fn, ranks_per_node=k))
 
 
 def test_two_level_fp8_rows_and_dedup_saves_network_rows():

@@ -80,18 +80,29 @@ def reference_dispatch(xs: Sequence, topk_idxs: Sequence[torch.Tensor], topk_wei
 
 
 def reference_combine(x_home: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                      rank_fn: Callable[[int, torch.Tensor], torch.Tensor], bias: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                      rank_fn: Callable[[int, torch.Tensor], torch.Tensor], bias: Sequence[torch.Tensor] = (),
+                      ranks_per_node: int = 0) -> torch.Tensor:
     """Expected normal-mode combine at one home rank.
 
     Each rank ``j`` that received token ``t`` returns ``rank_fn(j, x_home[t:t+1])`` (a bf16 row);
     combine sums those rows in rank order in float32, adds ``bias`` and rounds to bf16.
+
+    ``ranks_per_node`` (fewer than ``num_ranks``: several nodes) models the two-level combine of
+    the nvshmem backend, as DeepEP's internode combine does: each node's rows are summed there
+    (float32, rank order) and rounded to bf16 — the one row per token and node that crosses the
+    network — then the nodes' partials are summed (float32, node order), the biases added and the
+    sum rounded. The two roundings differ from one by up to about two bf16 ulps.
     """
     in_rank = _ranks_of_tokens(topk_idx.cpu(), num_experts, num_ranks)
+    per_node = ranks_per_node if 0 < ranks_per_node < num_ranks else num_ranks
     acc = torch.zeros(x_home.shape, dtype=torch.float32)
-    for j in range(num_ranks):
-        tokens = in_rank[:, j].nonzero().flatten()
-        if tokens.numel():
-            acc[tokens] += rank_fn(j, x_home.cpu()[tokens]).float()
+    for first in range(0, num_ranks, per_node):
+        partial = torch.zeros(x_home.shape, dtype=torch.float32)
+        for j in range(first, first + per_node):
+            tokens = in_rank[:, j].nonzero().flatten()
+            if tokens.numel():
+                partial[tokens] += rank_fn(j, x_home.cpu()[tokens]).float()
+        acc += partial.to(torch.bfloat16).float() if per_node < num_ranks else partial
     for b in bias:
         acc += b.cpu().float()
     return acc.to(torch.bfloat16)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import random
+import time
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,8 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
         combined, combined_w, _ = buffer.combine(expert_out, handle, topk_weights=recv_w, bias=bias_arg)
         combined, combined_w = combined.cpu(), combined_w.cpu()
         home = xs[rank] if not use_fp8 else fp8.per_token_cast_back(*ins[rank])
-        want = reference_combine(home, topks[rank], num_experts, R, rank_fn, biases)
+        want = reference_combine(home, topks[rank], num_experts, R, rank_fn, biases,
+                                 ranks_per_node=buffer.ranks_per_node if buffer.num_nodes > 1 else 0)
         assert combined.dtype == torch.bfloat16 and combined.shape == xs[rank].shape
         torch.testing.assert_close(combined, want, rtol=1e-2, atol=1e-2, equal_nan=True, msg=lambda m: f"case {case}: {m}")
         torch.testing.assert_close(combined_w, weights[rank], rtol=1e-6, atol=1e-6)
@@ -227,6 +229,7 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
         stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
         wait_stats = torch.zeros(R, dtype=torch.int64, device=dev)
         combine_wait_stats = torch.zeros(R, dtype=torch.int64, device=dev) if case % 2 else None
+        started = time.perf_counter()
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
             xs[rank].to(dev), topks[rank].to(dev), M, num_experts, cumulative_local_expert_recv_stats=stats,
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale,
@@ -234,6 +237,8 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
         assert (hook is not None) == use_hook
         if hook is not None:
             hook()
+        recv_count.cpu()  # (synchronises: the call's time, for the report below)
+        took_s = time.perf_counter() - started
         gpu_handle = handle
         recv_x, recv_count, stats, handle = _to_cpu(recv_x), recv_count.cpu(), stats.cpu(), handle._replace(
             recv_src_info=handle.recv_src_info.cpu(), recv_layout_range=handle.recv_layout_range.cpu())
@@ -249,7 +254,12 @@ def low_latency_sweep(num_cases: int, seed0: int = 0, hidden: int = 512, num_top
         expert_out = torch.zeros(num_local, R * M, hidden, dtype=torch.bfloat16)
         for e in range(num_local):
             want = ref[e]
-            assert int(recv_count[e]) == want["rows"].shape[0], f"case {case} expert {e} count"
+            if int(recv_count[e]) != want["rows"].shape[0]:  # say which sources, and whether a timeout masked one
+                got_per_source = (handle.recv_layout_range[e] & 0xFFFFFFFF).tolist()
+                want_per_source = torch.bincount(want["src_rank"], minlength=R).tolist()
+                raise AssertionError(f"case {case} expert {e} count {int(recv_count[e])} != {want['rows'].shape[0]}: "
+                                     f"per source got {got_per_source}, want {want_per_source}; masked ranks "
+                                     f"{buffer._rank_mask.nonzero().flatten().tolist()}; call took {took_s:.1f} s")
             rows, src_rank, src_token = _ll_rows(recv_x, recv_count, handle, e, use_fp8)
             # order within a source block is free on GPU backends: compare sorted by (source, token)
             order = torch.argsort(src_rank * 1_000_000 + src_token)
