@@ -83,3 +83,22 @@ def test_nvshmem_modes_share_the_allocation():
     assert NvshmemBackend.allocation_bytes(ll, ll, R, k) == need < ll + (1 << 20)
     assert NvshmemBackend.allocation_bytes(4 * ll, ll, R, k) == 4 * ll
     assert NvshmemBackend.allocation_bytes(ll, 0, R, k) == ll
+
+
+def test_count_words_never_lie_where_another_shape_puts_messages():
+    """A receiver takes a count word whose epoch field is at least its call's: so no call shape may
+    put message, combine or staging bytes where any other shape's count words are (the 16-rank
+    fuzz read an earlier 16-expert call's message bytes as the count of a 64-expert call)."""
+    R, M, H = 16, 16, 512
+    ws = _workspace(R, W.low_latency_bytes(M, H, R, 4 * R), staging=True)
+    shapes = [(E, K, fp8, ue8m0) for E in (R, 2 * R, 4 * R) for K in (1, 4) for fp8, ue8m0 in
+              ((False, False), (True, False), (True, True))]
+    count_end = max(ws.ll_layout(E, M, H, K, fp8, ue8m0).counts + E * 8 for E, K, fp8, ue8m0 in shapes)
+    for E, K, fp8, ue8m0 in shapes:
+        layout = ws.ll_layout(E, M, H, K, fp8, ue8m0)
+        assert layout.recv >= count_end and layout.combine >= count_end, (E, K, fp8)
+        assert layout.stage == 0 or layout.stage >= count_end
+    # the same place for every shape, up to the largest expert count low-latency mode takes
+    assert {ws.ll_layout(E, M, H, K, f, u).recv for E, K, f, u in shapes} == {W.align(W.LL_COUNT_BYTES)}
+    with pytest.raises(EPInputError, match="num_experts"):
+        ws.ll_layout(W.LL_MAX_EXPERTS + R, M, H, 4, False, False)

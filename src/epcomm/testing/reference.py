@@ -87,14 +87,15 @@ def reference_combine(x_home: torch.Tensor, topk_idx: torch.Tensor, num_experts:
     Each rank ``j`` that received token ``t`` returns ``rank_fn(j, x_home[t:t+1])`` (a bf16 row);
     combine sums those rows in rank order in float32, adds ``bias`` and rounds to bf16.
 
-    ``ranks_per_node`` (fewer than ``num_ranks``: several nodes) models the two-level combine of
-    the nvshmem backend, as DeepEP's internode combine does: each node's rows are summed there
-    (float32, rank order) and rounded to bf16 — the one row per token and node that crosses the
-    network — then the nodes' partials are summed (float32, node order), the biases added and the
-    sum rounded. The two roundings differ from one by up to about two bf16 ulps.
+    ``ranks_per_node`` > 0 models the two-level combine of the nvshmem backend (also on one node),
+    as DeepEP's internode combine does: each node's rows are summed there (float32, rank order) and
+    rounded to bf16 — the one row per token and node that crosses the network — then the nodes'
+    partials are summed (float32, node order), the biases added and the sum rounded. The two
+    roundings differ from one by up to about two bf16 ulps of the partials (more, relative to a
+    result that the biases nearly cancel).
     """
     in_rank = _ranks_of_tokens(topk_idx.cpu(), num_experts, num_ranks)
-    per_node = ranks_per_node if 0 < ranks_per_node < num_ranks else num_ranks
+    per_node = min(ranks_per_node, num_ranks) if ranks_per_node > 0 else num_ranks
     acc = torch.zeros(x_home.shape, dtype=torch.float32)
     for first in range(0, num_ranks, per_node):
         partial = torch.zeros(x_home.shape, dtype=torch.float32)
@@ -102,7 +103,7 @@ def reference_combine(x_home: torch.Tensor, topk_idx: torch.Tensor, num_experts:
             tokens = in_rank[:, j].nonzero().flatten()
             if tokens.numel():
                 partial[tokens] += rank_fn(j, x_home.cpu()[tokens]).float()
-        acc += partial.to(torch.bfloat16).float() if per_node < num_ranks else partial
+        acc += partial.to(torch.bfloat16).float() if ranks_per_node > 0 else partial
     for b in bias:
         acc += b.cpu().float()
     return acc.to(torch.bfloat16)

@@ -49,6 +49,12 @@ FLAGS_BYTES = 64 * 1024  # flags and fingerprints
 NOTIFY_BYTES = 256 * 1024
 LISTS_BYTES = 4 << 20
 LL_MAX_TOPK = 32  # the size hint reserves combine slots for up to this many experts per token
+# The count words lead each low-latency half at a place and size no call shape changes: a receiver
+# takes a word whose epoch field is at least its call's as "the messages are there", so the words
+# must never lie where another shape's messages were (bytes left there by an earlier call with
+# fewer experts read as a count: 16-rank fuzz, H100 shared GPU, 2026-11-24).
+LL_MAX_EXPERTS = 2048
+LL_COUNT_BYTES = LL_MAX_EXPERTS * 8
 LL_HEADER_BYTES = 16
 
 
@@ -81,7 +87,7 @@ def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int,
     """(bytes one half needs, offset of the combine slots, offset of the staging area or 0) for
     this call shape. The staging area is as large as the receive slots: it holds M*K <= E*M
     messages, or E*M rows of 2H <= msg_bytes."""
-    counts = align(num_experts * 8)
+    counts = align(LL_COUNT_BYTES)
     recv = align(num_experts * max_tokens * msg_bytes)
     combine = align(max_tokens * num_topk * hidden * 2)
     stage = recv if staging else 0
@@ -198,6 +204,9 @@ class Workspace:
         key = (num_experts, max_tokens, hidden, num_topk, use_fp8, use_ue8m0)
         layout = self._ll_layouts.get(key)
         if layout is None:
+            if num_experts > LL_MAX_EXPERTS:
+                raise EPInputError("num_experts", f"low-latency mode supports at most {LL_MAX_EXPERTS} experts, "
+                                                  f"got {num_experts}")
             x_bytes, scale_words, msg_bytes = ll_message_bytes(hidden, use_fp8, use_ue8m0)
             # the dispatch part is sized for BF16 messages so both formats share one layout
             _, _, bf16_msg = ll_message_bytes(hidden, False, False)
@@ -206,7 +215,7 @@ class Workspace:
                 raise EPInputError("num_max_dispatch_tokens_per_rank",
                                    f"low-latency mode needs num_rdma_bytes >= {2 * (need + ALIGN)} for M={max_tokens}, "
                                    f"H={hidden}, E={num_experts}, K={num_topk} (have {2 * (self.ll_half + ALIGN)})")
-            layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(num_experts * 8), combine, stage)
+            layout = LowLatencyLayout(x_bytes, scale_words, msg_bytes, 0, align(LL_COUNT_BYTES), combine, stage)
             self._ll_layouts[key] = layout
         return layout
 
