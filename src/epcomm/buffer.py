@@ -280,7 +280,13 @@ class Buffer(RankMasking):
         return checks.view_of_bytes(memory, dtype, size, offset)
 
     def destroy(self) -> None:
-        """Free the buffer's resources; required when constructed with ``explicitly_destroy=True``."""
+        """Free the buffer's resources; required when constructed with ``explicitly_destroy=True``.
+
+        Not collective. On nvshmem the symmetric memory goes back to a per-process ledger and is
+        reused or freed at the next Buffer construction on the group, once every rank has let go
+        of it (NVSHMEM frees are barriers over every process; see backends/gpu/reach/symmetric_heap.py).
+        Views of the memory (``get_local_buffer_tensor``, a zero-copy combine buffer) must not be
+        used afterwards; while one is alive, the memory is kept."""
         if self._destroyed:
             return
         self._backend.destroy()
