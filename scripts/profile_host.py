@@ -134,7 +134,7 @@ def profile_rank(tokens: int):
         probe = mailbox._probe_kernel.bind(num_warps=1)
         scratch = torch.zeros(1, dtype=torch.int64, device=dev)
         host_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        from epcomm.backends.gpu import normal
+        from epcomm.backends.gpu.normal import one_node as normal
         layout_kernel = normal.LAYOUT.bind(num_warps=4, BLOCK_T=128, E_P2=256, K_P2=8, R_P2=2, N_P2=1, HAS_NODES=False,
                                            SUM_ROWS=16)
         per_rank = torch.empty(R, dtype=torch.int32, device=dev)

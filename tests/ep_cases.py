@@ -312,7 +312,7 @@ def worst_tokens_overflow():
 def gpu_rounds_counted(configs, num_nvl_bytes: int):
     """gpu_normal_against_reference with the stage launches counted: a batch larger than one half
     of the payload area must take several rounds (one stage launch each)."""
-    from epcomm.backends.gpu import normal
+    from epcomm.backends.gpu.normal import one_node as normal
     calls = []
     original = normal.NormalMode._stage
 

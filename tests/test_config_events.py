@@ -82,7 +82,7 @@ def test_host_tensors_name_their_device_under_another_default():
     import importlib.util
 
     import torch
-    from epcomm.hierarchy import channel_bounds
+    from epcomm.backends.gpu.normal.two_level.hierarchy import channel_bounds
     torch.set_default_device("meta")
     try:
         assert channel_bounds(10, 3).device.type == "cpu"

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from epcomm import EPInputError, fp8, hierarchy as hy, layout
+from epcomm import EPInputError, fp8, layout
+from epcomm.backends.gpu.normal.two_level import hierarchy as hy
 from epcomm.testing import (random_weights, reference_combine, reference_dispatch, single_rank_topk, skewed_topk,
                             uniform_topk, with_holes)
 from epcomm.testing.two_level import two_level_combine, two_level_dispatch
@@ -180,7 +181,7 @@ def test_low_latency_model_counts_messages_to_other_nodes():
 
 
 def test_multinode_row_and_count_row_layouts():
-    from epcomm.backends.nvshmem.rows import CombineRow, MetaRow, RowLayout
+    from epcomm.backends.gpu.normal.two_level.rows import CombineRow, MetaRow, RowLayout
     meta = MetaRow(num_ranks=16, num_experts=256, num_nodes=2, num_channels=12)
     parts = [(meta.per_rank, 16), (meta.per_expert, 256), (meta.per_node, 2), (meta.num_tokens, 1),
              (meta.gbl_prefix, 16 * 12), (meta.rdma_prefix, 2 * 12), (meta.abort, 1)]
@@ -202,7 +203,7 @@ def test_multinode_row_and_count_row_layouts():
 def test_multinode_workspace_areas_fit_without_overlap(ranks, per_node, hidden, fp8, topk):
     """The fixed signal areas, then a dispatch's or a combine's areas over the same data region:
     aligned, disjoint, inside the workspace, with the largest token capacity that fits."""
-    from epcomm.backends.nvshmem.workspace import (ALIGN, MAX_CHANNELS, STEP_ROW_BYTES, combine_layout,
+    from epcomm.backends.gpu.normal.two_level.areas import (ALIGN, MAX_CHANNELS, STEP_ROW_BYTES, combine_layout,
                                                    dispatch_layout, preamble)
     total = 256 << 20
     N, k, C = ranks // per_node, per_node, 12
@@ -230,7 +231,7 @@ def test_multinode_workspace_areas_fit_without_overlap(ranks, per_node, hidden, 
 
 
 def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
-    from epcomm.backends.nvshmem.workspace import MAX_CHANNELS, bytes_for_tokens, combine_layout, dispatch_layout
+    from epcomm.backends.gpu.normal.two_level.areas import MAX_CHANNELS, bytes_for_tokens, combine_layout, dispatch_layout
     from epcomm.errors import EPInputError
     need = bytes_for_tokens(4096, 16, 8, 256, 7168, 8)
     assert dispatch_layout(need, 16, 8, 256, MAX_CHANNELS, 14336, 0, 8).token_cap >= 4096
@@ -250,7 +251,7 @@ def test_multinode_workspace_size_for_a_batch_and_the_error_when_too_small():
 def test_count_row_and_node_token_lists(ranks, per_node, channels):
     """What a rank puts into the count exchange and the per-node token lists its send kernel reads,
     against hierarchy.py's functions (which the two-level model checks against the reference)."""
-    from epcomm.backends.nvshmem.rows import MetaRow, count_row, node_tokens
+    from epcomm.backends.gpu.normal.two_level.rows import MetaRow, count_row, node_tokens
     topology = hy.Topology(ranks, per_node)
     T, E = 37, 4 * ranks
     topk = with_holes(uniform_topk(T, E, 4, torch.Generator().manual_seed(ranks)),

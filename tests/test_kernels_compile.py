@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from epcomm.backends.gpu import agreement as A  # noqa: E402
 from epcomm.backends.gpu import expert_major_kernels as EM  # noqa: E402
 from epcomm.backends.gpu import low_latency as L  # noqa: E402
-from epcomm.backends.gpu import normal as N  # noqa: E402
+from epcomm.backends.gpu.normal import layout_kernel, one_node as N  # noqa: E402
 from epcomm.backends.gpu import mailbox as MB  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def test_spec_rejects_wrong_type_count():
     from epcomm.backends.gpu.launch import KernelSpec
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="runtime parameters"):
-        KernelSpec(N.layout_kernel.ep_dispatch_layout, ["*i64"])
+        KernelSpec(layout_kernel.ep_dispatch_layout, ["*i64"])
 
 
 def test_spec_library_unless_names_a_constexpr():
@@ -75,7 +75,7 @@ def test_spec_library_unless_names_a_constexpr():
     that constexpr is False (the multi-node kernels' LOOPBACK test transport links no NVSHMEM)."""
     from epcomm.backends.gpu.launch import KernelSpec
     from epcomm.backends.gpu.reach import nvshmem as device
-    from epcomm.backends.nvshmem import step
+    from epcomm.backends.gpu.normal.two_level import step
     from epcomm.errors import EPError
     with pytest.raises(EPError, match="LOOPBACKS"):
         types = [t for t in step.STEP.signature.values() if t != "constexpr"]
@@ -126,7 +126,7 @@ def test_nvlink_kernels_hold_no_nvshmem_call():
 def test_nvshmem_backend_channel_limit():
     """Signal words have room for MAX_CHANNELS channels per node: more is an EPInputError naming config."""
     from epcomm.backends.nvshmem.backend import NvshmemBackend
-    from epcomm.backends.nvshmem.workspace import MAX_CHANNELS
+    from epcomm.backends.gpu.normal.two_level.areas import MAX_CHANNELS
     from epcomm.config import Config
     from epcomm.errors import EPInputError
     assert NvshmemBackend._num_channels(Config(num_sms=2 * MAX_CHANNELS)) == MAX_CHANNELS
@@ -190,8 +190,8 @@ def test_nvshmem_kernels_compile_with_the_library_calls_unresolved():
                                                 (True, False, True)])
 def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     """With NVSHMEM (its calls left to the library) and with the loopback transport (no library)."""
-    from epcomm.backends.nvshmem import normal as M
-    from epcomm.backends.nvshmem import step as S
+    from epcomm.backends.gpu.normal.two_level import dispatch as M
+    from epcomm.backends.gpu.normal.two_level import step as S
     target = GPUTarget("cuda", 90, 32)
     options = dict(ptx_options=None if loopback else "--compile-only")
     assert M.NOTIFY.compile(dict(LOOPBACK=loopback, R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
@@ -212,7 +212,7 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
 
 @pytest.mark.parametrize("weights,num_bias,loopback", [(False, 0, False), (True, 2, True)])
 def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
-    from epcomm.backends.nvshmem import combine as C
+    from epcomm.backends.gpu.normal.two_level import combine as C
     target = GPUTarget("cuda", 90, 32)
     assert C.PUSH.compile(dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=1024, K_P2=8), 8, target=target).asm["cubin"]
     assert C.REDUCE.compile(dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=8,
@@ -236,9 +236,9 @@ def test_kernel_names_say_which_call_they_belong_to():
     "combine" in their names (a low-latency call with return_recv_hook launches its kernel twice:
     send and receive phase). Every kernel a dispatch or combine launches names its call, and only
     that one; the compiled kernel carries the name."""
-    from epcomm.backends.nvshmem import combine as MC
-    from epcomm.backends.nvshmem import normal as MN
-    from epcomm.backends.nvshmem import step as MS
+    from epcomm.backends.gpu.normal.two_level import combine as MC
+    from epcomm.backends.gpu.normal.two_level import dispatch as MN
+    from epcomm.backends.gpu.normal.two_level import step as MS
     calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
                           MS.STEPS["dispatch"], EM.EXPAND],
              "combine": [L.COMBINE, N.PUSH, N.REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
@@ -254,9 +254,9 @@ def _multi_node_cases():
     """The nvshmem backend's own normal-mode kernels (backends/nvshmem/), loopback flavour: they
     need no NVSHMEM library, so they compile here too and guard a move of that code."""
     from epcomm.backends.gpu.copy import COPY_WARPS, copy_block_shape
-    from epcomm.backends.nvshmem import combine as C
-    from epcomm.backends.nvshmem import normal as D
-    from epcomm.backends.nvshmem import step as S
+    from epcomm.backends.gpu.normal.two_level import combine as C
+    from epcomm.backends.gpu.normal.two_level import dispatch as D
+    from epcomm.backends.gpu.normal.two_level import step as S
     for spec in S.STEPS.values():
         yield spec, dict(LOOPBACK=True, R_P2=16), 4
     yield S.ABORT, dict(LOOPBACK=True), 4

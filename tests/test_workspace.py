@@ -74,7 +74,7 @@ def test_nvshmem_modes_share_the_allocation():
     allocation is num_rdma_bytes unless the low-latency workspace needs more (DeepEP's sharing)."""
     pytest.importorskip("triton")
     from epcomm.backends.nvshmem.backend import NvshmemBackend
-    from epcomm.backends.nvshmem.workspace import preamble
+    from epcomm.backends.gpu.normal.two_level.areas import preamble
     R, k = 16, 8
     start = NvshmemBackend._ll_start(R, k)
     assert start >= preamble(R, k).data and start % W.ALIGN == 0

@@ -71,7 +71,7 @@ class Buffer(RankMasking):
     ``nvshmem`` across nodes) unless ``backend`` names one; ``EPCOMM_BACKEND`` overrides both;
     ``buffer.backend_name`` tells which. On ``nvshmem``, ``num_rdma_bytes`` sizes each rank's
     symmetric workspace (0: ``num_nvl_bytes``, or 1 GiB if that is 0 too — code written for one
-    node runs as it is): ``epcomm.backends.nvshmem.workspace.bytes_for_tokens`` gives what a batch
+    node runs as it is): ``epcomm.backends.nvshmem.bytes_for_tokens`` gives what a batch
     needs in normal mode, :meth:`get_low_latency_rdma_size_hint` in low-latency mode; the modes
     share those bytes as in DeepEP: after normal-mode calls, call :meth:`clean_low_latency_buffer`
     on every rank before the next low-latency call (an EPError says so otherwise).

@@ -33,6 +33,13 @@ def tokens_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(flat, minlength=num_experts).to(torch.int32)
 
 
+def tokens_to_nodes(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """``is_token_in_node [T, N] bool``: some rank of node n (``ranks_per_node`` consecutive ranks)
+    needs token t."""
+    T, R = is_token_in_rank.shape
+    return is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(-1)
+
+
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     num_ranks_per_node: Optional[int] = None
                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -45,9 +52,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
     num_tokens_per_rdma_rank = None
     if num_ranks_per_node is not None and num_ranks_per_node < num_ranks:
-        from .hierarchy import Topology, node_membership
-        in_node = node_membership(is_token_in_rank, Topology(num_ranks, num_ranks_per_node))
-        num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
+        num_tokens_per_rdma_rank = tokens_to_nodes(is_token_in_rank, num_ranks_per_node).sum(0, dtype=torch.int32)
     return num_tokens_per_rank, num_tokens_per_rdma_rank, tokens_per_expert(topk_idx, num_experts), is_token_in_rank
 
 

@@ -62,7 +62,7 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
     dev = torch.device("cuda", torch.cuda.current_device())
     num_experts = num_experts_per_rank * R
     cfg = epcomm.Config(*config)
-    from epcomm.backends.nvshmem.workspace import bytes_for_tokens
+    from epcomm.backends.nvshmem import bytes_for_tokens
     # the workspace: DeepEP sizes it from the config hints; here exactly what the batch needs
     ranks_per_node = int(os.environ.get("EPCOMM_RANKS_PER_NODE", R))
     size = bytes_for_tokens(num_tokens, R, ranks_per_node, num_experts, hidden, num_topk)

@@ -11,7 +11,7 @@ from .. import fp8
 from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from ..backends.nvshmem.backend import NvshmemBackend
 from ..backends.gpu.workspace import low_latency_bytes
-from ..backends.nvshmem.workspace import bytes_for_tokens
+from ..backends.nvshmem import bytes_for_tokens
 from ..config import Config
 from ..layout import dispatch_layout
 from .reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
@@ -64,9 +64,9 @@ def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
                      num_tokens: int = 300, num_channels: int = 3, device: Optional[torch.device] = None) -> None:
     """ml_dispatch_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and
     rows.count_row on one routing: masks, each node's token list, the whole count row."""
-    from ..backends.nvshmem.normal import SEND_LAYOUT
-    from ..backends.nvshmem.rows import MetaRow, count_row, node_tokens
-    from ..hierarchy import Topology, send_layout
+    from ..backends.gpu.normal.two_level.dispatch import SEND_LAYOUT
+    from ..backends.gpu.normal.two_level.rows import MetaRow, count_row, node_tokens
+    from ..backends.gpu.normal.two_level.hierarchy import Topology, send_layout
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, k, E = num_ranks, ranks_per_node, 4 * num_ranks
     topology = Topology(R, k)

@@ -9,7 +9,7 @@ import torch
 from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from ..backends.nvshmem.backend import NvshmemBackend
 from ..backends.gpu.workspace import low_latency_bytes
-from ..backends.nvshmem.workspace import bytes_for_tokens
+from ..backends.nvshmem import bytes_for_tokens
 from ..config import Config
 from ..layout import dispatch_layout
 from .reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
@@ -219,7 +219,7 @@ def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     last rank sends FP8 and the others BF16 (rows of another size), then a combine in which only
     the last rank passes top-k weights (combine rows of another size). Neither call waits on the
     host, so each returns; every later kernel of the call must return at once (the step barrier
-    failed: nvshmem/step.py), since reading the peers' rows with this rank's layout indexes
+    failed: gpu/normal/two_level/step.py), since reading the peers' rows with this rank's layout indexes
     anything. Every rank then raises EPInputError naming the argument at its next look at the
     mailbox, resyncs, and the next full dispatch and combine match the reference."""
     from ..errors import EPInputError

@@ -292,7 +292,7 @@ def _buffers_on_gpu(num_nvl_bytes: int, ranks_per_node: int = 0, max_tokens: int
     """The GPU backend under test and the torch_dist reference. ``ranks_per_node`` > 0: the
     nvshmem backend on virtual nodes of that many ranks, sized for ``max_tokens`` of ``hidden``."""
     if ranks_per_node:
-        from epcomm.backends.nvshmem.workspace import bytes_for_tokens
+        from epcomm.backends.nvshmem import bytes_for_tokens
         R = dist.get_world_size()
         rdma = bytes_for_tokens(max(max_tokens, 1), R, ranks_per_node, 8 * R, hidden, min(8, 8 * R))
         fast = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, backend="nvshmem", ranks_per_node=ranks_per_node)

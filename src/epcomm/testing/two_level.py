@@ -1,5 +1,5 @@
 """A single-process model of the two-level (multi-node) dispatch and combine of
-:mod:`epcomm.hierarchy`: every rank's hops simulated with tensors, from all ranks' inputs at once.
+:mod:`epcomm.backends.gpu.normal.two_level.hierarchy`: every rank's hops simulated with tensors, from all ranks' inputs at once.
 
 It states what the multi-node kernels must compute, step by step, with the layout functions they
 mirror; the tests compare it with the one-level reference (:mod:`.reference`) and count the rows
@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .. import hierarchy as hy
+from ..backends.gpu.normal.two_level import hierarchy as hy
 from ..layout import local_expert_ids, tokens_to_ranks
 
 

@@ -163,8 +163,8 @@ class NormalBenchSettings:
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
     """Rows this rank put over the network in a dispatch (its count row's per-node counts, other
     nodes: what ml_dispatch_send sends) beside the minimum (one per token and other node needing it)."""
-    from ..backends.nvshmem.rows import MetaRow
-    from ..hierarchy import Topology, min_network_rows
+    from ..backends.gpu.normal.two_level.rows import MetaRow
+    from ..backends.gpu.normal.two_level.hierarchy import Topology, min_network_rows
     rank, topology = dist.get_rank(), Topology(buffer.group_size, buffer.ranks_per_node)
     state = handle.backend_state
     meta = MetaRow(topology.num_ranks, state.num_experts, topology.num_nodes, state.num_channels)
@@ -239,7 +239,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     point = {"tokens": tokens, "sms": sms, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
              "checks": checks, "ok": bool(ok.item())}
     if inter_node is not None:  # BF16 rows of the dispatch; combine returns one row per (token, node) too
-        from ..backends.nvshmem.rows import RowLayout
+        from ..backends.gpu.normal.two_level.rows import RowLayout
         row_bytes = RowLayout(2 * settings.hidden, 0, settings.num_topk).row_bytes
         point["inter_node"] = dict(inter_node, bytes=inter_node["rows"] * row_bytes,
                                    min_bytes=inter_node["min_rows"] * row_bytes)
@@ -250,7 +250,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     import epcomm
     dev = torch.device("cuda", torch.cuda.current_device())
     if settings.ranks_per_node:  # virtual nodes: the multi-node backend, sized for the largest batch
-        from ..backends.nvshmem.workspace import bytes_for_tokens
+        from ..backends.nvshmem import bytes_for_tokens
         most = max([settings.tokens] + list(settings.extra_tokens))
         rdma = bytes_for_tokens(most, dist.get_world_size(), settings.ranks_per_node, settings.num_experts,
                                 settings.hidden, settings.num_topk)

@@ -1,7 +1,7 @@
 """``epcomm model``: multi-node time from byte counts and per-leg rates (normal and low-latency mode).
 
 The byte counts are exact for the routing given: DeepEP's test routing (``uniform_topk``) put
-through the two-level plan of :mod:`epcomm.hierarchy` for every rank. The rates are inputs — what a
+through the two-level plan of :mod:`epcomm.backends.gpu.normal.two_level.hierarchy` for every rank. The rates are inputs — what a
 NIC and NVLink deliver per GPU — so the model answers "what would this plan take on that machine":
 
     dispatch ≈ latency + max(network bytes out / nic, network bytes in / nic, NVLink bytes in / nvlink)
@@ -22,7 +22,7 @@ from typing import List
 
 import torch
 
-from .. import hierarchy as hy
+from ..backends.gpu.normal.two_level import hierarchy as hy
 from ..layout import tokens_to_ranks
 from ..testing.routing import uniform_topk
 

@@ -11,10 +11,12 @@
     expert_major_kernels.py  the expert-major re-layout as kernels, for a backend that receives plain rows
     reach/           how a kernel reaches a peer — NVLink stores, NVSHMEM puts and signals, the
                      loopback copies of the one-GPU tests; no other module knows the difference
-    normal/          normal mode: layout, count exchange, dispatch, combine kernels; NormalMode
+    normal/          normal mode: the layout kernel; one_node/ (every peer by stores: count
+                     exchange, dispatch, combine; NormalMode) and two_level/ (DeepEP's internode
+                     shape: the plan in hierarchy.py, the step barrier, two-hop dispatch and combine)
     low_latency/     low-latency mode: dispatch and combine kernels; LowLatencyMode
 
-The backends are thin classes over this layer: ``backends/nvlink`` (one node: every peer by
-stores) and ``backends/nvshmem`` (nodes: its own multi-node normal-mode kernels, the low-latency
-mode from here with far peers reached by NVSHMEM).
+The backends are classes over this layer: ``backends/nvlink`` (one node: normal/one_node, and
+low_latency/ by stores) and ``backends/nvshmem`` (nodes: normal/two_level, and low_latency/ with
+far peers reached by NVSHMEM).
 """

@@ -88,7 +88,7 @@ NUM_STATE_WORDS = 16
 @triton.jit
 def call_failed(failed_ptr, epoch):
     """nvshmem: True when the step barrier of the call of ``epoch`` failed (``failed_ptr``: the
-    state word CALL_FAILED; nvshmem/step.py), and the kernel must return without waiting or moving
+    state word CALL_FAILED; gpu/normal/two_level/step.py), and the kernel must return without waiting or moving
     anything. The step kernel stored the word earlier on the same stream: a plain load sees it."""
     return tl.load(failed_ptr) == epoch
 

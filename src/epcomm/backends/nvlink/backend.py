@@ -13,7 +13,7 @@ from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
 from ..gpu.low_latency import LowLatencyMode
-from ..gpu.normal import NormalMode
+from ..gpu.normal.one_node import NormalMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.sync import device_state
 from ..gpu.workspace import Workspace
@@ -24,7 +24,7 @@ MAX_LOCAL_EXPERTS = 4096
 
 class NVLinkBackend(Backend):
     name = "nvlink"
-    native_expert_major = True  # the pull writes expert-major rows, the push folds them (normal.py)
+    native_expert_major = True  # the pull writes expert-major rows, the push folds them (gpu/normal/one_node)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
                  timeout_s: float = 100.0):

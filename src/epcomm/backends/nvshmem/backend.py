@@ -1,12 +1,12 @@
 """The multi-node backend (``nvshmem``): normal-mode dispatch and combine in two hops.
 
-This class wires the parts together; each has its own module:
+This class wires the parts together; each has its own module (gpu/normal/two_level/ unless named):
 
-    transport.py   the workspace: NVSHMEM symmetric memory (or the loopback test transport)
-    workspace.py   where each area lies, per call shape
+    gpu/reach/transport.py  the workspace: NVSHMEM symmetric memory (or the loopback test transport)
+    areas.py       where each area lies, per call shape
     rows.py        what a count row, a dispatched row and a combine row hold
     step.py        the step barrier each call starts with (and carries the call's fingerprint)
-    normal.py      count exchange, hop 1 (network) and hop 2 (NVLink) of a dispatch
+    dispatch.py    count exchange, hop 1 (network) and hop 2 (NVLink) of a dispatch
     combine.py     the combine: push to the forwarder, reduce per node, reduce at home
 
 Launches per call (C channels of contiguous tokens, ``C = config.num_sms // 2``)::
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ...errors import EPError, EPInputError
 from ...handle import DispatchHandle
-from ...hierarchy import Topology
+from ..gpu.normal.two_level.hierarchy import Topology
 from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement
@@ -51,12 +51,12 @@ from ..gpu.launch import current_stream
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.normal.layout_kernel import LayoutKernel
 from ..gpu.sync import ARRIVE_NOTIFY, CALL_FAILED, device_state
-from . import combine as combine_kernels
-from . import normal as dispatch_kernels
-from . import step as step_kernels
-from .rows import MetaRow
+from ..gpu.normal.two_level import combine as combine_kernels
+from ..gpu.normal.two_level import dispatch as dispatch_kernels
+from ..gpu.normal.two_level import step as step_kernels
+from ..gpu.normal.two_level.rows import MetaRow
 from ..gpu.reach.transport import NvshmemTransport, Transport
-from .workspace import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
+from ..gpu.normal.two_level.areas import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
 
 MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count words for
 LOOPBACK_LL_PROGRAMS = 8  # the loopback tests' low-latency receive programs (all ranks share one GPU)
@@ -156,7 +156,7 @@ class NvshmemBackend(Backend):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
-                                                     "epcomm.backends.nvshmem.workspace.bytes_for_tokens sizes it)")
+                                                     "epcomm.backends.nvshmem.bytes_for_tokens sizes it)")
             transport = NvshmemTransport(group, device, self.allocation_bytes(
                 num_rdma_bytes, num_ll_bytes, dist.get_world_size(group), ranks_per_node))
         self.group, self.device = group, device
@@ -357,7 +357,7 @@ class NvshmemBackend(Backend):
         if most > plan.layout.token_cap:
             raise EPInputError("num_rdma_bytes", f"holds {plan.layout.token_cap} tokens per rank for rows of this "
                                                  f"shape, the call sends {most}; raise num_rdma_bytes "
-                                                 f"(epcomm.backends.nvshmem.workspace.bytes_for_tokens)")
+                                                 f"(epcomm.backends.nvshmem.bytes_for_tokens)")
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """(Buffer called check_dispatch first.)"""
@@ -507,7 +507,7 @@ class NvshmemBackend(Backend):
         if state.max_tokens > plan.layout.token_cap:
             raise EPInputError("num_rdma_bytes", f"holds {plan.layout.token_cap} tokens per rank for a combine of "
                                                  f"this shape, the dispatch sent up to {state.max_tokens}; raise "
-                                                 f"num_rdma_bytes (epcomm.backends.nvshmem.workspace.bytes_for_tokens)")
+                                                 f"num_rdma_bytes (epcomm.backends.nvshmem.bytes_for_tokens)")
 
     def combine(self, x, handle, topk_weights, bias, config):
         """(Buffer called check_combine first.)"""

@@ -1,29 +1,10 @@
-"""Normal mode (training, prefill) on the GPU layer: layout, dispatch and combine kernels and their launches.
+"""Normal mode (training, prefill) on the GPU layer, in two shapes side by side.
 
-Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
+    layout_kernel.py  get_dispatch_layout's kernel and the count arithmetic both shapes share
+    one_node/         one hop: every peer of the node by stores (the nvlink backend); NormalMode
+    two_level/        two hops across nodes, DeepEP's internode shape (the nvshmem backend): a
+                      token crosses the network once per node to its rail peer, who forwards it
+                      over NVLink; hierarchy.py is the plan, the kernels compute it on the GPU
 
-    get_dispatch_layout   ep_dispatch_layout                          1 launch
-    dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
-    dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
-    combine               ep_combine_push ; ep_combine_reduce         2 launches
-    (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
-
-Dispatch is "stage and pull": each rank copies its tokens (x, scales, top-k) into its own
-workspace half at HBM speed and writes, for each destination, the ascending list of tokens it
-sends there; then every receiver pulls its rows straight from the sources into ``recv_x``, at
-rank-prefix offsets (rows grouped by source in rank order, source token order within). Combine is
-"push and reduce": each rank stores every received row into slot ``(token, own rank)`` of the
-token's home, and the home sums the slots present in ``is_token_in_rank`` in float32.
-
-Ordering follows the contract in :mod:`..sync`: every kernel that writes for peers ends with an
-arrival and a release of the next epoch; every kernel that reads peers' data begins with the
-acquire-wait. The host never synchronises the stream: the one host wait of a full dispatch polls
-the mailbox word the notify kernel publishes.
+Importing this package loads no kernels (``two_level.hierarchy`` is plain Python, used on CPU).
 """
-from .combine import PUSH, REDUCE
-from .dispatch import PULL, STAGE
-from .layout_kernel import LAYOUT
-from .mode import NormalMode
-from .notify import NOTIFY, expert_receive_counts
-
-__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "PUSH", "REDUCE", "expert_receive_counts"]

@@ -1,6 +1,7 @@
 """get_dispatch_layout on the GPU: ``ep_dispatch_layout``, one launch, no exchange — the counts
 per rank, per node (multi-node) and per expert, and ``is_token_in_rank``, from ``topk_idx``.
-:class:`LayoutKernel` is its host side, shared by both GPU backends."""
+:class:`LayoutKernel` is its host side, shared by both shapes of normal mode, as is
+``expert_receive_counts`` (what the local experts receive, from the exchanged count rows)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -14,6 +15,17 @@ from ..launch import KernelSpec, cdiv, current_stream, p2
 from ..sync import arrive, report_dropped
 
 LAYOUT_BLOCK_T = 128  # tokens per program of the layout kernel
+
+
+@triton.jit
+def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks, expert_alignment):
+    """Entries the local experts ``local`` ([BLOCK] ids) receive, summed over the ranks' count rows
+    (``first_count_ptr``: rank 0's count of local expert 0; rows ``row_len`` words apart), and
+    those totals rounded up to ``expert_alignment``: ``(total, aligned)``."""
+    total = tl.zeros(local.shape, tl.int32)
+    for i in range(0, num_ranks):
+        total += tl.load(first_count_ptr + i * row_len + local, mask=local < num_local, other=0)
+    return total, (total + expert_alignment - 1) // expert_alignment * expert_alignment
 
 
 # ====================================================================== get_dispatch_layout

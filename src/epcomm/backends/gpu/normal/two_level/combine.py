@@ -4,7 +4,7 @@ node over the network (launched by backend.py; tested on loopback ranks).
 The data flow is the one :func:`epcomm.testing.two_level.two_level_combine` simulates (CPU-tested
 against the one-level reference, tests/test_hierarchy.py). Rank names: ``s = (m, l)`` a home
 rank (node m, local index l), ``f = (n, l)`` its forwarder on node n, ``d = (n, j)`` a rank of
-node n that received some of s's tokens. What each rank kept from the dispatch (normal.py):
+node n that received some of s's tokens. What each rank kept from the dispatch (dispatch.py):
 
     at d: recv_area_row [num_recv]   each received row's row in its forwarder's receive area
     at f: area_masks [area rows]     each area row's in-node mask (bit j: rank (n, j) has it)
@@ -38,10 +38,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..gpu.copy import copy_rows, word_ptr
-from ..gpu.launch import KernelSpec
-from ..gpu.sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
-from ..gpu.reach import nvshmem
+from ...copy import copy_rows, word_ptr
+from ...launch import KernelSpec
+from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
+from ...reach import nvshmem
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 
 

@@ -11,7 +11,7 @@ those words in their names)::
 
 Passing step ``e`` means every rank has finished the kernels of call ``e - 1``, so call ``e`` may
 overwrite any area of any workspace: one region serves every call, without the halves the nvlink
-backend alternates (workspace.py). The price is one all-to-all
+backend alternates (areas.py). The price is one all-to-all
 signal round per call on the critical path (a few µs; the count exchange of a full dispatch is
 another). The fingerprint words ride on the same puts: a rank whose call differs (another call
 kind, other shapes) is recorded in the host mailbox by every rank, which raises at its next look
@@ -34,9 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..gpu.launch import KernelSpec
-from ..gpu.sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
-from ..gpu.reach import nvshmem
+from ...launch import KernelSpec
+from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
+from ...reach import nvshmem
 from .channels import SIGNAL_STRIDE
 
 

@@ -32,7 +32,8 @@ from typing import List, Optional
 
 import torch
 
-from .errors import EPInputError
+from .....errors import EPInputError
+from .....layout import tokens_to_nodes
 
 MAX_RANKS_PER_NODE = 32  # in-node masks are int32 bit sets
 
@@ -79,8 +80,7 @@ class Topology:
 # ---------------------------------------------------------------------------------------- sender side
 def node_membership(is_token_in_rank: torch.Tensor, topology: Topology) -> torch.Tensor:
     """``is_token_in_node [T, N] bool``: a rank of node n needs token t."""
-    T = is_token_in_rank.shape[0]
-    return is_token_in_rank.view(T, topology.num_nodes, topology.ranks_per_node).any(-1)
+    return tokens_to_nodes(is_token_in_rank, topology.ranks_per_node)
 
 
 def in_node_masks(is_token_in_rank: torch.Tensor, topology: Topology) -> torch.Tensor:

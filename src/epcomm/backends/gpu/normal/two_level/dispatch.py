@@ -1,7 +1,7 @@
 """Multi-node normal-mode dispatch kernels: hop 1 over NVSHMEM, hop 2 over NVLink.
 
-The plan is :mod:`epcomm.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
-(launched by backend.py, after the step barrier of step.py). They pass against the references on
+The plan is :mod:`.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
+(launched by backends/nvshmem/backend.py, after the step barrier of step.py). They pass against the references on
 loopback ranks (epcomm.testing.loopback); the NVSHMEM puts ran on 2 × H200 and with up to 16 ranks sharing one H100 (docs/MULTINODE.md).
 The combine kernels are in combine.py.
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..gpu.copy import copy_rows, word_ptr
-from ..gpu.launch import KernelSpec
-from ..gpu.normal.notify import expert_receive_counts
-from ..gpu.sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
-from ..gpu.reach import nvshmem
+from ...copy import copy_rows, word_ptr
+from ...launch import KernelSpec
+from ..layout_kernel import expert_receive_counts
+from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
+from ...reach import nvshmem
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
-from .workspace import MAX_CHANNELS
+from .areas import MAX_CHANNELS
 
 # abort codes of a count row (gpu/agreement.py's numbering: raise_disagreement names the argument)
 ABORT_NUM_TOKENS_PER_RANK = tl.constexpr(1)

@@ -1,4 +1,4 @@
-"""The channel geometry both multi-node normal-mode directions share (dispatch: normal.py,
+"""The channel geometry both multi-node normal-mode directions share (dispatch: dispatch.py,
 combine: combine.py): where a channel's rows lie in the count table, which program serves which
 source, where a node's block starts in a forwarder's area, and the hand-off of a channel's rows to
 a peer (stores through a mapping, or NVSHMEM puts, with the signal that releases them).
@@ -8,9 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..gpu.reach import nvshmem
-from ..gpu.sync import arrive, store_release_sys
-from .workspace import MAX_CHANNELS
+from ...reach import nvshmem
+from ...sync import arrive, store_release_sys
+from .areas import MAX_CHANNELS
 
 # Signal and flag words are indexed [node][channel] with this stride whatever the call's channel
 # count, so they keep fixed places for the buffer's life (workspace.py; ml_abort sets them all).

@@ -7,17 +7,17 @@ from typing import Optional, Tuple
 
 import torch
 
-from ....errors import EPInputError
-from ....handle import DispatchHandle
-from ....expert_major import ExpertMajor
-from ...base import DispatchArgs, DispatchResult
-from .. import agreement
-from ..copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
-from ..launch import Specialisations, cdiv, current_stream, p2
-from ..workspace import FP_NORMAL
+from .....errors import EPInputError
+from .....handle import DispatchHandle
+from .....expert_major import ExpertMajor
+from ....base import DispatchArgs, DispatchResult
+from ... import agreement
+from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
+from ...launch import Specialisations, cdiv, current_stream, p2
+from ...workspace import FP_NORMAL
 from .combine import PUSH, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
-from .layout_kernel import LayoutKernel
+from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BOUND
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about

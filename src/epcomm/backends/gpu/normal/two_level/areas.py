@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from ...errors import EPInputError
-from ...layout import align_up
+from .....errors import EPInputError
+from .....layout import align_up
 from .rows import CombineRow, MetaRow, RowLayout
 
 ALIGN = 256

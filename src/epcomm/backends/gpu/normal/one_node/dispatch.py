@@ -7,10 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import agreement, sync
-from ..copy import copy_rows, copy_rows_to_each, multiple, word_ptr
-from ..launch import KernelSpec
-from ..sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+from ... import agreement, sync
+from ...copy import copy_rows, copy_rows_to_each, multiple, word_ptr
+from ...launch import KernelSpec
+from ...sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
 
 POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
 POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions

@@ -6,11 +6,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import sync
-from ..copy import copy_rows, multiple, ptr_at, word_ptr
-from ..expert_major_kernels import fold_expert_major_rows
-from ..launch import KernelSpec
-from ..sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+from ... import sync
+from ...copy import copy_rows, multiple, ptr_at, word_ptr
+from ...expert_major_kernels import fold_expert_major_rows
+from ...launch import KernelSpec
+from ...sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
 
 
 

@@ -6,24 +6,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import sync
-from ..launch import KernelSpec
-from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
+from ... import sync
+from ...launch import KernelSpec
+from ..layout_kernel import expert_receive_counts
+from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
                     post_fingerprint, store_release_sys, wait_peers)
 
 
 # ====================================================================== notify (count exchange)
-@triton.jit
-def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks, expert_alignment):
-    """Entries the local experts ``local`` ([BLOCK] ids) receive, summed over the ranks' count rows
-    (``first_count_ptr``: rank 0's count of local expert 0; rows ``row_len`` words apart), and
-    those totals rounded up to ``expert_alignment``: ``(total, aligned)``."""
-    total = tl.zeros(local.shape, tl.int32)
-    for i in range(0, num_ranks):
-        total += tl.load(first_count_ptr + i * row_len + local, mask=local < num_local, other=0)
-    return total, (total + expert_alignment - 1) // expert_alignment * expert_alignment
-
-
 @triton.jit
 def ep_notify_dispatch(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
               flag_bases_ptr,  # [R] int64: each rank's flag region

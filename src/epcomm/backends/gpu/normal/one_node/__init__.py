@@ -1,0 +1,29 @@
+"""Normal mode on one node (the nvlink backend): every peer reached by stores; kernels and their launches.
+
+Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
+
+    get_dispatch_layout   ep_dispatch_layout                          1 launch
+    dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
+    dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
+    combine               ep_combine_push ; ep_combine_reduce         2 launches
+    (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
+
+Dispatch is "stage and pull": each rank copies its tokens (x, scales, top-k) into its own
+workspace half at HBM speed and writes, for each destination, the ascending list of tokens it
+sends there; then every receiver pulls its rows straight from the sources into ``recv_x``, at
+rank-prefix offsets (rows grouped by source in rank order, source token order within). Combine is
+"push and reduce": each rank stores every received row into slot ``(token, own rank)`` of the
+token's home, and the home sums the slots present in ``is_token_in_rank`` in float32.
+
+Ordering follows the contract in :mod:`...sync`: every kernel that writes for peers ends with an
+arrival and a release of the next epoch; every kernel that reads peers' data begins with the
+acquire-wait. The host never synchronises the stream: the one host wait of a full dispatch polls
+the mailbox word the notify kernel publishes.
+"""
+from ..layout_kernel import LAYOUT
+from .combine import PUSH, REDUCE
+from .dispatch import PULL, STAGE
+from .mode import NormalMode
+from .notify import NOTIFY
+
+__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "PUSH", "REDUCE"]
