@@ -13,6 +13,7 @@ from epcomm.backends.gpu import expert_major_kernels as EM  # noqa: E402
 from epcomm.backends.gpu import low_latency as L  # noqa: E402
 from epcomm.backends.gpu.normal import layout_kernel, one_node as N  # noqa: E402
 from epcomm.backends.gpu import mailbox as MB  # noqa: E402
+from epcomm.backends.gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM  # noqa: E402
 
 
 def _cases():
@@ -70,18 +71,19 @@ def test_spec_rejects_wrong_type_count():
         KernelSpec(layout_kernel.ep_dispatch_layout, ["*i64"])
 
 
-def test_spec_library_unless_names_a_constexpr():
-    """``library_unless`` must name one of the kernel's constexprs; the library applies only where
-    that constexpr is False (the multi-node kernels' LOOPBACK test transport links no NVSHMEM)."""
+def test_spec_library_if_names_a_constexpr():
+    """``library_if`` must name one of the kernel's constexprs; the two-level kernels link NVSHMEM
+    only where REMOTE is FAR_BY_NVSHMEM (the loopback test transport links no library)."""
     from epcomm.backends.gpu.launch import KernelSpec
+    from epcomm.backends.gpu.reach import modes as reach
     from epcomm.backends.gpu.reach import nvshmem as device
     from epcomm.backends.gpu.normal.two_level import step
     from epcomm.errors import EPError
-    with pytest.raises(EPError, match="LOOPBACKS"):
+    with pytest.raises(EPError, match="REMOTES"):
         types = [t for t in step.STEP.signature.values() if t != "constexpr"]
-        KernelSpec(step.ml_dispatch_step, types, library=device.NVSHMEM, library_unless="LOOPBACKS")
-    assert step.STEP.library_of(dict(LOOPBACK=True, R_P2=2)) is None
-    assert step.STEP.library_of(dict(LOOPBACK=False, R_P2=2)) is device.NVSHMEM
+        KernelSpec(step.ml_dispatch_step, types, library=device.NVSHMEM, library_if=("REMOTES", 1))
+    assert step.STEP.library_of(dict(REMOTE=reach.FAR_BY_LOOPBACK, R_P2=2)) is None
+    assert step.STEP.library_of(dict(REMOTE=reach.FAR_BY_NVSHMEM, R_P2=2)) is device.NVSHMEM
 
 
 def test_spec_library_if():
@@ -194,20 +196,20 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     from epcomm.backends.gpu.normal.two_level import step as S
     target = GPUTarget("cuda", 90, 32)
     options = dict(ptx_options=None if loopback else "--compile-only")
-    assert M.NOTIFY.compile(dict(LOOPBACK=loopback, R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
+    assert M.NOTIFY.compile(dict(REMOTE=_remote(loopback), R_P2=16, BLOCK_E=128), 4, target=target, **options).asm["cubin"]
     assert M.SEND_LAYOUT.compile(dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=4, BLOCK_E=256, K_P2=8), 4,
                                  target=target).asm["cubin"]
     for spec in S.STEPS.values():
-        assert spec.compile(dict(LOOPBACK=loopback, R_P2=16), 4, target=target, **options).asm["cubin"]
-    assert S.ABORT.compile(dict(LOOPBACK=loopback), 4, target=target, **options).asm["cubin"]
+        assert spec.compile(dict(REMOTE=_remote(loopback), R_P2=16), 4, target=target, **options).asm["cubin"]
+    assert S.ABORT.compile(dict(REMOTE=_remote(loopback)), 4, target=target, **options).asm["cubin"]
     meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)
-    send = M.SEND.compile(dict(meta, LOOPBACK=loopback), 8, target=target, **options)
+    send = M.SEND.compile(dict(meta, REMOTE=_remote(loopback)), 8, target=target, **options)
     assert ("nvshmemx_putmem_signal_block" in send.asm["ptx"]) != loopback
     # the send split over parts (send_parts > 1): each part's put, its completion, the last one's signal
     for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet", "nvshmemx_signal_op"):
         assert (symbol in send.asm["ptx"]) != loopback, symbol
     assert M.FORWARD.compile(meta, 8, target=target).asm["cubin"]
-    assert M.SEND.library_of(dict(LOOPBACK=loopback)) is (None if loopback else M.nvshmem.NVSHMEM)
+    assert M.SEND.library_of(dict(REMOTE=_remote(loopback))) is (None if loopback else M.nvshmem.NVSHMEM)
 
 
 @pytest.mark.parametrize("weights,num_bias,loopback", [(False, 0, False), (True, 2, True)])
@@ -217,7 +219,7 @@ def test_multinode_combine_kernels_compile(weights, num_bias, loopback):
     assert C.PUSH.compile(dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=1024, K_P2=8), 8, target=target).asm["cubin"]
     assert C.REDUCE.compile(dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=8,
                                  SIGNALS_P2=64), 8, target=target).asm["cubin"]
-    forward = C.FORWARD.compile(dict(LOOPBACK=loopback, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8,
+    forward = C.FORWARD.compile(dict(REMOTE=_remote(loopback), HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=8,
                                      LOCAL_P2=8), 8, target=target, ptx_options=None if loopback else "--compile-only")
     assert ("nvshmemx_putmem_signal_block" in forward.asm["ptx"]) != loopback
     for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet"):  # (send_parts > 1)
@@ -246,33 +248,38 @@ def test_kernel_names_say_which_call_they_belong_to():
         other = "combine" if call == "dispatch" else "dispatch"
         for spec in specs:
             assert call in spec.name and other not in spec.name, spec.name
-    compiled = MS.STEPS["combine"].compile(dict(LOOPBACK=True, R_P2=2), 4, target=GPUTarget("cuda", 90, 32))
+    compiled = MS.STEPS["combine"].compile(dict(REMOTE=FAR_BY_LOOPBACK, R_P2=2), 4, target=GPUTarget("cuda", 90, 32))
     assert compiled.metadata.name == "ml_combine_step", compiled.metadata.name
 
 
+def _remote(loopback: bool) -> int:
+    """The two-level kernels' REMOTE: the loopback test transport, or NVSHMEM."""
+    return FAR_BY_LOOPBACK if loopback else FAR_BY_NVSHMEM
+
+
 def _multi_node_cases():
-    """The nvshmem backend's own normal-mode kernels (backends/nvshmem/), loopback flavour: they
+    """The nvshmem backend's normal-mode kernels (backends/gpu/normal/two_level), loopback flavour: they
     need no NVSHMEM library, so they compile here too and guard a move of that code."""
     from epcomm.backends.gpu.copy import COPY_WARPS, copy_block_shape
     from epcomm.backends.gpu.normal.two_level import combine as C
     from epcomm.backends.gpu.normal.two_level import dispatch as D
     from epcomm.backends.gpu.normal.two_level import step as S
     for spec in S.STEPS.values():
-        yield spec, dict(LOOPBACK=True, R_P2=16), 4
-    yield S.ABORT, dict(LOOPBACK=True), 4
-    yield D.NOTIFY, dict(LOOPBACK=True, R_P2=16, BLOCK_E=128), 4
+        yield spec, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4
+    yield S.ABORT, dict(REMOTE=FAR_BY_LOOPBACK), 4
+    yield D.NOTIFY, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16, BLOCK_E=128), 4
     for topk in (False, True):
         yield D.SEND_LAYOUT, dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=2, BLOCK_E=256, K_P2=8 if topk else 1), 4
     block_r, block_w = copy_block_shape(7168 * 2 // 8)
     for scales, topk in itertools.product([False, True], repeat=2):
         meta = dict(HAS_SCALES=scales, HAS_TOPK=topk, BLOCK_R=block_r, BLOCK_W=block_w, S_P2=64 if scales else 1,
                     K_P2=8 if topk else 1)
-        yield D.SEND, dict(LOOPBACK=True, **meta), COPY_WARPS
+        yield D.SEND, dict(REMOTE=FAR_BY_LOOPBACK, **meta), COPY_WARPS
         yield D.FORWARD, meta, COPY_WARPS
     for weights, num_bias in itertools.product([False, True], [0, 2]):
         k_p2 = 8 if weights else 1
         yield C.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=block_r, BLOCK_W=block_w, K_P2=k_p2), COPY_WARPS
-        yield C.FORWARD, dict(LOOPBACK=True, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=k_p2, LOCAL_P2=8), 8
+        yield C.FORWARD, dict(REMOTE=FAR_BY_LOOPBACK, HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_C=1024, K_P2=k_p2, LOCAL_P2=8), 8
         yield C.REDUCE, dict(HAS_WEIGHTS=weights, NUM_BIAS=num_bias, BLOCK_T=8, BLOCK_C=1024, K_P2=k_p2,
                              SIGNALS_P2=32), 8
 

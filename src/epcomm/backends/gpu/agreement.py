@@ -44,8 +44,8 @@ import triton.language as tl
 from ...errors import EPInputError
 from . import sync
 from .launch import KernelSpec
-from .reach.nvshmem import NVSHMEM, complete_sends
-from .reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, release_words, same_node, set_row
+from .reach.nvshmem import complete_sends
+from .reach.modes import FAR_LIBRARY, LOOPBACK_MODE, release_words, same_node, set_row
 from .sync import fingerprint_half, post_fingerprint
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
@@ -222,7 +222,7 @@ def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
 
 
 ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64", "i32", "i32", "i32", "i64"],
-                   library=NVSHMEM, library_if=("REMOTE", FAR_BY_NVSHMEM))
+                   **FAR_LIBRARY)
 
 
 def bind_abort(num_ranks: int, remote: int = 0):

@@ -72,22 +72,20 @@ class KernelSpec:
         aligned_if: ``{constexpr: names}``: pointer parameters declared 16-byte aligned only in
             specialisations where that constexpr is True (e.g. user tensors the host checked).
         library: a :class:`DeviceLibrary` the kernel calls into (linked, and each module set up).
-        library_unless: a constexpr that, when True in a specialisation, means it calls no library
-            (e.g. ``LOOPBACK``: the multi-node kernels' test transport, gpu/reach/nvshmem.py).
         library_if: ``(constexpr, value)``: the library is called only in specialisations where the
-            constexpr has that value (e.g. the low-latency kernels' ``REMOTE``).
+            constexpr has that value (``gpu/reach/modes.FAR_LIBRARY``: NVSHMEM where ``REMOTE`` is
+            ``FAR_BY_NVSHMEM``; the loopback test transport and plain stores link none).
         fp_fusion: let the compiler fuse a float multiply and add into one FMA (one rounding
             instead of two). False where results must equal torch's separate operations bit for bit.
     """
 
     def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
                  aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
-                 library_unless: Optional[str] = None, library_if: Optional[Tuple[str, object]] = None,
+                 library_if: Optional[Tuple[str, object]] = None,
                  fp_fusion: bool = True):
         self.fn = fn
         self.fp_fusion = fp_fusion
         self.library = library
-        self.library_unless = library_unless
         self.library_if = library_if
         self.name = fn.__name__
         params = fn.params
@@ -104,9 +102,8 @@ class KernelSpec:
         self.aligned_if = {flag: tuple(names) for flag, names in (aligned_if or {}).items()}
         unknown = (set(self.aligned).union(*self.aligned_if.values()) - set(runtime)) | \
             (set(self.aligned_if) - set(self.constexpr_names))
-        for flag in (library_unless, library_if and library_if[0]):
-            if flag and flag not in self.constexpr_names:
-                unknown.add(flag)
+        if library_if and library_if[0] not in self.constexpr_names:
+            unknown.add(library_if[0])
         if unknown:
             raise EPError(f"{self.name}: no parameters named {sorted(unknown)}")
         self._bound: Dict[Tuple, "BoundKernel"] = {}
@@ -126,8 +123,6 @@ class KernelSpec:
 
     def library_of(self, constexprs: Dict) -> Optional[DeviceLibrary]:
         """The device library one specialisation calls (None: none)."""
-        if self.library_unless is not None and constexprs.get(self.library_unless):
-            return None
         if self.library_if is not None and constexprs.get(self.library_if[0]) != self.library_if[1]:
             return None
         return self.library

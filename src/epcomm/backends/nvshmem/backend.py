@@ -168,6 +168,7 @@ class NvshmemBackend(Backend):
         self.base = transport.buffer.data_ptr()
         self.peer_bases = transport.peer_bases.data_ptr()
         self.loopback = transport.loopback
+        self.far_mode = FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM  # the kernels' REMOTE (gpu/reach/modes.py)
         self.state = device_state(device)
         self.failed_word = self.state.data_ptr() + 8 * CALL_FAILED  # (step.py: a failed step skips the call)
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
@@ -187,16 +188,16 @@ class NvshmemBackend(Backend):
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.epoch = 0  # calls made: every rank makes the same ones (step.py)
         r_p2 = p2(self.num_ranks)
-        self._steps = {kind: spec.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2)
+        self._steps = {kind: spec.bind(num_warps=4, REMOTE=self.far_mode, R_P2=r_p2)
                        for kind, spec in step_kernels.STEPS.items()}
-        self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, LOOPBACK=self.loopback, R_P2=r_p2, BLOCK_E=128)
+        self._notify = dispatch_kernels.NOTIFY.bind(num_warps=4, REMOTE=self.far_mode, R_P2=r_p2, BLOCK_E=128)
         self._dispatch_plans = {}
         self._combine_plans = {}
         self._rendezvous = StoreRendezvous(group, self.timeout_s) if group is not None else None
         self.low_latency = self.ll_ws = None
         self._normal_since_clean = False  # a normal-mode call wrote over the low-latency region
         if num_ll_bytes:
-            self._ll_reach = (FAR_BY_LOOPBACK if self.loopback else FAR_BY_NVSHMEM, ll_ranks_per_node or ranks_per_node)
+            self._ll_reach = (self.far_mode, ll_ranks_per_node or ranks_per_node)
             self.ll_ws = self._ll_workspace(num_ll_bytes)
             if ll_receive_programs is None:
                 ll_receive_programs = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
@@ -261,7 +262,7 @@ class NvshmemBackend(Backend):
         if self.low_latency is not None:  # the low-latency waits end too
             agreement.launch_abort(self.ll_ws, self.state, self.low_latency.num_experts_seen, error.argument,
                                    self.device, *self._ll_reach)
-        step_kernels.ABORT.bind(num_warps=4, LOOPBACK=self.loopback).launch(
+        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode).launch(
             self.num_ranks, 1, current_stream(self.device.index), self.peer_bases, self.base, self.pre.step_rows,
             self.pre.fingerprint, self.pre.notify_signals, self.pre.dispatch_signals, self.pre.push_flags,
             self.pre.home_signals, fp0, fp1, self.rank, self.num_ranks, self.topology.ranks_per_node)
@@ -270,7 +271,7 @@ class NvshmemBackend(Backend):
     def warm_abort(self) -> None:
         """Compile the abort kernels now (each compiles on first use otherwise: a rank that compiles
         one while rejecting its input holds its peers' waits up by seconds)."""
-        step_kernels.ABORT.bind(num_warps=4, LOOPBACK=self.loopback)
+        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode)
         if self.low_latency is not None:
             agreement.bind_abort(self.ll_ws.num_ranks, *self._ll_reach[:1])
 
@@ -331,7 +332,7 @@ class NvshmemBackend(Backend):
             num_warps=4, HAS_TOPK=num_topk > 0, BLOCK_T=128, R_P2=p2(self.num_ranks), N_P2=p2(self.topology.num_nodes),
             BLOCK_E=256, K_P2=p2(num_topk))
         plan = DispatchPlan(layout, x_bytes // 8, num_scales, num_topk, num_channels,
-                            dispatch_kernels.SEND.bind(num_warps=COPY_WARPS, LOOPBACK=self.loopback, **meta),
+                            dispatch_kernels.SEND.bind(num_warps=COPY_WARPS, REMOTE=self.far_mode, **meta),
                             dispatch_kernels.FORWARD.bind(num_warps=COPY_WARPS, **meta), fingerprint, send_layout)
         self._dispatch_plans[key] = plan
         return plan
@@ -489,7 +490,7 @@ class NvshmemBackend(Backend):
             layout, num_topk, num_channels,
             combine_kernels.PUSH.bind(num_warps=COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
                                       BLOCK_W=block_w, K_P2=p2(num_topk)),
-            combine_kernels.FORWARD.bind(num_warps=8, LOOPBACK=self.loopback, HAS_WEIGHTS=num_topk > 0, BLOCK_R=8,
+            combine_kernels.FORWARD.bind(num_warps=8, REMOTE=self.far_mode, HAS_WEIGHTS=num_topk > 0, BLOCK_R=8,
                                          BLOCK_C=block_c, K_P2=p2(num_topk), LOCAL_P2=p2(k)),
             combine_kernels.REDUCE.bind(num_warps=8, HAS_WEIGHTS=num_topk > 0, NUM_BIAS=num_bias, BLOCK_T=block_t,
                                         BLOCK_C=block_c, K_P2=p2(num_topk), SIGNALS_P2=p2(N * num_channels)),

@@ -9,8 +9,8 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, ptr_at, word_ptr
 from ..launch import KernelSpec
-from ..reach.nvshmem import NVSHMEM, complete_sends, send_bytes
-from ..reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.nvshmem import complete_sends, send_bytes
+from ..reach.modes import FAR_LIBRARY, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
 from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     wait_peers)
 
@@ -145,5 +145,4 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
 COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "i64", "i64", "i32", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
-                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, library=NVSHMEM,
-                     library_if=("REMOTE", FAR_BY_NVSHMEM))
+                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

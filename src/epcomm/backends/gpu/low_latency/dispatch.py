@@ -9,8 +9,8 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, word_ptr
 from ..launch import KernelSpec
-from ..reach.nvshmem import NVSHMEM, complete_sends, send_bytes
-from ..reach.modes import FAR_BY_NVSHMEM, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.nvshmem import complete_sends, send_bytes
+from ..reach.modes import FAR_LIBRARY, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
 from ..sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
                     poll_epochs_or_other_call, report_dropped, report_late)
 
@@ -273,5 +273,4 @@ DISPATCH = KernelSpec(ep_ll_dispatch, ["*bf16", "*i64", "*i32", "*i32", "*i64", 
                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                        "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64",
                                        "i64", "i32", "i64", "i64", "i64", "i64"],
-                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, library=NVSHMEM,
-                      library_if=("REMOTE", FAR_BY_NVSHMEM))
+                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)

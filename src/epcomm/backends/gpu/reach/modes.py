@@ -1,4 +1,5 @@
-"""How the kernels reach a peer's memory: the ``REMOTE`` constexpr of the low-latency and abort kernels.
+"""How the kernels reach a peer's memory: the ``REMOTE`` constexpr of every kernel that reaches peers
+beyond stores (low-latency, abort, and the two-level normal-mode kernels), and its library spec.
 
 On one node (the nvlink backend, ``PEERS_BY_STORES``) every peer's workspace is mapped here and
 all hand-offs are plain stores plus a release (sync.py). Across nodes (the nvshmem backend) a
@@ -17,11 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nvshmem import complete_sends, set_words
+from .nvshmem import NVSHMEM, complete_sends, set_words
 from ..sync import FP_ROW, live_peers, post_fingerprint, post_fingerprint_to_peers, publish
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
 LOOPBACK_MODE = tl.constexpr(FAR_BY_LOOPBACK)  # (the kernels' name for it)
+# The KernelSpec keywords of every kernel with a REMOTE constexpr: NVSHMEM is linked (and each
+# module set up for it) only in the specialisations that reach far peers through it.
+FAR_LIBRARY = dict(library=NVSHMEM, library_if=("REMOTE", FAR_BY_NVSHMEM))
 
 
 @triton.jit
@@ -75,5 +79,5 @@ def set_row(rows_address, peers, far, fp0, fp1, epoch, bases_ptr, rank, spare_wo
     set_words(row + 16, zeros + epoch, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
-__all__ = ["PEERS_BY_STORES", "FAR_BY_NVSHMEM", "FAR_BY_LOOPBACK", "LOOPBACK_MODE", "same_node", "release_words",
+__all__ = ["PEERS_BY_STORES", "FAR_BY_NVSHMEM", "FAR_BY_LOOPBACK", "LOOPBACK_MODE", "FAR_LIBRARY", "same_node", "release_words",
            "post_fingerprint_any", "set_row"]

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ...reach import nvshmem
+from ...reach.modes import LOOPBACK_MODE
 from ...sync import arrive, store_release_sys
 from .areas import MAX_CHANNELS
 
@@ -65,7 +66,7 @@ def peer_reach(pe, rank, p2p, peer_bases_ptr):
 
 @triton.jit
 def hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, direct, shift, signal_word, epoch, pe, parts,
-              counter_ptr, peer_bases_ptr, rank, LOOPBACK: tl.constexpr):
+              counter_ptr, peer_bases_ptr, rank, REMOTE: tl.constexpr):
     """Rows ``[lo, hi)`` of a channel are ready (this program wrote rows ``[part_lo, part_hi)``:
     at ``dst + shift`` when ``direct`` (:func:`peer_reach`), else staged at ``src``; both are row-0
     addresses) and are handed to ``pe``, whose readers ACQUIRE ``signal_word`` (SET to ``epoch``)
@@ -82,15 +83,15 @@ def hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, direct, shift, signa
             store_release_sys(signal_word + shift, epoch)
         else:
             nvshmem.deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
-                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
     else:
         if not direct:
             if part_hi > part_lo:  # (a slice may be empty: the channel has fewer rows than parts)
                 nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
-                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, LOOPBACK)
-            nvshmem.complete_sends(LOOPBACK)  # this slice has landed before this program arrives
+                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+            nvshmem.complete_sends(REMOTE == LOOPBACK_MODE)  # this slice has landed before this program arrives
         if arrive(counter_ptr, parts):
             if direct:
                 store_release_sys(signal_word + shift, epoch)
             else:  # the signal alone, after every slice landed
-                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)

@@ -42,6 +42,7 @@ from ...copy import copy_rows, word_ptr
 from ...launch import KernelSpec
 from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ...reach import nvshmem
+from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 
 
@@ -103,7 +104,7 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                        parts,  # programs per (node, channel): each sums and puts a slice of the rows
                        p2p,  # 1: store straight into a home whose workspace is mapped here (normal.peer_reach)
                        part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
-                       LOOPBACK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       REMOTE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
@@ -164,13 +165,12 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
         hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
                   partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, direct, shift,
                   home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch, s, parts,
-                  part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, LOOPBACK)
+                  part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, REMOTE)
 
 
 FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                                           "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "i32", "*i64"], library=nvshmem.NVSHMEM,
-                 library_unless="LOOPBACK")
+                                          "i32", "i32", "i32", "i32", "*i64"], **FAR_LIBRARY)
 
 
 # ====================================================================== at home

@@ -23,6 +23,7 @@ from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from ...reach import nvshmem
+from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 from .areas import MAX_CHANNELS
 
@@ -138,7 +139,7 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
               mailbox_address,  # host mailbox (gpu/mailbox.py): receive counts, then the sequence number
               epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
               abort_at,
-              LOOPBACK: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+              REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
     # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
@@ -151,7 +152,7 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
     nvshmem.deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
-                    signals + rank * 8, epoch, p, peer_bases_ptr, rank, LOOPBACK)
+                    signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
     peers = tl.arange(0, R_P2)
     one = peers == p
     timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
@@ -191,7 +192,7 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
 
 
 NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
-                                "i32", "i32", "i32", "i32", "i32", "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                                "i32", "i32", "i32", "i32", "i32", "i32"], **FAR_LIBRARY)
 
 
 # ====================================================================== hop 1: send
@@ -212,7 +213,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
                      parts,  # programs per (channel, node): each packs and puts a slice of the rows
                      p2p,  # 1: store straight into a forwarder whose workspace is mapped here (peer_reach)
                      part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
-                     LOOPBACK: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
+                     REMOTE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
@@ -269,7 +270,7 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
     hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
               row_bytes, lo, hi, slice_lo, slice_hi, direct, shift, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8,
               epoch, forwarder, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n, peer_bases_ptr, rank,
-              LOOPBACK)
+              REMOTE)
 
 
 SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
@@ -277,7 +278,7 @@ SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64
                                      "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                                      "*i64"],
-                  library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                  **FAR_LIBRARY)
 
 
 # ====================================================================== hop 2: forward

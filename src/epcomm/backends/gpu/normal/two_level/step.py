@@ -37,12 +37,13 @@ import triton.language as tl
 from ...launch import KernelSpec
 from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
 from ...reach import nvshmem
+from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
 from .channels import SIGNAL_STRIDE
 
 
 @triton.jit
 def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, pe,
-                   LOOPBACK: tl.constexpr):
+                   REMOTE: tl.constexpr):
     """Row ``rank`` of ``pe``'s step rows := (fp0, fp1, epoch): the words from this rank's
     fingerprint row (every program stores the same two words there), the epoch as the signal."""
     mine = (workspace + fingerprint_offset).to(tl.pointer_type(tl.int64))
@@ -50,7 +51,7 @@ def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_p
     tl.store(mine + 1, fp1)
     tl.debug_barrier()  # the source words precede the put
     row = workspace + step_rows_offset + (rank * 32).to(tl.int64)
-    nvshmem.deliver(row, workspace + fingerprint_offset, 16, row + 16, epoch, pe, peer_bases_ptr, rank, LOOPBACK)
+    nvshmem.deliver(row, workspace + fingerprint_offset, 16, row + 16, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
                   mailbox_address,  # host mailbox (gpu/mailbox.py)
                   failed_ptr,  # int64 state word CALL_FAILED (local)
                   fp0, fp1, epoch, timeout_ns, rank, num_ranks,
-                  LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+                  REMOTE: tl.constexpr, R_P2: tl.constexpr):
     # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
     # put's signal: seeing it means seeing the words), then ACQUIRE row p of this rank's step rows
     # (bounded: a late rank is flagged in the mailbox) and compare its words with this call's
@@ -68,7 +69,7 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
     # has posted step `epoch` — after its kernels of the previous call.
     p = tl.program_id(0)
     _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, p,
-                   LOOPBACK)
+                   REMOTE)
     lanes = tl.arange(0, R_P2)
     sender = lanes == p
     rows = workspace + step_rows_offset
@@ -85,20 +86,20 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
 # The same barrier under the name of the call it starts (the kernels' names are all that differs).
 @triton.jit
 def ml_dispatch_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                     fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+                     fp1, epoch, timeout_ns, rank, num_ranks, REMOTE: tl.constexpr, R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                  fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+                  fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
 
 
 @triton.jit
 def ml_combine_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                    fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK: tl.constexpr, R_P2: tl.constexpr):
+                    fp1, epoch, timeout_ns, rank, num_ranks, REMOTE: tl.constexpr, R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                  fp1, epoch, timeout_ns, rank, num_ranks, LOOPBACK, R_P2)
+                  fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
 
 
 _STEP_TYPES = ["*i64", "i64", "i64", "i64", "i64", "*i64", "i64", "i64", "i64", "i64", "i32", "i32"]
-STEPS = {kind: KernelSpec(kernel, _STEP_TYPES, library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+STEPS = {kind: KernelSpec(kernel, _STEP_TYPES, **FAR_LIBRARY)
          for kind, kernel in (("dispatch", ml_dispatch_step), ("combine", ml_combine_step))}
 STEP = STEPS["dispatch"]
 
@@ -106,31 +107,31 @@ STEP = STEPS["dispatch"]
 @triton.jit
 def ml_abort(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, notify_signals_offset,
              dispatch_signals_offset, push_flags_offset, home_signals_offset, fp0, fp1, rank, num_ranks, ranks_per_node,
-             LOOPBACK: tl.constexpr):
+             REMOTE: tl.constexpr):
     # Program p, for rank p: the abort row, then ABORT_EPOCH into each signal word this rank sets on
     # p in a call: its count row's signal (any p), block signals [node][*] and home signals [node][*]
     # (p a rail peer: this rank as source / as forwarder), push flags [*][*][local] (p on this node).
     p = tl.program_id(0)
     _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, ABORT_EPOCH, rank, p,
-                   LOOPBACK)
+                   REMOTE)
     node, local = rank // ranks_per_node, rank % ranks_per_node
     num_nodes = num_ranks // ranks_per_node
     nvshmem.deliver(workspace, workspace, 0, workspace + notify_signals_offset + rank * 8, ABORT_EPOCH, p,
-                    peer_bases_ptr, rank, LOOPBACK)
+                    peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
     if p % ranks_per_node == local:
         for c in range(0, SIGNAL_STRIDE):
             word = ((node * SIGNAL_STRIDE + c) * 8).to(tl.int64)
             nvshmem.deliver(workspace, workspace, 0, workspace + dispatch_signals_offset + word, ABORT_EPOCH, p,
-                            peer_bases_ptr, rank, LOOPBACK)
+                            peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
             nvshmem.deliver(workspace, workspace, 0, workspace + home_signals_offset + word, ABORT_EPOCH, p,
-                            peer_bases_ptr, rank, LOOPBACK)
+                            peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
     if p // ranks_per_node == node:
         for m in range(0, num_nodes):
             for c in range(0, SIGNAL_STRIDE):
                 word = (((m * SIGNAL_STRIDE + c) * ranks_per_node + local) * 8).to(tl.int64)
                 nvshmem.deliver(workspace, workspace, 0, workspace + push_flags_offset + word, ABORT_EPOCH, p,
-                                peer_bases_ptr, rank, LOOPBACK)
+                                peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
 ABORT = KernelSpec(ml_abort, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32",
-                              "i32"], library=nvshmem.NVSHMEM, library_unless="LOOPBACK")
+                              "i32"], **FAR_LIBRARY)
