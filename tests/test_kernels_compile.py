@@ -14,6 +14,7 @@ from epcomm.backends.gpu import low_latency as L  # noqa: E402
 from epcomm.backends.gpu.normal import layout_kernel, one_node as N  # noqa: E402
 from epcomm.backends.gpu import mailbox as MB  # noqa: E402
 from epcomm.backends.gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM  # noqa: E402
+from epcomm.backends.gpu.reach.nvshmem import NVSHMEM  # noqa: E402
 
 
 def _cases():
@@ -209,7 +210,7 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
     for symbol in ("nvshmemx_putmem_nbi_block", "nvshmem_quiet", "nvshmemx_signal_op"):
         assert (symbol in send.asm["ptx"]) != loopback, symbol
     assert M.FORWARD.compile(meta, 8, target=target).asm["cubin"]
-    assert M.SEND.library_of(dict(REMOTE=_remote(loopback))) is (None if loopback else M.nvshmem.NVSHMEM)
+    assert M.SEND.library_of(dict(REMOTE=_remote(loopback))) is (None if loopback else NVSHMEM)
 
 
 @pytest.mark.parametrize("weights,num_bias,loopback", [(False, 0, False), (True, 2, True)])

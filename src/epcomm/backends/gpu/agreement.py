@@ -44,8 +44,7 @@ import triton.language as tl
 from ...errors import EPInputError
 from . import sync
 from .launch import KernelSpec
-from .reach.nvshmem import complete_sends
-from .reach.modes import FAR_LIBRARY, LOOPBACK_MODE, release_words, same_node, set_row
+from .reach.modes import FAR_LIBRARY, far_complete, release_words, same_node, set_row
 from .sync import fingerprint_half, post_fingerprint
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
@@ -203,7 +202,7 @@ def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
             set_row(my_base + rows_offset, peers, far, fp0, fp1, sync.ABORT_EPOCH, bases_ptr, rank, spare_word, R_P2,
                     REMOTE)
     if REMOTE:
-        complete_sends(REMOTE == LOOPBACK_MODE)  # the rows land before the epochs
+        far_complete(REMOTE)  # the rows land before the epochs
     for flag_set in range(0, NUM_FLAG_SETS):
         release_words(bases_ptr, ((flag_set * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64), peers,
                       epoch, live, spare, rank, ranks_per_node, spare_word, REMOTE)

@@ -9,8 +9,7 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, ptr_at, word_ptr
 from ..launch import KernelSpec
-from ..reach.nvshmem import complete_sends, send_bytes
-from ..reach.modes import FAR_LIBRARY, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.modes import FAR_LIBRARY, far_complete, far_send_bytes, post_fingerprint_any, release_words, same_node
 from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     wait_peers)
 
@@ -47,8 +46,8 @@ def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_
                 tl.debug_barrier()  # every thread's staged rows precede the puts
                 for i in range(0, n):
                     slot = tl.load(slot_info_ptr + first_row + i).to(tl.int64)
-                    send_bytes(my_base + half_offset + combine_offset + slot * row_bytes, stage + i * row_bytes,
-                               row_bytes, s, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+                    far_send_bytes(my_base + half_offset + combine_offset + slot * row_bytes, stage + i * row_bytes,
+                               row_bytes, s, bases_ptr, rank, REMOTE)
 
 
 @triton.jit
@@ -114,7 +113,7 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
                        num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
                        stage_offset, ranks_per_node, BLOCK_W, REMOTE)
         if REMOTE:
-            complete_sends(REMOTE == LOOPBACK_MODE)  # this program's puts land before it arrives
+            far_complete(REMOTE)  # this program's puts land before it arrives
         if arrive(state_ptr + sync.ARRIVE_LL_PUSH, num_programs):
             tl.store(state_ptr + sync.EPOCH_LL_COMBINE, epoch)
             tl.store(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half, epoch)

@@ -9,8 +9,7 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, word_ptr
 from ..launch import KernelSpec
-from ..reach.nvshmem import complete_sends, send_bytes
-from ..reach.modes import FAR_LIBRARY, LOOPBACK_MODE, post_fingerprint_any, release_words, same_node
+from ..reach.modes import FAR_LIBRARY, far_complete, far_send_bytes, post_fingerprint_any, release_words, same_node
 from ..sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
                     poll_epochs_or_other_call, report_dropped, report_late)
 
@@ -106,9 +105,9 @@ def _send_messages(t, j, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr, mail
         for i in range(0, MSGS):
             if tl.sum((far & (lanes == i)).to(tl.int32), axis=0) > 0:
                 pe = tl.sum(tl.where(lanes == i, dst, 0), axis=0)
-                send_bytes(my_base + tl.sum(tl.where(lanes == i, slot_at, 0), axis=0),
+                far_send_bytes(my_base + tl.sum(tl.where(lanes == i, slot_at, 0), axis=0),
                            tl.sum(tl.where(lanes == i, msg, 0), axis=0), msg_bytes, pe, bases_ptr, rank,
-                           REMOTE == LOOPBACK_MODE)
+                           REMOTE)
 
 
 @triton.jit
@@ -251,7 +250,7 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                            msg_bytes, multiple(x_bytes // 8, 2, True), half_offset, recv_offset, stage_offset,
                            ranks_per_node, USE_FP8, ROUND_SCALE, UE8M0, BLOCK_H, MSGS, REMOTE)
         if REMOTE:
-            complete_sends(REMOTE == LOOPBACK_MODE)  # this program's puts land before it arrives
+            far_complete(REMOTE)  # this program's puts land before it arrives
         if arrive(state_ptr + sync.ARRIVE_LL_SEND, num_programs):
             _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_experts, num_local, rank,
                             half_offset, counts_offset, half, ranks_per_node, spare_word, BLOCK_E, REMOTE)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nvshmem import NVSHMEM, complete_sends, set_words
+from .nvshmem import NVSHMEM, complete_sends, deliver, send_bytes, set_words
 from ..sync import FP_ROW, live_peers, post_fingerprint, post_fingerprint_to_peers, publish
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
@@ -79,5 +79,26 @@ def set_row(rows_address, peers, far, fp0, fp1, epoch, bases_ptr, rank, spare_wo
     set_words(row + 16, zeros + epoch, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
+# ---------------------------------------------------------------- far peers (REMOTE != PEERS_BY_STORES)
+@triton.jit
+def far_deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, REMOTE: tl.constexpr):
+    """``nbytes`` from ``src`` to ``dst`` on far peer ``pe``, then its ``signal_word`` SET to
+    ``value``, ordered (nvshmem.deliver: a put with signal, or the loopback's stores)."""
+    deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+
+
+@triton.jit
+def far_send_bytes(dst, src, nbytes, pe, peer_bases_ptr, rank, REMOTE: tl.constexpr):
+    """``nbytes`` to far peer ``pe``, not yet complete (nvshmem.send_bytes); :func:`far_complete`
+    waits for this program's sends."""
+    send_bytes(dst, src, nbytes, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+
+
+@triton.jit
+def far_complete(REMOTE: tl.constexpr):
+    """This program's sends to far peers have landed (nvshmem.complete_sends: a quiet)."""
+    complete_sends(REMOTE == LOOPBACK_MODE)
+
+
 __all__ = ["PEERS_BY_STORES", "FAR_BY_NVSHMEM", "FAR_BY_LOOPBACK", "LOOPBACK_MODE", "FAR_LIBRARY", "same_node", "release_words",
-           "post_fingerprint_any", "set_row"]
+           "post_fingerprint_any", "set_row", "far_deliver", "far_send_bytes", "far_complete"]

@@ -8,8 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...reach import nvshmem
-from ...reach.modes import LOOPBACK_MODE
+from ...reach.modes import far_complete, far_deliver, far_send_bytes
 from ...sync import arrive, store_release_sys
 from .areas import MAX_CHANNELS
 
@@ -82,16 +81,16 @@ def hand_off(dst, src, row_bytes, lo, hi, part_lo, part_hi, direct, shift, signa
         if direct:
             store_release_sys(signal_word + shift, epoch)
         else:
-            nvshmem.deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
-                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+            far_deliver(dst + lo.to(tl.int64) * row_bytes, src + lo.to(tl.int64) * row_bytes,
+                            (hi - lo).to(tl.int64) * row_bytes, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE)
     else:
         if not direct:
             if part_hi > part_lo:  # (a slice may be empty: the channel has fewer rows than parts)
-                nvshmem.send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
-                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
-            nvshmem.complete_sends(REMOTE == LOOPBACK_MODE)  # this slice has landed before this program arrives
+                far_send_bytes(dst + part_lo.to(tl.int64) * row_bytes, src + part_lo.to(tl.int64) * row_bytes,
+                                   (part_hi - part_lo).to(tl.int64) * row_bytes, pe, peer_bases_ptr, rank, REMOTE)
+            far_complete(REMOTE)  # this slice has landed before this program arrives
         if arrive(counter_ptr, parts):
             if direct:
                 store_release_sys(signal_word + shift, epoch)
             else:  # the signal alone, after every slice landed
-                nvshmem.deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+                far_deliver(signal_word, signal_word, 0, signal_word, epoch, pe, peer_bases_ptr, rank, REMOTE)

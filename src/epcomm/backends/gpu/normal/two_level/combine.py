@@ -41,8 +41,7 @@ import triton.language as tl
 from ...copy import copy_rows, word_ptr
 from ...launch import KernelSpec
 from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
-from ...reach import nvshmem
-from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
+from ...reach.modes import FAR_LIBRARY
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 
 

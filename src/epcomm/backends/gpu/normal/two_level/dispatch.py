@@ -22,8 +22,7 @@ from ...copy import copy_rows, word_ptr
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
-from ...reach import nvshmem
-from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
+from ...reach.modes import FAR_LIBRARY, far_deliver
 from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
 from .areas import MAX_CHANNELS
 
@@ -151,8 +150,8 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
     # recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
     # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
-    nvshmem.deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
-                    signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+    far_deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
+                    signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE)
     peers = tl.arange(0, R_P2)
     one = peers == p
     timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)

@@ -36,8 +36,7 @@ import triton.language as tl
 
 from ...launch import KernelSpec
 from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
-from ...reach import nvshmem
-from ...reach.modes import FAR_LIBRARY, LOOPBACK_MODE
+from ...reach.modes import FAR_LIBRARY, far_deliver
 from .channels import SIGNAL_STRIDE
 
 
@@ -51,7 +50,7 @@ def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_p
     tl.store(mine + 1, fp1)
     tl.debug_barrier()  # the source words precede the put
     row = workspace + step_rows_offset + (rank * 32).to(tl.int64)
-    nvshmem.deliver(row, workspace + fingerprint_offset, 16, row + 16, epoch, pe, peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+    far_deliver(row, workspace + fingerprint_offset, 16, row + 16, epoch, pe, peer_bases_ptr, rank, REMOTE)
 
 
 @triton.jit
@@ -116,21 +115,21 @@ def ml_abort(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, no
                    REMOTE)
     node, local = rank // ranks_per_node, rank % ranks_per_node
     num_nodes = num_ranks // ranks_per_node
-    nvshmem.deliver(workspace, workspace, 0, workspace + notify_signals_offset + rank * 8, ABORT_EPOCH, p,
-                    peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+    far_deliver(workspace, workspace, 0, workspace + notify_signals_offset + rank * 8, ABORT_EPOCH, p,
+                    peer_bases_ptr, rank, REMOTE)
     if p % ranks_per_node == local:
         for c in range(0, SIGNAL_STRIDE):
             word = ((node * SIGNAL_STRIDE + c) * 8).to(tl.int64)
-            nvshmem.deliver(workspace, workspace, 0, workspace + dispatch_signals_offset + word, ABORT_EPOCH, p,
-                            peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
-            nvshmem.deliver(workspace, workspace, 0, workspace + home_signals_offset + word, ABORT_EPOCH, p,
-                            peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+            far_deliver(workspace, workspace, 0, workspace + dispatch_signals_offset + word, ABORT_EPOCH, p,
+                            peer_bases_ptr, rank, REMOTE)
+            far_deliver(workspace, workspace, 0, workspace + home_signals_offset + word, ABORT_EPOCH, p,
+                            peer_bases_ptr, rank, REMOTE)
     if p // ranks_per_node == node:
         for m in range(0, num_nodes):
             for c in range(0, SIGNAL_STRIDE):
                 word = (((m * SIGNAL_STRIDE + c) * ranks_per_node + local) * 8).to(tl.int64)
-                nvshmem.deliver(workspace, workspace, 0, workspace + push_flags_offset + word, ABORT_EPOCH, p,
-                                peer_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+                far_deliver(workspace, workspace, 0, workspace + push_flags_offset + word, ABORT_EPOCH, p,
+                                peer_bases_ptr, rank, REMOTE)
 
 
 ABORT = KernelSpec(ml_abort, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32",
