@@ -18,7 +18,7 @@ case "$part" in
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
   faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or timeout or dead_rank" ;;
   sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
-  engines)   shapes="4x2,8x8"; tests="engines" ;;
+  engines)   shapes="4x2,8x8"; tests="engines or dropped_unevenly" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
   *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
 esac
