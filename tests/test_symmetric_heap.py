@@ -142,3 +142,16 @@ def test_buffers_dropped_unevenly_still_round_trip_right_on_cpu():
     import lifetime_cases
     from epcomm.testing import run_distributed
     assert run_distributed(lifetime_cases.buffers_dropped_unevenly, 4, 4, 256, timeout_s=120) == [None] * 4
+
+
+def test_a_subgroup_allocates_every_time_and_never_frees():
+    """On a group of fewer than every process, other groups decide on their own garbage: a reuse
+    here while they allocate would leave their barrier unpaired, so a subgroup always allocates
+    (as every group does at that point) and frees nothing."""
+    def step(me):
+        for round_ in range(3):
+            me.heap.take(range(R), DEVICE, 64, Owner(), lambda obj: me.exchange(me.rank, obj), whole_world=False)
+        gc.collect()  # every owner is gone: still nothing is freed or reused
+
+    ranks = run_ranks(step)
+    assert all(r.log == [("malloc", 64)] * 3 for r in ranks)

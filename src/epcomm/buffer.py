@@ -284,7 +284,8 @@ class Buffer(RankMasking):
 
         Not collective. On nvshmem the symmetric memory goes back to a per-process ledger and is
         reused or freed at the next Buffer construction on the group, once every rank has let go
-        of it (NVSHMEM frees are barriers over every process; see backends/gpu/reach/symmetric_heap.py).
+        of it (NVSHMEM frees are barriers over every process; on a subgroup it is kept: see
+        backends/gpu/reach/symmetric_heap.py).
         Views of the memory (``get_local_buffer_tensor``, a zero-copy combine buffer) must not be
         used afterwards; while one is alive, the memory is kept."""
         if self._destroyed:

@@ -9,7 +9,7 @@ peers do not: the job hangs, or the barrier pairs with a peer's later allocation
 offsets stop being symmetric (one rank's bytes land in another allocation).
 
 So this process keeps every allocation it made (the ``SymmetricHeap`` ledger) until a collective
-point: a new workspace. There the ranks of its group agree which allocations every one of them
+point: a new workspace on a group of every process (a subgroup keeps its memory: see ``take``). There the ranks of its group agree which allocations every one of them
 has let go of — its user released or gone, and no view of its bytes left outside the ledger — and
 then reuse one of the same size, or free them all in the same order on every rank (their
 barriers pair) and allocate. An allocation that one rank still uses is kept on every rank.
@@ -67,12 +67,24 @@ class SymmetricHeap:
         self._next_id: Dict[tuple, int] = {}
 
     def take(self, group_ranks: Sequence[int], device: torch.device, num_bytes: int, owner: object,
-             all_gather: Callable[[object], List[object]]) -> torch.Tensor:
+             all_gather: Callable[[object], List[object]], whole_world: bool = True) -> torch.Tensor:
         """Collective over the group: a symmetric tensor of ``num_bytes`` for ``owner`` (held until
         ``owner`` is released or gone). Reuses an allocation of this size that every rank let go
-        of; otherwise frees those every rank let go of (same order everywhere) and allocates."""
+        of; otherwise frees those every rank let go of (same order everywhere) and allocates.
+
+        ``whole_world=False`` (the group is not every process): NVSHMEM's allocations and frees
+        are barriers over every process, and ranks of other groups decide on their own garbage —
+        a reuse here while another group allocates would leave that group's barrier unpaired. So
+        a subgroup allocates at every call, as every group does, and never frees or reuses: its
+        memory stays until the process ends."""
         key = (tuple(group_ranks), str(device))
         held = self._by_group.setdefault(key, [])
+        if not whole_world:
+            tensor = self._allocate(num_bytes, device)
+            allocation_id = self._next_id.get(key, 0)
+            self._next_id[key] = allocation_id + 1
+            held.append(Allocation(allocation_id, num_bytes, tensor, storage_users(tensor), weakref.ref(owner)))
+            return tensor
         free_here = [a.id for a in held if a.let_go()]
         everywhere = set(free_here)
         for theirs in all_gather(free_here):

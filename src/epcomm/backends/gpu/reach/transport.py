@@ -57,7 +57,8 @@ class NvshmemTransport(Transport):
         self.num_ranks = dist.get_world_size(group)
         self.group_ranks = dist.get_process_group_ranks(group)
         try:  # through the ledger: PyTorch frees NVSHMEM memory collectively, so only at agreed points
-            self.buffer = process_heap().take(self.group_ranks, device, num_bytes, self, self._all_gather)
+            self.buffer = process_heap().take(self.group_ranks, device, num_bytes, self, self._all_gather,
+                                              whole_world=self.num_ranks == dist.get_world_size())
             handle = symm_mem.rendezvous(self.buffer, group.group_name)
         except Exception as exc:  # RuntimeError from NVSHMEM's bootstrap, allocation or rendezvous
             raise EPError(f"the nvshmem backend could not set up {num_bytes} bytes of NVSHMEM symmetric memory "
