@@ -4,6 +4,7 @@
 #
 #   scripts/shared_gpu.sh PART        PART: a preset below (each fits one 10-minute device call)
 #   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
+#   SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence      (a preset at other shapes)
 #
 # Starts the MPS daemon in fresh folders, runs pytest in its own process group with a hard limit,
 # and always stops MPS and kills every rank (also after a failure or a hang), so the next run
@@ -22,6 +23,7 @@ case "$part" in
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
   *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
 esac
+shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
