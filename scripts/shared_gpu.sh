@@ -24,6 +24,7 @@ case "$part" in
   *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
+if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"

@@ -1,6 +1,11 @@
 """The CPU-checkable parts of the many-ranks-on-one-GPU bed (tests/test_shared_gpu.py): the
 group-limited routing DeepEP's internode tests use, and the automatic backend's refusal of the
 nvlink backend where ranks share a GPU (its symmetric memory cannot serve them)."""
+import os
+import re
+import subprocess
+
+import pytest
 import torch
 
 from epcomm.backends.nvlink import one_host_one_gpu_each
@@ -26,3 +31,37 @@ def test_nvlink_needs_one_host_and_a_gpu_per_rank():
     assert one_host_one_gpu_each([("a", "GPU-0"), ("a", "GPU-1")])
     assert not one_host_one_gpu_each([("a", "GPU-0"), ("a", "GPU-0")]), "two ranks on one GPU (MPS)"
     assert not one_host_one_gpu_each([("a", "GPU-0"), ("b", "GPU-1")]), "two hosts"
+
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "shared_gpu.sh")
+PRESETS = ["scale", "small", "graphs", "fuzz", "faults", "sequence", "engines"]
+
+
+def _dry_run(part, **env):
+    done = subprocess.run(["bash", SCRIPT, part], env=dict(os.environ, DRY_RUN="1", **env), capture_output=True,
+                          text=True, timeout=30)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("part", PRESETS)
+def test_every_preset_names_whole_nodes_and_tests_that_exist(part):
+    """Each preset's shapes are ranks x ranks per node with whole nodes, and its -k words match
+    tests of tests/test_shared_gpu.py (a renamed test would otherwise select nothing, silently)."""
+    rc, out = _dry_run(part)
+    assert rc == 0, out
+    shapes = re.search(r"shapes=(\S+)", out).group(1).split(",")
+    for shape in shapes:
+        ranks, per_node = (int(v) for v in shape.split("x"))
+        assert ranks % per_node == 0 and ranks >= 2, shape
+    words = [w for w in re.search(r"tests=\[(.*)\]", out).group(1).split() if w not in ("or", "and", "not")]
+    source = open(os.path.join(os.path.dirname(__file__), "test_shared_gpu.py")).read()
+    names = re.findall(r"^def (test_\w+)", source, flags=re.M) + re.findall(r'"(\w+)"', source)
+    for word in words:
+        assert any(word in name for name in names), f"{part}: '{word}' selects no test"
+
+
+def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
+    rc, out = _dry_run("sequence", SHAPES="16x8")
+    assert rc == 0 and "shapes=16x8 " in out
+    rc, out = _dry_run("nonsense")
+    assert rc == 2 and "unknown part" in out
