@@ -75,7 +75,7 @@ EPOCH_LL_DISPATCH = 1
 EPOCH_LL_COMBINE = 2
 LL_DISPATCH_HALF_EPOCH = 3  # [2]: the epoch each low-latency dispatch half was last sent with
 LL_COMBINE_HALF_EPOCH = 5  # [2]: the same for combine
-CALL_FAILED = 7  # nvshmem: the epoch of a call whose step barrier found another call or a late rank (step.py)
+CALL_FAILED = 7  # two-level normal mode: the epoch of a call whose step barrier found another call or a late rank
 ARRIVE = 8  # arrival counters, one per kernel kind (below)
 ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
 COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsistent (agreement.py)
@@ -87,7 +87,7 @@ NUM_STATE_WORDS = 16
 # ---------------------------------------------------------------------- device helpers
 @triton.jit
 def call_failed(failed_ptr, epoch):
-    """nvshmem: True when the step barrier of the call of ``epoch`` failed (``failed_ptr``: the
+    """Two-level normal mode: True when the step barrier of the call of ``epoch`` failed (``failed_ptr``: the
     state word CALL_FAILED; gpu/normal/two_level/step.py), and the kernel must return without waiting or moving
     anything. The step kernel stored the word earlier on the same stream: a plain load sees it."""
     return tl.load(failed_ptr) == epoch

@@ -10,11 +10,12 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
                   lists    int32 [R][list_cap]   dispatch: ascending tokens this rank sends to j
                   payload  bytes                 dispatch staging, or combine slots [T][R]
     low-latency two halves (call parity), each (layout per call shape, :meth:`ll_layout`):
-                  counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i
+                  counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i;
+                           LL_COUNT_BYTES for every shape (no shape's data may lie on them)
                   recv     [E_local][R][M] messages of (header 16 B, payload, scales)
                   combine  bf16 [M][K][H]        expert outputs pushed back to their home
-                  stage    what this rank puts to other nodes (staging=True only, the nvshmem
-                           backend: a NIC reads symmetric memory): dispatch messages [M][K],
+                  stage    what this rank puts to far peers (staging=True only, when REMOTE
+                           reaches them by puts: a NIC reads symmetric memory): dispatch messages [M][K],
                            or combine rows [E_local][R*M] of 2H bytes
 
 The normal halves are left out with ``normal=False`` (the nvshmem backend's low-latency region:
