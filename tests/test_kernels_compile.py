@@ -292,3 +292,22 @@ def test_multi_node_kernels_compile_on_loopback(spec, constexprs, num_warps):
     compiled = spec.compile(constexprs, num_warps, target=GPUTarget("cuda", 90, 32))
     code = "\n".join(line for line in compiled.asm["ptx"].splitlines() if not line.lstrip().startswith(".file"))
     assert not re.search(r"\bnvshmemx?_\w+", code), "the loopback flavour calls NVSHMEM"
+
+
+def test_spec_types_come_from_the_annotations():
+    """A kernel declares each runtime parameter's type next to it (``x_ptr: "*i8"``); the spec reads
+    them (quotes and all, as ``from __future__ import annotations`` leaves them) and names any
+    parameter left without one."""
+    import triton
+    import triton.language as tl
+    from epcomm.backends.gpu.launch import KernelSpec
+    from epcomm.errors import EPError
+    assert [t for t in N.STAGE.signature.values() if t != "constexpr"][:3] == ["*i8", "*fp32", "i64"]
+
+    @triton.jit
+    def half_typed(x_ptr: "*i32", n, BLOCK: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), n)
+
+    with pytest.raises(EPError, match=r"no type given for \['n'\]"):
+        KernelSpec(half_typed)
+    assert KernelSpec(half_typed, ["*i32", "i32"]).signature == {"x_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}

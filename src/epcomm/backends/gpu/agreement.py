@@ -175,12 +175,12 @@ ABORT_COUNT_WORD = tl.constexpr(1 << 62)
 
 
 @triton.jit
-def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
-             state_ptr,  # [16] int64 local (a spare word for masked-off lanes)
-             fingerprints_offset,  # bytes from a workspace to its fingerprint area
-             ll_counts_ptr,  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
-             num_shapes, fp0, fp1, rank, num_ranks,
-             ranks_per_node, spare_word,  # (REMOTE only: gpu/reach/)
+def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
+             state_ptr: "*i64",  # [16] int64 local (a spare word for masked-off lanes)
+             fingerprints_offset: "i64",  # bytes from a workspace to its fingerprint area
+             ll_counts_ptr: "*i64",  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
+             num_shapes: "i32", fp0: "i64", fp1: "i64", rank: "i32", num_ranks: "i32",
+             ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only: gpu/reach/)
              NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
              REMOTE: tl.constexpr):
     # On every peer (self included): the abort words into each fingerprint row this rank owns (all
@@ -220,8 +220,7 @@ def ep_abort(bases_ptr,  # [R] int64: each rank's workspace
                           lanes, spare, rank, ranks_per_node, spare_word, REMOTE)
 
 
-ABORT = KernelSpec(ep_abort, ["*i64", "*i64", "i64", "*i64", "i32", "i64", "i64", "i32", "i32", "i32", "i64"],
-                   **FAR_LIBRARY)
+ABORT = KernelSpec(ep_abort, **FAR_LIBRARY)
 
 
 def bind_abort(num_ranks: int, remote: int = 0):

@@ -59,11 +59,12 @@ def fold_expert_major_rows(y_ptr, row_weights_ptr, dest_ptr, rows64, move, dst, 
 
 
 @triton.jit
-def ep_dispatch_expert_major_expand(src_ptr,  # [N, row_words] words of the plain rows (WORD_BYTES each)
-                                    dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
-                                    row_experts_ptr,  # [M] int64: each output row's local expert, -1 on padding
-                                    out_ptr,  # out [M, row_words] words
-                                    num_plain, num_topk, row_words, num_out_rows, num_copy_programs,
+def ep_dispatch_expert_major_expand(src_ptr: "*i8",  # [N, row_words] words of the plain rows (WORD_BYTES each)
+                                    dest_ptr: "*i32",  # [N, K] int32: expert-major row of entry (r, k), -1 = none
+                                    row_experts_ptr: "*i64",  # [M] int64: each output row's local expert, -1 on padding
+                                    out_ptr: "*i8",  # out [M, row_words] words
+                                    num_plain: "i32", num_topk: "i32", row_words: "i32", num_out_rows: "i32",
+                                    num_copy_programs: "i32",
                                     WORD_BYTES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)
     if WORD_BYTES == 8:
@@ -87,15 +88,15 @@ def ep_dispatch_expert_major_expand(src_ptr,  # [N, row_words] words of the plai
             tl.store(out + rows[:, None] * row_words + c[None, :], zeros, mask=pad[:, None] & (c < row_words)[None, :])
 
 
-EXPAND = KernelSpec(ep_dispatch_expert_major_expand, ["*i8", "*i32", "*i64", "*i8", "i32", "i32", "i32", "i32", "i32"])
+EXPAND = KernelSpec(ep_dispatch_expert_major_expand)
 
 
 @triton.jit
-def ep_combine_expert_major_fold(y_ptr,  # [M, H] bf16 expert outputs, expert-major rows
-                                 row_weights_ptr,  # [M] float32: each row's top-k weight
-                                 dest_ptr,  # [N, K] int32: expert-major row of entry (r, k), -1 = none
-                                 out_ptr,  # out [N, H] bf16 plain rows
-                                 num_plain, hidden, num_topk,
+def ep_combine_expert_major_fold(y_ptr: "*bf16",  # [M, H] bf16 expert outputs, expert-major rows
+                                 row_weights_ptr: "*fp32",  # [M] float32: each row's top-k weight
+                                 dest_ptr: "*i32",  # [N, K] int32: expert-major row of entry (r, k), -1 = none
+                                 out_ptr: "*bf16",  # out [N, H] bf16 plain rows
+                                 num_plain: "i32", hidden: "i32", num_topk: "i32",
                                  BLOCK_R: tl.constexpr, K_P2: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     move = rows < num_plain
@@ -103,7 +104,7 @@ def ep_combine_expert_major_fold(y_ptr,  # [M, H] bf16 expert outputs, expert-ma
                        K_P2)
 
 
-FOLD = KernelSpec(ep_combine_expert_major_fold, ["*bf16", "*fp32", "*i32", "*bf16", "i32", "i32", "i32"], fp_fusion=False)
+FOLD = KernelSpec(ep_combine_expert_major_fold, fp_fusion=False)
 
 
 def _expand_rows(rows: torch.Tensor, mapping: ExpertMajor) -> torch.Tensor:

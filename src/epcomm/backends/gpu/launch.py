@@ -66,7 +66,8 @@ class KernelSpec:
     Args:
         fn: the ``@triton.jit`` function. Its constexpr parameters must come after all others.
         types: Triton type string of each runtime parameter, in order (``"*i8"``, ``"*i32"``,
-            ``"i32"``, ``"i64"``, ...).
+            ``"i32"``, ``"i64"``, ...). Default: each parameter's annotation, where the kernel
+            declares it next to the parameter (``x_ptr: "*bf16"``, ``num_tokens: "i32"``).
         aligned: names of pointer parameters that are always 16-byte aligned (lets the compiler
             move 16 bytes per access through them; see copy.py).
         aligned_if: ``{constexpr: names}``: pointer parameters declared 16-byte aligned only in
@@ -79,7 +80,7 @@ class KernelSpec:
             instead of two). False where results must equal torch's separate operations bit for bit.
     """
 
-    def __init__(self, fn, types: Iterable[str], aligned: Iterable[str] = (),
+    def __init__(self, fn, types: Optional[Iterable[str]] = None, aligned: Iterable[str] = (),
                  aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
                  library_if: Optional[Tuple[str, object]] = None,
                  fp_fusion: bool = True):
@@ -93,6 +94,12 @@ class KernelSpec:
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         if [p.name for p in params[:len(runtime)]] != runtime:
             raise EPError(f"{self.name}: constexpr parameters must come after all runtime parameters")
+        if types is None:
+            # (with ``from __future__ import annotations`` an annotation is its source text, quotes included)
+            types = [p.annotation.strip("'\"") for p in params[:len(runtime)]]
+            missing = [name for name, ty in zip(runtime, types) if not ty]
+            if missing:
+                raise EPError(f"{self.name}: no type given for {missing} (annotate them, e.g. x_ptr: \"*i8\")")
         types = list(types)
         if len(types) != len(runtime):
             raise EPError(f"{self.name}: {len(types)} types given for {len(runtime)} runtime parameters {runtime}")

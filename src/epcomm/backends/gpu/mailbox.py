@@ -122,9 +122,9 @@ def check_host_mapping(mailbox: HostMailbox, device: torch.device) -> None:
 
 
 @triton.jit
-def _probe_host_store(host_word_address, done_ptr):
+def _probe_host_store(host_word_address: "i64", done_ptr: "*i64"):
     store_release_sys(host_word_address, tl.full([], -7, tl.int64))
     tl.store(done_ptr, 1)
 
 
-_probe_kernel = KernelSpec(_probe_host_store, ["i64", "*i64"])
+_probe_kernel = KernelSpec(_probe_host_store)

@@ -75,20 +75,21 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
 
 
 @triton.jit
-def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
-                  layout_ptr,  # [E_local, R] int64 (offset << 32) | count
-                  slot_info_ptr,  # [E_local, R*M] int32 home slot t*K+k
-                  topk_ptr, weights_ptr,  # [T, K] int64 / float32, as given to dispatch
-                  mask_ptr, bases_ptr, state_ptr,
-                  out_ptr,  # [T, H] bf16
-                  wait_stats_ptr,  # [R] int64 (HAS_WAIT_STATS)
-                  my_flags_address,  # this rank's LL-combine flag set
-                  slots_address,  # this rank's combine slots of this half: bf16 [M][K][H]
-                  mailbox_address,  # host mailbox (sync.py)
-                  num_tokens, hidden, num_topk, num_local, num_ranks, rank, max_tokens, x_words, half_offset,
-                  combine_offset, half, timeout_ns,
-                  stage_offset, ranks_per_node, spare_word,  # (REMOTE only)
-                  fp_offset, fp0, fp1,
+def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
+                  layout_ptr: "*i64",  # [E_local, R] int64 (offset << 32) | count
+                  slot_info_ptr: "*i32",  # [E_local, R*M] int32 home slot t*K+k
+                  topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32, as given to dispatch
+                  mask_ptr: "*i32", bases_ptr: "*i64", state_ptr: "*i64",
+                  out_ptr: "*bf16",  # [T, H] bf16
+                  wait_stats_ptr: "*i64",  # [R] int64 (HAS_WAIT_STATS)
+                  my_flags_address: "i64",  # this rank's LL-combine flag set
+                  slots_address: "i64",  # this rank's combine slots of this half: bf16 [M][K][H]
+                  mailbox_address: "i64",  # host mailbox (sync.py)
+                  num_tokens: "i32", hidden: "i32", num_topk: "i32", num_local: "i32", num_ranks: "i32", rank: "i32",
+                  max_tokens: "i32", x_words: "i32", half_offset: "i64",
+                  combine_offset: "i64", half: "i32", timeout_ns: "i64",
+                  stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
+                  fp_offset: "i64", fp0: "i64", fp1: "i64",
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
                   REMOTE: tl.constexpr):
@@ -141,7 +142,4 @@ def ep_ll_combine(x_ptr,  # [E_local, R*M, H] bf16 expert outputs, dispatch's la
                        hidden, num_topk, num_local, num_ranks, K_P2, BLOCK_C)
 
 
-COMBINE = KernelSpec(ep_ll_combine, ["*i8", "*i64", "*i32", "*i64", "*fp32", "*i32", "*i64", "*i64", "*bf16", "*i64",
-                                     "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i64", "i64", "i32", "i64", "i64", "i32", "i64", "i64", "i64", "i64"],
-                     aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)
+COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

@@ -203,24 +203,26 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
 
 
 @triton.jit
-def ep_ll_dispatch(x_ptr,  # [T, H] bf16
-                   topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
-                   counter_ptr,  # [E] int32 local, zero on entry: messages per expert (slot allocator)
-                   mask_ptr,  # [R] int32: masked ranks receive nothing / are not waited for
-                   bases_ptr,  # [R] int64: each rank's workspace
-                   state_ptr,  # [16] int64 local (sync.py)
-                   mailbox_address,  # host mailbox (sync.py)
-                   out_x_ptr,  # [E_local, R*M, x_bytes] bytes of recv_x
-                   out_scales_ptr,  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
-                   src_info_ptr, slot_info_ptr,  # [E_local, R*M] int32: source token; home slot t*K+k
-                   layout_ptr,  # [E_local, R] int64: (offset << 32) | count
-                   recv_count_ptr,  # [E_local] int32
-                   stats_ptr,  # [E_local] int32 cumulative receive counts (HAS_STATS)
-                   wait_stats_ptr,  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
-                   num_tokens, hidden, num_topk, num_experts, num_local, max_tokens, num_ranks, rank,
-                   msg_bytes, x_bytes, scale_words, half_offset, counts_offset, recv_offset, half, timeout_ns,
-                   stage_offset, ranks_per_node, spare_word,  # (REMOTE only)
-                   fp_offset, fp0, fp1,
+def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
+                   topk_ptr: "*i64",  # [T, K] int64 global expert ids (-1 = none)
+                   counter_ptr: "*i32",  # [E] int32 local, zero on entry: messages per expert (slot allocator)
+                   mask_ptr: "*i32",  # [R] int32: masked ranks receive nothing / are not waited for
+                   bases_ptr: "*i64",  # [R] int64: each rank's workspace
+                   state_ptr: "*i64",  # [16] int64 local (sync.py)
+                   mailbox_address: "i64",  # host mailbox (sync.py)
+                   out_x_ptr: "*i8",  # [E_local, R*M, x_bytes] bytes of recv_x
+                   out_scales_ptr: "*i32",  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
+                   src_info_ptr: "*i32", slot_info_ptr: "*i32",  # [E_local, R*M] int32: source token; home slot t*K+k
+                   layout_ptr: "*i64",  # [E_local, R] int64: (offset << 32) | count
+                   recv_count_ptr: "*i32",  # [E_local] int32
+                   stats_ptr: "*i32",  # [E_local] int32 cumulative receive counts (HAS_STATS)
+                   wait_stats_ptr: "*i64",  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
+                   num_tokens: "i32", hidden: "i32", num_topk: "i32", num_experts: "i32", num_local: "i32",
+                   max_tokens: "i32", num_ranks: "i32", rank: "i32",
+                   msg_bytes: "i32", x_bytes: "i32", scale_words: "i32", half_offset: "i64", counts_offset: "i64",
+                   recv_offset: "i64", half: "i32", timeout_ns: "i64",
+                   stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
+                   fp_offset: "i64", fp0: "i64", fp1: "i64",
                    SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -267,9 +269,4 @@ def ep_ll_dispatch(x_ptr,  # [T, H] bf16
                            HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S, BLOCK_M, R_P2)
 
 
-DISPATCH = KernelSpec(ep_ll_dispatch, ["*bf16", "*i64", "*i32", "*i32", "*i64", "*i64", "i64",
-                                       "*i8", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64",
-                                       "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                       "i32", "i32", "i32", "i64", "i64", "i64", "i32", "i64",
-                                       "i64", "i32", "i64", "i64", "i64", "i64"],
-                      aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)
+DISPATCH = KernelSpec(ep_ll_dispatch, aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)

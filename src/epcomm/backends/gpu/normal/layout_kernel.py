@@ -30,15 +30,16 @@ def expert_receive_counts(first_count_ptr, row_len, local, num_local, num_ranks,
 
 # ====================================================================== get_dispatch_layout
 @triton.jit
-def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
-                       per_rank_ptr,  # out [R] int32: tokens sent to each rank
-                       per_node_ptr,  # out [N] int32: tokens sent to each node (HAS_NODES)
-                       per_expert_ptr,  # out [E] int32: tokens choosing each expert
-                       in_rank_ptr,  # out [T, R] int8 (bool): token t goes to rank j
-                       partial_ptr,  # scratch [programs, E_P2 + R_P2 + N_P2] int32: each program's counts
-                       state_ptr,  # [16] int64 local (arrival counter)
-                       mailbox_address,  # host mailbox (mailbox.py): count of ids outside [-1, E)
-                       num_tokens, num_topk, num_experts, num_ranks, experts_per_rank, ranks_per_node,
+def ep_dispatch_layout(topk_ptr: "*i64",  # [T, K] int64 global expert ids (-1 = none)
+                       per_rank_ptr: "*i32",  # out [R] int32: tokens sent to each rank
+                       per_node_ptr: "*i32",  # out [N] int32: tokens sent to each node (HAS_NODES)
+                       per_expert_ptr: "*i32",  # out [E] int32: tokens choosing each expert
+                       in_rank_ptr: "*i8",  # out [T, R] int8 (bool): token t goes to rank j
+                       partial_ptr: "*i32",  # scratch [programs, E_P2 + R_P2 + N_P2] int32: each program's counts
+                       state_ptr: "*i64",  # [16] int64 local (arrival counter)
+                       mailbox_address: "i64",  # host mailbox (mailbox.py): count of ids outside [-1, E)
+                       num_tokens: "i32", num_topk: "i32", num_experts: "i32", num_ranks: "i32",
+                       experts_per_rank: "i32", ranks_per_node: "i32",
                        BLOCK_T: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr,
                        N_P2: tl.constexpr, HAS_NODES: tl.constexpr, SUM_ROWS: tl.constexpr):
     # Program p takes tokens [p * BLOCK_T, (p + 1) * BLOCK_T): a histogram of their expert ids,
@@ -91,8 +92,7 @@ def ep_dispatch_layout(topk_ptr,  # [T, K] int64 global expert ids (-1 = none)
             tl.store(per_node_ptr + nodes, node_total, mask=nodes < num_ranks // ranks_per_node)
 
 
-LAYOUT = KernelSpec(ep_dispatch_layout, ["*i64", "*i32", "*i32", "*i32", "*i8", "*i32", "*i64", "i64", "i32", "i32",
-                                         "i32", "i32", "i32", "i32"])
+LAYOUT = KernelSpec(ep_dispatch_layout)
 
 
 class LayoutKernel:

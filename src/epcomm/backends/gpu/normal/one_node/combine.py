@@ -16,13 +16,16 @@ from ...sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprin
 
 # ====================================================================== combine: push
 @triton.jit
-def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
-                    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
-                    src_rank_ptr, src_idx_ptr,  # [N] int32: home rank and token of each row (-1 = padding)
-                    dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
-                    normal_bases_ptr, flag_bases_ptr, state_ptr,
-                    num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_topk, half_bytes, slots_x_offset,
-                    slots_w_offset, fp_offset, fp0, fp1,
+def ep_combine_push(x_ptr: "*i8",
+                    # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
+                    weights_ptr: "*fp32",  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
+                    # [N] int32: home rank and token of each row (-1 = padding)
+                    src_rank_ptr: "*i32", src_idx_ptr: "*i32",
+                    dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
+                    normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+                    num_rows: "i32", rank: "i32", num_ranks: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32",
+                    num_topk: "i32", half_bytes: "i64", slots_x_offset: "i64",
+                    slots_w_offset: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64",
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
@@ -68,20 +71,20 @@ def ep_combine_push(x_ptr,  # [N, x_bytes] bytes of the bf16 expert outputs (dis
                      R_P2=R_P2)  # RELEASE: pushed rows, fingerprint -> their homes
 
 
-PUSH = KernelSpec(ep_combine_push, ["*i8", "*fp32", "*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "i32",
-                                    "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i64", "i64"],
-                  aligned_if={"ALIGNED": ["x_ptr"]})
+PUSH = KernelSpec(ep_combine_push, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== combine: reduce
 @triton.jit
-def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
-                      out_ptr,  # [T, H] bf16
-                      out_w_ptr,  # [T, K] float32 (HAS_WEIGHTS)
-                      bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
-                      normal_bases_ptr, flag_bases_ptr, state_ptr, mailbox_address,
-                      num_tokens, token_lo, token_hi, hidden, num_topk, rank, num_ranks, half_bytes,
-                      slots_x_offset, slots_w_offset, timeout_ns, fp_offset, fp0, fp1,
+def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
+                      out_ptr: "*bf16",  # [T, H] bf16
+                      out_w_ptr: "*fp32",  # [T, K] float32 (HAS_WEIGHTS)
+                      bias0_ptr: "*bf16", bias1_ptr: "*bf16",  # [T, H] bf16 (NUM_BIAS of them)
+                      normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64", mailbox_address: "i64",
+                      num_tokens: "i32", token_lo: "i32", token_hi: "i32", hidden: "i32", num_topk: "i32", rank: "i32",
+                      num_ranks: "i32", half_bytes: "i64",
+                      slots_x_offset: "i64", slots_w_offset: "i64", timeout_ns: "i64", fp_offset: "i64", fp0: "i64",
+                      fp1: "i64",
                       NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # ACQUIRE the rows pushed to this rank for this epoch (nothing is reduced when a rank's call
@@ -121,7 +124,4 @@ def ep_combine_reduce(in_rank_ptr,  # [T, R] int8 is_token_in_rank
             tl.store(out_w_ptr + t64 * num_topk + k, tl.sum(w, axis=0), mask=k < num_topk)
 
 
-REDUCE = KernelSpec(ep_combine_reduce, ["*i8", "*bf16", "*fp32", "*bf16", "*bf16", "*i64", "*i64", "*i64", "i64",
-                                        "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64",
-                                        "i64", "i64", "i64"],
-                    aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})
+REDUCE = KernelSpec(ep_combine_reduce, aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})

@@ -58,15 +58,18 @@ def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_l
 
 
 @triton.jit
-def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
-                      scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32, any strides (FP8)
-                      topk_ptr, weights_ptr,  # [T, K] int64 / float32 (full dispatch with top-k)
-                      in_rank_ptr,  # [T, R] int8: is_token_in_rank (token lists)
-                      per_rank_ptr, per_expert_ptr,  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
-                      normal_bases_ptr, flag_bases_ptr, state_ptr,
-                      num_tokens, token_lo, token_hi, x_words, num_scales, num_topk, rank, num_ranks,
-                      half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
-                      num_local, fp_offset, fp0, fp1, num_position_programs,
+def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+                      # [T, S] float32, any strides (FP8)
+                      scales_ptr: "*fp32", scale_stride_t: "i64", scale_stride_c: "i64",
+                      topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
+                      in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
+                      per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
+                      normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+                      num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
+                      num_topk: "i32", rank: "i32", num_ranks: "i32",
+                      half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+                      topk_offset: "i64", topk_row_bytes: "i64",
+                      num_local: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", num_position_programs: "i32",
                       HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                       R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
@@ -163,27 +166,30 @@ def ep_dispatch_stage(x_ptr,  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-b
                      R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
 
 
-STAGE = KernelSpec(ep_dispatch_stage, ["*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i8", "*i32", "*i32", "*i64",
-                                       "*i64", "*i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64",
-                                       "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64", "i32"],
-                   aligned_if={"ALIGNED": ["x_ptr"]})
+STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== dispatch: pull
 @triton.jit
-def ep_dispatch_pull(normal_bases_ptr, flag_bases_ptr, state_ptr,
-                     prefix_ptr,  # [R, R] int32 rank_prefix_matrix (INDEX)
-                     recv_info_ptr,  # [2] int32 (device): rows received (INDEX)
-                     src_rank_ptr, src_idx_ptr,  # [N] int32: written with INDEX, read otherwise
-                     recv_x_ptr,  # [N, x_bytes] bytes
-                     recv_scales_ptr,  # [N, S] float32
-                     recv_topk_ptr, recv_weights_ptr,  # [N, K] int64 local ids / float32 (expert-major: [M])
-                     mailbox_address,
-                     table_ptr,  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
-                     dest_ptr,  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
-                     num_rows, rank, num_ranks, token_lo, token_hi, x_words, num_scales, num_topk, half_bytes,
-                     lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, expert_lo,
-                     num_local, timeout_ns, fp_offset, fp0, fp1, num_em_rows, zero_padding,
+def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+                     prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (INDEX)
+                     recv_info_ptr: "*i32",  # [2] int32 (device): rows received (INDEX)
+                     src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+                     recv_x_ptr: "*i8",  # [N, x_bytes] bytes
+                     recv_scales_ptr: "*fp32",  # [N, S] float32
+                     # [N, K] int64 local ids / float32 (expert-major: [M])
+                     recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",
+                     mailbox_address: "i64",
+                     # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
+                     table_ptr: "*i32",
+                     # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
+                     dest_ptr: "*i32",
+                     num_rows: "i32", rank: "i32", num_ranks: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32",
+                     num_scales: "i32", num_topk: "i32", half_bytes: "i64",
+                     lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64", topk_offset: "i64",
+                     topk_row_bytes: "i64", expert_lo: "i32",
+                     num_local: "i32", timeout_ns: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64", num_em_rows: "i32",
+                     zero_padding: "i32",
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                      R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
@@ -327,8 +333,4 @@ def _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, row_experts_ptr, row_w
                 tl.store(row_weights_ptr + rows64, tl.zeros([BLOCK_R], tl.float32), mask=live)
 
 
-PULL = KernelSpec(ep_dispatch_pull, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i8", "*fp32", "*i64",
-                                     "*fp32", "i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32", "i64", "i64",
-                                     "i64", "i64", "i32", "i32"],
-                  aligned_if={"ALIGNED": ["recv_x_ptr"]})
+PULL = KernelSpec(ep_dispatch_pull, aligned_if={"ALIGNED": ["recv_x_ptr"]})

@@ -15,16 +15,17 @@ from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_
 
 # ====================================================================== notify (count exchange)
 @triton.jit
-def ep_notify_dispatch(normal_bases_ptr,  # [R] int64: each rank's workspace base (offsets below are from it)
-              flag_bases_ptr,  # [R] int64: each rank's flag region
-              state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
-              per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
-              prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
-              recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
-              table_ptr,  # out [R + 2, L] int32 (write_table): the expert-major group table, below
-              mailbox_address,  # host mailbox (sync.py)
-              num_tokens, num_experts, rank, num_ranks, half_bytes, counts_offset, timeout_ns, sequence,
-              expert_alignment, fp_offset, fp0, fp1, write_table,
+def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base (offsets below are from it)
+              flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
+              state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
+              per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
+              prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+              recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
+              table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
+              mailbox_address: "i64",  # host mailbox (sync.py)
+                       num_tokens: "i32", num_experts: "i32", rank: "i32", num_ranks: "i32", half_bytes: "i64",
+                       counts_offset: "i64", timeout_ns: "i64", sequence: "i64",
+              expert_alignment: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", write_table: "i32",
               R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
     # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
@@ -97,9 +98,7 @@ def ep_notify_dispatch(normal_bases_ptr,  # [R] int64: each rank's workspace bas
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ep_notify_dispatch, ["*i64", "*i64", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i64",
-                                "i32", "i32", "i32", "i32", "i64", "i64", "i64", "i64", "i32", "i64", "i64", "i64",
-                                "i32"])
+NOTIFY = KernelSpec(ep_notify_dispatch)
 
 
 class _NotifyKernels(dict):

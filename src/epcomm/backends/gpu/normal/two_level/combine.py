@@ -47,16 +47,17 @@ from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, 
 
 # ====================================================================== at each receiving rank
 @triton.jit
-def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                    y_ptr,  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
-                    weights_ptr,  # [num_recv, K] float32 (HAS_WEIGHTS)
-                    recv_area_row_ptr,  # [num_recv] int32 (the dispatch's ml_dispatch_forward)
-                    meta_ptr,  # [R, meta_len] int32: the dispatch's count table
-                    prefix_ptr,  # [R, R] int32 rank_prefix_matrix
-                    peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
-                    slots_offset, flags_offset,  # bytes from a base to this half's slots / push flags
-                    epoch, rank, num_ranks, ranks_per_node, x_words, num_topk, row_bytes, weights_at, meta_len,
-                    gbl_prefix_at, num_channels,
+def ml_combine_push(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                    y_ptr: "*i64",  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
+                    weights_ptr: "*fp32",  # [num_recv, K] float32 (HAS_WEIGHTS)
+                    recv_area_row_ptr: "*i32",  # [num_recv] int32 (the dispatch's ml_dispatch_forward)
+                    meta_ptr: "*i32",  # [R, meta_len] int32: the dispatch's count table
+                    prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix
+                    peer_bases_ptr: "*i64",  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
+                    slots_offset: "i64", flags_offset: "i64",  # bytes from a base to this half's slots / push flags
+                    epoch: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32", x_words: "i32", num_topk: "i32",
+                    row_bytes: "i32", weights_at: "i32", meta_len: "i32",
+                    gbl_prefix_at: "i32", num_channels: "i32",
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
@@ -84,25 +85,28 @@ def ml_combine_push(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py cal
     store_release_sys(base + flags_offset + ((m * SIGNAL_STRIDE + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
 
 
-PUSH = KernelSpec(ml_combine_push, ["*i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i64", "i64", "i64", "i64", "i32",
-                                    "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
+PUSH = KernelSpec(ml_combine_push)
 
 
 # ====================================================================== at each forwarder
 @triton.jit
-def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                       peer_bases_ptr,  # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
-                       area_masks_ptr,  # [area rows] int32 (the dispatch's ml_dispatch_forward)
-                       meta_ptr,  # [R, meta_len] int32: the dispatch's count table
-                       slots, flags,  # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
-                       partials,  # int64 local address of this half's outgoing partial rows [area rows]
-                       home_area, home_signals,  # int64 symmetric addresses (any rank's: puts and local stores)
-                       mailbox_address,  # host mailbox (gpu/mailbox.py)
-                       epoch, timeout_ns, rank, num_ranks, ranks_per_node, hidden, num_topk, row_bytes, weights_at,
-                       home_cap, meta_len, per_node_at, rdma_prefix_at, num_channels,
-                       parts,  # programs per (node, channel): each sums and puts a slice of the rows
-                       p2p,  # 1: store straight into a home whose workspace is mapped here (normal.peer_reach)
-                       part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
+def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                       # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
+                       peer_bases_ptr: "*i64",
+                       area_masks_ptr: "*i32",  # [area rows] int32 (the dispatch's ml_dispatch_forward)
+                       meta_ptr: "*i32",  # [R, meta_len] int32: the dispatch's count table
+                       # int64 local addresses of this half's slots [area rows][k] and flags [N][C][k]
+                       slots: "i64", flags: "i64",
+                       partials: "i64",  # int64 local address of this half's outgoing partial rows [area rows]
+                       # int64 symmetric addresses (any rank's: puts and local stores)
+                       home_area: "i64", home_signals: "i64",
+                       mailbox_address: "i64",  # host mailbox (gpu/mailbox.py)
+                       epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
+                       hidden: "i32", num_topk: "i32", row_bytes: "i32", weights_at: "i32",
+                       home_cap: "i32", meta_len: "i32", per_node_at: "i32", rdma_prefix_at: "i32", num_channels: "i32",
+                       parts: "i32",  # programs per (node, channel): each sums and puts a slice of the rows
+                       p2p: "i32",  # 1: store straight into a home whose workspace is mapped here (normal.peer_reach)
+                       part_counters_ptr: "*i64",  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                        REMOTE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -167,23 +171,23 @@ def ml_combine_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
                   part_counters_ptr + c * (num_ranks // ranks_per_node) + m, peer_bases_ptr, rank, REMOTE)
 
 
-FORWARD = KernelSpec(ml_combine_forward, ["*i64", "*i64", "*i32", "*i32", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
-                                          "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "i32", "*i64"], **FAR_LIBRARY)
+FORWARD = KernelSpec(ml_combine_forward, **FAR_LIBRARY)
 
 
 # ====================================================================== at home
 @triton.jit
-def ml_combine_reduce(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                      masks_ptr,  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
-                      node_row_ptr,  # [T, N] int32 (the dispatch's ml_dispatch_send)
-                      out_ptr,  # [T, H] bf16
-                      out_weights_ptr,  # [T, K] float32 (HAS_WEIGHTS)
-                      bias0_ptr, bias1_ptr,  # [T, H] bf16 (NUM_BIAS of them)
-                      home_area, home_signals,  # int64 local addresses of this half: partials [N][cap], [N][C] signals
-                      mailbox_address,  # host mailbox (gpu/mailbox.py)
-                      epoch, timeout_ns, rank, num_ranks, ranks_per_node, num_tokens, hidden, num_topk, row_bytes,
-                      weights_at, home_cap, num_channels,
+def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                      masks_ptr: "*i32",  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
+                      node_row_ptr: "*i32",  # [T, N] int32 (the dispatch's ml_dispatch_send)
+                      out_ptr: "*bf16",  # [T, H] bf16
+                      out_weights_ptr: "*fp32",  # [T, K] float32 (HAS_WEIGHTS)
+                      bias0_ptr: "*bf16", bias1_ptr: "*bf16",  # [T, H] bf16 (NUM_BIAS of them)
+                      # int64 local addresses of this half: partials [N][cap], [N][C] signals
+                      home_area: "i64", home_signals: "i64",
+                      mailbox_address: "i64",  # host mailbox (gpu/mailbox.py)
+                      epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
+                      num_tokens: "i32", hidden: "i32", num_topk: "i32", row_bytes: "i32",
+                      weights_at: "i32", home_cap: "i32", num_channels: "i32",
                       HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -236,6 +240,4 @@ def ml_combine_reduce(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py c
                 tl.store(out_weights_ptr + tokens[:, None] * num_topk + k[None, :], acc_w, mask=mk)
 
 
-REDUCE = KernelSpec(ml_combine_reduce, ["*i64", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*bf16", "i64", "i64", "i64",
-                                        "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                        "i32"])
+REDUCE = KernelSpec(ml_combine_reduce)

@@ -33,15 +33,17 @@ CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of 
 
 # ====================================================================== send layout
 @triton.jit
-def ml_dispatch_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_rank
-                   topk_ptr,  # [T, K] int64 expert ids (HAS_TOPK)
-                   per_rank_ptr,  # [R] int32: the caller's num_tokens_per_rank (checked)
-                   per_expert_ptr,  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
-                   masks_ptr,  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
-                   node_tokens_ptr,  # out [N, T] int32: row n starts with node n's tokens, ascending
-                   row_ptr,  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
-                   num_tokens, num_ranks, ranks_per_node, num_experts, num_channels, num_topk,
-                   per_expert_at, per_node_at, num_tokens_at, gbl_prefix_at, rdma_prefix_at, abort_at,
+def ml_dispatch_send_layout(in_rank_ptr: "*i8",  # [T, R] bool (uint8): is_token_in_rank
+                   topk_ptr: "*i64",  # [T, K] int64 expert ids (HAS_TOPK)
+                   per_rank_ptr: "*i32",  # [R] int32: the caller's num_tokens_per_rank (checked)
+                   per_expert_ptr: "*i32",  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
+                   masks_ptr: "*i32",  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
+                   node_tokens_ptr: "*i32",  # out [N, T] int32: row n starts with node n's tokens, ascending
+                   row_ptr: "*i32",  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
+                            num_tokens: "i32", num_ranks: "i32", ranks_per_node: "i32", num_experts: "i32",
+                            num_channels: "i32", num_topk: "i32",
+                            per_expert_at: "i32", per_node_at: "i32", num_tokens_at: "i32", gbl_prefix_at: "i32",
+                            rdma_prefix_at: "i32", abort_at: "i32",
                    HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr,
                    BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
     # One program: hierarchy.send_layout, rows.node_tokens and rows.count_row in one pass, with
@@ -122,22 +124,23 @@ def ml_dispatch_send_layout(in_rank_ptr,  # [T, R] bool (uint8): is_token_in_ran
     tl.store(row_ptr + abort_at, abort)
 
 
-SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout, ["*i8", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32"])
+SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout)
 
 
 # ====================================================================== count exchange
 @triton.jit
-def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                       peer_bases_ptr,  # [R] int64: each rank's workspace (the loopback transport only)
-              my_row_ptr,  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
-              table, signals,  # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
-              table_ptr,  # the same table as a pointer (read after the wait)
-              state_ptr,  # int64 local arrival counter
-              prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
-              mailbox_address,  # host mailbox (gpu/mailbox.py): receive counts, then the sequence number
-              epoch, sequence, timeout_ns, rank, num_ranks, meta_len, num_experts, num_tokens_at, expert_alignment,
-              abort_at,
+def ml_notify_dispatch(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                       peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (the loopback transport only)
+              my_row_ptr: "*i32",  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
+                       # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
+                       table: "i64", signals: "i64",
+              table_ptr: "*i32",  # the same table as a pointer (read after the wait)
+              state_ptr: "*i64",  # int64 local arrival counter
+              prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+              mailbox_address: "i64",  # host mailbox (gpu/mailbox.py): receive counts, then the sequence number
+                       epoch: "i64", sequence: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", meta_len: "i32",
+                       num_experts: "i32", num_tokens_at: "i32", expert_alignment: "i32",
+              abort_at: "i32",
               REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
@@ -190,28 +193,32 @@ def ml_notify_dispatch(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py 
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-NOTIFY = KernelSpec(ml_notify_dispatch, ["*i64", "*i64", "*i32", "i64", "i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32",
-                                "i32", "i32", "i32", "i32", "i32", "i32"], **FAR_LIBRARY)
+NOTIFY = KernelSpec(ml_notify_dispatch, **FAR_LIBRARY)
 
 
 # ====================================================================== hop 1: send
 @triton.jit
-def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                     peer_bases_ptr,  # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
-                     x_ptr,  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
-                     scales_ptr, scale_stride_t, scale_stride_c,  # [T, S] float32 (HAS_SCALES)
-                     topk_ptr, weights_ptr,  # [T, K] int64 / float32 (HAS_TOPK)
-                     node_tokens_ptr,  # [N, T] int32: row n = the tokens going to node n, ascending
-                     masks_ptr,  # [T, N] int32: in-node masks (hierarchy.in_node_masks)
-                     node_row_ptr,  # out [T, N] int32: token t's row in its block for node n (combine.py reads it)
-                     meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
-                     send_area, recv_area, signals,  # int64 addresses of this half (symmetric memory)
-                     epoch, rank, num_ranks, ranks_per_node, num_tokens, x_words, num_scales, num_topk,
-                     row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, send_cap, meta_len, per_node_at,
-                     rdma_prefix_at, num_channels,
-                     parts,  # programs per (channel, node): each packs and puts a slice of the rows
-                     p2p,  # 1: store straight into a forwarder whose workspace is mapped here (peer_reach)
-                     part_counters_ptr,  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
+def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                     # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
+                     peer_bases_ptr: "*i64",
+                     x_ptr: "*i8",  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
+                     scales_ptr: "*fp32", scale_stride_t: "i64", scale_stride_c: "i64",  # [T, S] float32 (HAS_SCALES)
+                     topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (HAS_TOPK)
+                     node_tokens_ptr: "*i32",  # [N, T] int32: row n = the tokens going to node n, ascending
+                     masks_ptr: "*i32",  # [T, N] int32: in-node masks (hierarchy.in_node_masks)
+                     # out [T, N] int32: token t's row in its block for node n (combine.py reads it)
+                     node_row_ptr: "*i32",
+                     meta_ptr: "*i32",  # [R, meta_len] int32: every rank's count row of this call
+                     # int64 addresses of this half (symmetric memory)
+                     send_area: "i64", recv_area: "i64", signals: "i64",
+                     epoch: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32", num_tokens: "i32",
+                     x_words: "i32", num_scales: "i32", num_topk: "i32",
+                     row_bytes: "i32", scales_at: "i32", ids_at: "i32", weights_at: "i32", src_at: "i32",
+                     mask_at: "i32", send_cap: "i32", meta_len: "i32", per_node_at: "i32",
+                     rdma_prefix_at: "i32", num_channels: "i32",
+                     parts: "i32",  # programs per (channel, node): each packs and puts a slice of the rows
+                     p2p: "i32",  # 1: store straight into a forwarder whose workspace is mapped here (peer_reach)
+                     part_counters_ptr: "*i64",  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
                      REMOTE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -272,32 +279,33 @@ def ml_dispatch_send(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py ca
               REMOTE)
 
 
-SEND = KernelSpec(ml_dispatch_send, ["*i64", "*i64", "*i8", "*fp32", "i64", "i64", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32",
-                                     "i64",
-                                     "i64", "i64", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                                     "*i64"],
-                  **FAR_LIBRARY)
+SEND = KernelSpec(ml_dispatch_send, **FAR_LIBRARY)
 
 
 # ====================================================================== hop 2: forward
 @triton.jit
-def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                        peer_bases_ptr,  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
-                        area_offset, signals_offset,  # bytes from a base to this half's receive area / signals
-                        meta_ptr,  # [R, meta_len] int32: every rank's count row of this call
-                        prefix_ptr,  # [R, R] int32 rank_prefix_matrix (the count exchange)
-                        recv_x_ptr,  # [num_recv, x_words] int64 words
-                        recv_scales_ptr,  # [num_recv, S] float32 (HAS_SCALES)
-                        recv_topk_ptr, recv_weights_ptr,  # [num_recv, K] int64 local ids / float32 (HAS_TOPK)
-                        recv_src_ptr,  # [num_recv] int32 source token index
-                        recv_area_row_ptr,  # out [num_recv] int32: each row's row in its forwarder's receive area
-                        area_masks_ptr,  # out [area rows] int32: the in-node mask of each row of this rank's area
-                        timeouts_ptr,  # the host mailbox's timeout words (sync.mailbox_words)
-                        epoch, timeout_ns, rank, num_ranks, ranks_per_node, x_words, num_scales, num_topk,
-                        num_local_experts, row_bytes, scales_at, ids_at, weights_at, src_at, mask_at, meta_len,
-                        per_node_at, gbl_prefix_at, rdma_prefix_at, num_channels,
-                        num_out_rows,  # rows of the outputs (num_worst_tokens: rows past it are not written)
+def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+                        peer_bases_ptr: "*i64",  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
+                        # bytes from a base to this half's receive area / signals
+                        area_offset: "i64", signals_offset: "i64",
+                        meta_ptr: "*i32",  # [R, meta_len] int32: every rank's count row of this call
+                        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (the count exchange)
+                        recv_x_ptr: "*i8",  # [num_recv, x_words] int64 words
+                        recv_scales_ptr: "*fp32",  # [num_recv, S] float32 (HAS_SCALES)
+                        # [num_recv, K] int64 local ids / float32 (HAS_TOPK)
+                        recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",
+                        recv_src_ptr: "*i32",  # [num_recv] int32 source token index
+                        # out [num_recv] int32: each row's row in its forwarder's receive area
+                        recv_area_row_ptr: "*i32",
+                        # out [area rows] int32: the in-node mask of each row of this rank's area
+                        area_masks_ptr: "*i32",
+                        timeouts_ptr: "*i64",  # the host mailbox's timeout words (sync.mailbox_words)
+                        epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
+                        x_words: "i32", num_scales: "i32", num_topk: "i32",
+                        num_local_experts: "i32", row_bytes: "i32", scales_at: "i32", ids_at: "i32", weights_at: "i32",
+                        src_at: "i32", mask_at: "i32", meta_len: "i32",
+                        per_node_at: "i32", gbl_prefix_at: "i32", rdma_prefix_at: "i32", num_channels: "i32",
+                        num_out_rows: "i32",  # rows of the outputs (num_worst_tokens: rows past it are not written)
                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -362,5 +370,4 @@ def ml_dispatch_forward(failed_ptr,  # int64 state word CALL_FAILED (gpu/sync.py
                 tl.store(area_masks_ptr + block_start + rows, mask, mask=rows < hi)
 
 
-FORWARD = KernelSpec(ml_dispatch_forward, ["*i64", "*i64", "i64", "i64", "*i32", "*i32", "*i8", "*fp32", "*i64", "*fp32",
-                                           "*i32", "*i32", "*i32", "*i64", "i64", "i64"] + ["i32"] * 19)
+FORWARD = KernelSpec(ml_dispatch_forward)

@@ -84,28 +84,33 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
 
 # The same barrier under the name of the call it starts (the kernels' names are all that differs).
 @triton.jit
-def ml_dispatch_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                     fp1, epoch, timeout_ns, rank, num_ranks, REMOTE: tl.constexpr, R_P2: tl.constexpr):
+def ml_dispatch_step(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", fingerprint_offset: "i64",
+                     mailbox_address: "i64", failed_ptr: "*i64", fp0: "i64",
+                     fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", REMOTE: tl.constexpr,
+                     R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
                   fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
 
 
 @triton.jit
-def ml_combine_step(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                    fp1, epoch, timeout_ns, rank, num_ranks, REMOTE: tl.constexpr, R_P2: tl.constexpr):
+def ml_combine_step(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", fingerprint_offset: "i64",
+                    mailbox_address: "i64", failed_ptr: "*i64", fp0: "i64",
+                    fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", REMOTE: tl.constexpr,
+                    R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
                   fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
 
 
-_STEP_TYPES = ["*i64", "i64", "i64", "i64", "i64", "*i64", "i64", "i64", "i64", "i64", "i32", "i32"]
-STEPS = {kind: KernelSpec(kernel, _STEP_TYPES, **FAR_LIBRARY)
+STEPS = {kind: KernelSpec(kernel, **FAR_LIBRARY)
          for kind, kernel in (("dispatch", ml_dispatch_step), ("combine", ml_combine_step))}
 STEP = STEPS["dispatch"]
 
 
 @triton.jit
-def ml_abort(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, notify_signals_offset,
-             dispatch_signals_offset, push_flags_offset, home_signals_offset, fp0, fp1, rank, num_ranks, ranks_per_node,
+def ml_abort(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", fingerprint_offset: "i64",
+             notify_signals_offset: "i64",
+             dispatch_signals_offset: "i64", push_flags_offset: "i64", home_signals_offset: "i64", fp0: "i64",
+             fp1: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
              REMOTE: tl.constexpr):
     # Program p, for rank p: the abort row, then ABORT_EPOCH into each signal word this rank sets on
     # p in a call: its count row's signal (any p), block signals [node][*] and home signals [node][*]
@@ -132,5 +137,4 @@ def ml_abort(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, no
                                 peer_bases_ptr, rank, REMOTE)
 
 
-ABORT = KernelSpec(ml_abort, ["*i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32", "i32",
-                              "i32"], **FAR_LIBRARY)
+ABORT = KernelSpec(ml_abort, **FAR_LIBRARY)
