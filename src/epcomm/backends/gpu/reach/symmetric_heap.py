@@ -79,12 +79,20 @@ class SymmetricHeap:
         memory stays until the process ends."""
         key = (tuple(group_ranks), str(device))
         held = self._by_group.setdefault(key, [])
-        if not whole_world:
+        chosen = self._reclaim(held, num_bytes, all_gather) if whole_world else None
+        if chosen is None:
             tensor = self._allocate(num_bytes, device)
             allocation_id = self._next_id.get(key, 0)
             self._next_id[key] = allocation_id + 1
-            held.append(Allocation(allocation_id, num_bytes, tensor, storage_users(tensor), weakref.ref(owner)))
-            return tensor
+            chosen = Allocation(allocation_id, num_bytes, tensor, storage_users(tensor))
+            held.append(chosen)
+        chosen.owner = weakref.ref(owner)
+        return chosen.tensor
+
+    @staticmethod
+    def _reclaim(held: List[Allocation], num_bytes: int, all_gather) -> Optional[Allocation]:
+        """Agree which of ``held`` every rank let go of; return one of ``num_bytes`` to reuse, or
+        free them all (same order on every rank) and return None."""
         free_here = [a.id for a in held if a.let_go()]
         everywhere = set(free_here)
         for theirs in all_gather(free_here):
@@ -95,13 +103,7 @@ class SymmetricHeap:
             held[:] = [a for a in held if a.id not in everywhere]
             while free_everywhere:  # the last reference: PyTorch frees it now (a barrier), in this order on every rank
                 free_everywhere.pop(0)
-            tensor = self._allocate(num_bytes, device)
-            allocation_id = self._next_id.get(key, 0)
-            self._next_id[key] = allocation_id + 1
-            reuse = Allocation(allocation_id, num_bytes, tensor, storage_users(tensor))
-            held.append(reuse)
-        reuse.owner = weakref.ref(owner)
-        return reuse.tensor
+        return reuse
 
     def release(self, group_ranks: Sequence[int], tensor: torch.Tensor) -> None:
         """``tensor``'s owner is done with it (an explicit destroy); the bytes go back at the next
