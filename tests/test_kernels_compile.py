@@ -128,13 +128,13 @@ def test_nvlink_kernels_hold_no_nvshmem_call():
 
 def test_nvshmem_backend_channel_limit():
     """Signal words have room for MAX_CHANNELS channels per node: more is an EPInputError naming config."""
-    from epcomm.backends.nvshmem.backend import NvshmemBackend
     from epcomm.backends.gpu.normal.two_level.areas import MAX_CHANNELS
+    from epcomm.backends.gpu.normal.two_level.mode import TwoLevelMode
     from epcomm.config import Config
     from epcomm.errors import EPInputError
-    assert NvshmemBackend._num_channels(Config(num_sms=2 * MAX_CHANNELS)) == MAX_CHANNELS
+    assert TwoLevelMode._num_channels(Config(num_sms=2 * MAX_CHANNELS)) == MAX_CHANNELS
     with pytest.raises(EPInputError) as err:
-        NvshmemBackend._num_channels(Config(num_sms=2 * MAX_CHANNELS + 2))
+        TwoLevelMode._num_channels(Config(num_sms=2 * MAX_CHANNELS + 2))
     assert err.value.argument == "config"
 
 

@@ -118,9 +118,9 @@ def normal_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
     num_topk_sent = num_topk if with_weights else 0
 
     def warm(backend: NvshmemBackend) -> None:
-        backend._dispatch_plan(x_bytes, num_scales, num_topk_sent, num_experts, num_channels, False)
-        backend._dispatch_plan(x_bytes, num_scales, 0, num_experts, num_channels, True)
-        backend._combine_plan(hidden, num_topk_sent, num_bias, num_channels)
+        backend.normal._dispatch_plan(x_bytes, num_scales, num_topk_sent, num_experts, num_channels, False)
+        backend.normal._dispatch_plan(x_bytes, num_scales, 0, num_experts, num_channels, True)
+        backend.normal._combine_plan(hidden, num_topk_sent, num_bias, num_channels)
 
     def rank_body(rank: int, backend: NvshmemBackend):
         x = tuple(t.to(device) for t in inputs[rank]) if use_fp8 else inputs[rank].to(device)
@@ -357,8 +357,8 @@ def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         return refused, [(kind, out.cpu()) for kind, out in outs]
 
     def warm(backend: NvshmemBackend) -> None:  # the abort kernels too (a rank compiling one stalls the others)
-        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
-        backend._combine_plan(hidden, K, 0, 2)
+        backend.normal._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend.normal._combine_plan(hidden, K, 0, 2)
         warm_low_latency(backend, E, M, hidden, K)
         backend.warm_abort()
 

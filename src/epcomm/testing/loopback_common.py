@@ -78,7 +78,7 @@ def signal_words(backend: NvshmemBackend) -> str:
     areas = [("step", pre.step_rows, pre.fingerprint), ("notify", pre.notify_signals, pre.dispatch_signals),
              ("dispatch", pre.dispatch_signals, pre.push_flags), ("push", pre.push_flags, pre.home_signals),
              ("home", pre.home_signals, pre.data)]
-    parts = [f"rank {backend.rank} epoch {backend.epoch}"]
+    parts = [f"rank {backend.rank} epoch {backend.normal.epoch}"]
     for name, lo, hi in areas:
         values = buffer[lo:hi].view(torch.int64).cpu()
         if name == "step":

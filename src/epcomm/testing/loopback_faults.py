@@ -132,8 +132,8 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     planted = EPInputError("x", "planted on the last rank")
 
     def warm(backend: NvshmemBackend) -> None:  # the abort kernels too (a rank compiling one stalls the others)
-        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
-        backend._combine_plan(hidden, K, 0, 2)
+        backend.normal._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend.normal._combine_plan(hidden, K, 0, 2)
         warm_low_latency(backend, E, M, hidden, K)
         backend.warm_abort()
 
@@ -230,11 +230,11 @@ def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     config = Config(num_sms=4)
 
     def warm(backend: NvshmemBackend) -> None:
-        backend._dispatch_plan(2 * hidden, 0, K, E, 2, False)
-        backend._dispatch_plan(2 * hidden, 0, 0, E, 2, True)
-        backend._dispatch_plan(hidden, hidden // 128, 0, E, 2, True)
+        backend.normal._dispatch_plan(2 * hidden, 0, K, E, 2, False)
+        backend.normal._dispatch_plan(2 * hidden, 0, 0, E, 2, True)
+        backend.normal._dispatch_plan(hidden, hidden // 128, 0, E, 2, True)
         for num_topk in (0, K):
-            backend._combine_plan(hidden, num_topk, 0, 2)
+            backend.normal._combine_plan(hidden, num_topk, 0, 2)
 
     def raised(backend) -> str:
         wait_stream(device)

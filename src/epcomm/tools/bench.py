@@ -267,8 +267,8 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     started = time.time()
-    backend = buffers["epcomm"][0]._backend
-    default_transport = (getattr(backend, "send_parts", None), getattr(backend, "p2p", None))
+    normal = getattr(buffers["epcomm"][0]._backend, "normal", None)  # (the nvshmem backend's TwoLevelMode)
+    default_transport = (getattr(normal, "send_parts", None), getattr(normal, "p2p", None))
     runs = [(tokens, settings.sms, default_transport) for tokens in [settings.tokens] + [
         t for t in settings.extra_tokens if t != settings.tokens]]
     runs += [(settings.tokens, sms, default_transport) for sms in settings.more_sms if sms != settings.sms]
@@ -278,7 +278,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
                  for p2p in settings.p2p or [default_transport[1]] if (parts, bool(p2p)) != default_transport]
     for tokens, sms, (parts, p2p) in runs:
         if parts is not None:  # the nvshmem backend reads both at every launch
-            backend.send_parts, backend.p2p = parts, p2p
+            normal.send_parts, normal.p2p = parts, p2p
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   f" ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)

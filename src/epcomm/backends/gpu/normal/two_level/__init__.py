@@ -8,6 +8,7 @@
     channels.py   what dispatch and combine share: node blocks, channel ranges, the hand-off
     dispatch.py   count exchange and the two-hop dispatch
     combine.py    reduce within the node first, one row per token and node over the network
+    mode.py       the host side: plans per call shape and the launches of each call (TwoLevelMode)
 
 The kernels run against the plan on one GPU through :mod:`epcomm.testing.loopback_cases`.
 Importing this package loads no kernels.
