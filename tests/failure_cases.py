@@ -592,21 +592,29 @@ def buffer_resync_rules():
 DEBUG_MESSAGES = False
 
 
-def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0):
+def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0, device: str = "cpu"):
     """A rank whose expert code raised skips a call its peers make (``skipped``: ``"combine"``,
     ``"ll_combine"``, ``"dispatch"``), then every rank goes on as a serving loop does: each step
     runs in ``try`` and a failed step is dropped. Steps: a normal round trip on Buffer A, a
     low-latency round trip on Buffer B of the same group, then both again. Returns per step
     ``(outcome, seconds)``, outcome ``"ok"`` (checked against the reference) or the error's class
-    and argument — never wrong data."""
+    and argument — never wrong data. ``device="cuda"``: the group's GPU backend (the call board
+    finds the skip, gpu/call_board.py); a step whose calls return before the GPU ran them
+    synchronises, so an error the GPU reports lands in the step it belongs to."""
     from epcomm.testing.reference import reference_combine, reference_low_latency_combine
     R, rank = world()
     skipper = 1 % R
     num_experts = 4 * R
-    normal = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
-    ll = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
-    xs, topks, weights = make_routing(35, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
-    x, topk, w = xs[rank], topks[rank], weights[rank]
+    gpu = device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    hidden = 128
+    sizes = dict(num_nvl_bytes=64 << 20) if gpu else {}
+    normal = epcomm.Buffer(dist.group.WORLD, timeout=timeout, **sizes)
+    ll_sizes = dict(num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(8, hidden, R, num_experts)) if gpu \
+        else {}
+    ll = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout, **ll_sizes)
+    xs, topks, weights = make_routing(35, "uniform", R, num_experts, 2, 8, hidden, fixed_tokens=8)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
 
     def normal_round():
         recv_x, _, recv_w, _, handle, _ = normal.dispatch(x, **_layout_args(normal, topk, num_experts),
@@ -616,8 +624,12 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
             raise RuntimeError("expert code failed")
         out = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
         combined, _, _ = normal.combine(out, handle, topk_weights=recv_w)
-        want = reference_combine(x, topk, num_experts, R, lambda j, rows: (rows.float() * (j + 1)).to(torch.bfloat16))
-        assert torch.allclose(combined.float(), want.float(), rtol=1e-2, atol=1e-2), "normal round: wrong data"
+        want = reference_combine(xs[rank], topks[rank], num_experts, R,
+                                 lambda j, rows: (rows.float() * (j + 1)).to(torch.bfloat16))
+        if gpu:
+            torch.cuda.synchronize()
+            normal._check_alive()  # (what the GPU reported for this round raises here, not in the next)
+        assert torch.allclose(combined.float().cpu(), want.float(), rtol=1e-2, atol=1e-2), "normal round: wrong data"
 
     def ll_round():
         if skipped == "dispatch" and rank == skipper and not state["skipped"]:
@@ -628,8 +640,11 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
             state["skipped"] = True
             raise RuntimeError("expert code failed")
         combined, _, _ = ll.low_latency_combine(recv_x, topk, w, handle)
-        want = reference_low_latency_combine(x, topk, w, lambda e, rows: rows, False, False)
-        assert torch.allclose(combined.float(), want.float(), rtol=2e-2, atol=2e-2), "low-latency round: wrong data"
+        want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], lambda e, rows: rows, False, False)
+        if gpu:
+            torch.cuda.synchronize()
+            ll._check_alive()
+        assert torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2), "low-latency round: wrong data"
 
     state = {"skipped": False}
     steps = [("ll" if skipped == "dispatch" else "normal" if skipped == "combine" else "ll", None)]

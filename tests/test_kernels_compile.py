@@ -202,7 +202,7 @@ def test_multinode_dispatch_kernels_compile(fp8, topk, loopback):
                                  target=target).asm["cubin"]
     for spec in S.STEPS.values():
         assert spec.compile(dict(REMOTE=_remote(loopback), R_P2=16), 4, target=target, **options).asm["cubin"]
-    assert S.ABORT.compile(dict(REMOTE=_remote(loopback)), 4, target=target, **options).asm["cubin"]
+    assert S.ABORT.compile(dict(REMOTE=_remote(loopback), R_P2=8), 4, target=target, **options).asm["cubin"]
     meta = dict(HAS_SCALES=fp8, HAS_TOPK=topk, BLOCK_R=8, BLOCK_W=1024, S_P2=64, K_P2=8)
     send = M.SEND.compile(dict(meta, REMOTE=_remote(loopback)), 8, target=target, **options)
     assert ("nvshmemx_putmem_signal_block" in send.asm["ptx"]) != loopback
@@ -267,7 +267,7 @@ def _multi_node_cases():
     from epcomm.backends.gpu.normal.two_level import step as S
     for spec in S.STEPS.values():
         yield spec, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4
-    yield S.ABORT, dict(REMOTE=FAR_BY_LOOPBACK), 4
+    yield S.ABORT, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=8), 4
     yield D.NOTIFY, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16, BLOCK_E=128), 4
     for topk in (False, True):
         yield D.SEND_LAYOUT, dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=2, BLOCK_E=256, K_P2=8 if topk else 1), 4

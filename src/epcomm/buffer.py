@@ -140,6 +140,7 @@ class Buffer(RankMasking):
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_phase = 0
+        self._resyncs_seen = self._backend.resync_generation  # (a resync of the group restarts the halves)
         self._ll_combine_staging: List[Optional[torch.Tensor]] = [None, None]
         # (handle, topk_idx) of the last two low-latency dispatches: combine checks its topk_idx against them
         self._ll_dispatched: List[Optional[Tuple[LowLatencyHandle, torch.Tensor]]] = [None, None]
@@ -151,8 +152,7 @@ class Buffer(RankMasking):
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
-    def is_sm90_compiled() -> bool:
-        """True: the FP8 paths are available (they need no compiled extension here)."""
+    def is_sm90_compiled() -> bool:  # True: the FP8 paths need no compiled extension here
         return True
 
     @staticmethod
@@ -196,6 +196,8 @@ class Buffer(RankMasking):
             raise EPError("this Buffer was destroyed")
         if self._backend.needs_resync:
             self._resync()
+        if self._backend.resync_generation != self._resyncs_seen:  # another Buffer of the group resynced all
+            self._forget_calls_in_flight()
         self._backend.raise_pending()
 
     def _start_call(self, kind: str) -> None:
@@ -213,19 +215,22 @@ class Buffer(RankMasking):
             self._stand_in_for_skipped_call(kind)
 
     def _resync(self) -> None:
-        """After this rank raised EPInputError on a GPU backend: re-pair with the peers (collective,
-        bounded: every rank that raised comes here at its next call) and start the low-latency
-        halves again."""
+        """After this rank raised EPInputError on a GPU backend: re-pair with the peers (collective
+        over the group, bounded: every rank that raised comes here at its next call)."""
         self._backend.resync()
+        self._forget_calls_in_flight()
+
+    def _forget_calls_in_flight(self) -> None:
+        """After a resync of this Buffer's group: the low-latency halves start again, and a call a
+        rejected layout skipped is over (its peers raised)."""
+        self._resyncs_seen = self._backend.resync_generation
+        self._rejected_layout = None
         self._ll_phase = 0
         self._ll_combine_staging = [None, None]
         self._ll_dispatched = [None, None]
 
     def _check_low_latency(self, kind: Optional[str] = None) -> None:
-        if kind is None:
-            self._check_alive()
-        else:
-            self._start_call(kind)
+        self._check_alive() if kind is None else self._start_call(kind)
         if not self.low_latency_mode:
             raise EPError("low-latency calls need a Buffer constructed with low_latency_mode=True")
 
@@ -234,9 +239,8 @@ class Buffer(RankMasking):
         skipped the call that layout was for, which its peers are making. The first call that
         exchanges anything afterwards first stands in for it, as an abort: the peers raise
         EPInputError there, naming this rank and the argument, and this call then pairs with their
-        next one. Calls pair by identity, not by count: without the stand-in, this call would pair
-        with the peers' call that the layout was for. (On the GPU backends the abort leaves the
-        signals out of step: this rank resyncs with the peers, which raised, before its own call.)"""
+        next one: without the stand-in, this call would pair with the peers' call the layout was
+        for. (On the GPU backends this rank then resyncs with the peers, which raised.)"""
         rejected, self._rejected_layout = self._rejected_layout, None
         if rejected is None:
             return
@@ -532,9 +536,7 @@ class Buffer(RankMasking):
         checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         checks.check_int("hidden", hidden, minimum=1)
         checks.check_num_experts(num_experts, self.group_size)
-        self._ll_phase = 0
-        self._ll_combine_staging = [None, None]
-        self._ll_dispatched = [None, None]
+        self._forget_calls_in_flight()
         self._backend.clean_low_latency()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

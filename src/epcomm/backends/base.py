@@ -119,6 +119,12 @@ class Backend(abc.ABC):
         call. Backends that agree before exchanging anything never need it."""
         return False
 
+    @property
+    def resync_generation(self) -> int:
+        """How many resyncs this Buffer's group has made (GPU backends: a resync covers every
+        Buffer of the group, call_board.py); Buffer restarts its low-latency halves when it moves."""
+        return 0
+
     def resync(self) -> None:
         """Collective among the ranks that raised: bring the ranks' signalling state back in step
         (bounded; EPTimeoutError names a rank that does not come)."""

@@ -61,12 +61,12 @@ def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: boo
         next_op = rng.choice(other if fault == "drop" else list(ops))
     if fault == "layout" and op != "normal":
         fault = "bad"
-    if gpu and previous["fault"] == "skip" and (previous["op"] == "low_latency") != (op == "low_latency"):
-        op = previous["op"] if previous["op"] != "cached" or have_handle else "normal"  # see below
-    if gpu and fault == "skip" and op == "low_latency":
-        # GPU: the skipped low-latency combine's peers wait on combine flags the skipping rank's
-        # next (dispatch) call does not set: they mask it at the timeout (low-latency semantics)
-        fault = "bad"
+    if gpu and not two_buffers and previous["fault"] == "skip" and \
+            (previous["op"] == "low_latency") != (op == "low_latency"):
+        # one GPU Buffer: the step after a skip stays in the skipped call's mode (on nvshmem the
+        # modes share their bytes: a mode switch starts with clean_low_latency_buffer, a host
+        # barrier, which the rank that skipped would reach while its peers resync)
+        op = previous["op"] if previous["op"] != "cached" or have_handle else "normal"
     ranks = list(range(num_ranks))
     subset = sorted(rng.sample(ranks, rng.randint(1, num_ranks)))
     proper = sorted(rng.sample(ranks, rng.randint(1, num_ranks - 1)))
@@ -89,8 +89,10 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
     must raise. A skipped normal-mode combine is followed by a normal-mode step there (its peers
     wait on signals only a normal-mode call sets); low-latency steps skip nothing (a peer that
     misses a low-latency call is masked at the timeout, DeepEP's semantics). ``two_buffers``: normal
-    and low-latency steps on two Buffers of the group, with ``drop`` faults (the reference backend:
-    the GPU backends do not detect a skip across Buffers yet)."""
+    and low-latency steps on two Buffers of the group, with ``drop`` faults. On the reference
+    backend the call of the rank that skipped pairs with its peers' next one; on a GPU backend the
+    call board (gpu/call_board.py) makes both sides raise naming ``call``, so the rank that skipped
+    makes its next call again after it raised."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     num_experts, M = 2 * R, tokens
@@ -100,8 +102,6 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
                   check_values=True)  # (a GPU rank then rejects out-of-range or changed top-k itself)
     if backend is not None:
         kwargs["backend"] = backend
-    if two_buffers and gpu:
-        raise ValueError("two_buffers runs on the reference backend (device='cpu')")
     buffer = epcomm.Buffer(dist.group.WORLD, **kwargs)
     normal_buffer = epcomm.Buffer(dist.group.WORLD, **dict(kwargs, low_latency_mode=False)) if two_buffers else buffer
     outcomes: Counter = Counter()
@@ -164,8 +164,11 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         except _Expected:
             outcomes[f"{fault}_raised"] += 1
         same_buffer_next = (plan["next_op"] == "low_latency") == (op == "low_latency") or not two_buffers
-        if fault == "skip" and rank == plan["one"] and same_buffer_next:
-            retry_pending = True  # its next call meets the skipped one (same Buffer): it raises, then again
+        if rank == plan["one"] and (fault == "skip" and (same_buffer_next or gpu) or
+                                    fault in ("drop", "layout") and gpu and not same_buffer_next):
+            # its next call meets the skipped one (same Buffer), or on a GPU backend finds on the
+            # call board that its peers are in another call: it raises, then makes it again
+            retry_pending = True
         previous = {"fault": fault, "op": op, "next_op": plan["next_op"]}
         if progress is not None and (step + 1) % 100 == 0:
             progress(f"rank {rank}: {step + 1}/{num_steps} steps")

@@ -42,14 +42,14 @@ import triton
 import triton.language as tl
 
 from ...errors import EPInputError
-from . import sync
+from . import call_board, sync
 from .launch import KernelSpec
-from .reach.modes import FAR_LIBRARY, far_complete, release_words, same_node, set_row
+from .reach.modes import FAR_LIBRARY, far_complete, post_call_any, release_words, same_node, set_row
 from .sync import fingerprint_half, post_fingerprint
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
 FIELDS = (
-    (("call", 4), ("hidden", 24), ("x", 2), ("num_topk", 8), ("num_experts", 22)),
+    (("call", 4), ("hidden", 24), ("x", 2), ("num_topk", 8), ("num_experts", 22), ("buffer", 3)),
     (("abort", 8), ("handle", 28), ("num_worst_tokens", 1), ("num_max_dispatch_tokens_per_rank", 20),
      ("use_fp8", 1), ("round_scale", 1), ("use_ue8m0", 1), ("expert_major", 1)),
 )
@@ -86,6 +86,9 @@ def _layout() -> List[Dict[str, Tuple[int, int]]]:
 
 _LAYOUT = _layout()
 assert _LAYOUT[1]["abort"] == (0, 8)  # kernels OR an abort code into word 1 as is
+# The call board's words carry the call field and a Buffer slot (call_board.py).
+assert _LAYOUT[0]["call"] == (0, call_board.KIND_MASK.bit_length())
+assert _LAYOUT[0]["buffer"] == (call_board.FP_BUFFER_SHIFT, call_board.NUM_SLOTS.bit_length())
 
 
 def field(name: str) -> Tuple[int, int, int]:
@@ -153,6 +156,15 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
             why = f"rank {first} rejected its input"
         raise EPInputError(argument, f"{why}; every rank raises (ranks {sorted(aborts)}). The ranks re-pair at "
                                      f"their next call")
+    if any(f["buffer"] for f in everyone.values()):  # the call board's record (sync.record_elsewhere)
+        calls = {r: f"{_show('call', f['call'])} on Buffer {f['buffer']}" for r, f in everyone.items()}
+        groups: Dict[str, list] = {}
+        for r, value in sorted(calls.items()):
+            groups.setdefault(value, []).append(r)
+        shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+        raise EPInputError("call", f"ranks are in different calls (a rank skipped a call its peers made, on this "
+                                   f"Buffer or another of the group): {shown} (Buffers numbered from 1 in the order "
+                                   f"they were made, modulo 7). Every Buffer of the group re-pairs at the next call")
     for name in [n for word in FIELDS for n, _ in word if n != "abort"]:
         values = {r: _show(name, f[name]) for r, f in everyone.items()}
         if len(set(values.values())) > 1:
@@ -181,13 +193,17 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
              ll_counts_ptr: "*i64",  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
              num_shapes: "i32", fp0: "i64", fp1: "i64", rank: "i32", num_ranks: "i32",
              ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only: gpu/reach/)
+             board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+             call_tag: "i64",  # the aborted call's number and Buffer (0: not posted)
              NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
              REMOTE: tl.constexpr):
     # On every peer (self included): the abort words into each fingerprint row this rank owns (all
     # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
     # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
     # abort words (the release covers them) and names the argument. Peers of other nodes
-    # (REMOTE) get the same words by NVSHMEM signals, the rows completed before the epochs.
+    # (REMOTE) get the same words by NVSHMEM signals, the rows completed before the epochs. The
+    # abort is posted on the call board too: peers waiting in another Buffer's call of the same
+    # number (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it.
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     far = live & (same_node(peers, rank, ranks_per_node, REMOTE) == 0)
@@ -195,6 +211,7 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     my_base = tl.load(bases_ptr + rank)
     spare = (state_ptr + sync.SPARE).to(tl.int64)
     epoch = tl.zeros([R_P2], tl.int64) + sync.ABORT_EPOCH
+    post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
     for row in range(0, NUM_ROWS):  # (set, half) pairs
         rows_offset = fingerprint_half(fingerprints_offset, row, num_ranks)
         post_fingerprint(base + rows_offset, rank, live & (far == 0), fp0, fp1, epoch)
@@ -230,11 +247,13 @@ def bind_abort(num_ranks: int, remote: int = 0):
                       R_P2=1 << (num_ranks - 1).bit_length(), BLOCK_L=128, REMOTE=remote)
 
 
-def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0) -> None:
+def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0,
+                 board: Tuple[int, int] = (0, 0)) -> None:
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
     rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
     expert counts ``experts_seen`` used so far) this rank owns, on every peer. ``remote`` and
-    ``ranks_per_node``: how far peers are reached (gpu/reach/)."""
+    ``ranks_per_node``: how far peers are reached (gpu/reach/); ``board``: the call board's bases
+    address and the aborted call's tag (call_board.py)."""
     import torch
 
     from .launch import current_stream
@@ -246,4 +265,4 @@ def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0
     fp0, fp1 = abort_words(argument)
     bind_abort(R, remote).launch(
         1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes), fp0, fp1,
-        ws.rank, R, ranks_per_node or R, ws.spare_word)
+        ws.rank, R, ranks_per_node or R, ws.spare_word, *board)

@@ -58,11 +58,7 @@ class HostMailbox:
         """Raise what kernels reported since the last call (cheap: one host-memory read)."""
         if self.view[0] == 0:
             return
-        pairs = self.view[self._agreement:self._agreement + 2 * (self.num_ranks + 1)].reshape(-1, 2)
-        if pairs[self.num_ranks].any():  # until the resync: the ranks' signals are out of step
-            posted = {r: (int(w0), int(w1)) for r, (w0, w1) in enumerate(pairs[:self.num_ranks]) if w0 or w1}
-            self.resync_needed = True
-            agreement.raise_disagreement(posted, (int(pairs[-1, 0]), int(pairs[-1, 1])), self.num_ranks)
+        self.raise_disagreement()
         timeouts = self.view[1:1 + self.num_ranks]
         if timeouts.any():  # sticky: this buffer's peers can no longer be trusted to be in step
             peers = np.nonzero(timeouts)[0].tolist()
@@ -74,6 +70,15 @@ class HostMailbox:
         if dropped:
             raise EPInputError("topk_idx", f"an earlier call held {dropped} expert ids outside [-1, num_experts); "
                                            f"those entries were dropped")
+
+    def raise_disagreement(self) -> None:
+        """Raise EPInputError for a disagreement kernels recorded (ranks in different calls, or
+        with different arguments), and mark the signals out of step until the resync."""
+        pairs = self.view[self._agreement:self._agreement + 2 * (self.num_ranks + 1)].reshape(-1, 2)
+        if pairs[self.num_ranks].any():  # until the resync: the ranks' signals are out of step
+            posted = {r: (int(w0), int(w1)) for r, (w0, w1) in enumerate(pairs[:self.num_ranks]) if w0 or w1}
+            self.resync_needed = True
+            agreement.raise_disagreement(posted, (int(pairs[-1, 0]), int(pairs[-1, 1])), self.num_ranks)
 
     def next_sequence(self) -> int:
         self.sequence += 1

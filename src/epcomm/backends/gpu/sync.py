@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import call_board
 from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, NUM_FLAG_SETS  # noqa: F401 (used by the kernels)
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL, FP_ROW_BYTES  # noqa: F401 (used by the kernels)
 
@@ -68,6 +69,12 @@ FP_ROW = tl.constexpr(FP_ROW_BYTES)
 ABORT_EPOCH = tl.constexpr(1 << 30)
 # A wait that checks its senders' fingerprint rows (poll_epochs_or_other_call) looks this often.
 ROW_CHECK_NS = tl.constexpr(20_000)
+# A call board word (call_board.py): (call number << 8) | (Buffer slot << 4) | call kind.
+BOARD_NUMBER_SHIFT = tl.constexpr(call_board.NUMBER_SHIFT)
+BOARD_BUFFER_SHIFT = tl.constexpr(call_board.BUFFER_SHIFT)
+BOARD_BUFFER_MASK = tl.constexpr(call_board.NUM_SLOTS)
+BOARD_KIND_MASK = tl.constexpr(call_board.KIND_MASK)
+FP_BUFFER_SHIFT = tl.constexpr(call_board.FP_BUFFER_SHIFT)
 
 # Device-side state words (int64, one small tensor per backend): epochs and arrival counters.
 EPOCH_NORMAL = 0
@@ -248,26 +255,36 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
     in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``. Every lane's
     address must be mapped memory (dead lanes are read too, and ignored): callers index their own
     workspace, whose flag and count areas are larger than the lanes they use."""
-    return poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, word_ptrs, 0, 0, EPOCH_SHIFT=EPOCH_SHIFT,
-                                     CHECK_ROWS=False)
+    words, waited, late, _ = poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, word_ptrs, 0, 0, 0, 0,
+                                                       EPOCH_SHIFT=EPOCH_SHIFT, CHECK_ROWS=False, CHECK_BOARD=False)
+    return words, waited, late
 
 
 @triton.jit
-def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0, fp1, EPOCH_SHIFT: tl.constexpr,
-                              CHECK_ROWS: tl.constexpr):
-    """:func:`poll_epochs`; with ``CHECK_ROWS``, a lane also stops waiting once its sender's
-    fingerprint row (``row_ptrs``: int64 pointer to each lane's row) holds this epoch (or an abort's)
-    with other words than ``(fp0, fp1)``: that sender is in another call, whose signals may go elsewhere (a
-    low-latency dispatch with another expert count writes other count words), so waiting for it
-    would last the whole timeout. The rows are looked at only after ``ROW_CHECK_NS`` of waiting,
-    and then every ``ROW_CHECK_NS``: a wait that ends in time costs nothing more. Such a lane is
-    not late; :func:`check_fingerprints` records the mismatch afterwards."""
+def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0, fp1, board_address, call_tag,
+                              EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_BOARD: tl.constexpr):
+    """:func:`poll_epochs`, where a lane may also stop waiting because its sender is in another call:
+
+    - ``CHECK_ROWS``: its sender's fingerprint row (``row_ptrs``: int64 pointer to each lane's row)
+      holds this epoch (or an abort's) with other words than ``(fp0, fp1)`` — a call of this
+      Buffer whose signals may go elsewhere (a low-latency dispatch with another expert count
+      writes other count words); :func:`check_fingerprints` records the mismatch afterwards.
+    - ``CHECK_BOARD``: its sender's word on this rank's call board (``board_address``: byte address
+      of word 0; gpu/call_board.py) says the sender's call of this call's number is another one —
+      on another Buffer of the group, or another kind (a rank that skipped a call). Such lanes
+      are returned as ``elsewhere``; the caller records them (:func:`record_elsewhere`).
+
+    Waiting for such a sender would last the whole timeout. The rows and the board are looked at
+    only after ``ROW_CHECK_NS`` of waiting, and then every ``ROW_CHECK_NS``: a wait that ends in
+    time costs nothing more. Returns ``(words, waited_ns, late, elsewhere)``; neither kind of
+    lane is late."""
     start = now_ns()
     deadline = start + timeout_ns
     addresses = word_ptrs.to(tl.int64)
     words = load_acquire_sys(addresses)
     ready = ((words >> EPOCH_SHIFT) >= epoch) | (live == 0)
     waited = tl.zeros_like(words)
+    elsewhere = ready & (ready == 0)
     now = start
     check_at = start + ROW_CHECK_NS
     while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
@@ -277,33 +294,104 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0,
         words = tl.where(arrived, fresh, words)
         waited = tl.where(arrived, now - start, waited)
         ready |= arrived
+        look = now >= check_at  # the rows and the board are posted at the senders' kernel starts
         if CHECK_ROWS:
-            if now >= check_at:  # the rows are posted at the senders' kernel starts (plain stores, or puts)
+            if look:
                 rows = row_ptrs.to(tl.int64)
                 posted_epoch = load_acquire_sys(rows + 16)  # this call's, or a peer's abort (agreement.py)
                 other = (ready == 0) & ((posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)) & \
                     ((load_acquire_sys(rows) != fp0) | (load_acquire_sys(rows + 8) != fp1))
                 waited = tl.where(other, now - start, waited)
                 ready |= other
-                check_at = now + ROW_CHECK_NS
+        if CHECK_BOARD:
+            if look & (call_tag != 0):
+                lanes = tl.arange(0, ready.shape[0])
+                other = (ready == 0) & posted_elsewhere(board_address, lanes, call_tag, fp0)
+                waited = tl.where(other, now - start, waited)
+                elsewhere |= other
+                ready |= other
+        check_at = tl.where(look, now + ROW_CHECK_NS, check_at)
     late = ready == 0
-    return words, tl.where(late, now - start, waited), late
+    return words, tl.where(late, now - start, waited), late, elsewhere
+
+
+# ---------------------------------------------------------------------- the call board (gpu/call_board.py)
+@triton.jit
+def board_word(call_tag, fp0):
+    """What this call posts on its peers' call boards: its tag (call number and Buffer, host-made:
+    call_board.py) and its kind (the fingerprint's ``call`` field)."""
+    return call_tag | (fp0 & BOARD_KIND_MASK)
 
 
 @triton.jit
-def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_ns,
-               HAS_MASK: tl.constexpr, MASK_ON_TIMEOUT: tl.constexpr, R_P2: tl.constexpr):
+def post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, live, R_P2: tl.constexpr):
+    """Post this call on the call board of every ``live`` peer (self included): word ``rank`` :=
+    :func:`board_word` (``board_bases_ptr``: [R] int64 byte address of each rank's board). One
+    plain store per peer, at the kernel's start: the board only tells a waiting peer which call
+    this rank is in, it publishes nothing (a reader that sees it late looks again). Nothing is
+    posted for a tag of 0 (a call captured in a CUDA graph: call_board.py)."""
+    if call_tag != 0:
+        peers = tl.arange(0, R_P2)
+        live &= peers < num_ranks
+        boards = tl.load(board_bases_ptr + peers, mask=live, other=0)
+        tl.store((boards + rank * 8).to(tl.pointer_type(tl.int64)), tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0),
+                 mask=live)
+
+
+@triton.jit
+def posted_elsewhere(board_address, senders, call_tag, fp0):
+    """Lanes whose sender's word on this rank's board carries this call's number with another
+    Buffer or kind: the sender's call of this number is another call. (A sender behind posts a
+    smaller number, one ahead a larger one: neither is taken for a skip.)"""
+    posted = load_acquire_sys(board_address + senders.to(tl.int64) * 8)
+    return ((posted >> BOARD_NUMBER_SHIFT) == (call_tag >> BOARD_NUMBER_SHIFT)) & \
+        (posted != board_word(call_tag, fp0)) & (posted != 0)
+
+
+@triton.jit
+def record_elsewhere(board_address, senders, elsewhere, call_tag, fp0, agreement_ptr, num_ranks):
+    """Record senders found in another call (:func:`posted_elsewhere`) in the host mailbox as a
+    disagreement on the ``call`` and ``buffer`` fields: the senders' board words and this call's,
+    as fingerprint words (agreement.py decodes them: ranks in different calls)."""
+    if tl.max(elsewhere.to(tl.int32), axis=0) != 0:
+        posted = tl.load(board_address.to(tl.pointer_type(tl.int64)) + senders, mask=elsewhere, other=0)
+        tl.store(agreement_ptr + senders * 2, _board_fingerprint(posted), mask=elsewhere)
+        tl.store(agreement_ptr + senders * 2 + 1, tl.zeros_like(posted), mask=elsewhere)
+        zeros = tl.zeros_like(senders)
+        own = _board_fingerprint(tl.zeros_like(posted) + board_word(call_tag, fp0))
+        tl.store(agreement_ptr + num_ranks * 2 + zeros, own, mask=elsewhere)
+        tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64), mask=elsewhere)
+        tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=elsewhere)  # "pending"
+
+
+@triton.jit
+def _board_fingerprint(word):
+    """A board word as fingerprint word 0: its kind in ``call``, its Buffer in ``buffer``."""
+    return (word & BOARD_KIND_MASK) | (((word >> BOARD_BUFFER_SHIFT) & BOARD_BUFFER_MASK) << FP_BUFFER_SHIFT)
+
+
+@triton.jit
+def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_ns, board_address, call_tag, fp0,
+               agreement_ptr, HAS_MASK: tl.constexpr, MASK_ON_TIMEOUT: tl.constexpr, CHECK_BOARD: tl.constexpr,
+               R_P2: tl.constexpr):
     """Wait until every live peer's word in this rank's flag set is >= ``epoch``. A peer that
     times out is masked (``MASK_ON_TIMEOUT``, low-latency mode: the call goes on without it) or
-    flagged in the host mailbox (``timeouts_ptr[p]``; the next call raises EPTimeoutError).
-    Returns each peer's wait in ns ([R_P2] int64)."""
+    flagged in the host mailbox (``timeouts_ptr[p]``; the next call raises EPTimeoutError). With
+    ``CHECK_BOARD``, a peer whose call board word says it is in another call stops the wait for it
+    and is recorded (``agreement_ptr``: the mailbox's agreement words; the host raises naming the
+    calls). Returns ``(waited, elsewhere)``: each peer's wait in ns ([R_P2] int64), and the peers
+    found in another call."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     if HAS_MASK:
         live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
-    _, waited, late = poll_epochs(my_flags_ptr + peers, live, epoch, timeout_ns, EPOCH_SHIFT=0)
+    _, waited, late, elsewhere = poll_epochs_or_other_call(my_flags_ptr + peers, live, epoch, timeout_ns,
+                                                           my_flags_ptr, fp0, 0, board_address, call_tag,
+                                                           EPOCH_SHIFT=0, CHECK_ROWS=False, CHECK_BOARD=CHECK_BOARD)
     report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT)
-    return waited
+    if CHECK_BOARD:
+        record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement_ptr, num_ranks)
+    return waited, elsewhere
 
 
 @triton.jit
@@ -319,8 +407,9 @@ def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constex
 
 @triton.jit
 def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns, fp_offset,
-                       fp0, fp1, num_items, R_P2: tl.constexpr):
-    """Step 4 for the normal mode's receivers: ACQUIRE every rank's signal of ``epoch`` (a timeout is flagged in the mailbox), then check
+                       fp0, fp1, num_items, board_address, call_tag, R_P2: tl.constexpr):
+    """Step 4 for the normal mode's receivers: ACQUIRE every rank's signal of ``epoch`` (a timeout is
+    flagged in the mailbox; a rank the call board shows in another call is recorded), then check
     the fingerprints they carried. Returns ``num_items``, or 0 when any rank's call differs: the
     caller then moves nothing, and the host raises (agreement.py)."""
     my_base = tl.load(flag_bases_ptr + rank)
@@ -329,10 +418,10 @@ def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, n
     peers = tl.arange(0, R_P2)
     fp_rows = my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)
     settled = fingerprints_settled(fp_rows, peers, peers < num_ranks, fp0, fp1, epoch)
-    wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, HAS_MASK=False, MASK_ON_TIMEOUT=False,
-               R_P2=R_P2)
+    _, elsewhere = wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, board_address, call_tag, fp0,
+                              agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False, CHECK_BOARD=True, R_P2=R_P2)
     differ = check_fingerprints(fp_rows, peers, peers < num_ranks, settled, fp0, fp1, epoch, agreement, num_ranks)
-    return tl.where(tl.max(differ.to(tl.int32), axis=0) == 0, num_items, 0)
+    return tl.where(tl.max((differ | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
 
 
 def device_state(device: torch.device) -> torch.Tensor:

@@ -142,7 +142,7 @@ class Workspace:
         self._ll_layouts: Dict[Tuple, LowLatencyLayout] = {}
 
         if memory is None:
-            memory = _symmetric_memory(group, device, self.size)
+            memory = symmetric_memory(group, device, self.size)
         self._memory = memory  # keeps what the allocation needs alive (a rendezvous handle)
         buffer, self.bases, barrier = memory
         self.buffer = buffer[:self.size]
@@ -234,7 +234,7 @@ class Workspace:
             self.buffer[self.ll_offset:].zero_()
 
 
-def _symmetric_memory(group: dist.ProcessGroup, device: torch.device, size: int):
+def symmetric_memory(group: dist.ProcessGroup, device: torch.device, size: int):
     """PyTorch symmetric memory (its default backend) on ``group``: ``(buffer, bases, barrier)``."""
     import torch.distributed._symmetric_memory as symm_mem
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from ...errors import EPInputError
 from ..store_agreement import StoreRendezvous
 from ..base import Backend, DispatchArgs, DispatchResult
-from ..gpu import agreement
+from ..gpu import agreement, call_board
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.normal.one_node import NormalMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.sync import device_state
-from ..gpu.workspace import Workspace
+from ..gpu.workspace import Workspace, symmetric_memory
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
@@ -35,13 +35,24 @@ class NVLinkBackend(Backend):
         check_host_mapping(self.mailbox, device)
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
+        self.seat = call_board.join(("nvlink", group.group_name), self, lambda: self._make_board(group))
         self.normal = NormalMode(self)
-        self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device)
-        self._rendezvous = StoreRendezvous(group, self.timeout_s)
+        self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device, board=self.seat)
+
+    def _make_board(self, group: dist.ProcessGroup) -> call_board.CallBoard:
+        words = call_board.board_words(self.num_ranks)
+        buffer, bases, _ = memory = symmetric_memory(group, self.device, words * 8)
+        buffer.zero_()
+        torch.cuda.synchronize(self.device)
+        rendezvous = StoreRendezvous(group, self.timeout_s)
+        rendezvous("call board")  # every rank's board is zero before any rank posts
+        return call_board.CallBoard(self.rank, self.num_ranks, buffer.view(torch.int64), bases, rendezvous, memory)
 
     def raise_pending(self) -> None:
-        """Raise what kernels reported since the last call (disagreements, timeouts, dropped input)."""
-        self.mailbox.raise_pending(self.rank, self.timeout_s)
+        """Raise what kernels reported since the last call (disagreements, timeouts, dropped input),
+        and a disagreement another Buffer of the group recorded (call_board.py)."""
+        self.seat.board.raise_pending(self)
 
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
         """Calls agree through the fingerprints their kernels carry (gpu/agreement.py); here only a
@@ -52,26 +63,30 @@ class NVLinkBackend(Backend):
     def abort(self, kind: str, error: EPInputError) -> None:
         """This rank rejected its input for a ``kind`` call its peers make: launch the abort kernel
         (the peers' waits end and they raise naming ``error.argument``); the next call resyncs."""
-        agreement.launch_abort(self.ws, self.state, self.low_latency.num_experts_seen, error.argument, self.device)
+        agreement.launch_abort(self.ws, self.state, self.low_latency.num_experts_seen, error.argument, self.device,
+                               board=(self.seat.bases_address, self.seat.tag()))
         self.mailbox.resync_needed = True
 
     @property
     def needs_resync(self) -> bool:
-        return self.mailbox.resync_needed
+        return self.seat.board.needs_resync
+
+    @property
+    def resync_generation(self) -> int:
+        return self.seat.board.generation
 
     def resync(self) -> None:
-        """Collective (every rank that raised calls it at its next call): once every rank's kernels
-        have finished (aborted waits end at once), every flag, fingerprint row, epoch, low-latency
-        count word and mailbox word goes back to zero, as in a new Buffer; a second rendezvous
-        keeps any rank from signalling before every rank has zeroed."""
-        torch.cuda.synchronize(self.device)
-        self._rendezvous("resync")
+        """Collective over the group (every rank that raised calls it at its next call): every
+        Buffer of the group starts again from zero signals (call_board.CallBoard.resync)."""
+        self.seat.board.resync(self.device)
+
+    def reset_signals(self) -> None:
+        """Every flag, fingerprint row, epoch, low-latency count word and mailbox word back to zero,
+        as in a new Buffer (no kernel of this Buffer runs: CallBoard.resync)."""
         self.ws.zero_signals()
         self.state.zero_()
         self.low_latency.forget_calls()
         self.mailbox.clear()
-        torch.cuda.synchronize(self.device)
-        self._rendezvous("resync done")
 
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
         return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)
@@ -115,4 +130,5 @@ class NVLinkBackend(Backend):
         return self.ws.buffer[self.ws.normal_offset:self.ws.ll_offset]
 
     def destroy(self) -> None:
+        self.released = True  # (its group's call board forgets it)
         self.ws = None

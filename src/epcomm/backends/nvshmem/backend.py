@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from ...errors import EPError, EPInputError
 from ..base import Backend, DispatchArgs, DispatchResult
-from ..gpu import agreement
+from ..gpu import agreement, call_board
 from ..gpu import expert_major_kernels
-from ..gpu.launch import current_stream
+from ..gpu.launch import current_stream, p2
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.normal.layout_kernel import LayoutKernel
@@ -125,9 +125,13 @@ class NvshmemBackend(Backend):
             p2p = os.environ.get("EPCOMM_NVSHMEM_P2P", "1") != "0"
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
+        if self.loopback:
+            self.seat = call_board.join(self.rank, self, lambda: self._make_board(group), transport.world.call_boards)
+        else:
+            self.seat = call_board.join(("nvshmem", group.group_name), self, lambda: self._make_board(group))
         self.normal = TwoLevelMode(transport, self.topology, device, self.state, self.mailbox, self.timeout_s,
-                                   send_parts, bool(p2p), self.far_mode)
-        self._rendezvous = StoreRendezvous(group, self.timeout_s) if group is not None else None
+                                   send_parts, bool(p2p), self.far_mode, board=self.seat)
         self.low_latency = self.ll_ws = None
         if num_ll_bytes:
             self._ll_reach = (self.far_mode, ll_ranks_per_node or ranks_per_node)
@@ -136,7 +140,19 @@ class NvshmemBackend(Backend):
                 ll_receive_programs = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
-                                              receive_programs=ll_receive_programs)
+                                              receive_programs=ll_receive_programs, board=self.seat)
+
+    def _make_board(self, group: Optional[dist.ProcessGroup]) -> call_board.CallBoard:
+        """The group's call board in symmetric memory (NVSHMEM, or the loopback world's)."""
+        num_bytes = call_board.board_words(self.num_ranks) * 8
+        if self.loopback:
+            world = self.t.world.board_memory(num_bytes)
+            mine = world.transport(self.rank)
+            return call_board.CallBoard(self.rank, self.num_ranks, mine.buffer.view(torch.int64), world.peer_bases,
+                                        lambda what: mine.barrier(), mine)
+        memory = NvshmemTransport(group, self.device, num_bytes)  # zeroed on every rank before it returns
+        return call_board.CallBoard(self.rank, self.num_ranks, memory.buffer.view(torch.int64), memory.peer_bases,
+                                    StoreRendezvous(group, self.timeout_s), memory)
 
     @staticmethod
     def _ll_start(num_ranks: int, ranks_per_node: int) -> int:
@@ -174,7 +190,8 @@ class NvshmemBackend(Backend):
         return self.t.buffer
 
     def raise_pending(self) -> None:
-        self.mailbox.raise_pending(self.rank, self.timeout_s)
+        """What kernels reported since the last call, and another Buffer's disagreement (call_board.py)."""
+        self.seat.board.raise_pending(self)
 
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
         """Calls agree through the step barrier's fingerprints; here only a rejected input acts:
@@ -182,32 +199,39 @@ class NvshmemBackend(Backend):
         if error is None:
             return
         fp0, fp1 = agreement.abort_words(error.argument)
+        board = (self.seat.bases_address, self.seat.tag())  # the aborted call, posted on the call board
         if self.low_latency is not None:  # the low-latency waits end too
             agreement.launch_abort(self.ll_ws, self.state, self.low_latency.num_experts_seen, error.argument,
-                                   self.device, *self._ll_reach)
-        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode).launch(
+                                   self.device, *self._ll_reach, board=board)
+        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode, R_P2=p2(self.num_ranks)).launch(
             self.num_ranks, 1, current_stream(self.device.index), self.peer_bases, self.base, self.pre.step_rows,
             self.pre.fingerprint, self.pre.notify_signals, self.pre.dispatch_signals, self.pre.push_flags,
-            self.pre.home_signals, fp0, fp1, self.rank, self.num_ranks, self.topology.ranks_per_node)
+            self.pre.home_signals, fp0, fp1, self.rank, self.num_ranks, self.topology.ranks_per_node, *board)
         self.mailbox.resync_needed = True
 
     def warm_abort(self) -> None:
         """Compile the abort kernels now (each compiles on first use otherwise: a rank that compiles
         one while rejecting its input holds its peers' waits up by seconds)."""
-        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode)
+        step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode, R_P2=p2(self.num_ranks))
         if self.low_latency is not None:
             agreement.bind_abort(self.ll_ws.num_ranks, *self._ll_reach[:1])
 
     @property
     def needs_resync(self) -> bool:
-        return self.mailbox.resync_needed
+        return self.seat.board.needs_resync
+
+    @property
+    def resync_generation(self) -> int:
+        return self.seat.board.generation
 
     def resync(self) -> None:
-        """Collective (every rank that raised calls it at its next call): once every rank's kernels
-        have finished, the step rows, every signal word of both modes, the epochs and the mailbox go
-        back to zero, as in a new Buffer; a second rendezvous keeps any rank from putting before
-        every rank has zeroed."""
-        self._resync_rendezvous("resync")
+        """Collective over the group (every rank that raised calls it at its next call): every
+        Buffer of the group starts again from zero signals (call_board.CallBoard.resync)."""
+        self.seat.board.resync(self.device)
+
+    def reset_signals(self) -> None:
+        """The step rows, every signal word of both modes, the epochs and the mailbox back to zero,
+        as in a new Buffer (no kernel of this Buffer runs: CallBoard.resync)."""
         self.t.buffer[:self.pre.data].zero_()
         self.state.zero_()
         self.normal.reset()
@@ -216,14 +240,6 @@ class NvshmemBackend(Backend):
             self.low_latency.forget_calls()
             self.normal.written = False
         self.mailbox.clear()
-        self._resync_rendezvous("resync done")
-
-    def _resync_rendezvous(self, what: str) -> None:
-        torch.cuda.synchronize(self.device)
-        if self._rendezvous is None:
-            self.t.barrier()  # the loopback transport's ranks are threads of one process
-        else:
-            self._rendezvous(what)
 
     # ------------------------------------------------------------------ normal mode (gpu/normal/two_level/mode.py)
     def check_dispatch(self, args: DispatchArgs) -> None:
@@ -267,6 +283,7 @@ class NvshmemBackend(Backend):
         self._low_latency().reset(self.t.barrier)
 
     def destroy(self) -> None:
+        self.released = True  # (its group's call board forgets it)
         if self.t is not None:
             self.t.release()  # back to the ledger, freed at a later agreed point (gpu/reach/symmetric_heap.py)
         self.t = self.ll_ws = self.low_latency = None

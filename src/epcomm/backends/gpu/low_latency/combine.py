@@ -9,7 +9,8 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, ptr_at, word_ptr
 from ..launch import KernelSpec
-from ..reach.modes import FAR_LIBRARY, far_complete, far_send_bytes, post_fingerprint_any, release_words, same_node
+from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_any, post_fingerprint_any,
+                          release_words, same_node)
 from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     wait_peers)
 
@@ -90,6 +91,8 @@ def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispat
                   combine_offset: "i64", half: "i32", timeout_ns: "i64",
                   stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
                   fp_offset: "i64", fp0: "i64", fp1: "i64",
+                  board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                  call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
                   REMOTE: tl.constexpr):
@@ -109,6 +112,7 @@ def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispat
         if pid == 0:
             post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
                                  spare_word, R_P2, REMOTE)
+            post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
         for item in range(pid, num_local * num_ranks, num_programs):
             _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
                        num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
@@ -128,9 +132,11 @@ def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispat
         peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
         my_rows = tl.load(bases_ptr + rank) + fp_rows
         settled = fingerprints_settled(my_rows, peers, live, fp0, fp1, epoch)
-        waited = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
-                            timeout_ns, HAS_MASK=True, MASK_ON_TIMEOUT=True, R_P2=R_P2)  # ACQUIRE
         _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+        # ACQUIRE; a peer the call board shows in another call (a skipped call) is recorded
+        waited, _ = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
+                               timeout_ns, tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=True,
+                               MASK_ON_TIMEOUT=True, CHECK_BOARD=True, R_P2=R_P2)
         # Recorded only: the reduction reads this rank's own slots, in bounds whatever a differing
         # peer pushed, and the host raises; skipping would cost a reduction on the critical path.
         check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)

@@ -9,9 +9,10 @@ import triton.language as tl
 from .. import sync
 from ..copy import multiple, word_ptr
 from ..launch import KernelSpec
-from ..reach.modes import FAR_LIBRARY, far_complete, far_send_bytes, post_fingerprint_any, release_words, same_node
+from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_any, post_fingerprint_any,
+                          release_words, same_node)
 from ..sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
-                    poll_epochs_or_other_call, report_dropped, report_late)
+                    poll_epochs_or_other_call, record_elsewhere, report_dropped, report_late)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -137,25 +138,28 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
 def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, slot_info_ptr, layout_ptr,
                    recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, mailbox_address, half_offset, counts_offset,
                    recv_offset, num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words,
-                   timeout_ns, fp_rows, fp0, fp1,
+                   timeout_ns, fp_rows, fp0, fp1, board_address, call_tag,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
     """ACQUIRE the count words of local expert l from every live source (a word carrying this
     call's epoch means all its messages are stored here), then pack source s's messages for
     expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l, offset = messages
     of lower sources. A source that stays silent past the timeout is masked; one whose call
-    differs (its fingerprint) sends nothing here, and the host raises (agreement.py)."""
+    differs (its fingerprint), or that the call board shows in another call, sends nothing here,
+    and the host raises (agreement.py)."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
     my_base = tl.load(bases_ptr + rank)
     my_half = my_base + half_offset
     count_words = (my_half + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
     settled = fingerprints_settled(my_base + fp_rows, sources, live, fp0, fp1, epoch)
-    # ACQUIRE; a source in another call (another expert count: its count words lie elsewhere)
-    # ends its wait by its fingerprint row instead of the timeout
+    # ACQUIRE; a source in another call ends its wait by its fingerprint row (another expert
+    # count: its count words lie elsewhere) or by the call board (another Buffer's call, or a
+    # call this rank skipped) instead of the timeout
     sender_rows = (my_base + fp_rows).to(tl.pointer_type(tl.int64)) + sources * (FP_ROW // 8)
-    words, waited, late = poll_epochs_or_other_call(count_words, live, epoch, timeout_ns, sender_rows, fp0, fp1,
-                                                    EPOCH_SHIFT=32, CHECK_ROWS=True)
+    words, waited, late, elsewhere = poll_epochs_or_other_call(count_words, live, epoch, timeout_ns, sender_rows,
+                                                               fp0, fp1, board_address, call_tag, EPOCH_SHIFT=32,
+                                                               CHECK_ROWS=True, CHECK_BOARD=True)
     report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
     if HAS_WAIT_STATS:
         if l == 0:
@@ -163,6 +167,8 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
     differ = check_fingerprints(my_base + fp_rows, sources, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+    differ |= elsewhere
+    record_elsewhere(board_address, sources, elsewhere, call_tag, fp0, agreement, num_ranks)
     # At most M per source: duplicate experts in a token's top-k share the last slot (_send_messages).
     counts = tl.where(live & (late == 0) & (differ == 0), tl.minimum(words & 0xFFFFFFFF, max_tokens), 0).to(tl.int32)
     offset = tl.sum(tl.where(sources < s, counts, 0), axis=0)
@@ -223,6 +229,8 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                    recv_offset: "i64", half: "i32", timeout_ns: "i64",
                    stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
                    fp_offset: "i64", fp0: "i64", fp1: "i64",
+                   board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                   call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
                    SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -245,6 +253,7 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
         if pid == 0:
             post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
                                  spare_word, R_P2, REMOTE)
+            post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
         groups = tl.cdiv(num_topk, MSGS)
         for item in range(pid, num_tokens * groups, num_programs):
             _send_messages(item // groups, item % groups, x_ptr, topk_ptr, counter_ptr, mask_ptr, bases_ptr,
@@ -266,7 +275,7 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                            src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
                            bases_ptr, mailbox_address, half_offset, counts_offset, recv_offset, num_local, num_ranks,
                            rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, fp_rows, fp0, fp1,
-                           HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S, BLOCK_M, R_P2)
+                           tl.load(board_bases_ptr + rank), call_tag, HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S, BLOCK_M, R_P2)
 
 
 DISPATCH = KernelSpec(ep_ll_dispatch, aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)

@@ -9,6 +9,7 @@ import torch
 from ....errors import EPInputError
 from ....handle import LowLatencyHandle
 from .. import agreement, sync
+from ..call_board import unseated
 from ..copy import for_word_copies
 from ..launch import Specialisations, current_stream, p2
 from ..reach.modes import PEERS_BY_STORES
@@ -78,12 +79,15 @@ class LowLatencyMode:
             spin until their messages land, so where several ranks share one GPU (CUDA MPS) their
             receivers together must leave SMs for the senders: a cap of SMs / ranks does that.
             The receive loops stride over their items, so any cap gives the same results.
+        board: this Buffer's seat on its group's call board (gpu/call_board.py; default: none,
+            nothing posted or checked).
     """
 
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
                  remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0,
-                 receive_programs: int = 0):
+                 receive_programs: int = 0, board=None):
         self.ws = ws
+        self.board = board if board is not None else unseated(device, ws.num_ranks)
         # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
         # would then keep the workspace alive through a reference cycle)
         self.token = object()
@@ -187,7 +191,8 @@ class LowLatencyMode:
         head = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases, self.state,
                 self.mailbox_address)
         tail = (src_info, slot_info, recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
-                recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes
+                recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes + \
+            (self.board.bases_address, self.board.tag())
         send_items = num_tokens * plan.send_groups
         stream = current_stream(self.dev_index)
         two_launches = args.return_recv_hook or not self.one_launch
@@ -278,7 +283,8 @@ class LowLatencyMode:
         # Pointers as addresses (see _dispatch_half).
         head = (x.data_ptr(), *state.addresses, topk.data_ptr(), args.topk_weights.data_ptr(), args.rank_mask.data_ptr(),
                 self.bases, self.state)
-        tail = (self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0, fp1)
+        tail = (self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0, fp1,
+                self.board.bases_address, self.board.tag())
         pairs = x.shape[0] * self.R
         stream = current_stream(self.dev_index)
         two_launches = args.return_recv_hook or not self.one_launch

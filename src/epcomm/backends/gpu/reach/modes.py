@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .nvshmem import NVSHMEM, complete_sends, deliver, send_bytes, set_words
-from ..sync import FP_ROW, live_peers, post_fingerprint, post_fingerprint_to_peers, publish
+from ..sync import FP_ROW, board_word, live_peers, post_call_to_peers, post_fingerprint, post_fingerprint_to_peers, publish
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
 LOOPBACK_MODE = tl.constexpr(FAR_BY_LOOPBACK)  # (the kernels' name for it)
@@ -67,6 +67,23 @@ def post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1
 
 
 @triton.jit
+def post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2: tl.constexpr,
+                  REMOTE: tl.constexpr):
+    """sync.post_call_to_peers on every rank, far peers' words SET by signals (the board lies in
+    symmetric memory; its word ``num_ranks`` is this rank's scratch word for dead lanes). The SETs
+    need not complete before anything: the board publishes nothing."""
+    peers = tl.arange(0, R_P2)
+    live = peers < num_ranks
+    near = same_node(peers, rank, ranks_per_node, REMOTE)
+    post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, near, R_P2)
+    if REMOTE:
+        if call_tag != 0:
+            my_board = tl.load(board_bases_ptr + rank)
+            set_words(tl.zeros([R_P2], tl.int64) + my_board + rank * 8, tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0),
+                      peers, live & (near == 0), my_board + num_ranks * 8, board_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+
+
+@triton.jit
 def set_row(rows_address, peers, far, fp0, fp1, epoch, bases_ptr, rank, spare_word, LANES: tl.constexpr,
             REMOTE: tl.constexpr):
     """Row ``rank`` of the fingerprint rows at ``rows_address`` (this rank's symmetric address of
@@ -101,4 +118,4 @@ def far_complete(REMOTE: tl.constexpr):
 
 
 __all__ = ["PEERS_BY_STORES", "FAR_BY_NVSHMEM", "FAR_BY_LOOPBACK", "LOOPBACK_MODE", "FAR_LIBRARY", "same_node", "release_words",
-           "post_fingerprint_any", "set_row", "far_deliver", "far_send_bytes", "far_complete"]
+           "post_fingerprint_any", "post_call_any", "set_row", "far_deliver", "far_send_bytes", "far_complete"]

@@ -103,7 +103,15 @@ class LoopbackWorld:
                                             for _ in range(num_ranks)]
         self.peer_bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=device)
         self._barrier = threading.Barrier(num_ranks)
+        self.call_boards = {}  # rank -> its call board (gpu/call_board.py), kept as long as the world
+        self._board_world = None
         torch.cuda.synchronize(device)
+
+    def board_memory(self, num_bytes: int) -> "LoopbackWorld":
+        """A second, small world for the ranks' call boards (made by the first rank that asks)."""
+        if self._board_world is None:
+            self._board_world = LoopbackWorld(self.num_ranks, self.buffers[0].device, num_bytes)
+        return self._board_world
 
     def transport(self, rank: int) -> "LoopbackTransport":
         return LoopbackTransport(self, rank)

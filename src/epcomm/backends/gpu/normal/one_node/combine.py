@@ -10,7 +10,7 @@ from ... import sync
 from ...copy import copy_rows, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+from ...sync import acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers, signal_peers
 
 
 
@@ -26,6 +26,8 @@ def ep_combine_push(x_ptr: "*i8",
                     num_rows: "i32", rank: "i32", num_ranks: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32",
                     num_topk: "i32", half_bytes: "i64", slots_x_offset: "i64",
                     slots_w_offset: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64",
+                    board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                    call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
@@ -42,6 +44,7 @@ def ep_combine_push(x_ptr: "*i8",
     if pid == 0:
         post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank, num_ranks,
                                   state_ptr, fp0, fp1, epoch, HAS_MASK=False, R_P2=R_P2)
+        post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows
@@ -85,6 +88,8 @@ def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
                       num_ranks: "i32", half_bytes: "i64",
                       slots_x_offset: "i64", slots_w_offset: "i64", timeout_ns: "i64", fp_offset: "i64", fp0: "i64",
                       fp1: "i64",
+                      board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                      call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
                       NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # ACQUIRE the rows pushed to this rank for this epoch (nothing is reduced when a rank's call
@@ -97,7 +102,7 @@ def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     token_hi = token_lo + acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
                                              timeout_ns, fp_offset, fp0, fp1, token_hi - token_lo,
-                                             R_P2)  # ACQUIRE: rows pushed here
+                                             tl.load(board_bases_ptr + rank), call_tag, R_P2)  # ACQUIRE: rows pushed here
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))

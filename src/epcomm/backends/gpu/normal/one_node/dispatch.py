@@ -10,7 +10,7 @@ import triton.language as tl
 from ... import agreement, sync
 from ...copy import copy_rows, copy_rows_to_each, multiple, word_ptr
 from ...launch import KernelSpec
-from ...sync import acquire_and_agree, arrive, fingerprint_half, post_fingerprint_to_peers, signal_peers
+from ...sync import acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers, signal_peers
 
 POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
 POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
@@ -70,6 +70,8 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
                       half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
                       topk_offset: "i64", topk_row_bytes: "i64",
                       num_local: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", num_position_programs: "i32",
+                      board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                      call_tag: "i64",  # this call's number and Buffer on the board (0: not posted)
                       HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                       R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
@@ -93,6 +95,7 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
     if pid == 0:
         post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1, epoch, HAS_MASK=False,
                                   R_P2=R_P2)
+        post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
     first_copy = 0
     if WRITE_LISTS:
         first_copy = num_ranks
@@ -190,6 +193,8 @@ def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr
                      topk_row_bytes: "i64", expert_lo: "i32",
                      num_local: "i32", timeout_ns: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64", num_em_rows: "i32",
                      zero_padding: "i32",
+                     board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                     call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                      R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
@@ -211,7 +216,7 @@ def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
     num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
-                                  fp_offset, fp0, fp1, num_rows, R_P2)  # ACQUIRE: staged rows and lists
+                                  fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag, R_P2)  # ACQUIRE: staged rows and lists
     num_recv = num_rows
     if INDEX:
         num_recv = tl.load(recv_info_ptr)

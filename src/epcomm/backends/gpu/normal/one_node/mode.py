@@ -98,6 +98,7 @@ class NormalMode:
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
         self.fingerprints = ws.fingerprint_set(FP_NORMAL)
+        self.seat = backend.seat  # the group's call board (gpu/call_board.py)
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
@@ -183,6 +184,7 @@ class NormalMode:
         stream = current_stream(self.dev_index)
         round_tokens = plan.round_tokens
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
+        board, tag = self.seat.bases_address, self.seat.tag()  # this call on the group's call board
         expert_major = plan.expert_major
 
         if cached:
@@ -193,7 +195,7 @@ class NormalMode:
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
             # Round 0 is staged before the outputs are allocated: the GPU copies while the host
             # allocates (in a synced call the kernels start that much sooner).
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1)
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1, tag)
         else:
             num_experts = num_local * R
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
@@ -208,9 +210,9 @@ class NormalMode:
                 R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
                 prefix, recv_info, table, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
                 ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1,
-                int(expert_major))
+                int(expert_major), board, tag)
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1)
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag)
             if args.num_worst_tokens == 0:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
@@ -253,7 +255,7 @@ class NormalMode:
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:  # (round 0 was staged above, in both kinds of dispatch)
-                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1)
+                self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1, tag)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream, self.bases, self.bases, self.state, prefix_address, recv_info_address,
@@ -261,7 +263,7 @@ class NormalMode:
                 rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
                 ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
                 plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
-                out_rows, int(round_idx == 0))
+                out_rows, int(round_idx == 0), board, tag)
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
@@ -272,7 +274,7 @@ class NormalMode:
                               handle)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
-               write_lists: bool, stream: int, fp0: int, fp1: int) -> None:
+               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int) -> None:
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
@@ -303,7 +305,8 @@ class NormalMode:
             topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
             plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
             self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
-            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1, num_position_programs)
+            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1, num_position_programs, self.seat.bases_address,
+            tag)
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
@@ -373,13 +376,14 @@ class NormalMode:
         reduce = plan.reduce[plan.rows_aligned and is_aligned(*bias)]
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+        board, tag = self.seat.bases_address, self.seat.tag()  # this call on the group's call board
         combined = combined_w = None
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             push.launch(push_programs, 1, stream, x_address, w_in, src_rank_address, src_idx_address, dest, self.bases,
                         self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
                         num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
-                        plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1)
+                        plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1, board, tag)
             if combined is None:  # after the first push is launched: the GPU pushes while the host allocates
                 combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
                 combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
@@ -390,5 +394,6 @@ class NormalMode:
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
                           in_rank_address, combined_address, w_out, bias0, bias1, self.bases, self.bases,
                           self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
-                          half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1)
+                          half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1, board,
+                          tag)
         return combined, combined_w

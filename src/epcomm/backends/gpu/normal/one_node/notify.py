@@ -10,7 +10,7 @@ from ... import sync
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
-                    post_fingerprint, store_release_sys, wait_peers)
+                    post_call_to_peers, post_fingerprint, store_release_sys, wait_peers)
 
 
 # ====================================================================== notify (count exchange)
@@ -26,6 +26,8 @@ def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's works
                        num_tokens: "i32", num_experts: "i32", rank: "i32", num_ranks: "i32", half_bytes: "i64",
                        counts_offset: "i64", timeout_ns: "i64", sequence: "i64",
               expert_alignment: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", write_table: "i32",
+              board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+              call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
               R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
     # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
@@ -59,8 +61,11 @@ def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's works
     my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
     timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
     settled = fingerprints_settled(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch)
+    # (a peer the call board shows in another call is recorded: the host's count wait raises)
+    post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, one_peer, R_P2)
     wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
-               HAS_MASK=False, MASK_ON_TIMEOUT=False, R_P2=R_P2)
+               tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False,
+               CHECK_BOARD=True, R_P2=R_P2)
     check_fingerprints(my_base + fp_rows, peers, one_peer, settled, fp0, fp1, epoch, agreement, num_ranks)
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)

@@ -18,6 +18,7 @@ from ...sync import ARRIVE_NOTIFY, CALL_FAILED
 from . import combine as combine_kernels
 from . import dispatch as dispatch_kernels
 from . import step as step_kernels
+from ...call_board import unseated
 from .areas import MAX_CHANNELS, CombineLayout, DispatchLayout, combine_layout, dispatch_layout, preamble
 from .hierarchy import Topology
 from .rows import MetaRow
@@ -86,10 +87,12 @@ class TwoLevelMode:
         send_parts: programs per (channel, node) of the puts between nodes.
         p2p: store straight into far peers this GPU maps, instead of putting.
         far_mode: the kernels' ``REMOTE`` (gpu/reach/modes.py).
+        board: this Buffer's seat on its group's call board (gpu/call_board.py; default none).
     """
 
     def __init__(self, transport, topology: Topology, device: torch.device, state: torch.Tensor, mailbox,
-                 timeout_s: float, send_parts: int, p2p: bool, far_mode: int):
+                 timeout_s: float, send_parts: int, p2p: bool, far_mode: int, board=None):
+        self.seat = board if board is not None else unseated(device, transport.num_ranks)  # gpu/call_board.py
         self.t, self.topology, self.device, self.state, self.mailbox = transport, topology, device, state, mailbox
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
         self.total_bytes = transport.buffer.numel()
@@ -124,7 +127,7 @@ class TwoLevelMode:
         self.written = True
         self._steps[kind].launch(self.num_ranks, 1, stream, self.peer_bases, self.base, self.pre.step_rows,
                           self.pre.fingerprint, self.mailbox.address, self.failed_word, fingerprint[0], fingerprint[1], self.epoch,
-                          self.timeout_ns, self.rank, self.num_ranks)
+                          self.timeout_ns, self.rank, self.num_ranks, self.seat.bases_address, self.seat.tag())
         return self.epoch
 
     @staticmethod

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ...launch import KernelSpec
-from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs, report_late
-from ...reach.modes import FAR_LIBRARY, far_deliver
+from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere, report_late
+from ...reach.modes import FAR_LIBRARY, far_deliver, post_call_any
 from .channels import SIGNAL_STRIDE
 
 
@@ -60,25 +60,35 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
                   mailbox_address,  # host mailbox (gpu/mailbox.py)
                   failed_ptr,  # int64 state word CALL_FAILED (local)
                   fp0, fp1, epoch, timeout_ns, rank, num_ranks,
+                  board_bases_ptr,  # [R] int64: each rank's call board (gpu/call_board.py)
+                  call_tag,  # this call's number and Buffer on the board (0: not posted, not checked)
                   REMOTE: tl.constexpr, R_P2: tl.constexpr):
     # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
     # put's signal: seeing it means seeing the words), then ACQUIRE row p of this rank's step rows
     # (bounded: a late rank is flagged in the mailbox) and compare its words with this call's
     # (a mismatch is recorded in the mailbox; the host raises). The kernel ends when every rank
-    # has posted step `epoch` — after its kernels of the previous call.
+    # has posted step `epoch` — after its kernels of the previous call. Program 0 also posts the
+    # call on every rank's call board; a rank p the board shows in another call (another Buffer's,
+    # or a call this rank skipped) ends the wait for it and fails the call like a mismatch.
     p = tl.program_id(0)
+    if p == 0:
+        post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, 1, R_P2, REMOTE)
     _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, p,
                    REMOTE)
     lanes = tl.arange(0, R_P2)
     sender = lanes == p
     rows = workspace + step_rows_offset
     timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
-    _, _, late = poll_epochs((rows + lanes * 32 + 16).to(tl.pointer_type(tl.int64)), sender, epoch, timeout_ns,
-                             EPOCH_SHIFT=0)  # ACQUIRE: rank p's row
+    board = tl.load(board_bases_ptr + rank)
+    row_words = (rows + lanes * 32 + 16).to(tl.pointer_type(tl.int64))
+    _, _, late, elsewhere = poll_epochs_or_other_call(row_words, sender, epoch, timeout_ns, row_words, fp0, 0, board,
+                                                      call_tag, EPOCH_SHIFT=0, CHECK_ROWS=False,
+                                                      CHECK_BOARD=True)  # ACQUIRE: rank p's row
     report_late(late, lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
-    differ = check_fingerprints(rows, lanes, sender & (late == 0), tl.zeros_like(lanes), fp0, fp1, epoch, agreement,
-                                num_ranks)
-    if tl.max((differ | (late != 0)).to(tl.int32), axis=0) != 0:
+    record_elsewhere(board, lanes, elsewhere, call_tag, fp0, agreement, num_ranks)
+    differ = check_fingerprints(rows, lanes, sender & (late == 0) & (elsewhere == 0), tl.zeros_like(lanes), fp0, fp1,
+                                epoch, agreement, num_ranks)
+    if tl.max((differ | elsewhere | (late != 0)).to(tl.int32), axis=0) != 0:
         tl.store(failed_ptr, epoch)  # the call's later kernels return at once (call_failed)
 
 
@@ -86,19 +96,19 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback 
 @triton.jit
 def ml_dispatch_step(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", fingerprint_offset: "i64",
                      mailbox_address: "i64", failed_ptr: "*i64", fp0: "i64",
-                     fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", REMOTE: tl.constexpr,
-                     R_P2: tl.constexpr):
+                     fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32",
+                     board_bases_ptr: "*i64", call_tag: "i64", REMOTE: tl.constexpr, R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                  fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
+                  fp1, epoch, timeout_ns, rank, num_ranks, board_bases_ptr, call_tag, REMOTE, R_P2)
 
 
 @triton.jit
 def ml_combine_step(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", fingerprint_offset: "i64",
                     mailbox_address: "i64", failed_ptr: "*i64", fp0: "i64",
-                    fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", REMOTE: tl.constexpr,
-                    R_P2: tl.constexpr):
+                    fp1: "i64", epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32",
+                    board_bases_ptr: "*i64", call_tag: "i64", REMOTE: tl.constexpr, R_P2: tl.constexpr):
     _step_barrier(peer_bases_ptr, workspace, step_rows_offset, fingerprint_offset, mailbox_address, failed_ptr, fp0,
-                  fp1, epoch, timeout_ns, rank, num_ranks, REMOTE, R_P2)
+                  fp1, epoch, timeout_ns, rank, num_ranks, board_bases_ptr, call_tag, REMOTE, R_P2)
 
 
 STEPS = {kind: KernelSpec(kernel, **FAR_LIBRARY)
@@ -111,11 +121,14 @@ def ml_abort(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", 
              notify_signals_offset: "i64",
              dispatch_signals_offset: "i64", push_flags_offset: "i64", home_signals_offset: "i64", fp0: "i64",
              fp1: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
-             REMOTE: tl.constexpr):
+             board_bases_ptr: "*i64", call_tag: "i64",  # the call board; the aborted call's tag (0: not posted)
+             REMOTE: tl.constexpr, R_P2: tl.constexpr):
     # Program p, for rank p: the abort row, then ABORT_EPOCH into each signal word this rank sets on
     # p in a call: its count row's signal (any p), block signals [node][*] and home signals [node][*]
     # (p a rail peer: this rank as source / as forwarder), push flags [*][*][local] (p on this node).
     p = tl.program_id(0)
+    if p == 0:  # (peers waiting in another Buffer's call of this number stop waiting: call_board.py)
+        post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, 1, R_P2, REMOTE)
     _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, ABORT_EPOCH, rank, p,
                    REMOTE)
     node, local = rank // ranks_per_node, rank % ranks_per_node

@@ -1,0 +1,175 @@
+"""The call board: which call each rank of a process group is in, across every Buffer of the group.
+
+Why. Calls pair by order. A rank whose own code raised between two calls (an expert that ran out of
+memory, a NaN check) skips a call its peers make, and its next call — on the same Buffer, or on
+another Buffer of the same group (a server's prefill and decode Buffers) — meets theirs. Each
+Buffer's fingerprints (agreement.py) see only that Buffer's calls, so a wait for a rank that is in
+another Buffer's call would last the whole timeout. The board ends it at once.
+
+What. One small int64 array of symmetric memory per group and process, shared by every GPU Buffer of
+the group on this process. Word ``i`` of a rank's board holds what rank ``i`` posted last::
+
+    (call number << 8) | (Buffer slot << 4) | call kind        (sync.board_word)
+
+- The call number counts this process's calls on all Buffers of the group (host counter; every
+  rank makes the same calls, so the numbers agree). A rank that skipped a call gives its next
+  call the skipped one's number.
+- The slot names the Buffer (1..7, in construction order, the same on every rank); the kind is the
+  fingerprint's ``call`` field (dispatch, cached dispatch, combine, low-latency dispatch, combine).
+
+Each call's first kernel posts its word on every peer's board at its start (``post_call_any``: plain
+stores, or NVSHMEM SETs to other nodes). A wait that has lasted ``ROW_CHECK_NS`` also reads the
+awaited peers' words on its own board (``sync.posted_elsewhere``): a word with this call's number
+and another slot or kind means that peer's call of this number is another call, so the wait for it
+ends and the mismatch goes to the host mailbox; the host raises :class:`EPInputError` naming the
+ranks and both calls. The detection is symmetric — the rank that skipped waits in its own call for
+peers whose words show theirs — so every rank raises, at its next call at the latest. A peer behind
+posts a smaller number and one ahead a larger one; neither is taken for a skip.
+
+Recovery. Every rank that raised resyncs at its next call, and the resync covers the whole group
+(:meth:`CallBoard.resync`): after a cross-Buffer skip, each Buffer of the group is out of step on
+some rank, so every Buffer's signals, epochs and mailbox, the board and the call numbers go back to
+zero together, between two host rendezvous.
+
+Limits. Calls captured in a CUDA graph post and check nothing (tag 0): a replay repeats the
+numbers it was captured with. Calls on the Buffers of one group must be made in the same order on
+every rank (as calls on one Buffer must): ranks that interleave two Buffers' calls differently
+are taken for a skip.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+# A board word: (call number << NUMBER_SHIFT) | (Buffer slot << BUFFER_SHIFT) | call kind. The
+# kernels read these as constexprs (sync.py); agreement.py checks them against its fields.
+NUMBER_SHIFT = 8
+BUFFER_SHIFT = 4
+NUM_SLOTS = 7  # slots 1..7 (0: nothing posted); also the mask of the slot field
+KIND_MASK = 15  # the fingerprint's ``call`` field, bits 0-3 of word 0 (agreement.py)
+FP_BUFFER_SHIFT = 60  # where the fingerprint's ``buffer`` field lies in word 0 (agreement.py)
+
+
+def board_word(tag: int, kind: int) -> int:
+    """What a call posts (sync.board_word, on the host): its tag and its kind (agreement.CALLS)."""
+    return tag | (kind & KIND_MASK)
+
+
+def as_fingerprint(word: int) -> int:
+    """A board word as the fingerprint word 0 the kernels record (sync.record_elsewhere): its kind
+    in the ``call`` field, its Buffer slot in ``buffer``."""
+    slot = (word >> BUFFER_SHIFT) & NUM_SLOTS
+    return (word & KIND_MASK) | (slot << FP_BUFFER_SHIFT)
+
+
+def board_words(num_ranks: int) -> int:
+    """int64 words of one rank's board: one per rank, lanes up to the next power of two (kernels
+    read whole ``R_P2`` vectors), and a scratch word after ``num_ranks`` (far SETs of dead lanes)."""
+    return max(1 << (num_ranks - 1).bit_length(), num_ranks + 1) + 1
+
+
+class CallBoard:
+    """One group's board on this process (see the module docstring). Made by :func:`join`.
+
+    Args:
+        words: this rank's board, int64 ``[board_words(R)]`` of symmetric memory (zeroed).
+        bases: ``[R]`` int64 device tensor: each rank's board address as the kernels reach it.
+        rendezvous: ``rendezvous(what)``, a bounded host barrier of the group.
+        keep: whatever must live as long as the memory (a rendezvous handle, a transport).
+    """
+
+    def __init__(self, rank: int, num_ranks: int, words: torch.Tensor, bases: torch.Tensor,
+                 rendezvous: Callable[[str], None], keep=None):
+        self.rank, self.num_ranks = rank, num_ranks
+        self.words, self.bases, self._keep = words, bases, keep
+        self.bases_address = bases.data_ptr()
+        self.rendezvous = rendezvous
+        self.number = 0  # calls made on the group's Buffers since the last resync
+        self.generation = 0  # resyncs so far
+        self._members: List[weakref.ref] = []
+        self._joined = 0
+
+    def seat(self, backend) -> "Seat":
+        """Register a backend (a Buffer) of the group: its slot, and a place in the resync."""
+        self._members = [m for m in self._members if m() is not None]
+        self._members.append(weakref.ref(backend))
+        self._joined += 1
+        return Seat(self, (self._joined - 1) % NUM_SLOTS + 1)
+
+    def members(self) -> list:
+        return [b for b in (m() for m in self._members) if b is not None and not getattr(b, "released", False)]
+
+    @property
+    def needs_resync(self) -> bool:
+        """A Buffer of the group raised for a disagreement, a skip or an abort: its signals (and,
+        after a skip, another Buffer's) are out of step."""
+        return any(b.mailbox.resync_needed for b in self.members())
+
+    def raise_pending(self, current) -> None:
+        """What ``current``'s kernels reported, then any other Buffer's disagreement: a rank that
+        skipped a call can learn it from the Buffer it skipped on while it calls another."""
+        current.mailbox.raise_pending(current.rank, current.timeout_s)
+        for backend in self.members():
+            if backend is not current:
+                backend.mailbox.raise_disagreement()
+
+    def resync(self, device: torch.device) -> None:
+        """Collective over the group (every rank that raised comes here at its next call): once
+        every rank's kernels have finished, every member's signals, epochs and mailbox, this board
+        and the call numbers go back to zero; a second rendezvous keeps any rank from posting or
+        signalling before every rank has zeroed."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.rendezvous("call board resync")
+        for backend in self.members():
+            backend.reset_signals()
+        self.words.zero_()
+        self.number = 0
+        self.generation += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.rendezvous("call board resync done")
+
+
+class Seat:
+    """A Buffer's place on its group's board: what its kernels get (``bases_address``, :meth:`tag`).
+    Without a board (``board=None``: kernels launched on their own, in tests) tags are 0 and the
+    board pointer points at ``zeros``, which the kernels then never use."""
+
+    def __init__(self, board: Optional[CallBoard], slot: int, zeros: Optional[torch.Tensor] = None):
+        self.board, self.slot = board, slot
+        self._zeros = zeros
+        self.bases_address = board.bases_address if board is not None else zeros.data_ptr()
+        self._capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else (lambda: False)
+
+    def tag(self) -> int:
+        """The next call's tag: a new call number with this Buffer's slot; 0 (nothing posted or
+        checked) in a CUDA graph capture, or without a board."""
+        board = self.board
+        if board is None or self._capturing():
+            return 0
+        board.number += 1
+        return (board.number << NUMBER_SHIFT) | (self.slot << BUFFER_SHIFT)
+
+
+def unseated(device: torch.device, num_ranks: int) -> Seat:
+    """A seat without a board."""
+    return Seat(None, 0, torch.zeros(max(num_ranks, 1), dtype=torch.int64, device=device))
+
+
+_boards: Dict[Tuple, CallBoard] = {}
+
+
+def join(key: Tuple, backend, make: Callable[[], CallBoard], home: Optional[dict] = None) -> Seat:
+    """``backend``'s seat on the board of ``key`` (a group, and the kind of memory its backend
+    uses), made with ``make()`` on the first Buffer of the group — collective, like every Buffer's
+    construction, so every rank makes it at the same call. The board then stays for as long as
+    ``home`` (default: the process's life): a few hundred bytes, and freeing NVSHMEM memory would
+    be a barrier (symmetric_heap.py). The loopback transport keeps its ranks' boards in its world."""
+    boards = _boards if home is None else home
+    board = boards.get(key)
+    if board is None:
+        board = boards[key] = make()
+    return board.seat(backend)

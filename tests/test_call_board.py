@@ -1,0 +1,154 @@
+"""The call board's host side (gpu/call_board.py): tags, what the kernels record, and the group
+resync. The kernels' side runs on GPUs (tests/test_shared_gpu.py, the loopback suite)."""
+import pytest
+import torch
+
+from epcomm import EPInputError
+from epcomm.backends.gpu import call_board
+
+
+def host_mailbox(num_ranks):
+    """The GPU layer's host mailbox, unpinned (its module compiles a probe kernel: needs Triton)."""
+    pytest.importorskip("triton")
+    from epcomm.backends.gpu.mailbox import HostMailbox
+    return HostMailbox(num_ranks, 8, pinned=False)
+
+
+class Mailbox:
+    """A member's mailbox as the board sees it (the real one in the tests that decode records)."""
+
+    def __init__(self):
+        self.resync_needed = False
+
+    def raise_pending(self, rank, timeout_s):
+        pass
+
+    def raise_disagreement(self):
+        pass
+
+    def clear(self):
+        self.resync_needed = False
+
+
+class FakeBackend:
+    """What the board asks of a member: its mailbox, rank, timeout, and a reset."""
+
+    def __init__(self, num_ranks=4, rank=0):
+        self.mailbox = Mailbox()
+        self.rank, self.timeout_s = rank, 1.0
+        self.resets = 0
+
+    def reset_signals(self):
+        self.resets += 1
+        self.mailbox.clear()
+
+
+def make_board(num_ranks=4, rendezvous=None):
+    words = torch.zeros(call_board.board_words(num_ranks), dtype=torch.int64)
+    bases = torch.zeros(num_ranks, dtype=torch.int64)
+    return call_board.CallBoard(0, num_ranks, words, bases, rendezvous or (lambda what: None))
+
+
+def record(mailbox, num_ranks, posted_words, own_word):
+    """What sync.record_elsewhere stores for senders found in another call."""
+    view, base = mailbox.view, mailbox._agreement
+    for sender, word in posted_words.items():
+        view[base + 2 * sender] = call_board.as_fingerprint(word)
+        view[base + 2 * sender + 1] = 0
+    view[base + 2 * num_ranks] = call_board.as_fingerprint(own_word)
+    view[0] = 1
+
+
+def test_calls_on_every_buffer_of_a_group_share_one_number_sequence():
+    board = make_board()
+    normal, low_latency = board.seat(FakeBackend()), board.seat(FakeBackend())
+    assert (normal.slot, low_latency.slot) == (1, 2)
+    tags = [normal.tag(), low_latency.tag(), normal.tag()]
+    assert [t >> call_board.NUMBER_SHIFT for t in tags] == [1, 2, 3]
+    assert [(t >> call_board.BUFFER_SHIFT) & call_board.NUM_SLOTS for t in tags] == [1, 2, 1]
+
+
+def test_buffer_slots_wrap_after_seven_and_are_never_zero():
+    board = make_board()
+    slots = [board.seat(FakeBackend()).slot for _ in range(9)]
+    assert slots == [1, 2, 3, 4, 5, 6, 7, 1, 2]
+
+
+def test_a_seat_without_a_board_tags_nothing():
+    seat = call_board.unseated(torch.device("cpu"), 4)
+    assert seat.tag() == 0 and seat.bases_address != 0
+
+
+def test_board_words_hold_every_lane_the_kernels_read_and_a_scratch_word():
+    for R in (1, 2, 3, 4, 5, 8, 16, 17):
+        lanes = 1 << (R - 1).bit_length()
+        assert call_board.board_words(R) >= max(lanes, R + 1) + 1
+
+
+def test_the_recorded_words_decode_to_the_fingerprint_fields():
+    pytest.importorskip("triton")
+    from epcomm.backends.gpu import agreement
+    assert agreement.field("call")[1:] == (0, call_board.KIND_MASK)
+    assert agreement.field("buffer")[1] == call_board.FP_BUFFER_SHIFT
+    word = call_board.board_word((5 << call_board.NUMBER_SHIFT) | (3 << call_board.BUFFER_SHIFT),
+                                 agreement.CALL_LL_DISPATCH)
+    assert agreement.unpack((call_board.as_fingerprint(word), 0)) == dict(
+        agreement.unpack((0, 0)), call=agreement.CALL_LL_DISPATCH, buffer=3)
+
+
+def test_a_skip_across_buffers_raises_naming_both_calls_and_buffers():
+    """Ranks 0, 2, 3 wait in a combine on Buffer 1; rank 1 is in a low-latency dispatch on Buffer 2."""
+    R = 4
+    mailbox = host_mailbox(R)
+    from epcomm.backends.gpu import agreement
+    tag = lambda slot: (7 << call_board.NUMBER_SHIFT) | (slot << call_board.BUFFER_SHIFT)  # noqa: E731
+    record(mailbox, R, {1: call_board.board_word(tag(2), agreement.CALL_LL_DISPATCH)},
+           call_board.board_word(tag(1), agreement.CALL_COMBINE))
+    with pytest.raises(EPInputError) as info:
+        mailbox.raise_pending(0, 1.0)
+    assert info.value.argument == "call"
+    message = str(info.value)
+    assert "ranks [0, 2, 3]: combine on Buffer 1" in message
+    assert "ranks [1]: low_latency_dispatch on Buffer 2" in message
+    assert mailbox.resync_needed
+
+
+def test_a_call_raises_what_another_buffer_of_the_group_recorded():
+    """The rank that skipped learns it from the Buffer it skipped on while it calls another."""
+    board = make_board()
+    normal, low_latency = FakeBackend(), FakeBackend()
+    normal.mailbox = host_mailbox(4)
+    from epcomm.backends.gpu import agreement  # (after host_mailbox: needs Triton)
+    board.seat(normal), board.seat(low_latency)
+    board.raise_pending(low_latency)  # nothing recorded anywhere
+    record(normal.mailbox, 4, {2: call_board.board_word(1 << 8 | 2 << 4, agreement.CALL_LL_COMBINE)},
+           call_board.board_word(1 << 8 | 1 << 4, agreement.CALL_DISPATCH))
+    with pytest.raises(EPInputError, match="different calls"):
+        board.raise_pending(low_latency)
+    assert board.needs_resync
+
+
+def test_the_resync_covers_every_buffer_of_the_group():
+    seen = []
+    board = make_board(rendezvous=seen.append)
+    members = [FakeBackend(), FakeBackend()]
+    seats = [board.seat(m) for m in members]
+    members[0].mailbox.resync_needed = True
+    seats[1].tag()
+    board.words[3] = 99
+    assert board.needs_resync
+    board.resync(torch.device("cpu"))
+    assert [m.resets for m in members] == [1, 1] and not board.needs_resync
+    assert board.number == 0 and board.generation == 1 and not board.words.any()
+    assert seen == ["call board resync", "call board resync done"]
+    assert seats[0].tag() >> call_board.NUMBER_SHIFT == 1  # numbers start again on every rank
+
+
+def test_a_destroyed_or_collected_buffer_leaves_the_board():
+    board = make_board()
+    kept, gone, destroyed = FakeBackend(), FakeBackend(), FakeBackend()
+    for member in (kept, gone, destroyed):
+        board.seat(member)
+    destroyed.released = True
+    del gone
+    assert board.members() == [kept]
