@@ -17,7 +17,7 @@ case "$part" in
   small)     shapes="2x1,4x2,8x1,8x4"; tests="internode or routings or rounds or low_latency" ;;
   graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
-  faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or timeout or dead_rank" ;;
+  faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or skips_a_call or timeout or dead_rank" ;;
   sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
   engines)   shapes="4x2,8x8"; tests="engines or dropped_unevenly" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;

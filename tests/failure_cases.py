@@ -592,6 +592,13 @@ def buffer_resync_rules():
 DEBUG_MESSAGES = False
 
 
+def _reported(buffer) -> bool:
+    """The GPU has finished this rank's work so far and its kernels reported an error that the next
+    call raises (a peer in another call): the results of the calls made since are not valid."""
+    torch.cuda.synchronize()
+    return any(member.mailbox.view[0] != 0 for member in buffer._backend.seat.board.members())
+
+
 def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0, device: str = "cpu"):
     """A rank whose expert code raised skips a call its peers make (``skipped``: ``"combine"``,
     ``"ll_combine"``, ``"dispatch"``), then every rank goes on as a serving loop does: each step
@@ -599,8 +606,9 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
     low-latency round trip on Buffer B of the same group, then both again. Returns per step
     ``(outcome, seconds)``, outcome ``"ok"`` (checked against the reference) or the error's class
     and argument — never wrong data. ``device="cuda"``: the group's GPU backend (the call board
-    finds the skip, gpu/call_board.py); a step whose calls return before the GPU ran them
-    synchronises, so an error the GPU reports lands in the step it belongs to."""
+    finds the skip, gpu/call_board.py). Its calls that do not wait on the host report at the next
+    call (README, the recovery rule): a round whose results the GPU has reported as not valid (its
+    kernels finished, the report is pending) is ``"reported"``, not checked."""
     from epcomm.testing.reference import reference_combine, reference_low_latency_combine
     R, rank = world()
     skipper = 1 % R
@@ -626,9 +634,8 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
         combined, _, _ = normal.combine(out, handle, topk_weights=recv_w)
         want = reference_combine(xs[rank], topks[rank], num_experts, R,
                                  lambda j, rows: (rows.float() * (j + 1)).to(torch.bfloat16))
-        if gpu:
-            torch.cuda.synchronize()
-            normal._check_alive()  # (what the GPU reported for this round raises here, not in the next)
+        if gpu and _reported(normal):
+            return "reported"
         assert torch.allclose(combined.float().cpu(), want.float(), rtol=1e-2, atol=1e-2), "normal round: wrong data"
 
     def ll_round():
@@ -641,20 +648,22 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
             raise RuntimeError("expert code failed")
         combined, _, _ = ll.low_latency_combine(recv_x, topk, w, handle)
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], lambda e, rows: rows, False, False)
-        if gpu:
-            torch.cuda.synchronize()
-            ll._check_alive()
+        if gpu and _reported(ll):
+            return "reported"
         assert torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2), "low-latency round: wrong data"
 
-    state = {"skipped": False}
+    state = {"skipped": gpu}
+    if gpu:  # every kernel of these shapes compiled first, so the steps below time the calls
+        normal_round()
+        ll_round()
+        state["skipped"] = False
     steps = [("ll" if skipped == "dispatch" else "normal" if skipped == "combine" else "ll", None)]
     steps += [("normal", None), ("ll", None), ("normal", None), ("ll", None), ("normal", None), ("ll", None)]
     results = []
     for name, _ in steps:
         started = time.monotonic()
         try:
-            (normal_round if name == "normal" else ll_round)()
-            outcome = ("ok",)
+            outcome = ((normal_round if name == "normal" else ll_round)() or "ok",)
         except epcomm.EPInputError as err:
             outcome = ("EPInputError", err.argument) if not DEBUG_MESSAGES else ("EPInputError", err.argument, str(err)[:400])
         except epcomm.EPTimeoutError as err:

@@ -152,3 +152,17 @@ def test_a_destroyed_or_collected_buffer_leaves_the_board():
     destroyed.released = True
     del gone
     assert board.members() == [kept]
+
+
+def test_a_buffer_dropped_before_its_resync_leaves_the_group_to_resync():
+    """Ranks that raised may have given their calls different numbers; a Buffer made afterwards on
+    the group must not pair by those numbers: its first call resyncs the group."""
+    board = make_board()
+    old, new = FakeBackend(), FakeBackend()
+    board.seat(old)
+    old.mailbox.resync_needed = True
+    old.released = True
+    board.seat(new)
+    assert board.needs_resync
+    board.resync(torch.device("cpu"))
+    assert not board.needs_resync and new.resets == 1

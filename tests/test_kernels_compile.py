@@ -27,6 +27,7 @@ def _cases():
         yield EM.EXPAND, dict(WORD_BYTES=word_bytes, BLOCK_R=2, BLOCK_W=1024), 8
     yield EM.FOLD, dict(BLOCK_R=4, K_P2=8), 4
     yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
+    yield A.POST_RESYNC, dict(R_P2=8, REMOTE=0), 1
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
         if not em or topk:  # expert-major positions are staged with the top-k rows
@@ -268,6 +269,7 @@ def _multi_node_cases():
     for spec in S.STEPS.values():
         yield spec, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4
     yield S.ABORT, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=8), 4
+    yield A.POST_RESYNC, dict(R_P2=8, REMOTE=FAR_BY_LOOPBACK), 1
     yield D.NOTIFY, dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16, BLOCK_E=128), 4
     for topk in (False, True):
         yield D.SEND_LAYOUT, dict(HAS_TOPK=topk, BLOCK_T=128, R_P2=16, N_P2=2, BLOCK_E=256, K_P2=8 if topk else 1), 4

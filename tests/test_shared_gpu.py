@@ -204,6 +204,34 @@ def test_random_sequence_of_faults(shared_pool):
         assert results[0].get(key, 0) > 0, results[0]
 
 
+def test_random_sequence_with_skipped_calls_on_two_buffers(shared_pool):
+    """The fault sequence with a normal and a low-latency Buffer on the group: skipped combines,
+    low-latency combines and whole rounds across the two (the call board, gpu/call_board.py)."""
+    from epcomm.testing.sequence import error_sequence
+    steps = int(os.environ.get("EPCOMM_SHARED_GPU_STEPS", "200"))
+    results = _all(shared_pool, error_sequence, steps, 23, "cuda", two_buffers=True)
+    for key in ("ok", "skip_raised", "drop_raised", "skipped_call_found"):
+        assert sum(r.get(key, 0) for r in results) > 0, results
+
+
+@pytest.mark.parametrize("skipped", ["combine", "ll_combine", "dispatch"])
+def test_a_rank_that_skips_a_call_never_gets_wrong_data(shared_pool, skipped):
+    """Rank 1 skips a call (a normal combine, a low-latency combine, a whole low-latency round),
+    then every rank runs normal and low-latency rounds on two Buffers of the group, dropping a
+    step that raises. Every error is EPInputError('call'), raised long before the timeout; no round
+    returns wrong data unreported; the ranks' last two rounds pair."""
+    timeout = 30.0
+    results = _all(shared_pool, failure_cases.skipped_call_then_next_calls, skipped, timeout, "cuda")
+    for rank, steps in enumerate(results):
+        judged = steps[:-2]
+        for name, outcome, seconds in judged:
+            assert outcome[0] in ("ok", "reported", "expert code", "EPInputError"), (rank, steps)
+            if outcome[0] in ("EPInputError", "reported"):
+                assert outcome[0] == "reported" or outcome[1] == "call", (rank, steps)
+                assert seconds < timeout / 3, (rank, steps)
+        assert [o[0] for _, o, _ in judged[-2:] + steps[-2:]] == ["ok"] * 4, (rank, steps)
+
+
 def test_timeout_names_the_stalled_rank(shared_pool):
     """A rank that stops taking part: every other rank raises EPTimeoutError naming it within the
     timeout + 5 s (no hang at 16 ranks)."""

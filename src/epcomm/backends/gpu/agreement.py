@@ -89,6 +89,7 @@ assert _LAYOUT[1]["abort"] == (0, 8)  # kernels OR an abort code into word 1 as 
 # The call board's words carry the call field and a Buffer slot (call_board.py).
 assert _LAYOUT[0]["call"] == (0, call_board.KIND_MASK.bit_length())
 assert _LAYOUT[0]["buffer"] == (call_board.FP_BUFFER_SHIFT, call_board.NUM_SLOTS.bit_length())
+assert CALL_ABORT == call_board.ABORT_KIND
 
 
 def field(name: str) -> Tuple[int, int, int]:
@@ -266,3 +267,34 @@ def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0
     bind_abort(R, remote).launch(
         1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes), fp0, fp1,
         ws.rank, R, ranks_per_node or R, ws.spare_word, *board)
+
+
+# ---------------------------------------------------------------------- a rank that resyncs
+@triton.jit
+def ep_post_resync(board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                   rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
+                   R_P2: tl.constexpr, REMOTE: tl.constexpr):
+    # RESYNC into every word of this rank's row on every rank's board: a wait for this rank that a
+    # peer's queued kernel is still in ends at once (sync.posted_elsewhere), this rank's host being
+    # in the resync and no longer making calls.
+    resync = tl.full([], sync.RESYNC_TAG, tl.int64)
+    post_call_any(board_bases_ptr, rank, num_ranks, resync, resync, ranks_per_node, R_P2, REMOTE)
+
+
+POST_RESYNC = KernelSpec(ep_post_resync, **FAR_LIBRARY)
+
+
+def resync_poster(board_bases_address: int, rank: int, num_ranks: int, device, remote: int = 0,
+                  ranks_per_node: int = 0):
+    """A callable that posts RESYNC for this rank (call_board.CallBoard.resync) on a stream of its
+    own — this rank's stream may hold a kernel waiting for a peer that only the post ends — and
+    waits for that stream. The kernel is compiled here, not in the error path."""
+    import torch
+    from .launch import p2
+    kernel = POST_RESYNC.bind(num_warps=1, R_P2=p2(num_ranks), REMOTE=remote)
+    stream = torch.cuda.Stream(device)
+
+    def post() -> None:
+        kernel.launch(1, 1, stream.cuda_stream, board_bases_address, rank, num_ranks, ranks_per_node or num_ranks)
+        stream.synchronize()
+    return post

@@ -7,7 +7,8 @@ Buffer's fingerprints (agreement.py) see only that Buffer's calls, so a wait for
 another Buffer's call would last the whole timeout. The board ends it at once.
 
 What. One small int64 array of symmetric memory per group and process, shared by every GPU Buffer of
-the group on this process. Word ``i`` of a rank's board holds what rank ``i`` posted last::
+the group on this process. Row ``i`` of a rank's board holds what rank ``i`` posted for its last
+``RING`` calls, call ``n`` in word ``n % RING``::
 
     (call number << 8) | (Buffer slot << 4) | call kind        (sync.board_word)
 
@@ -24,12 +25,18 @@ and another slot or kind means that peer's call of this number is another call, 
 ends and the mismatch goes to the host mailbox; the host raises :class:`EPInputError` naming the
 ranks and both calls. The detection is symmetric — the rank that skipped waits in its own call for
 peers whose words show theirs — so every rank raises, at its next call at the latest. A peer behind
-posts a smaller number and one ahead a larger one; neither is taken for a skip.
+has not posted this number yet; one that moved on left its word for this number in the ring. An
+abort posted on the waiter's own Buffer is left to that Buffer's signals (they end the wait and
+name the rejected argument); an abort on another Buffer — a rejected layout's stand-in made
+there — is another call.
 
 Recovery. Every rank that raised resyncs at its next call, and the resync covers the whole group
 (:meth:`CallBoard.resync`): after a cross-Buffer skip, each Buffer of the group is out of step on
 some rank, so every Buffer's signals, epochs and mailbox, the board and the call numbers go back to
-zero together, between two host rendezvous.
+zero together, between two host rendezvous. A rank entering the resync first posts RESYNC in
+every slot of its row on every peer (on a side stream: its own stream may hold a waiting kernel),
+so a peer's kernel still waiting for it — a call its host queued before it learned of the error —
+ends at once instead of at the timeout.
 
 Limits. Calls captured in a CUDA graph post and check nothing (tag 0): a replay repeats the
 numbers it was captured with. Calls on the Buffers of one group must be made in the same order on
@@ -49,7 +56,12 @@ NUMBER_SHIFT = 8
 BUFFER_SHIFT = 4
 NUM_SLOTS = 7  # slots 1..7 (0: nothing posted); also the mask of the slot field
 KIND_MASK = 15  # the fingerprint's ``call`` field, bits 0-3 of word 0 (agreement.py)
+ABORT_KIND = 15  # the kind an abort posts (agreement.CALL_ABORT)
 FP_BUFFER_SHIFT = 60  # where the fingerprint's ``buffer`` field lies in word 0 (agreement.py)
+# Each rank's row on a board keeps its last RING calls (call number % RING): a peer that has moved
+# on past the call a waiter is in (its calls that do not wait returned) still shows what that call was.
+RING = 8
+RESYNC_TAG = -1  # posted into every slot of a rank's row when it resyncs: every wait for it ends
 
 
 def board_word(tag: int, kind: int) -> int:
@@ -65,9 +77,9 @@ def as_fingerprint(word: int) -> int:
 
 
 def board_words(num_ranks: int) -> int:
-    """int64 words of one rank's board: one per rank, lanes up to the next power of two (kernels
-    read whole ``R_P2`` vectors), and a scratch word after ``num_ranks`` (far SETs of dead lanes)."""
-    return max(1 << (num_ranks - 1).bit_length(), num_ranks + 1) + 1
+    """int64 words of one rank's board: a row of RING words per rank, rows up to the next power of
+    two (kernels read whole ``R_P2`` vectors), and a scratch word after them (far SETs of dead lanes)."""
+    return (1 << (num_ranks - 1).bit_length()) * RING + 1
 
 
 class CallBoard:
@@ -78,34 +90,49 @@ class CallBoard:
         bases: ``[R]`` int64 device tensor: each rank's board address as the kernels reach it.
         rendezvous: ``rendezvous(what)``, a bounded host barrier of the group.
         keep: whatever must live as long as the memory (a rendezvous handle, a transport).
+        post_resync: launches the kernel that posts RESYNC on every peer's board and waits for it
+            (agreement.launch_post_resync), not behind this rank's stream.
     """
 
     def __init__(self, rank: int, num_ranks: int, words: torch.Tensor, bases: torch.Tensor,
-                 rendezvous: Callable[[str], None], keep=None):
+                 rendezvous: Callable[[str], None], keep=None, post_resync: Callable[[], None] = lambda: None):
         self.rank, self.num_ranks = rank, num_ranks
+        self.post_resync = post_resync
         self.words, self.bases, self._keep = words, bases, keep
         self.bases_address = bases.data_ptr()
         self.rendezvous = rendezvous
         self.number = 0  # calls made on the group's Buffers since the last resync
         self.generation = 0  # resyncs so far
-        self._members: List[weakref.ref] = []
+        self._members: List[Tuple[weakref.ref, object]] = []  # (backend, its mailbox)
         self._joined = 0
+        # A Buffer destroyed or collected while it still had to resync: the call numbers may differ
+        # between ranks (each raised at its own calls), so the group resyncs at its next call anyway.
+        self._left_out_of_step = False
 
     def seat(self, backend) -> "Seat":
         """Register a backend (a Buffer) of the group: its slot, and a place in the resync."""
-        self._members = [m for m in self._members if m() is not None]
-        self._members.append(weakref.ref(backend))
+        self.members()
+        self._members.append((weakref.ref(backend), backend.mailbox))
         self._joined += 1
         return Seat(self, (self._joined - 1) % NUM_SLOTS + 1)
 
     def members(self) -> list:
-        return [b for b in (m() for m in self._members) if b is not None and not getattr(b, "released", False)]
+        """The group's live backends on this process (destroyed or collected ones leave)."""
+        live = []
+        for ref, mailbox in self._members:
+            backend = ref()
+            if backend is None or getattr(backend, "released", False):
+                self._left_out_of_step |= mailbox.resync_needed
+            else:
+                live.append((ref, mailbox))
+        self._members = live
+        return [ref() for ref, _ in live]
 
     @property
     def needs_resync(self) -> bool:
         """A Buffer of the group raised for a disagreement, a skip or an abort: its signals (and,
         after a skip, another Buffer's) are out of step."""
-        return any(b.mailbox.resync_needed for b in self.members())
+        return any(b.mailbox.resync_needed for b in self.members()) or self._left_out_of_step
 
     def raise_pending(self, current) -> None:
         """What ``current``'s kernels reported, then any other Buffer's disagreement: a rank that
@@ -120,6 +147,7 @@ class CallBoard:
         every rank's kernels have finished, every member's signals, epochs and mailbox, this board
         and the call numbers go back to zero; a second rendezvous keeps any rank from posting or
         signalling before every rank has zeroed."""
+        self.post_resync()  # (a peer's kernel still waiting for this rank ends)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.rendezvous("call board resync")
@@ -127,6 +155,7 @@ class CallBoard:
             backend.reset_signals()
         self.words.zero_()
         self.number = 0
+        self._left_out_of_step = False
         self.generation += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -75,6 +75,9 @@ BOARD_BUFFER_SHIFT = tl.constexpr(call_board.BUFFER_SHIFT)
 BOARD_BUFFER_MASK = tl.constexpr(call_board.NUM_SLOTS)
 BOARD_KIND_MASK = tl.constexpr(call_board.KIND_MASK)
 FP_BUFFER_SHIFT = tl.constexpr(call_board.FP_BUFFER_SHIFT)
+BOARD_RING = tl.constexpr(call_board.RING)
+RESYNC_TAG = tl.constexpr(call_board.RESYNC_TAG)  # (its board word is RESYNC_TAG too: all bits set)
+BOARD_ABORT_KIND = tl.constexpr(call_board.ABORT_KIND)
 
 # Device-side state words (int64, one small tensor per backend): epochs and arrival counters.
 EPOCH_NORMAL = 0
@@ -324,28 +327,40 @@ def board_word(call_tag, fp0):
 
 
 @triton.jit
+def board_slot(call_tag):
+    """The word of a rank's row that holds its call of this number (call_board.py: the ring)."""
+    return ((call_tag >> BOARD_NUMBER_SHIFT) % BOARD_RING).to(tl.int64)
+
+
+@triton.jit
 def post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, live, R_P2: tl.constexpr):
-    """Post this call on the call board of every ``live`` peer (self included): word ``rank`` :=
-    :func:`board_word` (``board_bases_ptr``: [R] int64 byte address of each rank's board). One
-    plain store per peer, at the kernel's start: the board only tells a waiting peer which call
-    this rank is in, it publishes nothing (a reader that sees it late looks again). Nothing is
-    posted for a tag of 0 (a call captured in a CUDA graph: call_board.py)."""
+    """Post this call on the call board of every ``live`` peer (self included): word
+    :func:`board_slot` of row ``rank`` := :func:`board_word` (``board_bases_ptr``: [R] int64 byte
+    address of each rank's board; RESYNC_TAG: every word of the row). Plain stores at the kernel's
+    start: the board only tells a waiting peer which call this rank is in, it publishes nothing (a
+    reader that sees it late looks again). Nothing is posted for a tag of 0 (a call captured in a
+    CUDA graph: call_board.py)."""
     if call_tag != 0:
         peers = tl.arange(0, R_P2)
         live &= peers < num_ranks
-        boards = tl.load(board_bases_ptr + peers, mask=live, other=0)
-        tl.store((boards + rank * 8).to(tl.pointer_type(tl.int64)), tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0),
-                 mask=live)
+        row = tl.load(board_bases_ptr + peers, mask=live, other=0) + rank * BOARD_RING * 8
+        word = tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0)
+        first = tl.where(call_tag == RESYNC_TAG, 0, board_slot(call_tag))
+        for slot in range(first, first + tl.where(call_tag == RESYNC_TAG, BOARD_RING, 1)):
+            tl.store((row + slot * 8).to(tl.pointer_type(tl.int64)), word, mask=live)
 
 
 @triton.jit
 def posted_elsewhere(board_address, senders, call_tag, fp0):
-    """Lanes whose sender's word on this rank's board carries this call's number with another
-    Buffer or kind: the sender's call of this number is another call. (A sender behind posts a
-    smaller number, one ahead a larger one: neither is taken for a skip.)"""
-    posted = load_acquire_sys(board_address + senders.to(tl.int64) * 8)
-    return ((posted >> BOARD_NUMBER_SHIFT) == (call_tag >> BOARD_NUMBER_SHIFT)) & \
-        (posted != board_word(call_tag, fp0)) & (posted != 0)
+    """Lanes whose sender's word for this call's number, on this rank's board, names another Buffer
+    or kind — the sender's call of this number is another call — or says the sender resyncs. (A
+    sender behind has not posted this number yet: that is not taken for a skip. An abort on this
+    Buffer is not either: its own signals end the wait, naming the argument it rejected.)"""
+    posted = load_acquire_sys(board_address + (senders.to(tl.int64) * BOARD_RING + board_slot(call_tag)) * 8)
+    same_number = (posted >> BOARD_NUMBER_SHIFT) == (call_tag >> BOARD_NUMBER_SHIFT)
+    buffer_bits = BOARD_BUFFER_MASK << BOARD_BUFFER_SHIFT
+    abort_here = ((posted & BOARD_KIND_MASK) == BOARD_ABORT_KIND) & ((posted & buffer_bits) == (call_tag & buffer_bits))
+    return (posted == RESYNC_TAG) | (same_number & (posted != board_word(call_tag, fp0)) & (abort_here == 0))
 
 
 @triton.jit
@@ -354,7 +369,8 @@ def record_elsewhere(board_address, senders, elsewhere, call_tag, fp0, agreement
     disagreement on the ``call`` and ``buffer`` fields: the senders' board words and this call's,
     as fingerprint words (agreement.py decodes them: ranks in different calls)."""
     if tl.max(elsewhere.to(tl.int32), axis=0) != 0:
-        posted = tl.load(board_address.to(tl.pointer_type(tl.int64)) + senders, mask=elsewhere, other=0)
+        posted = tl.load(board_address.to(tl.pointer_type(tl.int64)) + senders * BOARD_RING + board_slot(call_tag),
+                         mask=elsewhere, other=0)
         tl.store(agreement_ptr + senders * 2, _board_fingerprint(posted), mask=elsewhere)
         tl.store(agreement_ptr + senders * 2 + 1, tl.zeros_like(posted), mask=elsewhere)
         zeros = tl.zeros_like(senders)

@@ -47,7 +47,8 @@ class NVLinkBackend(Backend):
         torch.cuda.synchronize(self.device)
         rendezvous = StoreRendezvous(group, self.timeout_s)
         rendezvous("call board")  # every rank's board is zero before any rank posts
-        return call_board.CallBoard(self.rank, self.num_ranks, buffer.view(torch.int64), bases, rendezvous, memory)
+        return call_board.CallBoard(self.rank, self.num_ranks, buffer.view(torch.int64), bases, rendezvous, memory,
+                                    agreement.resync_poster(bases.data_ptr(), self.rank, self.num_ranks, self.device))
 
     def raise_pending(self) -> None:
         """Raise what kernels reported since the last call (disagreements, timeouts, dropped input),

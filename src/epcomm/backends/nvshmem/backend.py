@@ -147,12 +147,14 @@ class NvshmemBackend(Backend):
         num_bytes = call_board.board_words(self.num_ranks) * 8
         if self.loopback:
             world = self.t.world.board_memory(num_bytes)
-            mine = world.transport(self.rank)
-            return call_board.CallBoard(self.rank, self.num_ranks, mine.buffer.view(torch.int64), world.peer_bases,
-                                        lambda what: mine.barrier(), mine)
-        memory = NvshmemTransport(group, self.device, num_bytes)  # zeroed on every rank before it returns
-        return call_board.CallBoard(self.rank, self.num_ranks, memory.buffer.view(torch.int64), memory.peer_bases,
-                                    StoreRendezvous(group, self.timeout_s), memory)
+            memory, bases, rendezvous = world.transport(self.rank), world.peer_bases, lambda what: memory.barrier()
+        else:
+            memory = NvshmemTransport(group, self.device, num_bytes)  # zeroed on every rank before it returns
+            bases, rendezvous = memory.peer_bases, StoreRendezvous(group, self.timeout_s)
+        # (every peer but this rank is reached by signals: ranks_per_node 1)
+        post_resync = agreement.resync_poster(bases.data_ptr(), self.rank, self.num_ranks, self.device, self.far_mode, 1)
+        return call_board.CallBoard(self.rank, self.num_ranks, memory.buffer.view(torch.int64), bases, rendezvous,
+                                    memory, post_resync)
 
     @staticmethod
     def _ll_start(num_ranks: int, ranks_per_node: int) -> int:

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .nvshmem import NVSHMEM, complete_sends, deliver, send_bytes, set_words
-from ..sync import FP_ROW, board_word, live_peers, post_call_to_peers, post_fingerprint, post_fingerprint_to_peers, publish
+from ..sync import (BOARD_RING, FP_ROW, RESYNC_TAG, board_slot, board_word, live_peers, post_call_to_peers, post_fingerprint,
+                    post_fingerprint_to_peers, publish)
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
 LOOPBACK_MODE = tl.constexpr(FAR_BY_LOOPBACK)  # (the kernels' name for it)
@@ -70,7 +71,7 @@ def post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1
 def post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2: tl.constexpr,
                   REMOTE: tl.constexpr):
     """sync.post_call_to_peers on every rank, far peers' words SET by signals (the board lies in
-    symmetric memory; its word ``num_ranks`` is this rank's scratch word for dead lanes). The SETs
+    symmetric memory; the word after its rows is this rank's scratch word for dead lanes). The SETs
     need not complete before anything: the board publishes nothing."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
@@ -78,9 +79,13 @@ def post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_nod
     post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, near, R_P2)
     if REMOTE:
         if call_tag != 0:
-            my_board = tl.load(board_bases_ptr + rank)
-            set_words(tl.zeros([R_P2], tl.int64) + my_board + rank * 8, tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0),
-                      peers, live & (near == 0), my_board + num_ranks * 8, board_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+            my_row = tl.load(board_bases_ptr + rank) + rank * BOARD_RING * 8
+            spare = tl.load(board_bases_ptr + rank) + R_P2 * BOARD_RING * 8
+            word = tl.zeros([R_P2], tl.int64) + board_word(call_tag, fp0)
+            first = tl.where(call_tag == RESYNC_TAG, 0, board_slot(call_tag))
+            for slot in range(first, first + tl.where(call_tag == RESYNC_TAG, BOARD_RING, 1)):
+                set_words(tl.zeros([R_P2], tl.int64) + my_row + slot * 8, word, peers, live & (near == 0), spare,
+                          board_bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
 @triton.jit
