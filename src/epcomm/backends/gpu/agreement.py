@@ -202,7 +202,7 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
     # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
     # abort words (the release covers them) and names the argument. Peers of other nodes
-    # (REMOTE) get the same words by NVSHMEM signals, the rows completed before the epochs. The
+    # (REMOTE) get the same words by signals (gpu/reach), the rows completed before the epochs. The
     # abort is posted on the call board too: peers waiting in another Buffer's call of the same
     # number (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it.
     peers = tl.arange(0, R_P2)

@@ -19,7 +19,7 @@ the group on this process. Row ``i`` of a rank's board holds what rank ``i`` pos
   fingerprint's ``call`` field (dispatch, cached dispatch, combine, low-latency dispatch, combine).
 
 Each call's first kernel posts its word on every peer's board at its start (``post_call_any``: plain
-stores, or NVSHMEM SETs to other nodes). A wait that has lasted ``ROW_CHECK_NS`` also reads the
+stores, or signals to other nodes: gpu/reach). A wait that has lasted ``ROW_CHECK_NS`` also reads the
 awaited peers' words on its own board (``sync.posted_elsewhere``): a word with this call's number
 and another slot or kind means that peer's call of this number is another call, so the wait for it
 ends and the mismatch goes to the host mailbox; the host raises :class:`EPInputError` naming the
@@ -195,8 +195,9 @@ def join(key: Tuple, backend, make: Callable[[], CallBoard], home: Optional[dict
     """``backend``'s seat on the board of ``key`` (a group, and the kind of memory its backend
     uses), made with ``make()`` on the first Buffer of the group — collective, like every Buffer's
     construction, so every rank makes it at the same call. The board then stays for as long as
-    ``home`` (default: the process's life): a few hundred bytes, and freeing NVSHMEM memory would
-    be a barrier (symmetric_heap.py). The loopback transport keeps its ranks' boards in its world."""
+    ``home`` (default: the process's life): a few hundred bytes, and freeing symmetric memory can
+    be a barrier (reach/symmetric_heap.py). A test transport whose ranks are threads keeps their
+    boards in its own ``home``."""
     boards = _boards if home is None else home
     board = boards.get(key)
     if board is None:

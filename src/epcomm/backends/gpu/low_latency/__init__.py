@@ -28,10 +28,10 @@ completes without it. Ordering: see :mod:`.sync`.
 
 Peers on other nodes (``REMOTE``, the nvshmem backend: nodes of ``ranks_per_node`` consecutive
 ranks). A rank's stores reach only its own node; everything for a rank of another node is built
-in this rank's staging area (workspace.py) and moved there by an NVSHMEM put
-(gpu/reach/modes.py: ``far_send_bytes``). Each sending program completes its puts (``quiet``) before
-it arrives, so the program arriving last has every put of the call delivered when it SETs the
-count words / flags of the far peers with NVSHMEM signals — the same release step, over the
+in this rank's staging area (workspace.py) and sent there by ``far_send_bytes`` (gpu/reach/modes.py,
+the one place that knows how). Each sending program completes its sends (``far_complete``) before
+it arrives, so the program arriving last has every byte of the call delivered when it SETs the
+count words / flags of the far peers (``release_words``) — the same release step, over the
 network. The receive phases read only their own memory and are unchanged.
 """
 from .combine import COMBINE

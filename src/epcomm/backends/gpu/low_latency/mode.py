@@ -327,7 +327,7 @@ class LowLatencyMode:
         self.forget_calls()
         flags = self.ws.buffer[:sync.NUM_FLAG_SETS * self.R * 8].view(torch.int64).view(sync.NUM_FLAG_SETS, -1)
         flags[sync.FLAGS_LL_COMBINE].zero_()
-        for fp_set in (FP_LL_DISPATCH, FP_LL_COMBINE):  # both halves' rows (the nvshmem backend's normal
+        for fp_set in (FP_LL_DISPATCH, FP_LL_COMBINE):  # both halves' rows (the two-level normal
             start = self.ws.fingerprint_set(fp_set)     # mode may have written over them)
             self.ws.buffer[start:start + 2 * self.R * FP_ROW_BYTES].zero_()
         for word in (sync.EPOCH_LL_DISPATCH, sync.EPOCH_LL_COMBINE, sync.LL_DISPATCH_HALF_EPOCH,

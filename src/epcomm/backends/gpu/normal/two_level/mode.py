@@ -29,7 +29,7 @@ def p2(n: int) -> int:
 
 
 @dataclass
-class NvshmemState:
+class TwoLevelState:
     """What a multi-node dispatch keeps in ``DispatchHandle.backend_state`` (for cached dispatch and combine).
 
     ``table`` ``[R, meta_len]`` int32: the count rows of that dispatch (rows.MetaRow, ``C`` channels);
@@ -171,13 +171,13 @@ class TwoLevelMode:
             num_topk = args.topk_idx.shape[1] if args.topk_idx is not None else 0
             return self._dispatch_plan(x.shape[1] * x.element_size(), num_scales, num_topk,
                                        args.num_tokens_per_expert.shape[0], self._num_channels(args.config), False)
-        state: NvshmemState = args.handle.backend_state
+        state: TwoLevelState = args.handle.backend_state
         return self._dispatch_plan(x.shape[1] * x.element_size(), num_scales, 0, state.num_experts, state.num_channels,
                                    True)
 
     def check_dispatch(self, args: DispatchArgs) -> None:
         """Row sizes, the workspace's token capacity, a handle of this backend: EPInputError."""
-        if args.handle is not None and args.handle.backend_state.__class__ is not NvshmemState:
+        if args.handle is not None and args.handle.backend_state.__class__ is not TwoLevelState:
             raise EPInputError("handle", "was not made by the nvshmem backend")
         plan = args.plan = self._dispatch_plan_of(args)
         num_tokens = (args.x[0] if args.x.__class__ is tuple else args.x).shape[0]
@@ -206,7 +206,7 @@ class TwoLevelMode:
             fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
         else:
-            state: NvshmemState = handle.backend_state
+            state: TwoLevelState = handle.backend_state
             num_experts = state.num_experts
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         num_local = num_experts // R
@@ -235,7 +235,7 @@ class TwoLevelMode:
                                 args.expert_alignment, meta.abort)
             table = self.t.buffer[layout.table:layout.table + 4 * R * meta.length].view(torch.int32).view(
                 R, meta.length).clone()
-            state = NvshmemState(table, masks, lists, torch.empty((num_tokens, N), dtype=torch.int32, device=dev),
+            state = TwoLevelState(table, masks, lists, torch.empty((num_tokens, N), dtype=torch.int32, device=dev),
                                  None, None, C, num_experts, -1, sequence)
         # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each
         # tensor (a cost per launch), and refuses the null address of an empty one.
@@ -326,10 +326,10 @@ class TwoLevelMode:
         return plan
 
     def check_combine(self, x, handle, topk_weights, bias) -> None:
-        if handle.backend_state.__class__ is not NvshmemState:
+        if handle.backend_state.__class__ is not TwoLevelState:
             raise EPInputError("handle", "was not made by the nvshmem backend")
         # (an expert-major handle: Buffer folds x into rows of the same width, topk_weights is None)
-        state: NvshmemState = handle.backend_state
+        state: TwoLevelState = handle.backend_state
         plan = self._combine_plan(x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
                                   state.num_channels)
         if state.max_tokens > plan.layout.token_cap:
@@ -341,7 +341,7 @@ class TwoLevelMode:
         """(Buffer called check_combine first.)"""
         R, rank, dev, topo = self.num_ranks, self.rank, self.device, self.topology
         N, k = topo.num_nodes, topo.ranks_per_node
-        state: NvshmemState = handle.backend_state
+        state: TwoLevelState = handle.backend_state
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
         hidden = x.shape[1]
         plan = self._combine_plan(hidden, num_topk, len(bias), state.num_channels)
