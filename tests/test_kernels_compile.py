@@ -118,6 +118,9 @@ def test_low_latency_kernels_with_far_peers_compile(remote):
     abort = A.ABORT.compile(dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=remote), 4, target=target,
                             **options)
     assert ("nvshmem_quiet" in abort.asm["ptx"]) == (remote == 1)
+    # a resyncing rank's RESYNC on every peer's call board: signals, completed before the kernel ends
+    resync = A.POST_RESYNC.compile(dict(R_P2=8, REMOTE=remote), 1, target=target, **options)
+    assert ("nvshmemx_signal_op" in resync.asm["ptx"]) == ("nvshmem_quiet" in resync.asm["ptx"]) == (remote == 1)
 
 
 def test_nvlink_kernels_hold_no_nvshmem_call():

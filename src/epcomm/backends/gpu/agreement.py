@@ -236,6 +236,8 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
             lanes = live[:, None] & (local < num_local)[None, :]
             release_words(bases_ptr, offsets, receivers, tl.zeros([R_P2, BLOCK_L], tl.int64) + ABORT_COUNT_WORD,
                           lanes, spare, rank, ranks_per_node, spare_word, REMOTE)
+    if REMOTE:
+        far_complete(REMOTE)  # every SET has landed when the kernel ends: none can land after a resync zeroed
 
 
 ABORT = KernelSpec(ep_abort, **FAR_LIBRARY)
@@ -279,6 +281,8 @@ def ep_post_resync(board_bases_ptr: "*i64",  # [R] int64: each rank's call board
     # in the resync and no longer making calls.
     resync = tl.full([], sync.RESYNC_TAG, tl.int64)
     post_call_any(board_bases_ptr, rank, num_ranks, resync, resync, ranks_per_node, R_P2, REMOTE)
+    if REMOTE:
+        far_complete(REMOTE)  # landed before the resync's rendezvous (the peers zero their boards after it)
 
 
 POST_RESYNC = KernelSpec(ep_post_resync, **FAR_LIBRARY)

@@ -12,9 +12,10 @@ the group on this process. Row ``i`` of a rank's board holds what rank ``i`` pos
 
     (call number << 8) | (Buffer slot << 4) | call kind        (sync.board_word)
 
-- The call number counts this process's calls on all Buffers of the group (host counter; every
-  rank makes the same calls, so the numbers agree). A rank that skipped a call gives its next
-  call the skipped one's number.
+- The call number counts this process's calls on all Buffers of the group since the group's last
+  resync, above the number of resyncs (host counters; every rank makes the same calls and
+  resyncs, so the numbers agree, and a post still in flight from before a resync matches no later
+  call). A rank that skipped a call gives its next call the skipped one's number.
 - The slot names the Buffer (1..7, in construction order, the same on every rank); the kind is the
   fingerprint's ``call`` field (dispatch, cached dispatch, combine, low-latency dispatch, combine).
 
@@ -62,6 +63,7 @@ FP_BUFFER_SHIFT = 60  # where the fingerprint's ``buffer`` field lies in word 0 
 # on past the call a waiter is in (its calls that do not wait returned) still shows what that call was.
 RING = 8
 RESYNC_TAG = -1  # posted into every slot of a rank's row when it resyncs: every wait for it ends
+GENERATION_SHIFT = 32  # a call's number: (resyncs of the group so far << 32) | calls since the last
 
 
 def board_word(tag: int, kind: int) -> int:
@@ -180,7 +182,9 @@ class Seat:
         if board is None or self._capturing():
             return 0
         board.number += 1
-        return (board.number << NUMBER_SHIFT) | (self.slot << BUFFER_SHIFT)
+        # The resyncs so far above the count: a post still in flight from before a resync (a signal
+        # lands late) carries an older number, which no later call has — every rank resyncs alike.
+        return (((board.generation << GENERATION_SHIFT) | board.number) << NUMBER_SHIFT) | (self.slot << BUFFER_SHIFT)
 
 
 def unseated(device: torch.device, num_ranks: int) -> Seat:

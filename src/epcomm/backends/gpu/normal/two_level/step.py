@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...launch import KernelSpec
 from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere, report_late
-from ...reach.modes import FAR_LIBRARY, far_deliver, post_call_any
+from ...reach.modes import FAR_LIBRARY, far_complete, far_deliver, post_call_any
 from .channels import SIGNAL_STRIDE
 
 
@@ -148,6 +148,7 @@ def ml_abort(peer_bases_ptr: "*i64", workspace: "i64", step_rows_offset: "i64", 
                 word = (((m * SIGNAL_STRIDE + c) * ranks_per_node + local) * 8).to(tl.int64)
                 far_deliver(workspace, workspace, 0, workspace + push_flags_offset + word, ABORT_EPOCH, p,
                                 peer_bases_ptr, rank, REMOTE)
+    far_complete(REMOTE)  # every signal has landed when the kernel ends: none can land after a resync zeroed
 
 
 ABORT = KernelSpec(ml_abort, **FAR_LIBRARY)
