@@ -523,6 +523,7 @@ class _RecordingBackend:
     def __init__(self, inner):
         self._inner = inner
         self.calls, self.pending, self.resync_asked = [], None, False
+        self.resync_generation = 0  # the group's resyncs (another Buffer of the group may make one)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -534,6 +535,7 @@ class _RecordingBackend:
     def resync(self):
         self.calls.append("resync")
         self.resync_asked = False
+        self.resync_generation += 1
 
     def raise_pending(self):
         error, self.pending = self.pending, None
@@ -586,6 +588,18 @@ def buffer_resync_rules():
     buffer.dispatch(x, topk_idx=topk, topk_weights=w, **args)
     seen["stand-in, resync, then the call"] = backend.calls == [("dispatch", "abort", "topk_idx"), "resync",
                                                                 ("dispatch", "agree", None)]
+    # Another Buffer of the group resynced it (GPU backends, call_board.py): this Buffer's next call
+    # restarts its low-latency halves, and a call a rejected layout skipped is over (no stand-in).
+    buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+    try:
+        buffer.get_dispatch_layout(bad, num_experts)
+    except EPInputError:
+        pass
+    backend.calls, backend.resync_generation = [], backend.resync_generation + 1
+    buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+    seen["a group resync elsewhere restarts the halves, voids the stand-in"] = \
+        sum(d is not None for d in buffer._ll_dispatched) == 1 and \
+        backend.calls == [("low_latency_dispatch", "agree", None)]
     return seen
 
 
