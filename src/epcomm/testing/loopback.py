@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .loopback_cases import layout_case, low_latency_case, mixed_modes_case, normal_case, send_layout_case
 from .loopback_faults import (bad_counts_case, disagreement_case, ll_other_call_case, low_latency_dead_rank_case,
-                              recovery_case)
+                              recovery_case, skip_across_buffers_case)
 from .loopback_common import run_ranks
 
 
@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
                (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases),
                (disagreement_case, dead_rank_cases),
-               (ll_other_call_case, dead_rank_cases)] if args.mode != "normal" else []
+               (ll_other_call_case, dead_rank_cases),
+               (skip_across_buffers_case, dead_rank_cases)] if args.mode != "normal" else []
     if args.only:
         suites = [(run_case, suite) for run_case, suite in suites if run_case.__name__ == args.only]
     for num_ranks, ranks_per_node in topologies:
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
                 started = time.monotonic()
                 try:
                     if run_case in (low_latency_dead_rank_case, mixed_modes_case, bad_counts_case, recovery_case,
-                                    disagreement_case, ll_other_call_case):
+                                    disagreement_case, ll_other_call_case, skip_across_buffers_case):
                         run_case(num_ranks, ranks_per_node, **kwargs)
                     else:
                         run_case(seed, num_ranks, ranks_per_node, scenario, **kwargs)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
 
 __all__ = ["run_ranks", "layout_case", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
            "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "disagreement_case",
-           "ll_other_call_case", "main"]
+           "ll_other_call_case", "skip_across_buffers_case", "main"]
 
 
 if __name__ == "__main__":

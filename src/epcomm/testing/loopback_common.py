@@ -16,7 +16,8 @@ from ..backends.gpu.reach.transport import LoopbackWorld
 def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBackend], object], num_bytes: int,
               timeout_s: float = 20.0, device: Optional[torch.device] = None,
               warm: Optional[Callable[[NvshmemBackend], None]] = None, num_ll_bytes: int = 0,
-              ll_ranks_per_node: Optional[int] = None, send_parts: int = 1, p2p: bool = False) -> List[object]:
+              ll_ranks_per_node: Optional[int] = None, send_parts: int = 1, p2p: bool = False,
+              buffers: int = 1) -> List[object]:
     """``fn(rank, backend)`` for every rank, each in its own thread and CUDA stream, over one
     :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception.
     ``warm(backend)`` runs first, in this thread: compile the kernels ``fn`` will launch there,
@@ -24,16 +25,21 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
     ``num_ll_bytes``: the backends' low-latency workspace (0: none); ``send_parts``: programs per
     (channel, node) of a dispatch's send; ``p2p``: rows for another node stored straight into its
     workspace (NvshmemBackend; every loopback workspace is mapped, so False keeps the puts that
-    ranks on other hosts take)."""
+    ranks on other hosts take). ``buffers`` > 1: that many backends per rank, as Buffers of one
+    group (their own workspaces, one call board per rank); ``fn`` then gets the list."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    world = LoopbackWorld(num_ranks, device,
-                          NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks, ranks_per_node))
-    backends = [NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
-                               num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node, send_parts=send_parts,
-                               p2p=p2p)
+    worlds = [LoopbackWorld(num_ranks, device,
+                            NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks, ranks_per_node))
+              for _ in range(buffers)]
+    for world in worlds[1:]:
+        world.call_boards = worlds[0].call_boards  # one group: the ranks' boards are shared
+    per_rank = [[NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
+                                num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node,
+                                send_parts=send_parts, p2p=p2p) for world in worlds]
                 for rank in range(num_ranks)]
+    backends = [mine[0] if buffers == 1 else mine for mine in per_rank]
     if warm is not None:
-        warm(backends[0])  # compiled kernels are shared by every backend of the process
+        warm(per_rank[0][0])  # compiled kernels are shared by every backend of the process
     results: List[object] = [None] * num_ranks
     errors: List[Optional[BaseException]] = [None] * num_ranks
 
@@ -56,7 +62,7 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
         first = next((item for item in failed if "exceeded" not in str(item[1])), failed[0])
         shown = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in failed)
         torch.cuda.synchronize(device)
-        words = "\n".join(signal_words(backend) for backend in backends)
+        words = "\n".join(signal_words(backend) for mine in per_rank for backend in mine)
         raise RuntimeError(f"loopback ranks failed: {shown}\nsignal words after the failure:\n{words}") from first[1]
     return results
 

@@ -345,3 +345,66 @@ def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, False)
         torch.testing.assert_close(mine["combined"], want, rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"{what} rank {rank} round trip after the resync: {m}")
+
+
+def skip_across_buffers_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
+                             device: Optional[torch.device] = None) -> None:
+    """A rank that skips a call and goes on to another Buffer of the group (the call board,
+    gpu/call_board.py): two low-latency Buffers A and B per rank. Every rank dispatches on B; the
+    last rank's expert code fails, so it skips B's combine and dispatches on A. The peers' combine
+    on B and the last rank's dispatch on A each find the other side's call on the board: every rank
+    raises EPInputError naming ``call`` well before the timeout, nobody is masked; after the
+    resync (one for the whole group) a round trip on A and one on B match the reference."""
+    import time
+
+    from ..errors import EPInputError
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    R, E, M, K, timeout_s = num_ranks, 4 * num_ranks, 16, 4, 5.0
+    xs, topks, weights = make_routing(86, "uniform", R, E, K, M, hidden, fixed_tokens=M)
+
+    def warm(backend: NvshmemBackend) -> None:
+        warm_low_latency(backend, E, M, hidden, K)
+        backend.warm_abort()
+
+    def rank_body(rank: int, backends):
+        buffer_a, buffer_b = backends
+        masks = [torch.zeros(R, dtype=torch.int32, device=device) for _ in backends]
+        x, topk, w = xs[rank].to(device), topks[rank].to(device), weights[rank].to(device)
+
+        def args(mask):
+            return LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+        started = time.monotonic()
+        if rank == R - 1:  # its expert code failed after B's dispatch: its next call is on A
+            buffer_b.low_latency_dispatch(args(masks[1]))
+            buffer_a.low_latency_dispatch(args(masks[0]))
+        else:
+            _ll_round_trip(rank, buffer_b, args(masks[1]), w, hidden)
+        wait_stream(device)
+        seconds = time.monotonic() - started
+        raised = []
+        for backend in backends:  # what each Buffer reports (the board's record is on the one that waited)
+            try:
+                backend.raise_pending()
+            except EPInputError as err:
+                raised.append(err.argument)
+        masked = [m.cpu().tolist() for m in masks]
+        buffer_a.resync()  # the whole group: B resyncs with it
+        combined = [to_cpu(_ll_round_trip(rank, backend, args(mask), w, hidden))
+                    for backend, mask in zip(backends, masks)]
+        wait_stream(device)
+        return dict(seconds=seconds, raised=raised, masked=masked, combined=combined,
+                    resynced=not buffer_b.needs_resync)
+
+    what = f"skip-across-Buffers case R={R} k={ranks_per_node}"
+    got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=timeout_s, device=device, warm=warm,
+                    num_ll_bytes=low_latency_bytes(M, hidden, R, E), buffers=2)
+    want = [reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, False) for rank in range(R)]
+    for rank in range(R):
+        mine = got[rank]
+        assert "call" in mine["raised"], f"{what} rank {rank} raised {mine['raised']}"
+        assert not any(any(m) for m in mine["masked"]), f"{what} rank {rank} masked {mine['masked']}"
+        assert mine["seconds"] < timeout_s / 2, f"{what} rank {rank}: the waits took {mine['seconds']:.1f} s"
+        assert mine["resynced"], f"{what} rank {rank}: Buffer B still asks for a resync after A's"
+        for name, combined in zip("AB", mine["combined"]):
+            torch.testing.assert_close(combined, want[rank], rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{what} rank {rank} round trip on {name} after the resync: {m}")
