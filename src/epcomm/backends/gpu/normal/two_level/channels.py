@@ -1,7 +1,7 @@
 """The channel geometry both multi-node normal-mode directions share (dispatch: dispatch.py,
 combine: combine.py): where a channel's rows lie in the count table, which program serves which
 source, where a node's block starts in a forwarder's area, and the hand-off of a channel's rows to
-a peer (stores through a mapping, or NVSHMEM puts, with the signal that releases them).
+a peer (stores through a mapping, or gpu/reach's sends, with the signal that releases them).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def part_rows(lo, hi, part, parts):
 def peer_reach(pe, rank, p2p, peer_bases_ptr):
     """``(direct, shift)`` for a hand-off to ``pe``: ``direct`` when this program stores the rows
     straight into ``pe``'s area — ``pe`` is this rank, or (``p2p`` != 0) ``pe``'s workspace is
-    mapped into this process (``peer_bases[pe]`` != 0: a peer over NVLink, or a loopback rank; a
+    mapped into this process (``peer_bases[pe]`` != 0: a peer over NVLink, or a test rank; a
     peer on another host is 0) — and ``shift``, the bytes from this rank's address of symmetric
     memory to that mapping (0 for this rank). Otherwise the rows are staged and put."""
     peer_base = tl.load(peer_bases_ptr + pe)

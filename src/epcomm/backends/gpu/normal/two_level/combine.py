@@ -20,7 +20,7 @@ Three launches, C channels of contiguous tokens as in the dispatch:
     ml_combine_forward  at f, grid (N, C): program (m, c) ACQUIREs the k flags [m][c][*], sums each
                         area row's slots over the ranks in its mask (float32, ascending j), rounds
                         to bf16 and delivers the partial rows to home s = (m, l), block n, rows
-                        [lo, hi): one put_signal (NVSHMEM orders the rows before the signal), or,
+                        [lo, hi): one far_deliver (the rows land before the signal), or,
                         when s is f itself or its workspace is mapped here (p2p: NVLink), stores
                         straight into s's area and a RELEASE of the signal.
     ml_combine_reduce   at s, <= num_sms programs over the tokens: ACQUIRE the N x C signals of

@@ -1,8 +1,8 @@
-"""Multi-node normal-mode dispatch kernels: hop 1 over NVSHMEM, hop 2 over NVLink.
+"""Multi-node normal-mode dispatch kernels: hop 1 between nodes (gpu/reach), hop 2 over NVLink.
 
 The plan is :mod:`.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
 (launched by backends/nvshmem/backend.py, after the step barrier of step.py). They pass against the references on
-loopback ranks (epcomm.testing.loopback); the NVSHMEM puts ran on 2 × H200 and with up to 16 ranks sharing one H100 (docs/MULTINODE.md).
+loopback ranks (epcomm.testing.loopback); with NVSHMEM they ran on 2 × H200 and with up to 16 ranks sharing one H100 (docs/MULTINODE.md).
 The combine kernels are in combine.py.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table:
@@ -226,7 +226,7 @@ def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sy
     # Program (c * parts + part, n): slice `part` of the rows of channel c for node n (rows
     # [lo, hi) of this rank's block there), packed (x, scales, top-k, source index, in-node mask)
     # and delivered to the forwarder (n, local). Another node: packed into this rank's send area,
-    # then put — one put_signal when the channel is one program (NVSHMEM delivers the rows before
+    # then put — one far_deliver when the channel is one program (the rows land before
     # it SETs the forwarder's signal [this node][c] to epoch); with several, each program puts its
     # slice and completes it (quiet) before it arrives, and the last to arrive SETs the signal, so
     # the signal still follows every byte. The forwarder's node peers ACQUIRE that word before

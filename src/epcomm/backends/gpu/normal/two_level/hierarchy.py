@@ -9,7 +9,7 @@ node) and sends that partial home, where the partials are summed.
 
 Dispatch of the tokens of source rank ``s = (m, l)``, for every destination node ``n``::
 
-    hop 1 (network, NVSHMEM puts)   s -> forwarder f = (n, l)
+    hop 1 (network, puts)           s -> forwarder f = (n, l)
         block m of f's receive area: the tokens t of s with is_token_in_node[t, n], ascending;
         row b of the block carries x[t], its scales / top-k / weights, t, and in_node_mask[t, n]
         (bit j: rank (n, j) needs t). Block m starts at recv_rdma_rank_prefix_sum[m - 1] there.
