@@ -167,3 +167,60 @@ def test_a_buffer_dropped_before_its_resync_leaves_the_group_to_resync():
     assert board.needs_resync
     board.resync(torch.device("cpu"))
     assert not board.needs_resync and new.resets == 1
+
+
+DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE, ABORT = 1, 3, 4, 5, call_board.ABORT_KIND  # (agreement.CALLS)
+
+
+def word_of(seat_tag, kind):
+    return call_board.board_word(seat_tag, kind)
+
+
+def test_a_peer_in_another_call_of_the_same_number_is_elsewhere():
+    """Rank 1 skipped the combine (number 7 on Buffer 1) and made its next call, a low-latency
+    dispatch on Buffer 2, with that number: each side sees the other elsewhere."""
+    board = make_board()
+    normal, low_latency = board.seat(FakeBackend()), board.seat(FakeBackend())
+    board.number = 6
+    combine_tag = normal.tag()
+    board.number = 6  # (rank 1's counter: it made no combine)
+    dispatch_tag = low_latency.tag()
+    assert combine_tag >> call_board.NUMBER_SHIFT == dispatch_tag >> call_board.NUMBER_SHIFT
+    assert call_board.ring_slot(combine_tag) == call_board.ring_slot(dispatch_tag)
+    assert call_board.posted_elsewhere(word_of(dispatch_tag, LL_DISPATCH), combine_tag, COMBINE)
+    assert call_board.posted_elsewhere(word_of(combine_tag, COMBINE), dispatch_tag, LL_DISPATCH)
+    assert not call_board.posted_elsewhere(word_of(combine_tag, COMBINE), combine_tag, COMBINE)  # the same call
+
+
+def test_peers_behind_ahead_or_from_before_a_resync_are_not_elsewhere():
+    board = make_board()
+    seat = board.seat(FakeBackend())
+    board.number = 9
+    mine = seat.tag()  # call 10
+    behind = mine - (1 << call_board.NUMBER_SHIFT)
+    assert not call_board.posted_elsewhere(0, mine, COMBINE)  # nothing posted yet
+    assert not call_board.posted_elsewhere(word_of(behind, DISPATCH), mine, COMBINE)
+    # a peer RING calls ahead overwrote the slot with a larger number: not taken for a skip
+    ahead = mine + (call_board.RING << call_board.NUMBER_SHIFT)
+    assert call_board.ring_slot(ahead) == call_board.ring_slot(mine)
+    assert not call_board.posted_elsewhere(word_of(ahead, LL_DISPATCH), mine, COMBINE)
+    # a post still in flight from before a resync carries the old generation
+    board.resync(torch.device("cpu"))
+    board.number = 9
+    after = seat.tag()
+    assert call_board.ring_slot(after) == call_board.ring_slot(mine)
+    assert not call_board.posted_elsewhere(word_of(mine, LL_DISPATCH), after, COMBINE)
+
+
+def test_an_abort_is_elsewhere_only_on_another_buffer_and_a_resync_always():
+    board = make_board()
+    normal, low_latency = board.seat(FakeBackend()), board.seat(FakeBackend())
+    board.number = 2
+    mine = normal.tag()
+    board.number = 2
+    other = low_latency.tag()
+    # a rejected input on this Buffer: its own signals end the wait and name the argument
+    assert not call_board.posted_elsewhere(word_of(mine, ABORT), mine, DISPATCH)
+    # a rejected layout's stand-in made on the other Buffer: the peers' wait here ends
+    assert call_board.posted_elsewhere(word_of(other, ABORT), mine, DISPATCH)
+    assert call_board.posted_elsewhere(call_board.RESYNC_TAG, mine, DISPATCH)

@@ -78,6 +78,23 @@ def as_fingerprint(word: int) -> int:
     return (word & KIND_MASK) | (slot << FP_BUFFER_SHIFT)
 
 
+def ring_slot(tag: int) -> int:
+    """The word of a rank's row that holds its call of this tag's number (sync.board_slot)."""
+    return (tag >> NUMBER_SHIFT) % RING
+
+
+def posted_elsewhere(posted: int, tag: int, kind: int) -> bool:
+    """The kernels' test (sync.posted_elsewhere, on the host; keep the two alike): does ``posted``,
+    a sender's word in the slot of this call's number, say the sender is in another call than
+    ``(tag, kind)`` — or resyncs? A word of another number (the sender is behind, or the word is
+    older than a resync) says nothing; an abort on this call's own Buffer is left to its signals."""
+    if posted == RESYNC_TAG:
+        return True
+    slot_bits = NUM_SLOTS << BUFFER_SHIFT
+    abort_here = (posted & KIND_MASK) == ABORT_KIND and (posted & slot_bits) == (tag & slot_bits)
+    return (posted >> NUMBER_SHIFT) == (tag >> NUMBER_SHIFT) and posted != board_word(tag, kind) and not abort_here
+
+
 def board_words(num_ranks: int) -> int:
     """int64 words of one rank's board: a row of RING words per rank, rows up to the next power of
     two (kernels read whole ``R_P2`` vectors), and a scratch word after them (far SETs of dead lanes)."""

@@ -355,7 +355,8 @@ def posted_elsewhere(board_address, senders, call_tag, fp0):
     """Lanes whose sender's word for this call's number, on this rank's board, names another Buffer
     or kind — the sender's call of this number is another call — or says the sender resyncs. (A
     sender behind has not posted this number yet: that is not taken for a skip. An abort on this
-    Buffer is not either: its own signals end the wait, naming the argument it rejected.)"""
+    Buffer is not either: its own signals end the wait, naming the argument it rejected.)
+    call_board.posted_elsewhere is the same test on the host (its tests walk the cases)."""
     posted = load_acquire_sys(board_address + (senders.to(tl.int64) * BOARD_RING + board_slot(call_tag)) * 8)
     same_number = (posted >> BOARD_NUMBER_SHIFT) == (call_tag >> BOARD_NUMBER_SHIFT)
     buffer_bits = BOARD_BUFFER_MASK << BOARD_BUFFER_SHIFT
