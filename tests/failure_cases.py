@@ -664,7 +664,8 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
         want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], lambda e, rows: rows, False, False)
         if gpu and _reported(ll):
             return "reported"
-        assert torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2), "low-latency round: wrong data"
+        assert torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2), \
+            "low-latency round: wrong data"
 
     state = {"skipped": gpu}
     if gpu:  # every kernel of these shapes compiled first, so the steps below time the calls

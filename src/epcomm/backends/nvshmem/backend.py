@@ -152,7 +152,8 @@ class NvshmemBackend(Backend):
             memory = NvshmemTransport(group, self.device, num_bytes)  # zeroed on every rank before it returns
             bases, rendezvous = memory.peer_bases, StoreRendezvous(group, self.timeout_s)
         # (every peer but this rank is reached by signals: ranks_per_node 1)
-        post_resync = agreement.resync_poster(bases.data_ptr(), self.rank, self.num_ranks, self.device, self.far_mode, 1)
+        post_resync = agreement.resync_poster(bases.data_ptr(), self.rank, self.num_ranks, self.device, self.far_mode,
+                                              ranks_per_node=1)
         return call_board.CallBoard(self.rank, self.num_ranks, memory.buffer.view(torch.int64), bases, rendezvous,
                                     memory, post_resync)
 

@@ -275,7 +275,8 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                            src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
                            bases_ptr, mailbox_address, half_offset, counts_offset, recv_offset, num_local, num_ranks,
                            rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, fp_rows, fp0, fp1,
-                           tl.load(board_bases_ptr + rank), call_tag, HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S, BLOCK_M, R_P2)
+                           tl.load(board_bases_ptr + rank), call_tag, HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S,
+                           BLOCK_M, R_P2)
 
 
 DISPATCH = KernelSpec(ep_ll_dispatch, aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)

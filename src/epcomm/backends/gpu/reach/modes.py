@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .nvshmem import NVSHMEM, complete_sends, deliver, send_bytes, set_words
-from ..sync import (BOARD_RING, FP_ROW, RESYNC_TAG, board_slot, board_word, live_peers, post_call_to_peers, post_fingerprint,
-                    post_fingerprint_to_peers, publish)
+from ..sync import (BOARD_RING, FP_ROW, RESYNC_TAG, board_slot, board_word, live_peers, post_call_to_peers,
+                    post_fingerprint, post_fingerprint_to_peers, publish)
 
 PEERS_BY_STORES, FAR_BY_NVSHMEM, FAR_BY_LOOPBACK = 0, 1, 2
 LOOPBACK_MODE = tl.constexpr(FAR_BY_LOOPBACK)  # (the kernels' name for it)

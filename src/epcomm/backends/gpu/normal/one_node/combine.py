@@ -10,7 +10,8 @@ from ... import sync
 from ...copy import copy_rows, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers, signal_peers
+from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers,
+                     signal_peers)
 
 
 
@@ -102,7 +103,8 @@ def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     token_hi = token_lo + acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
                                              timeout_ns, fp_offset, fp0, fp1, token_hi - token_lo,
-                                             tl.load(board_bases_ptr + rank), call_tag, R_P2)  # ACQUIRE: rows pushed here
+                                             tl.load(board_bases_ptr + rank), call_tag,
+                                             R_P2)  # ACQUIRE: rows pushed here
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))

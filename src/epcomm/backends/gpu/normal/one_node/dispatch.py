@@ -10,7 +10,8 @@ import triton.language as tl
 from ... import agreement, sync
 from ...copy import copy_rows, copy_rows_to_each, multiple, word_ptr
 from ...launch import KernelSpec
-from ...sync import acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers, signal_peers
+from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers,
+                     signal_peers)
 
 POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
 POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
@@ -216,7 +217,8 @@ def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
     num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
-                                  fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag, R_P2)  # ACQUIRE: staged rows and lists
+                                  fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
+                                  R_P2)  # ACQUIRE: staged rows and lists
     num_recv = num_rows
     if INDEX:
         num_recv = tl.load(recv_info_ptr)

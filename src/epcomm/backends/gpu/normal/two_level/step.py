@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ...launch import KernelSpec
-from ...sync import ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere, report_late
+from ...sync import (ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere,
+                     report_late)
 from ...reach.modes import FAR_LIBRARY, far_complete, far_deliver, post_call_any
 from .channels import SIGNAL_STRIDE
 
