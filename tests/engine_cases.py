@@ -52,7 +52,18 @@ def vllm_high_throughput(hidden: int = 256):
     buffer = deep_ep.Buffer(group=cpu_group, num_nvl_bytes=1 << 30, num_rdma_bytes=0, low_latency_mode=False,
                             num_qps_per_rank=1, explicitly_destroy=True)
     assert buffer.device == dev and buffer.group is cpu_group
+    # vLLM sets the process-wide SM count; the case gives the caller's back when it ends, so a
+    # later case in the same process runs with its own (in the one-GPU bed, 20 programs per rank
+    # at 16 ranks starved the next case's kernels: docs/MULTINODE.md, finding 11)
+    caller_num_sms = deep_ep.Buffer.num_sms
     deep_ep.Buffer.set_num_sms(20)
+    try:
+        return _vllm_high_throughput_steps(deep_ep, buffer, cpu_group, R, rank, dev, hidden)
+    finally:
+        deep_ep.Buffer.set_num_sms(caller_num_sms)
+
+
+def _vllm_high_throughput_steps(deep_ep, buffer, cpu_group, R, rank, dev, hidden):
     dispatch_config, combine_config = deep_ep.Buffer.get_dispatch_config(R), deep_ep.Buffer.get_combine_config(R)
     num_experts, alignment = 4 * R, 16
     handles = {}
@@ -452,3 +463,15 @@ def backend_argument():
     # virtual nodes on torch_dist stay the reference's business; one node by default
     assert epcomm.Buffer(dist.group.WORLD).num_nodes == 1
     return True
+
+
+def leaves_num_sms_as_found(case_name: str, caller_num_sms: int = 6):
+    """Runs one case with the process-wide SM count at ``caller_num_sms`` and returns the count it
+    left: a case that changes it (vLLM's sets 20) must give the caller's back, or every later case
+    in the process runs with it."""
+    epcomm.Buffer.set_num_sms(caller_num_sms)
+    try:
+        globals()[case_name]()
+        return epcomm.Buffer.num_sms, epcomm.config.default_num_sms()
+    finally:
+        epcomm.Buffer.set_num_sms(20)

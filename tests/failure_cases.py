@@ -613,6 +613,20 @@ def _reported(buffer) -> bool:
     return any(member.mailbox.view[0] != 0 for member in buffer._backend.seat.board.members())
 
 
+def judge_skipped_call_steps(results, timeout: float):
+    """Checks every rank's steps from ``skipped_call_then_next_calls``: each step is right, the
+    expert code's own error, a report of an earlier call, or ``EPInputError('call')`` raised in well
+    under the timeout (a third of it); the last four steps are right on every rank."""
+    for rank, steps in enumerate(results):
+        judged = steps[:-2]
+        for name, outcome, seconds in judged:
+            assert outcome[0] in ("ok", "reported", "expert code", "EPInputError"), (rank, steps)
+            if outcome[0] in ("EPInputError", "reported"):
+                assert outcome[0] == "reported" or outcome[1] == "call", (rank, steps)
+                assert seconds < timeout / 3, (rank, steps)
+        assert [o[0] for _, o, _ in judged[-2:] + steps[-2:]] == ["ok"] * 4, (rank, steps)
+
+
 def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0, device: str = "cpu"):
     """A rank whose expert code raised skips a call its peers make (``skipped``: ``"combine"``,
     ``"ll_combine"``, ``"dispatch"``), then every rank goes on as a serving loop does: each step

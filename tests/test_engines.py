@@ -25,6 +25,13 @@ def test_vllm_high_throughput_prepare_finalize_on_its_gloo_group(pools):
     assert pools.get(4).run(engine_cases.vllm_high_throughput) == [3] * 4
 
 
+@pytest.mark.parametrize("case", ["vllm_high_throughput", "vllm_low_latency", "sglang_dispatchers", "megatron_fused"])
+def test_an_engine_case_gives_the_callers_num_sms_back(pools, case):
+    """vLLM calls Buffer.set_num_sms(20), a process-wide setting: each case gives the caller's
+    count back, so the next case in the same process runs with its own (the one-GPU bed's cap)."""
+    assert pools.get(4).run(engine_cases.leaves_num_sms_as_found, case) == [(6, 6)] * 4
+
+
 def test_vllm_low_latency_prepare_finalize_hooks_out_masks_and_nvfp4_refusal(pools):
     assert pools.get(4).run(engine_cases.vllm_low_latency) == [True] * 4
 

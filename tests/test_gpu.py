@@ -18,7 +18,23 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs CUDA GPUs")]
 needs_peers = pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs (ranks that disagree or go missing)")
 
-WORLD_SIZES = [n for n in (2, 4, 8) if n <= GPUS] or [1]
+
+
+def _world_sizes():
+    """Ranks per pool: 2, 4 and 8 where the GPUs allow; ``EPCOMM_GPU_WORLD_SIZES=4`` (comma-separated)
+    keeps only those, so a 4-GPU machine can spend one device call on R=4 alone."""
+    import os
+    sizes = [n for n in (2, 4, 8) if n <= GPUS] or [1]
+    asked = os.environ.get("EPCOMM_GPU_WORLD_SIZES", "")
+    if asked:
+        wanted = {int(n) for n in asked.split(",")}
+        too_many = sorted(n for n in wanted if n > max(GPUS, 1))
+        assert not too_many, f"EPCOMM_GPU_WORLD_SIZES asks for {too_many} ranks; this machine has {GPUS} GPUs"
+        sizes = sorted(wanted)
+    return sizes
+
+
+WORLD_SIZES = _world_sizes()
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES)
@@ -281,6 +297,27 @@ def test_random_sequence_of_faults_on_nvlink(gpu_pool):
     results = gpu_pool.run(error_sequence, 1000, 5, "cuda", timeout_s=1200)
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
         assert results[0].get(key, 0) > 0, results[0]
+
+
+@needs_peers
+def test_random_sequence_with_skipped_calls_on_two_buffers_on_nvlink(gpu_pool):
+    """The fault sequence with a normal and a low-latency Buffer on the group, 1000 steps: skipped
+    combines, low-latency combines and whole rounds across the two, on the nvlink backend's call
+    board (gpu/call_board.py)."""
+    from epcomm.testing.sequence import error_sequence
+    results = gpu_pool.run(error_sequence, 1000, 23, "cuda", two_buffers=True, timeout_s=1200)
+    for key in ("ok", "skip_raised", "drop_raised", "skipped_call_found"):
+        assert sum(r.get(key, 0) for r in results) > 0, results
+
+
+@needs_peers
+@pytest.mark.parametrize("skipped", ["combine", "ll_combine", "dispatch"])
+def test_a_rank_that_skips_a_call_never_gets_wrong_data_on_nvlink(gpu_pool, skipped):
+    """Rank 1 skips a call, then every rank runs normal and low-latency rounds on two Buffers of the
+    group: every error is EPInputError('call') raised long before the timeout, no wrong data."""
+    timeout = 30.0
+    results = gpu_pool.run(failure_cases.skipped_call_then_next_calls, skipped, timeout, "cuda", timeout_s=300)
+    failure_cases.judge_skipped_call_steps(results, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """The multi-node (nvshmem) backend's kernels on one GPU, every rank a thread of one process
 (loopback transport): the send layout; dispatch, cached dispatch and combine; low-latency rounds,
 a dead rank, both modes on one backend — against the references, per topology
-(epcomm.testing.loopback; it runs in a child process with CUDA_MODULE_LOADING=EAGER, which its
-docstring explains). Skipped without CUDA. The NVSHMEM puts themselves need one GPU per process:
+(epcomm.testing.loopback; it runs in a child process with eager module loading and the
+stream-ordered allocator, which its docstring explains). Skipped without CUDA. The NVSHMEM puts themselves need one GPU per process:
 tests/test_gpu.py runs the backend on virtual nodes where two GPUs are lent.
 """
 import os
@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUD
 
 @pytest.mark.parametrize("ranks,per_node", TOPOLOGIES)
 def test_loopback_cases_against_references(ranks, per_node):
-    env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
+    from epcomm.testing.loopback import loopback_environment
+    env = loopback_environment(os.environ)
     run = subprocess.run([sys.executable, "-m", "epcomm.testing.loopback", "--topology", f"{ranks},{per_node}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

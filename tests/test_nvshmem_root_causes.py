@@ -92,3 +92,16 @@ def test_receive_only_low_latency_kernels_call_no_nvshmem_function():
                                   REMOTE=reach.FAR_BY_NVSHMEM), 8, target=GPUTarget("cuda", 90, 32),
                              ptx_options="--compile-only").asm["ptx"]
     assert "nvshmem" not in ptx and not device.module_uses_nvshmem(ptx)
+
+
+@needs_triton
+def test_loopback_process_loads_eagerly_and_allocates_stream_ordered():
+    """The loopback ranks share one CUDA context: a module loaded at first launch, or a cudaMalloc
+    between launches, orders a rank's next kernel behind its peers' spinning waits, which then run
+    their whole timeout (a skipping rank's first case, H100 2026-11-26). The runner's process
+    loads eagerly and allocates stream-ordered, unless the caller chose an allocator."""
+    from epcomm.testing.loopback import loopback_environment
+    env = loopback_environment({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    chosen = loopback_environment({"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert chosen == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

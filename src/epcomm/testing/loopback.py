@@ -6,10 +6,19 @@ rounds of dispatch + combine with and without hooks, FP8 variants, messages to n
 ranks (:func:`low_latency_case`), against the references as the GPU suite checks them.
 
 Run it as ``python -m epcomm.testing.loopback [--topology R,k ...]``: it runs in a process with
-``CUDA_MODULE_LOADING=EAGER`` (it starts one if needed). Under CUDA's default lazy loading, the
-first launch of any kernel loads its module, and that waits for the GPU's running kernels —
-here, another rank's kernels spinning until this rank's next launch: they time out, or hand on
-stale rows. (Separate processes, as with NVSHMEM, have separate contexts and do not meet this.)
+``CUDA_MODULE_LOADING=EAGER`` and PyTorch's stream-ordered allocator
+(``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``), starting one if needed. Both avoid a host
+call that waits for, or orders work behind, the GPU's running kernels — here another rank's
+kernels, spinning until this rank's next launch, so they time out or hand on stale rows:
+
+- lazy loading: the first launch of a kernel loads its module, which waits for running kernels;
+- ``cudaMalloc``: work issued after a device allocation does not run beside work issued before
+  it (CUDA's implicit synchronisation). A rank thread's first call allocates its outputs on a
+  stream the caching allocator has no blocks for yet, so the first case of a process ordered a
+  skipping rank's next dispatch behind its peers' waiting combines: the waits ran their whole
+  timeout (seen on H100, 2026-11-26; with cudaMallocAsync the same cases pass at once).
+
+Separate processes, as with NVSHMEM, have separate contexts and do not meet either.
 
 NVSHMEM itself needs one GPU per process, so this is how the kernels' logic — layouts, offsets,
 masks, the order of rows and sums, the signals between hops — is tested where only one GPU is
@@ -91,6 +100,15 @@ def dead_rank_cases(num_ranks: int, ranks_per_node: int):
     return [(0, "uniform", {})]
 
 
+def loopback_environment(environ) -> dict:
+    """``environ`` with what a process of loopback ranks needs before CUDA starts (the module's
+    docstring says why): eager module loading and, unless the caller chose an allocator, PyTorch's
+    stream-ordered one."""
+    env = dict(environ, CUDA_MODULE_LOADING="EAGER")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    return env
+
+
 def main(argv=None) -> int:
     import argparse
     import os
@@ -102,8 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("normal", "low_latency", "both"), default="both")
     parser.add_argument("--only", default=None, help="run only the cases of this function (e.g. recovery_case)")
     args = parser.parse_args(argv)
-    if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":  # see the module's docstring
-        env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
+    env = loopback_environment(os.environ)
+    if env != dict(os.environ):  # see the module's docstring
         return subprocess.call([sys.executable, "-m", "epcomm.testing.loopback"] + list(argv or sys.argv[1:]),
                                env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
@@ -139,7 +157,7 @@ def main(argv=None) -> int:
 
 __all__ = ["run_ranks", "layout_case", "send_layout_case", "normal_case", "cases", "low_latency_case", "low_latency_cases",
            "low_latency_dead_rank_case", "mixed_modes_case", "bad_counts_case", "recovery_case", "disagreement_case",
-           "ll_other_call_case", "skip_across_buffers_case", "main"]
+           "ll_other_call_case", "skip_across_buffers_case", "loopback_environment", "main"]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.gpu import launch
 from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from ..backends.nvshmem.backend import NvshmemBackend
 from ..backends.gpu.workspace import low_latency_bytes
@@ -373,14 +374,18 @@ def skip_across_buffers_case(num_ranks: int, ranks_per_node: int, hidden: int = 
 
         def args(mask):
             return LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False, mask)
+        compiled_before = len(launch.compiled_specialisations)
         started = time.monotonic()
         if rank == R - 1:  # its expert code failed after B's dispatch: its next call is on A
             buffer_b.low_latency_dispatch(args(masks[1]))
             buffer_a.low_latency_dispatch(args(masks[0]))
         else:
             _ll_round_trip(rank, buffer_b, args(masks[1]), w, hidden)
+        launched_s = time.monotonic() - started  # the host's part: launches (and any first-call work)
         wait_stream(device)
         seconds = time.monotonic() - started
+        # a compile inside the timed window (any rank's: one process) lets the peers' waits run out
+        compiled = launch.compiled_specialisations[compiled_before:]
         raised = []
         for backend in backends:  # what each Buffer reports (the board's record is on the one that waited)
             try:
@@ -393,7 +398,8 @@ def skip_across_buffers_case(num_ranks: int, ranks_per_node: int, hidden: int = 
                     for backend, mask in zip(backends, masks)]
         wait_stream(device)
         return dict(seconds=seconds, raised=raised, masked=masked, combined=combined,
-                    resynced=not buffer_b.needs_resync)
+                    resynced=not buffer_b.needs_resync, compiled=compiled,
+                    launched_s=launched_s)
 
     what = f"skip-across-Buffers case R={R} k={ranks_per_node}"
     got = run_ranks(R, ranks_per_node, rank_body, 1 << 20, timeout_s=timeout_s, device=device, warm=warm,
@@ -403,7 +409,10 @@ def skip_across_buffers_case(num_ranks: int, ranks_per_node: int, hidden: int = 
         mine = got[rank]
         assert "call" in mine["raised"], f"{what} rank {rank} raised {mine['raised']}"
         assert not any(any(m) for m in mine["masked"]), f"{what} rank {rank} masked {mine['masked']}"
-        assert mine["seconds"] < timeout_s / 2, f"{what} rank {rank}: the waits took {mine['seconds']:.1f} s"
+        launches = [round(got[r]["launched_s"], 2) for r in range(R)]
+        assert mine["seconds"] < timeout_s / 2, (f"{what} rank {rank}: the waits took {mine['seconds']:.1f} s; "
+                                                 f"compiled meanwhile: {mine['compiled'] or 'nothing'}; "
+                                                 f"the host's launches per rank took {launches} s")
         assert mine["resynced"], f"{what} rank {rank}: Buffer B still asks for a resync after A's"
         for name, combined in zip("AB", mine["combined"]):
             torch.testing.assert_close(combined, want[rank], rtol=2e-2, atol=2e-2,

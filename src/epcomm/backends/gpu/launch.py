@@ -27,7 +27,7 @@ launches fall back to ``kernel[grid](...)``: the same compiled code, only slower
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import triton
@@ -163,6 +163,11 @@ class KernelSpec:
             return triton.compile(source, target=target, options=options)
 
 
+# Every specialisation this process has compiled, in order ("name{constexprs}"): a test that times
+# a wait reads it to tell a slow wait from a compile inside the timed window.
+compiled_specialisations: List[str] = []
+
+
 class BoundKernel:
     """One compiled specialisation; ``launch(grid_x, grid_y, stream, *args)`` starts it.
 
@@ -180,6 +185,7 @@ class BoundKernel:
         self._max_resident = None
         self.num_warps = num_warps
         compiled = spec.compile(constexprs, num_warps)
+        compiled_specialisations.append(f"{spec.name}{sorted(constexprs.items())}")
         library = spec.library_of(constexprs)
         self.n_regs = getattr(compiled, "n_regs", 255) or 255
         self.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
