@@ -13,7 +13,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-scale}"
 case "$part" in
-  scale)     shapes="16x8,8x8,16x2,2x1"; tests="internode or routings or low_latency_sweep or round_trips" ;;
+  scale)     shapes="16x8,8x8"; tests="internode or routings or low_latency_sweep or round_trips" ;;
+  scale16x2) shapes="16x2"; tests="internode or routings or low_latency_sweep or round_trips" ;;  # 8 nodes of 2
   small)     shapes="2x1,4x2,8x1,8x4"; tests="internode or routings or rounds or low_latency" ;;
   graphs)    shapes="2x1,8x8,16x8"; tests="rounds or graph or autograd" ;;
   fuzz)      shapes="4x2,16x8"; tests="fuzz" ;;
@@ -21,7 +22,8 @@ case "$part" in
   sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
   engines)   shapes="4x2,8x8"; tests="engines or dropped_unevenly" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
-  *) echo "shared_gpu.sh: unknown part '$part' (scale, small, graphs, fuzz, faults, sequence, engines, custom)" >&2; exit 2 ;;
+  *) echo "shared_gpu.sh: unknown part '$part' (scale, scale16x2, small, graphs, fuzz, faults, sequence, engines," \
+          "custom)" >&2; exit 2 ;;
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
 if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)

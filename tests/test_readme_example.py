@@ -1,4 +1,4 @@
-"""README's runnable example (examples/two_ranks_cpu.py) keeps working."""
+"""README's runnable examples (examples/*.py) keep working."""
 import os
 import subprocess
 import sys
@@ -6,9 +6,21 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def test_two_ranks_cpu_example_runs():
+def _run_example(name: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "two_ranks_cpu.py")], capture_output=True,
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True,
                          text=True, env=env, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "combine matches: OK" in run.stdout
+    return run.stdout
+
+
+def test_two_ranks_cpu_example_runs():
+    assert "combine matches: OK" in _run_example("two_ranks_cpu.py")
+
+
+def test_skipped_call_example_shows_errors_at_once_and_the_ranks_pairing_again():
+    """The recovery rule's example: rank 1 skips a combine; its peers raise EPInputError('call')
+    naming the ranks and calls, every rank drops that step, and the later steps are right."""
+    out = _run_example("skipped_call_cpu.py")
+    assert "EPInputError(call): step dropped" in out and "ranks are in different calls" in out, out
+    assert "no step returned wrong data: OK" in out, out

@@ -34,7 +34,7 @@ def test_nvlink_needs_one_host_and_a_gpu_per_rank():
 
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "shared_gpu.sh")
-PRESETS = ["scale", "small", "graphs", "fuzz", "faults", "sequence", "engines"]
+PRESETS = ["scale", "scale16x2", "small", "graphs", "fuzz", "faults", "sequence", "engines"]
 
 
 def _dry_run(part, **env):

@@ -1,7 +1,7 @@
 """One process per host compiles a kernel specialisation at a time (``launch.py``).
 
 The ranks of a node all compile the same kernels at the same call, and a kernel linked with
-NVSHMEM's device library takes seconds: eight or sixteen compiles at once on a node's cores made
+a device library (gpu/reach) takes seconds: eight or sixteen compiles at once on a node's cores made
 one call outlast its peers' timeout (16 ranks on one H100, 2026-11-24). With this lock one process
 compiles each specialisation while the others wait, then find it in Triton's on-disk cache.
 Pure Python (no Triton), so the CPU tests check it.

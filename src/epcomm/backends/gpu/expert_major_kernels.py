@@ -1,6 +1,6 @@
 """The expert-major layout (:mod:`epcomm.expert_major`) in two kernels, for GPU backends that
-receive plain rows and re-lay them after the exchange (nvshmem; nvlink builds the layout inside
-its pull and push instead).
+receive plain rows and re-lay them after the exchange (two-level normal mode; the one-node kernels
+build the layout inside their pull and push instead).
 
 The torch re-layout (``expert_major.expand`` / ``fold``) moves each row through index_put and
 boolean-mask gathers: on 2 × H200 at T=4096 (virtual nodes, measured 2026-11-23) the expansion took

@@ -16,7 +16,7 @@ pointer is assumed 16-byte aligned unless the spec says so (``aligned``).
 Pointer arguments may be tensors or plain ``int`` addresses (peer memory, host-mapped memory):
 the launcher passes an int straight through. Constexpr parameters come last in every kernel.
 
-Kernels that call a device library (NVSHMEM's device functions for the multi-node backend) name it
+Kernels that call a device library (one that reaches peers on other nodes: gpu/reach) name it
 with ``KernelSpec(library=...)``: its bitcode is linked at compile time and each loaded module is
 initialised by the library (:class:`DeviceLibrary`).
 
@@ -74,8 +74,8 @@ class KernelSpec:
             specialisations where that constexpr is True (e.g. user tensors the host checked).
         library: a :class:`DeviceLibrary` the kernel calls into (linked, and each module set up).
         library_if: ``(constexpr, value)``: the library is called only in specialisations where the
-            constexpr has that value (``gpu/reach/modes.FAR_LIBRARY``: NVSHMEM where ``REMOTE`` is
-            ``FAR_BY_NVSHMEM``; the loopback test transport and plain stores link none).
+            constexpr has that value (``gpu/reach/modes.FAR_LIBRARY`` says which value links which
+            library; the other transports link none).
         fp_fusion: let the compiler fuse a float multiply and add into one FMA (one rounding
             instead of two). False where results must equal torch's separate operations bit for bit.
     """

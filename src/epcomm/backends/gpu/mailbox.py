@@ -90,7 +90,8 @@ class HostMailbox:
         device-side waits, which name the peers, give up first). The first ``SPIN_S`` it spins; after
         that each poll yields the GIL (``time.sleep(0)``): a spinning thread keeps it for the
         interpreter's switch interval (5 ms) each time another thread needs it, which would stall
-        every other Python thread of the process — the ranks' own threads in the loopback tests.
+        every other Python thread of the process — ranks run as threads of one process in the one-GPU
+        tests.
         While it waits it also watches the pending word: a disagreement or a late peer that an
         earlier kernel of the call recorded raises at once (the count exchange may never finish
         then), naming the argument or the peers."""
@@ -120,9 +121,9 @@ def check_host_mapping(mailbox: HostMailbox, device: torch.device) -> None:
                                                mailbox.notify_address, probe)
         torch.cuda.synchronize(device)
     except Exception as exc:  # pragma: no cover - depends on the machine
-        raise EPError(f"the nvlink backend needs device-mapped pinned host memory: {exc}") from exc
+        raise EPError(f"the GPU backends need device-mapped pinned host memory: {exc}") from exc
     if mailbox.view[mailbox._notify] != -7 or int(probe.item()) != 1:
-        raise EPError("the nvlink backend needs device-mapped pinned host memory (unified addressing)")
+        raise EPError("the GPU backends need device-mapped pinned host memory (unified addressing)")
     mailbox.view[mailbox._notify] = 0
 
 

@@ -18,7 +18,7 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
                            reaches them by puts: a NIC reads symmetric memory): dispatch messages [M][K],
                            or combine rows [E_local][R*M] of 2H bytes
 
-The normal halves are left out with ``normal=False`` (the nvshmem backend's low-latency region:
+The normal halves are left out with ``normal=False`` (a multi-node backend's low-latency region:
 its normal mode has its own workspace). Sizes are computed once here;
 ``Buffer.get_low_latency_rdma_size_hint`` uses :func:`low_latency_bytes`.
 """
@@ -97,8 +97,8 @@ def ll_half_bytes(num_experts: int, max_tokens: int, hidden: int, num_topk: int,
 
 def low_latency_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """``num_rdma_bytes`` low-latency mode needs (both halves; BF16-sized messages, so FP8 fits,
-    combine slots for up to LL_MAX_TOPK experts per token, and the staging area of the nvshmem
-    backend — unused on nvlink, which keeps the same hint for both)."""
+    combine slots for up to LL_MAX_TOPK experts per token, and the staging area for peers on other
+    nodes — unused on one node, which keeps the same hint for both)."""
     _, _, msg_bytes = ll_message_bytes(hidden, False, False)
     half, _, _ = ll_half_bytes(num_experts, max_tokens, hidden, LL_MAX_TOPK, msg_bytes, staging=True)
     return 2 * (half + ALIGN)
@@ -113,7 +113,7 @@ class Workspace:
             this GPU can store to it (0 where not), and a collective host barrier. Default:
             PyTorch symmetric memory on ``group`` (NVLink).
         normal: reserve normal mode's halves (False: low-latency only).
-        staging: reserve low-latency staging for puts to other nodes (the nvshmem backend).
+        staging: reserve low-latency staging for puts to other nodes (a multi-node backend).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,

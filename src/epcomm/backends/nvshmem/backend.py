@@ -131,7 +131,8 @@ class NvshmemBackend(Backend):
         else:
             self.seat = call_board.join(("nvshmem", group.group_name), self, lambda: self._make_board(group))
         self.normal = TwoLevelMode(transport, self.topology, device, self.state, self.mailbox, self.timeout_s,
-                                   send_parts, bool(p2p), self.far_mode, board=self.seat)
+                                   send_parts, bool(p2p), self.far_mode, board=self.seat, backend_name=self.name,
+                                   size_hint="epcomm.backends.nvshmem.bytes_for_tokens")
         self.low_latency = self.ll_ws = None
         if num_ll_bytes:
             self._ll_reach = (self.far_mode, ll_ranks_per_node or ranks_per_node)

@@ -26,7 +26,7 @@ epochs live in device memory, so captured CUDA graphs replay correctly. A peer t
 answer within the timeout is masked (``low_latency_query_mask_buffer`` shows it) and the call
 completes without it. Ordering: see :mod:`.sync`.
 
-Peers on other nodes (``REMOTE``, the nvshmem backend: nodes of ``ranks_per_node`` consecutive
+Peers on other nodes (``REMOTE``, a multi-node backend: nodes of ``ranks_per_node`` consecutive
 ranks). A rank's stores reach only its own node; everything for a rank of another node is built
 in this rank's staging area (workspace.py) and sent there by ``far_send_bytes`` (gpu/reach/modes.py,
 the one place that knows how). Each sending program completes its sends (``far_complete``) before

@@ -20,7 +20,7 @@ from .dispatch import DISPATCH, LL_PULL_MESSAGES
 
 @dataclass
 class LowLatencyState:
-    """What the nvlink backend keeps in ``LowLatencyHandle.backend_state``."""
+    """What a GPU backend keeps in ``LowLatencyHandle.backend_state``."""
 
     slot_info: torch.Tensor  # [E_local, R*M] int32: home slot token * K + k of each packed row
     num_topk: int
@@ -72,8 +72,8 @@ class LowLatencyMode:
         state: the backend's device state words (sync.py); mailbox: its host mailbox.
         remote: how peers of other nodes are reached (PEERS_BY_STORES: there are none).
         ranks_per_node: nodes are blocks of this many consecutive ranks (with ``remote``).
-        num_sms: programs of the combine's receive phase (default: the GPU's SMs; the loopback
-            tests keep it small so that every rank's programs fit on one GPU at once).
+        num_sms: programs of the combine's receive phase (default: the GPU's SMs; tests with many
+            ranks on one GPU keep it small so that every rank's programs fit at once).
         receive_programs: at most this many programs in each receive phase (0: no cap — one
             per (local expert, source) in a dispatch, ``num_sms`` in a combine). Receive programs
             spin until their messages land, so where several ranks share one GPU (CUDA MPS) their

@@ -1,4 +1,4 @@
-"""Normal mode on one node (the nvlink backend): every peer reached by stores; kernels and their launches.
+"""Normal mode on one node (the one-node backend): every peer reached by stores; kernels and their launches.
 
 Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
 

@@ -31,7 +31,7 @@ EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (204
 # ====================================================================== host side
 @dataclass
 class PullState:
-    """What the nvlink backend keeps in ``DispatchHandle.backend_state``."""
+    """What the one-node backend keeps in ``DispatchHandle.backend_state``."""
 
     recv_src_rank: torch.Tensor  # [N] int32 source (home) rank of each received row, -1 = padding
     recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
@@ -112,7 +112,7 @@ class NormalMode:
         """``num_topk``: top-k width staged (0 in a cached dispatch); ``expert_major_topk``: the
         width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
-            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (got {x_bytes})")
+            raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (got {x_bytes})")
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -160,7 +160,7 @@ class NormalMode:
         plan = args.plan = self._dispatch_plan_of(args)
         if args.handle is not None:
             if args.handle.backend_state.__class__ is not PullState:
-                raise EPInputError("handle", "was not made by the nvlink backend")
+                raise EPInputError("handle", f"was not made by the {self.b.name} backend")
             return
         num_tokens = (args.x[0] if args.x.__class__ is tuple else args.x).shape[0]
         self.ws.check_notify(args.num_tokens_per_expert.shape[0], num_tokens)
@@ -312,7 +312,7 @@ class NormalMode:
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
         x_bytes = hidden * 2
         if x_bytes % 8:
-            raise EPInputError("x", f"the nvlink backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+            raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (hidden={hidden})")
         (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
         block_r, block_w = copy_block_shape(x_bytes // 8)
         block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
@@ -341,7 +341,7 @@ class NormalMode:
                       bias: Tuple[torch.Tensor, ...]) -> None:
         """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""
         if handle.backend_state.__class__ is not PullState:
-            raise EPInputError("handle", "was not made by the nvlink backend")
+            raise EPInputError("handle", f"was not made by the {self.b.name} backend")
         plan = self._combine_plan_of(x, handle, topk_weights, bias)
         if handle.backend_state.max_tokens < 0 and handle.is_token_in_rank.shape[0] > plan.round_tokens:
             raise EPInputError("handle", "comes from a num_worst_tokens dispatch: its combine must fit the buffer "

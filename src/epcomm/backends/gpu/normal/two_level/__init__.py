@@ -1,4 +1,4 @@
-"""Normal mode across nodes, two hops (DeepEP's internode shape; the nvshmem backend wires it).
+"""Normal mode across nodes, two hops (DeepEP's internode shape; a multi-node backend wires it).
 
     hierarchy.py  the plan, plain Python: nodes, rails, in-node masks, channel prefix matrices
                   (tested on CPU through :mod:`epcomm.testing.two_level`)
@@ -10,6 +10,6 @@
     combine.py    reduce within the node first, one row per token and node over the network
     mode.py       the host side: plans per call shape and the launches of each call (TwoLevelMode)
 
-The kernels run against the plan on one GPU through :mod:`epcomm.testing.loopback_cases`.
+The kernels run against the plan on one GPU through the one-GPU test transport (epcomm.testing).
 Importing this package loads no kernels.
 """

@@ -1,5 +1,5 @@
 """Multi-node normal-mode combine kernels: reduce within the node first, one row per token and
-node over the network (launched by backend.py; tested on loopback ranks).
+node over the network (launched by the wiring backend; tested with ranks as threads of one GPU).
 
 The data flow is the one :func:`epcomm.testing.two_level.two_level_combine` simulates (CPU-tested
 against the one-level reference, tests/test_hierarchy.py). Rank names: ``s = (m, l)`` a home
@@ -195,7 +195,7 @@ def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/s
     # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
     # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
     # program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
-    # programs, at most num_sms, so that few programs spin: on one GPU shared by loopback ranks,
+    # programs, at most num_sms, so that few programs spin: on one GPU shared by many ranks,
     # a grid per token block filled the SMs with waiters while the pushes they waited for could
     # not start). Per token: the float32 sum over the nodes in each token's mask, in ascending node order, of the partial row at node_row[t][n] of block n,
     # plus the biases, rounded to bf16.

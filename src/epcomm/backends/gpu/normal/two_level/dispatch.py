@@ -1,8 +1,8 @@
 """Multi-node normal-mode dispatch kernels: hop 1 between nodes (gpu/reach), hop 2 over NVLink.
 
 The plan is :mod:`.hierarchy` (docs/MULTINODE.md); these kernels compute it on the GPU
-(launched by backends/nvshmem/backend.py, after the step barrier of step.py). They pass against the references on
-loopback ranks (epcomm.testing.loopback); with NVSHMEM they ran on 2 × H200 and with up to 16 ranks sharing one H100 (docs/MULTINODE.md).
+(launched by the wiring backend, after the step barrier of step.py). They pass against the references with every
+rank a thread of one GPU (epcomm.testing) and across GPUs and nodes (docs/MULTINODE.md).
 The combine kernels are in combine.py.
 
 Count rows. The count exchange leaves, on every rank, the same ``[R, meta_len]`` int32 table:
@@ -130,7 +130,7 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout)
 # ====================================================================== count exchange
 @triton.jit
 def ml_notify_dispatch(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                       peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (the loopback transport only)
+                       peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (where gpu/reach maps them)
               my_row_ptr: "*i32",  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
                        # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
                        table: "i64", signals: "i64",

@@ -1,6 +1,6 @@
 """Normal mode across nodes, host side: the plans per call shape and the launches of each call
-(two_level/ kernels, launched in the order backends/nvshmem/backend.py lists). The nvshmem backend
-wires it, as the nvlink backend wires ``one_node.NormalMode``."""
+(two_level/ kernels, launched in the order the wiring backend lists). A multi-node backend wires it,
+as the one-node backend wires ``one_node.NormalMode``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,10 +88,14 @@ class TwoLevelMode:
         p2p: store straight into far peers this GPU maps, instead of putting.
         far_mode: the kernels' ``REMOTE`` (gpu/reach/modes.py).
         board: this Buffer's seat on its group's call board (gpu/call_board.py; default none).
+        backend_name: the backend that wires this mode, as its errors name it to the user.
+        size_hint: the function whose bytes fit a token count (named by the capacity errors).
     """
 
     def __init__(self, transport, topology: Topology, device: torch.device, state: torch.Tensor, mailbox,
-                 timeout_s: float, send_parts: int, p2p: bool, far_mode: int, board=None):
+                 timeout_s: float, send_parts: int, p2p: bool, far_mode: int, board=None, *,
+                 backend_name: str, size_hint: str):
+        self.backend_name, self.size_hint = backend_name, size_hint
         self.seat = board if board is not None else unseated(device, transport.num_ranks)  # gpu/call_board.py
         self.t, self.topology, self.device, self.state, self.mailbox = transport, topology, device, state, mailbox
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
@@ -134,7 +138,7 @@ class TwoLevelMode:
     def _num_channels(config) -> int:
         num_channels = config.num_sms // 2
         if num_channels > MAX_CHANNELS:
-            raise EPInputError("config", f"the nvshmem backend runs at most {MAX_CHANNELS} channels "
+            raise EPInputError("config", f"normal mode across nodes runs at most {MAX_CHANNELS} channels "
                                          f"(num_sms <= {2 * MAX_CHANNELS}), got num_sms={config.num_sms}")
         return num_channels
 
@@ -146,7 +150,8 @@ class TwoLevelMode:
         if plan is not None:
             return plan
         if x_bytes % 8:
-            raise EPInputError("x", f"the nvshmem backend needs rows of a multiple of 8 bytes (got {x_bytes})")
+            raise EPInputError("x", f"the {self.backend_name} backend needs rows of a multiple of 8 bytes "
+                                    f"(got {x_bytes})")
         layout = dispatch_layout(self.total_bytes, self.num_ranks, self.topology.ranks_per_node, num_experts,
                                  num_channels, x_bytes, num_scales, num_topk)
         block_r, block_w = copy_block_shape(x_bytes // 8)
@@ -178,14 +183,14 @@ class TwoLevelMode:
     def check_dispatch(self, args: DispatchArgs) -> None:
         """Row sizes, the workspace's token capacity, a handle of this backend: EPInputError."""
         if args.handle is not None and args.handle.backend_state.__class__ is not TwoLevelState:
-            raise EPInputError("handle", "was not made by the nvshmem backend")
+            raise EPInputError("handle", f"was not made by the {self.backend_name} backend")
         plan = args.plan = self._dispatch_plan_of(args)
         num_tokens = (args.x[0] if args.x.__class__ is tuple else args.x).shape[0]
         most = num_tokens if args.handle is None else max(num_tokens, args.handle.backend_state.max_tokens)
         if most > plan.layout.token_cap:
             raise EPInputError("num_rdma_bytes", f"holds {plan.layout.token_cap} tokens per rank for rows of this "
                                                  f"shape, the call sends {most}; raise num_rdma_bytes "
-                                                 f"(epcomm.backends.nvshmem.bytes_for_tokens)")
+                                                 f"({self.size_hint})")
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """(Buffer called check_dispatch first.)"""
@@ -307,7 +312,8 @@ class TwoLevelMode:
         if plan is not None:
             return plan
         if hidden % 4:
-            raise EPInputError("x", f"the nvshmem backend needs rows of a multiple of 8 bytes (hidden={hidden})")
+            raise EPInputError("x", f"the {self.backend_name} backend needs rows of a multiple of 8 bytes "
+                                    f"(hidden={hidden})")
         layout = combine_layout(self.total_bytes, self.num_ranks, self.topology.ranks_per_node, hidden, num_topk)
         block_r, block_w = copy_block_shape(hidden // 4)
         block_c = min(p2(hidden), 1024)
@@ -327,7 +333,7 @@ class TwoLevelMode:
 
     def check_combine(self, x, handle, topk_weights, bias) -> None:
         if handle.backend_state.__class__ is not TwoLevelState:
-            raise EPInputError("handle", "was not made by the nvshmem backend")
+            raise EPInputError("handle", f"was not made by the {self.backend_name} backend")
         # (an expert-major handle: Buffer folds x into rows of the same width, topk_weights is None)
         state: TwoLevelState = handle.backend_state
         plan = self._combine_plan(x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
@@ -335,7 +341,7 @@ class TwoLevelMode:
         if state.max_tokens > plan.layout.token_cap:
             raise EPInputError("num_rdma_bytes", f"holds {plan.layout.token_cap} tokens per rank for a combine of "
                                                  f"this shape, the dispatch sent up to {state.max_tokens}; raise "
-                                                 f"num_rdma_bytes (epcomm.backends.nvshmem.bytes_for_tokens)")
+                                                 f"num_rdma_bytes ({self.size_hint})")
 
     def combine(self, x, handle, topk_weights, bias, config):
         """(Buffer called check_combine first.)"""

@@ -55,7 +55,7 @@ def _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_p
 
 
 @triton.jit
-def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (loopback transport only)
+def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (where gpu/reach maps them)
                   workspace,  # int64: this rank's workspace (symmetric)
                   step_rows_offset, fingerprint_offset,  # bytes from a workspace to its step rows / own fingerprint row
                   mailbox_address,  # host mailbox (gpu/mailbox.py)
