@@ -75,6 +75,22 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
             tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
 
 
+# ep_ll_combine: one launch (SEND and RECEIVE, a cooperative grid), or two (a hook). Grid:
+# programs striding over the items of each phase.
+#
+#   SEND   epoch = EPOCH_LL_COMBINE + 1
+#          program 0: post the call's fingerprint and board word on every live peer
+#          for each (local expert l, source s), s not masked:                    (_push_rows)
+#              for i < count(l, s):  s.half.slots[slot_info[l, offset + i]] <- x[l, offset + i]
+#              (a peer store; s on another node: staged here, then one put per row)
+#          (REMOTE: this program's puts complete before it arrives)
+#          last to arrive:  RELEASE every live peer's LL-combine flag[rank] = epoch
+#   RECEIVE  (a hook's launch: the epoch its half was pushed with)
+#          ACQUIRE every live peer's flag == epoch — a peer the board shows in another call is
+#          recorded, a silent one is masked at the timeout; fingerprints compared (recorded: the
+#          reduction reads only this rank's own slots, in bounds whatever a peer pushed)
+#          for each token t of this program:                                     (_reduce_tokens)
+#              out[t] = bf16( Σ_k w[t, k] · float32(slots[t, k]) )  over valid, unmasked entries
 @triton.jit
 def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
                   layout_ptr: "*i64",  # [E_local, R] int64 (offset << 32) | count
@@ -96,17 +112,13 @@ def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispat
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
                   REMOTE: tl.constexpr):
-    # SEND: program 0 posts the call's fingerprint; programs take the (local expert, source) pairs
-    # in turn (_push_rows); the program arriving last RELEASES the epoch into every live peer's
-    # flag. RECEIVE: ACQUIRE every live peer's flag for this call, check the fingerprints (a
-    # difference is recorded: the host raises), then reduce this program's tokens
-    # (_reduce_tokens). One launch when no hook splits them (a cooperative grid, all resident:
-    # see ep_ll_dispatch).
+    # One launch holds both phases only as a cooperative grid, all resident (see ep_ll_dispatch).
     # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     hidden = multiple(hidden, 128, True)
     fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
+    # -- SEND: rows back to their homes' slots, then the epoch released by the last arrival
     if SEND:
         epoch = tl.load(state_ptr + sync.EPOCH_LL_COMBINE) + 1  # read before arriving (see ep_ll_dispatch)
         if pid == 0:
@@ -128,6 +140,7 @@ def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispat
                           ranks_per_node, spare_word, REMOTE)  # RELEASE: rows, fingerprint -> homes
     else:
         epoch = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + half)  # a hook's receive launch
+    # -- RECEIVE: acquire every live peer's rows, then reduce this program's tokens
     if RECEIVE:
         peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
         my_rows = tl.load(bases_ptr + rank) + fp_rows

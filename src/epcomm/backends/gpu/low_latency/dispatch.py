@@ -208,6 +208,24 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
             tl.store(dst, scales, mask=m)
 
 
+# ep_ll_dispatch: one launch (SEND and RECEIVE, a cooperative grid), or two (a hook: SEND now,
+# RECEIVE when the hook runs). Grid: programs striding over the items of each phase.
+#
+#   SEND   epoch = EPOCH_LL_DISPATCH + 1
+#          program 0: post the call's fingerprint and board word on every live peer
+#          for each (token t, group of MSGS top-k entries):                      (_send_messages)
+#              cast x[t] once (FP8 per 128 channels, or BF16)
+#              slot = atomic counter[e]++;  store message [t, k | x | scales] into
+#              dst(e).half.recv[e_local, rank, slot]     (a peer store; another node: staged, then put)
+#          (REMOTE: this program's puts complete before it arrives)
+#          last to arrive:                                                       (_publish_counts)
+#              RELEASE dst(e).half.counts[rank, e_local] = (epoch << 32) | counter[e];  counter[e] = 0
+#   RECEIVE  (a hook's launch: the epoch its half was sent with)
+#          for each (local expert l, source s):                                  (_pack_received)
+#              ACQUIRE every live source's count word for l carrying epoch — or its fingerprint row
+#              or board word shows another call (recorded, nothing packed), or the timeout (masked)
+#              recv_x[l, offset(s) + i] <- message i of s for l, i < count(s);  offset(s) = Σ_{s'<s} count
+#              layout[l, s] = (offset << 32) | count;  recv_count[l] = Σ_s count   (by the last s)
 @triton.jit
 def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                    topk_ptr: "*i64",  # [T, K] int64 global expert ids (-1 = none)
@@ -236,17 +254,15 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
                    REMOTE: tl.constexpr):
-    # SEND: programs take the (token, message group) items in turn (_send_messages); the program
-    # arriving last RELEASES the counts (_publish_counts). RECEIVE: programs take the (local
-    # expert, source) pairs in turn and ACQUIRE before packing (_pack_received). Both in one
-    # launch when no hook splits them: a cooperative grid the GPU holds at once, so every program
-    # is resident and the receivers' spin cannot starve the senders they wait for.
+    # One launch holds both phases only as a cooperative grid the GPU holds at once: every program
+    # is resident, so the receivers' spin cannot starve the senders they wait for.
     # hidden % 128 == 0 (host-checked) and messages are 16-byte aligned, so copies move 16 bytes
     # (copy.py); ALIGNED: x is 16-byte aligned too.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     hidden = multiple(hidden, 128, True)
     fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
+    # -- SEND: messages to their experts' ranks, then the counts released by the last arrival
     if SEND:
         # Read before this program arrives, so before the last arriver stores epoch + 1.
         epoch = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH) + 1
@@ -269,6 +285,7 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
         # A hook's receive launch: the epoch its half was sent with (another dispatch may have
         # used the other half since).
         epoch = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half)
+    # -- RECEIVE: acquire each local expert's counts, pack its messages source by source
     if RECEIVE:
         for item in range(pid, num_local * num_ranks, num_programs):
             _pack_received(item // num_ranks, item % num_ranks, epoch, mask_ptr, out_x_ptr, out_scales_ptr,

@@ -16,6 +16,17 @@ from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_p
 
 
 # ====================================================================== combine: push
+# ep_combine_push: every received row back to its home, into slot (token, this rank); grid = num_sms.
+#
+#   epoch = EPOCH_NORMAL + 1;  program 0: post the call's fingerprint and board word on every peer
+#   for each row r with token = src_idx[r] in [token_lo, token_hi):
+#       home = src_rank[r]
+#       home.half(epoch % 2).slots_x[token - token_lo, rank] <- x[r]     (NVLink stores)
+#           EXPERT_MAJOR: x[r] = Σ_k weight · y[dest[r, k]] first (float32, the fold)
+#       home.half.slots_w[token - token_lo, rank] <- topk_weights[r]    (HAS_WEIGHTS)
+#   last to arrive:  EPOCH_NORMAL = epoch;  RELEASE epoch to every peer's flag: the home that
+#                    acquires it (ep_combine_reduce) sees the rows stored for it
+#   (the slots are free: the home read this half two barriers ago; halves alternate, sync.py)
 @triton.jit
 def ep_combine_push(x_ptr: "*i8",
                     # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
@@ -31,12 +42,7 @@ def ep_combine_push(x_ptr: "*i8",
                     call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    # Store row r into slot (token - token_lo, this rank) of its home's combine half (peer
-    # stores), for tokens in [token_lo, token_hi); then arrive and RELEASE the epoch to every rank.
-    # The slots are free: the home read them two barriers ago (double buffering, sync.py).
-    # EXPERT_MAJOR: row r is first folded from the expert-major rows of its entries,
-    # Σ_k weight · x[dest[r, k]] in float32 (expert_major.py, fold). ALIGNED: x and its rows are
-    # 16-byte aligned (copy.py).
+    # EXPERT_MAJOR: the fold is expert_major.py's. ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -46,6 +52,7 @@ def ep_combine_push(x_ptr: "*i8",
         post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank, num_ranks,
                                   state_ptr, fp0, fp1, epoch, HAS_MASK=False, R_P2=R_P2)
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
+    # -- each program takes blocks of rows and stores them into their homes' slots
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows
@@ -68,6 +75,7 @@ def ep_combine_push(x_ptr: "*i8",
             w = tl.load(weights_ptr + rows.to(tl.int64)[:, None] * num_topk + k[None, :], mask=m)
             dw = (base + slots_w_offset).to(tl.pointer_type(tl.float32)) + slot * num_topk
             tl.store(dw[:, None] + k[None, :], w, mask=m)
+    # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
@@ -79,6 +87,13 @@ PUSH = KernelSpec(ep_combine_push, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== combine: reduce
+# ep_combine_reduce: each token's slots summed at home; grid = programs striding over tokens.
+#
+#   epoch = EPOCH_NORMAL (the push's);  ACQUIRE every rank's flag == epoch and compare fingerprints
+#           (any difference, a timeout, a rank elsewhere on the board: nothing is reduced, the host raises)
+#   for t in [token_lo, token_hi):
+#       out[t]   = bf16( Σ_{j: is_token_in_rank[t, j]} float32(slots_x[t - token_lo, j]) + biases[t] )
+#       out_w[t] = Σ_j slots_w[t - token_lo, j]                          (HAS_WEIGHTS)
 @triton.jit
 def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
                       out_ptr: "*bf16",  # [T, H] bf16
@@ -93,9 +108,6 @@ def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
                       call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
                       NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    # ACQUIRE the rows pushed to this rank for this epoch (nothing is reduced when a rank's call
-    # differs: the host raises), then for each token t of the round:
-    # out[t] = Σ_j slot(t, j) over ranks j with is_token_in_rank[t, j], in float32, + biases.
     # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     hidden = multiple(hidden, 8, ALIGNED)
@@ -110,6 +122,7 @@ def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))
     ranks = tl.arange(0, R_P2)
     cols = tl.arange(0, BLOCK_C)
+    # -- each program takes tokens pid, pid + P, ...: sum the present slots, column block by block
     for token in range(token_lo + pid, tl.minimum(token_hi, num_tokens), num_programs):
         t64 = token.to(tl.int64)
         present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0

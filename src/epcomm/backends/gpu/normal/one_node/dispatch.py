@@ -58,6 +58,19 @@ def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_l
         tl.store(rows.to(tl.pointer_type(tl.int32))[:, None] + ks[None, :], pos, mask=live & (ids >= 0))
 
 
+# ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
+# [position programs] + copy programs (at most num_sms in all).
+#
+#   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
+#   program 0:          post the call's fingerprint and board word on every peer
+#   list programs j<R:  (WRITE_LISTS) half.lists[j] = ascending tokens with is_token_in_rank[t, j]
+#                       count check: len(list j) != num_tokens_per_rank[j], or (HAS_TOPK) j's experts'
+#                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
+#   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
+#   copy programs:      for t in [token_lo, token_hi): half.x[t], half.scales[t], half.topk[t] = ...
+#   last to arrive:     EPOCH_NORMAL = epoch; COUNT_ERROR set -> fingerprint again with the abort field
+#                       RELEASE epoch to every peer's flag: who acquires it (ep_dispatch_pull) sees
+#                       the staged rows, the lists and the fingerprint
 @triton.jit
 def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
                       # [T, S] float32, any strides (FP8)
@@ -78,15 +91,8 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
                       R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
                       EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
                       E_P2: tl.constexpr):
-    # Copy tokens [token_lo, token_hi) into this rank's staging half (local, HBM speed): x rows,
-    # scales (row-major), and top-k rows [K int64 ids][K float32 weights]. With WRITE_LISTS the
-    # first R programs write, for each destination j, the ascending list of tokens sent to j, and
-    # check the caller's counts against what they summarise: the list's length against
-    # num_tokens_per_rank[j], and (HAS_TOPK) the top-k entries of j's experts against
-    # num_tokens_per_expert. Then arrive and RELEASE the epoch, with the call's fingerprint (its
-    # abort field naming a count found wrong), to every rank: peers pull after acquiring it.
-    # EXPERT_MAJOR: the next num_position_programs programs add each top-k entry's position
-    # (_expert_positions) to the staged top-k rows. ALIGNED: x and its rows are 16-byte aligned (copy.py).
+    # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
+    # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
     num_programs = tl.num_programs(0)
@@ -97,6 +103,7 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
         post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1, epoch, HAS_MASK=False,
                                   R_P2=R_P2)
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
+    # -- list programs: token lists per destination, and the caller's counts checked against them
     first_copy = 0
     if WRITE_LISTS:
         first_copy = num_ranks
@@ -126,6 +133,7 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
                 given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
                 if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
                     tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+    # -- position programs: expert-major places of the top-k entries
     if EXPERT_MAJOR:
         first_position = first_copy
         first_copy += num_position_programs
@@ -134,6 +142,7 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
             _expert_positions(topk_ptr, half + topk_offset + num_topk * 12, topk_row_bytes, first,
                               tl.minimum(first + POSITION_TOKENS, tl.minimum(token_hi, num_tokens)), token_lo,
                               num_topk, num_local * num_ranks, POSITION_HIST_ENTRIES // K_P2, POSITION_SUB, K_P2, E_P2)
+    # -- copy programs: the rows of [token_lo, token_hi) into the staging half
     if pid >= first_copy:
         num_rows = tl.minimum(token_hi, num_tokens) - token_lo
         for block in range(pid - first_copy, tl.cdiv(num_rows, BLOCK_R), num_programs - first_copy):
@@ -157,6 +166,7 @@ def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), r
                 row = half + topk_offset + rows.to(tl.int64) * topk_row_bytes
                 tl.store(row.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], ids, mask=m)
                 tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
+    # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
@@ -174,6 +184,19 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 # ====================================================================== dispatch: pull
+# ep_dispatch_pull: every receiver pulls its rows from the sources' staging halves; grid = num_sms.
+#
+#   epoch = EPOCH_NORMAL (the stage's);  ACQUIRE every source's flag == epoch (a timeout, or a source
+#           the call board shows in another call, goes to the mailbox), then compare the sources'
+#           fingerprints with this call's: any difference (an abort too) -> num_rows = 0, the host raises
+#   for each received row r (rows grouped by source in rank order, source token order within):
+#       INDEX:  src = the source whose rank_prefix_matrix column holds r; token = src.lists[rank][r - start]
+#               -> src_rank[r], src_idx[r]                 (a cached dispatch reads them back instead)
+#       if token in [token_lo, token_hi):                 (this round's part of the source's batch)
+#           recv_x[r], recv_scales[r] <- src.half.x[token], src.half.scales[token]
+#           recv_topk[r] <- local expert id or -1 (weight 0 for other ranks' experts)
+#       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
+#   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
 @triton.jit
 def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
                      prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (INDEX)
@@ -199,17 +222,8 @@ def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr
                      INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
                      R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    # ACQUIRE every rank's staged rows for this epoch and check the ranks' fingerprints (on a
-    # mismatch nothing moves: the host raises). Then for each received row r: its source
-    # rank (from the prefix column: rows are grouped by source) and source token (read from the
-    # source's token list for this rank) — with INDEX, written to the handle arrays; otherwise
-    # read from them — and pull the parts of tokens in [token_lo, token_hi) from the source's
-    # staging half. Top-k ids become local ids (-1 for other ranks' experts, weight 0). Rows past
-    # the received total (num_worst_tokens padding) get source index -1 and top-k -1.
-    # EXPERT_MAJOR: the outputs are the expert-major rows (expert_major.py): entry (r, k) of a
-    # local expert e goes to row table[src][e] + its position on the source (_expert_positions) —
-    # written to dest with HAS_TOPK, read from it in a cached dispatch — and each pulled row is
-    # stored once per entry; with zero_padding the groups' padding rows are zeroed too.
+    # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
+    # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -222,6 +236,7 @@ def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr
     num_recv = num_rows
     if INDEX:
         num_recv = tl.load(recv_info_ptr)
+    # -- each program takes blocks of received rows: find each row's source, then pull it
     for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         in_out = rows < num_rows

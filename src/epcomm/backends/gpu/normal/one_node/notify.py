@@ -14,6 +14,20 @@ from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_
 
 
 # ====================================================================== notify (count exchange)
+# ep_notify_dispatch: a full dispatch's counts to every rank; grid = R programs, program p for peer p.
+#
+#   epoch = EPOCH_NORMAL + 1;  half = epoch % 2
+#   program p:  p.half.counts[rank] <- [num_tokens_per_rank (R), num_tokens_per_expert (E), num_tokens]
+#               p.fingerprints[rank] <- this call's fingerprint;  post the board word on p
+#               RELEASE p.flags[rank] = epoch                     (the row and fingerprint first)
+#               ACQUIRE my.flags[p] == epoch (a timeout, or p elsewhere on the board -> mailbox),
+#               then compare p's fingerprint with this call's  (a difference -> mailbox)
+#   last to arrive (owns the whole count matrix):
+#               rank_prefix_matrix = cumsum over sources;  recv_info = [rows received, most tokens]
+#               mailbox: receive sizes, per-expert counts (padded to expert_alignment);
+#               write_table: the expert-major group table
+#               RELEASE mailbox.sequence = sequence         (the host's one wait polls it, then raises
+#                                                            any disagreement the mailbox holds)
 @triton.jit
 def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base (offsets below are from it)
               flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
@@ -29,15 +43,10 @@ def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's works
               board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
               call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
               R_P2: tl.constexpr, BLOCK: tl.constexpr):
-    # Program p: write this rank's count row (per-rank counts, per-expert counts, token count)
-    # into row `rank` of peer p's count matrix (half = epoch % 2), and the call's fingerprint into
-    # p's fingerprint row; RELEASE the epoch into p's flag; ACQUIRE p's flag here and check p's
-    # fingerprint. The program arriving last then owns the complete matrix: it writes
-    # rank_prefix_matrix, the receive sizes (device words and host mailbox) and, last, the mailbox
-    # sequence number with a release — the host polls that word, then raises any disagreement.
-    # With write_table, also the expert-major layout's group table for local expert e: row i < R
-    # the first row of source i's entries (group start + entries of lower sources), row R the end
-    # of the group's entries, row R + 1 the end of its padding (groups padded to expert_alignment).
+    # The expert-major group table, for local expert e: row i < R the first row of source i's
+    # entries (group start + entries of lower sources), row R the end of the group's entries, row
+    # R + 1 the end of its padding (groups padded to expert_alignment).
+    # -- program p: this rank's count row and fingerprint to peer p, released
     peer = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
@@ -56,7 +65,7 @@ def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's works
                      epoch)  # (ends with a CTA barrier: every thread's row stores precede the release)
     peer_flag = (tl.load(flag_bases_ptr + peer) + (sync.FLAGS_NORMAL * num_ranks + rank) * 8).to(tl.pointer_type(tl.int64))
     tl.atomic_xchg(peer_flag, epoch, sem="release", scope="sys")  # RELEASE: row, fingerprint -> peer
-    # ACQUIRE: peer p's row in this rank's matrix (a timeout is flagged in the mailbox)
+    # -- ACQUIRE: peer p's row in this rank's matrix (a timeout is flagged in the mailbox)
     my_base = tl.load(flag_bases_ptr + rank)
     my_flags = (my_base + sync.FLAGS_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
     timeouts, _, agreement, notify = mailbox_words(mailbox_address, num_ranks)
@@ -67,6 +76,7 @@ def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's works
                tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False,
                CHECK_BOARD=True, R_P2=R_P2)
     check_fingerprints(my_base + fp_rows, peers, one_peer, settled, fp0, fp1, epoch, agreement, num_ranks)
+    # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
