@@ -46,6 +46,13 @@ from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, 
 
 
 # ====================================================================== at each receiving rank
+# ml_combine_push, protocol:
+#
+# Program (s, c) at d = (node, j): the rows d received from s in channel c are rows
+# [rank_prefix_matrix[s - 1][d] + gbl_prefix[s][d][c - 1], ... + gbl_prefix[s][d][c]) of y.
+# Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
+# CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
+# whoever acquires the flag). Every (s, c) program releases, with rows or without.
 @triton.jit
 def ml_combine_push(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                     y_ptr: "*i64",  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
@@ -61,11 +68,6 @@ def ml_combine_push(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/syn
                     HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program (s, c) at d = (node, j): the rows d received from s in channel c are rows
-    # [rank_prefix_matrix[s - 1][d] + gbl_prefix[s][d][c - 1], ... + gbl_prefix[s][d][c]) of y.
-    # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
-    # CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
-    # whoever acquires the flag). Every (s, c) program releases, with rows or without.
     s, c, j, m, base = hop2_program(peer_bases_ptr, rank, ranks_per_node)
     lo, hi = channel_range(meta_ptr + s * meta_len + gbl_prefix_at + rank * num_channels, c)
     first_row = tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
@@ -89,6 +91,16 @@ PUSH = KernelSpec(ml_combine_push)
 
 
 # ====================================================================== at each forwarder
+# ml_combine_forward, protocol:
+#
+# Program (m, c) at f = (node, l), for home s = (m, l): ACQUIRE the flags [m][c][0..k) that the
+# node's ranks released after pushing (bounded; a late rank is flagged in the mailbox and
+# nothing is sent: the home's wait times out too and names f). Rows [lo, hi) of s's block in
+# this rank's area: the float32 sum over the ranks j in each row's mask, in ascending j,
+# rounded to bf16 — the same sums, in the same order, as two_level_combine. The partial rows
+# go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
+# [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
+# With several programs per (m, c), each takes a slice of the rows (channels.hand_off).
 @triton.jit
 def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                        # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
@@ -111,14 +123,6 @@ def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program (m, c) at f = (node, l), for home s = (m, l): ACQUIRE the flags [m][c][0..k) that the
-    # node's ranks released after pushing (bounded; a late rank is flagged in the mailbox and
-    # nothing is sent: the home's wait times out too and names f). Rows [lo, hi) of s's block in
-    # this rank's area: the float32 sum over the ranks j in each row's mask, in ascending j,
-    # rounded to bf16 — the same sums, in the same order, as two_level_combine. The partial rows
-    # go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
-    # [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
-    # With several programs per (m, c), each takes a slice of the rows (channels.hand_off).
     m = tl.program_id(0) // parts
     part = tl.program_id(0) % parts
     c = tl.program_id(1)
@@ -175,6 +179,15 @@ FORWARD = KernelSpec(ml_combine_forward, **FAR_LIBRARY)
 
 
 # ====================================================================== at home
+# ml_combine_reduce, protocol:
+#
+# Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
+# rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
+# program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
+# programs, at most num_sms, so that few programs spin: on one GPU shared by many ranks,
+# a grid per token block filled the SMs with waiters while the pushes they waited for could
+# not start). Per token: the float32 sum over the nodes in each token's mask, in ascending node
+# order, of the partial row at node_row[t][n] of block n, plus the biases, rounded to bf16.
 @triton.jit
 def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                       masks_ptr: "*i32",  # [T, N] int32 in-node masks of the dispatch (nonzero: node n has the token)
@@ -192,13 +205,6 @@ def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/s
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
-    # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
-    # program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
-    # programs, at most num_sms, so that few programs spin: on one GPU shared by many ranks,
-    # a grid per token block filled the SMs with waiters while the pushes they waited for could
-    # not start). Per token: the float32 sum over the nodes in each token's mask, in ascending node order, of the partial row at node_row[t][n] of block n,
-    # plus the biases, rounded to bf16.
     pid = tl.program_id(0)
     num_nodes = num_ranks // ranks_per_node
     local = rank % ranks_per_node

@@ -32,6 +32,23 @@ ABORT_NUM_TOKENS_PER_EXPERT = tl.constexpr(2)
 CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of word 0
 
 # ====================================================================== send layout
+# ml_dispatch_send_layout, protocol:
+#
+# One program: hierarchy.send_layout, rows.node_tokens and rows.count_row in one pass, with
+# no host work between the routing and the count exchange. Channels are the contiguous token
+# ranges of hierarchy.channel_bounds (ceil(T / C) tokens each); walking them in order, per
+# channel c and block of tokens:
+#
+#   in_node[t, n] = OR_j in_rank[t, n*k + j]         masks[t, n] = SUM_j in_rank[t, n*k + j] << j
+#   node_tokens[n, seen[n] + #(earlier tokens of the block in n)] = t      (ascending per node)
+#   gbl[r, c] = tokens of channels 0..c for rank r    rdma[n, c] = the same per node (inclusive)
+#
+# then the totals (gbl[:, C-1], rdma[:, C-1]), the per-expert counts and T close the row. The
+# counts sent are the routing's own — per rank from is_token_in_rank, per expert from topk_idx
+# (every valid entry; the caller's without HAS_TOPK) — so the receivers' offsets always agree
+# with the rows sent; where the caller's differ, the row's abort word names the argument and
+# every rank's notify reports it (the host raises EPInputError, as nvlink's staging check does).
+# Plain stores and atomics: the notify kernel after it on the stream reads the row.
 @triton.jit
 def ml_dispatch_send_layout(in_rank_ptr: "*i8",  # [T, R] bool (uint8): is_token_in_rank
                    topk_ptr: "*i64",  # [T, K] int64 expert ids (HAS_TOPK)
@@ -46,21 +63,6 @@ def ml_dispatch_send_layout(in_rank_ptr: "*i8",  # [T, R] bool (uint8): is_token
                             rdma_prefix_at: "i32", abort_at: "i32",
                    HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr,
                    BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
-    # One program: hierarchy.send_layout, rows.node_tokens and rows.count_row in one pass, with
-    # no host work between the routing and the count exchange. Channels are the contiguous token
-    # ranges of hierarchy.channel_bounds (ceil(T / C) tokens each); walking them in order, per
-    # channel c and block of tokens:
-    #
-    #   in_node[t, n] = OR_j in_rank[t, n*k + j]         masks[t, n] = SUM_j in_rank[t, n*k + j] << j
-    #   node_tokens[n, seen[n] + #(earlier tokens of the block in n)] = t      (ascending per node)
-    #   gbl[r, c] = tokens of channels 0..c for rank r    rdma[n, c] = the same per node (inclusive)
-    #
-    # then the totals (gbl[:, C-1], rdma[:, C-1]), the per-expert counts and T close the row. The
-    # counts sent are the routing's own — per rank from is_token_in_rank, per expert from topk_idx
-    # (every valid entry; the caller's without HAS_TOPK) — so the receivers' offsets always agree
-    # with the rows sent; where the caller's differ, the row's abort word names the argument and
-    # every rank's notify reports it (the host raises EPInputError, as nvlink's staging check does).
-    # Plain stores and atomics: the notify kernel after it on the stream reads the row.
     num_nodes = num_ranks // ranks_per_node
     ranks = tl.arange(0, R_P2)
     nodes = tl.arange(0, N_P2)
@@ -128,6 +130,16 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout)
 
 
 # ====================================================================== count exchange
+# ml_notify_dispatch, protocol:
+#
+# Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
+# [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
+# rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
+# last owns the whole table: rank_prefix_matrix, then the receive counts into the host
+# mailbox and, last, the sequence number with a release — the host polls that word. A row
+# whose abort word is set (ml_dispatch_send_layout: its caller's counts did not match its routing) is
+# recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
+# sees every row, so every rank's host raises EPInputError naming the argument.
 @triton.jit
 def ml_notify_dispatch(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                        peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (where gpu/reach maps them)
@@ -144,14 +156,6 @@ def ml_notify_dispatch(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/
               REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
-    # [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
-    # rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
-    # last owns the whole table: rank_prefix_matrix, then the receive counts into the host
-    # mailbox and, last, the sequence number with a release — the host polls that word. A row
-    # whose abort word is set (ml_dispatch_send_layout: its caller's counts did not match its routing) is
-    # recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
-    # sees every row, so every rank's host raises EPInputError naming the argument.
     p = tl.program_id(0)
     far_deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
                     signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE)
@@ -197,6 +201,20 @@ NOTIFY = KernelSpec(ml_notify_dispatch, **FAR_LIBRARY)
 
 
 # ====================================================================== hop 1: send
+# ml_dispatch_send, protocol:
+#
+# Program (c * parts + part, n): slice `part` of the rows of channel c for node n (rows
+# [lo, hi) of this rank's block there), packed (x, scales, top-k, source index, in-node mask)
+# and delivered to the forwarder (n, local). Another node: packed into this rank's send area,
+# then put — one far_deliver when the channel is one program (the rows land before
+# it SETs the forwarder's signal [this node][c] to epoch); with several, each program puts its
+# slice and completes it (quiet) before it arrives, and the last to arrive SETs the signal, so
+# the signal still follows every byte. The forwarder's node peers ACQUIRE that word before
+# reading the rows (ml_dispatch_forward). This node: this rank is the forwarder; the rows go
+# straight into its receive area and the program (the last to arrive) RELEASEs the signal
+# itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off). A
+# forwarder on another node whose workspace is mapped here (p2p: NVLink) is written the same
+# way, through the mapping: no staging copy, no put.
 @triton.jit
 def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                      # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
@@ -223,18 +241,6 @@ def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sy
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program (c * parts + part, n): slice `part` of the rows of channel c for node n (rows
-    # [lo, hi) of this rank's block there), packed (x, scales, top-k, source index, in-node mask)
-    # and delivered to the forwarder (n, local). Another node: packed into this rank's send area,
-    # then put — one far_deliver when the channel is one program (the rows land before
-    # it SETs the forwarder's signal [this node][c] to epoch); with several, each program puts its
-    # slice and completes it (quiet) before it arrives, and the last to arrive SETs the signal, so
-    # the signal still follows every byte. The forwarder's node peers ACQUIRE that word before
-    # reading the rows (ml_dispatch_forward). This node: this rank is the forwarder; the rows go
-    # straight into its receive area and the program (the last to arrive) RELEASEs the signal
-    # itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off). A
-    # forwarder on another node whose workspace is mapped here (p2p: NVLink) is written the same
-    # way, through the mapping: no staging copy, no put.
     pid = tl.program_id(0)
     c = pid // parts
     part = pid % parts
@@ -283,6 +289,17 @@ SEND = KernelSpec(ml_dispatch_send, **FAR_LIBRARY)
 
 
 # ====================================================================== hop 2: forward
+# ml_dispatch_forward, protocol:
+#
+# Program (s, c) at destination d = (node, j): the rows of source s = (m, l), channel c, that
+# d needs. They sit in block m of forwarder f = (node, l) — put there by s over the network,
+# or stored by s itself when m == node. ACQUIRE f's signal [m][c] over NVLink (bounded: a
+# timeout is flagged for s in the host mailbox and nothing moves), then scan the channel's
+# rows, keep those whose in-node mask has bit j, and copy them to recv_x from row
+# rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order:
+# exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
+# received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
+# in-node mask of each row of its own area.
 @triton.jit
 def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                         peer_bases_ptr: "*i64",  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
@@ -310,15 +327,6 @@ def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    # Program (s, c) at destination d = (node, j): the rows of source s = (m, l), channel c, that
-    # d needs. They sit in block m of forwarder f = (node, l) — put there by s over the network,
-    # or stored by s itself when m == node. ACQUIRE f's signal [m][c] over NVLink (bounded: a
-    # timeout is flagged for s in the host mailbox and nothing moves), then scan the channel's
-    # rows, keep those whose in-node mask has bit j, and copy them to recv_x from row
-    # rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order:
-    # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
-    # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
-    # in-node mask of each row of its own area.
     s, c, j, m, base = hop2_program(peer_bases_ptr, rank, ranks_per_node)
     node = rank // ranks_per_node
     signal_word = base + signals_offset + (m * SIGNAL_STRIDE + c).to(tl.int64) * 8
