@@ -28,20 +28,24 @@ from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_p
 #                    acquires it (ep_combine_reduce) sees the rows stored for it
 #   (the slots are free: the home read this half two barriers ago; halves alternate, sync.py)
 @triton.jit
-def ep_combine_push(x_ptr: "*i8",
-                    # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
-                    weights_ptr: "*fp32",  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
-                    # [N] int32: home rank and token of each row (-1 = padding)
-                    src_rank_ptr: "*i32", src_idx_ptr: "*i32",
-                    dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
-                    normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-                    num_rows: "i32", rank: "i32", num_ranks: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32",
-                    num_topk: "i32", half_bytes: "i64", slots_x_offset: "i64",
-                    slots_w_offset: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64",
-                    board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
-                    call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
-                    HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
-                    R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+def ep_combine_push(
+        # the call's tensors
+        x_ptr: "*i8",  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
+        weights_ptr: "*fp32",  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
+        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: home rank and token of each row (-1 = padding)
+        dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
+        # sizes: this round's tokens [token_lo, token_hi) of the homes
+        num_rows: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_topk: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", slots_x_offset: "i64", slots_w_offset: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        # meta-parameters
+        HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # EXPERT_MAJOR: the fold is expert_major.py's. ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -95,19 +99,26 @@ PUSH = KernelSpec(ep_combine_push, aligned_if={"ALIGNED": ["x_ptr"]})
 #       out[t]   = bf16( Σ_{j: is_token_in_rank[t, j]} float32(slots_x[t - token_lo, j]) + biases[t] )
 #       out_w[t] = Σ_j slots_w[t - token_lo, j]                          (HAS_WEIGHTS)
 @triton.jit
-def ep_combine_reduce(in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
-                      out_ptr: "*bf16",  # [T, H] bf16
-                      out_w_ptr: "*fp32",  # [T, K] float32 (HAS_WEIGHTS)
-                      bias0_ptr: "*bf16", bias1_ptr: "*bf16",  # [T, H] bf16 (NUM_BIAS of them)
-                      normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64", mailbox_address: "i64",
-                      num_tokens: "i32", token_lo: "i32", token_hi: "i32", hidden: "i32", num_topk: "i32", rank: "i32",
-                      num_ranks: "i32", half_bytes: "i64",
-                      slots_x_offset: "i64", slots_w_offset: "i64", timeout_ns: "i64", fp_offset: "i64", fp0: "i64",
-                      fp1: "i64",
-                      board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
-                      call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
-                      NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
-                      BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
+def ep_combine_reduce(
+        # the call's tensors
+        in_rank_ptr: "*i8",  # [T, R] int8 is_token_in_rank
+        out_ptr: "*bf16",  # [T, H] bf16
+        out_w_ptr: "*fp32",  # [T, K] float32 (HAS_WEIGHTS)
+        bias0_ptr: "*bf16", bias1_ptr: "*bf16",  # [T, H] bf16 (NUM_BIAS of them)
+        # sizes: this round's tokens [token_lo, token_hi) of num_tokens
+        num_tokens: "i32", token_lo: "i32", token_hi: "i32", hidden: "i32", num_topk: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", slots_x_offset: "i64", slots_w_offset: "i64",
+        # the host: its mailbox (sync.py), the timeout of a wait
+        mailbox_address: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
+        # meta-parameters
+        NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
+        BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
     # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     hidden = multiple(hidden, 8, ALIGNED)

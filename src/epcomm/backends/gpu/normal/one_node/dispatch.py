@@ -72,25 +72,31 @@ def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_l
 #                       RELEASE epoch to every peer's flag: who acquires it (ep_dispatch_pull) sees
 #                       the staged rows, the lists and the fingerprint
 @triton.jit
-def ep_dispatch_stage(x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
-                      # [T, S] float32, any strides (FP8)
-                      scales_ptr: "*fp32", scale_stride_t: "i64", scale_stride_c: "i64",
-                      topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
-                      in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
-                      per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
-                      normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-                      num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
-                      num_topk: "i32", rank: "i32", num_ranks: "i32",
-                      half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
-                      topk_offset: "i64", topk_row_bytes: "i64",
-                      num_local: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", num_position_programs: "i32",
-                      board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
-                      call_tag: "i64",  # this call's number and Buffer on the board (0: not posted)
-                      HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                      R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-                      EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-                      E_P2: tl.constexpr):
+def ep_dispatch_stage(
+        # the call's tensors
+        x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+        scales_ptr: "*fp32",  # [T, S] float32, any strides (FP8)
+        topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
+        in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
+        # sizes and strides: this round's tokens [token_lo, token_hi) of num_tokens
+        num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
+        scale_stride_t: "i64", scale_stride_c: "i64", num_topk: "i32", num_local: "i32",
+        num_position_programs: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted)
+        # meta-parameters
+        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+        EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+        E_P2: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
@@ -198,30 +204,33 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
 #   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
 @triton.jit
-def ep_dispatch_pull(normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-                     prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (INDEX)
-                     recv_info_ptr: "*i32",  # [2] int32 (device): rows received (INDEX)
-                     src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
-                     recv_x_ptr: "*i8",  # [N, x_bytes] bytes
-                     recv_scales_ptr: "*fp32",  # [N, S] float32
-                     # [N, K] int64 local ids / float32 (expert-major: [M])
-                     recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",
-                     mailbox_address: "i64",
-                     # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
-                     table_ptr: "*i32",
-                     # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
-                     dest_ptr: "*i32",
-                     num_rows: "i32", rank: "i32", num_ranks: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32",
-                     num_scales: "i32", num_topk: "i32", half_bytes: "i64",
-                     lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64", topk_offset: "i64",
-                     topk_row_bytes: "i64", expert_lo: "i32",
-                     num_local: "i32", timeout_ns: "i64", fp_offset: "i64", fp0: "i64", fp1: "i64", num_em_rows: "i32",
-                     zero_padding: "i32",
-                     board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
-                     call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
-                     INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-                     R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+def ep_dispatch_pull(
+        # the call's tensors: the notify's results in, the received rows out
+        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (INDEX)
+        recv_info_ptr: "*i32",  # [2] int32 (device): rows received (INDEX)
+        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+        recv_x_ptr: "*i8",  # [N, x_bytes] bytes
+        recv_scales_ptr: "*fp32",  # [N, S] float32
+        recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32 (expert-major: [M])
+        table_ptr: "*i32",  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
+        dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
+        # sizes: this round's tokens [token_lo, token_hi) of the sources, num_rows rows here
+        num_rows: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32", num_topk: "i32",
+        expert_lo: "i32", num_local: "i32", num_em_rows: "i32", zero_padding: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64",
+        # the host: its mailbox (sync.py), the timeout of a wait
+        mailbox_address: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
+        # meta-parameters
+        INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).

@@ -207,10 +207,12 @@ class NormalMode:
             fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
             NOTIFY_BOUND[self.R_P2].launch(
-                R, 1, stream, self.bases, self.bases, self.state, args.num_tokens_per_rank, args.num_tokens_per_expert,
-                prefix, recv_info, table, mailbox.address, num_tokens, num_experts, rank, R, ws.normal_half_bytes,
-                ws.counts_offset, b.timeout_ns, sequence, args.expert_alignment, self.fingerprints, fp0, fp1,
-                int(expert_major), board, tag)
+                R, 1, stream,
+                args.num_tokens_per_rank, args.num_tokens_per_expert, prefix, recv_info, table,  # counts
+                num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
+                rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
+                mailbox.address, sequence, b.timeout_ns,  # host
+                self.fingerprints, fp0, fp1, board, tag)  # identity
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
             self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag)
             if args.num_worst_tokens == 0:
@@ -258,12 +260,15 @@ class NormalMode:
                 self._stage(plan, args, x, x_aligned, scales, lo, hi, False, stream, fp0, fp1, tag)
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
-                pull_programs, 1, stream, self.bases, self.bases, self.state, prefix_address, recv_info_address,
-                src_rank_address, src_idx_address, *outputs, b.mailbox.address, table_address, dest_address, num_rows,
-                rank, R, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,
-                ws.normal_half_bytes, ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
-                plan.topk_row_bytes, rank * num_local, num_local_rows, b.timeout_ns, self.fingerprints, fp0, fp1,
-                out_rows, int(round_idx == 0), board, tag)
+                pull_programs, 1, stream,
+                prefix_address, recv_info_address, src_rank_address, src_idx_address, *outputs,  # tensors
+                table_address, dest_address,
+                num_rows, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,  # sizes
+                rank * num_local, num_local_rows, out_rows, int(round_idx == 0),
+                rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
+                ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
+                b.mailbox.address, b.timeout_ns,  # host
+                self.fingerprints, fp0, fp1, board, tag)  # identity
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
@@ -300,13 +305,13 @@ class NormalMode:
                 else args.is_token_in_rank.data_ptr()
         kernel.launch(
             programs, 1, stream,
-            x_address, scales_address, scales.stride(0) if plan.num_scales else 0,
-            scales.stride(1) if plan.num_scales else 0,
-            topk, weights, in_rank, per_rank, per_expert, self.bases, self.bases, self.state, num_tokens, lo, hi,
-            plan.x_words, plan.num_scales, plan.num_topk, self.rank, self.R, self.ws.normal_half_bytes,
-            self.ws.lists_offset, self.ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2],
-            plan.topk_row_bytes, num_local, self.fingerprints, fp0, fp1, num_position_programs, self.seat.bases_address,
-            tag)
+            x_address, scales_address, topk, weights, in_rank, per_rank, per_expert,  # tensors
+            num_tokens, lo, hi, plan.x_words, plan.num_scales,  # sizes and strides
+            scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
+            plan.num_topk, num_local, num_position_programs,
+            self.rank, self.R, self.bases, self.bases, self.state,  # workspace
+            self.ws.normal_half_bytes, self.ws.lists_offset, self.ws.list_cap, *plan.offsets, plan.topk_row_bytes,
+            self.fingerprints, fp0, fp1, self.seat.bases_address, tag)  # identity
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
@@ -380,10 +385,12 @@ class NormalMode:
         combined = combined_w = None
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
-            push.launch(push_programs, 1, stream, x_address, w_in, src_rank_address, src_idx_address, dest, self.bases,
-                        self.bases, self.state, num_rows, rank, R, lo, hi, hidden // 4,
-                        num_topk if mapping is None else mapping.dest.shape[1], half_bytes,
-                        plan.slots_x, plan.slots_w, self.fingerprints, fp0, fp1, board, tag)
+            push.launch(push_programs, 1, stream,
+                        x_address, w_in, src_rank_address, src_idx_address, dest,  # tensors
+                        num_rows, lo, hi, hidden // 4, num_topk if mapping is None else mapping.dest.shape[1],  # sizes
+                        rank, R, self.bases, self.bases, self.state,  # workspace
+                        half_bytes, plan.slots_x, plan.slots_w,
+                        self.fingerprints, fp0, fp1, board, tag)  # identity
             if combined is None:  # after the first push is launched: the GPU pushes while the host allocates
                 combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
                 combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
@@ -392,8 +399,10 @@ class NormalMode:
                 bias1 = bias[1].data_ptr() if len(bias) >= 2 else combined_address
                 w_out = combined_w.data_ptr() if num_topk else combined_address
             reduce.launch(max(1, min(4 * config.num_sms, min(hi, num_tokens) - lo)), 1, stream,
-                          in_rank_address, combined_address, w_out, bias0, bias1, self.bases, self.bases,
-                          self.state, b.mailbox.address, num_tokens, lo, hi, hidden, num_topk, rank, R,
-                          half_bytes, plan.slots_x, plan.slots_w, b.timeout_ns, self.fingerprints, fp0, fp1, board,
-                          tag)
+                          in_rank_address, combined_address, w_out, bias0, bias1,  # tensors
+                          num_tokens, lo, hi, hidden, num_topk,  # sizes
+                          rank, R, self.bases, self.bases, self.state,  # workspace
+                        half_bytes, plan.slots_x, plan.slots_w,
+                          b.mailbox.address, b.timeout_ns,  # host
+                          self.fingerprints, fp0, fp1, board, tag)  # identity
         return combined, combined_w

@@ -29,20 +29,28 @@ from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_
 #               RELEASE mailbox.sequence = sequence         (the host's one wait polls it, then raises
 #                                                            any disagreement the mailbox holds)
 @triton.jit
-def ep_notify_dispatch(normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base (offsets below are from it)
-              flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
-              state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
-              per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
-              prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
-              recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
-              table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
-              mailbox_address: "i64",  # host mailbox (sync.py)
-                       num_tokens: "i32", num_experts: "i32", rank: "i32", num_ranks: "i32", half_bytes: "i64",
-                       counts_offset: "i64", timeout_ns: "i64", sequence: "i64",
-              expert_alignment: "i32", fp_offset: "i64", fp0: "i64", fp1: "i64", write_table: "i32",
-              board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
-              call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
-              R_P2: tl.constexpr, BLOCK: tl.constexpr):
+def ep_notify_dispatch(
+        # the call's counts, and what this kernel computes from every rank's
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
+        prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+        recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
+        table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
+        # sizes
+        num_tokens: "i32", num_experts: "i32", expert_alignment: "i32", write_table: "i32",
+        # this rank and the workspaces (offsets are from a workspace base)
+        rank: "i32", num_ranks: "i32",
+        normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base
+        flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
+        state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
+        half_bytes: "i64", counts_offset: "i64",
+        # the host: its mailbox (sync.py), the sequence number it polls for, the timeout of a wait
+        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        # meta-parameters
+        R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).

@@ -1,0 +1,98 @@
+"""Proof that a re-ordering of kernel parameters changed nothing: run it on the tree before and the
+tree after, no GPU needed (no Triton either: it reads the source).
+
+    python3 scripts/launch_equivalence.py BEFORE_ROOT AFTER_ROOT
+
+For every kernel in SITES it checks that (1) the kernel's body is the same code (its AST, comments
+aside), (2) the kernel has the same runtime parameters and the same constexprs in the same order
+(they are passed by keyword), and (3) at every launch of it, each parameter NAME receives the same
+argument expression before and after. Together: each launch binds the same values to the same
+names of the same code, whatever the order of the signature. Exits 1 naming what differs.
+
+A launch is found by its file, enclosing function and its place among that function's
+``.launch(``/``.launch_resident(`` calls (SITES); one starred argument (``*outputs``) stands for
+the parameters it fills, as ``outputs[0]``, ``outputs[1]``, ...
+"""
+import ast
+import os
+import sys
+
+GPU = os.path.join("src", "epcomm", "backends", "gpu")
+ONE_NODE = os.path.join(GPU, "normal", "one_node")
+
+# kernel name -> (the module that defines it, [(host module, function, index of the launch in it)])
+SITES = {
+    "ep_notify_dispatch": (os.path.join(ONE_NODE, "notify.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 0)]),
+    "ep_dispatch_stage": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "_stage", 0)]),
+    "ep_dispatch_pull": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 1)]),
+    "ep_combine_push": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 0)]),
+    "ep_combine_reduce": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 1)]),
+}
+
+
+def _functions(path):
+    return {node.name: node for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.FunctionDef)}
+
+
+def _params(kernel: ast.FunctionDef):
+    """(runtime names in order, constexpr names in order)."""
+    runtime, constexprs = [], []
+    for arg in kernel.args.args:
+        is_constexpr = arg.annotation is not None and "constexpr" in ast.dump(arg.annotation)
+        (constexprs if is_constexpr else runtime).append(arg.arg)
+    return runtime, constexprs
+
+
+def _launches(function: ast.FunctionDef):
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr in ("launch", "launch_resident")]
+    return sorted(calls, key=lambda node: (node.lineno, node.col_offset))
+
+
+def _binding(call: ast.Call, names):
+    """{parameter name: argument source} for one launch (its first three arguments are the grid
+    and the stream)."""
+    args = call.args[3:]
+    starred = [i for i, a in enumerate(args) if isinstance(a, ast.Starred)]
+    if len(starred) > 1:
+        raise SystemExit(f"line {call.lineno}: more than one starred argument")
+    expanded = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, ast.Starred):
+            span = len(names) - (len(args) - 1)
+            expanded += [f"{ast.unparse(arg.value)}[{j}]" for j in range(span)]
+        else:
+            expanded.append(ast.unparse(arg))
+    if len(expanded) != len(names):
+        raise SystemExit(f"line {call.lineno}: {len(expanded)} arguments for {len(names)} parameters {names}")
+    return dict(zip(names, expanded))
+
+
+def check(before_root: str, after_root: str, sites_by_kernel=None) -> list:
+    problems = []
+    for kernel_name, (kernel_file, sites) in (sites_by_kernel or SITES).items():
+        before_kernel = _functions(os.path.join(before_root, kernel_file))[kernel_name]
+        after_kernel = _functions(os.path.join(after_root, kernel_file))[kernel_name]
+        if [ast.dump(s) for s in before_kernel.body] != [ast.dump(s) for s in after_kernel.body]:
+            problems.append(f"{kernel_name}: the body differs")
+        (before_runtime, before_constexprs), (after_runtime, after_constexprs) = \
+            _params(before_kernel), _params(after_kernel)
+        if sorted(before_runtime) != sorted(after_runtime) or before_constexprs != after_constexprs:
+            problems.append(f"{kernel_name}: parameters differ: {before_runtime} {before_constexprs} -> "
+                            f"{after_runtime} {after_constexprs}")
+            continue
+        for host_file, function, index in sites:
+            bindings = []
+            for root, names in ((before_root, before_runtime), (after_root, after_runtime)):
+                calls = _launches(_functions(os.path.join(root, host_file))[function])
+                bindings.append(_binding(calls[index], names))
+            if bindings[0] != bindings[1]:
+                changed = {n: (bindings[0][n], bindings[1][n]) for n in before_runtime if bindings[0][n] != bindings[1][n]}
+                problems.append(f"{kernel_name} launched in {host_file}:{function}: {changed}")
+    return problems
+
+
+if __name__ == "__main__":
+    found = check(sys.argv[1], sys.argv[2])
+    print("\n".join(found) if found else f"{len(SITES)} kernels: the same code, launched with the same arguments by name")
+    sys.exit(1 if found else 0)

@@ -1,0 +1,82 @@
+"""The two checks that let a kernel's parameters be regrouped without a GPU: the canonical PTX
+fingerprint (scripts/ptx_fingerprint.py: the same code whatever the order of the parameters) and
+the launch check (scripts/launch_equivalence.py: each launch binds the same arguments to the same
+names). Each must pass a pure reordering and catch a real change."""
+import importlib.util
+import os
+import textwrap
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k({params}):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(in_ptr + i, mask=i < n) * scale + {offset}, mask=i < n)
+'''
+ORDERED = 'in_ptr: "*i32", out_ptr: "*i32", n: "i32", scale: "i32", BLOCK: tl.constexpr'
+REGROUPED = 'n: "i32", scale: "i32", out_ptr: "*i32", in_ptr: "*i32", BLOCK: tl.constexpr'
+HOST = '''
+def call(kernel, a, b, count, factor):
+    kernel.launch(1, 1, 0, {args})
+'''
+
+
+def _tree(root, params, offset, args):
+    os.makedirs(root)
+    with open(os.path.join(root, "kern.py"), "w") as out:
+        out.write(KERNEL.format(params=params, offset=offset))
+    with open(os.path.join(root, "host.py"), "w") as out:
+        out.write(HOST.format(args=args))
+    return root
+
+
+def test_launch_check_passes_a_reordering_and_names_a_swapped_argument(tmp_path):
+    check = _script("launch_equivalence").check
+    sites = {"k": ("kern.py", [("host.py", "call", 0)])}
+    before = _tree(str(tmp_path / "a"), ORDERED, 1, "a, b, count, factor")
+    same = _tree(str(tmp_path / "b"), REGROUPED, 1, "count, factor, b, a")
+    swapped = _tree(str(tmp_path / "c"), REGROUPED, 1, "count, factor, a, b")
+    changed = _tree(str(tmp_path / "d"), REGROUPED, 2, "count, factor, b, a")
+    assert check(before, same, sites) == []
+    assert "out_ptr" in " ".join(check(before, swapped, sites))
+    assert "body differs" in " ".join(check(before, changed, sites))
+
+
+def test_canonical_ptx_is_the_same_for_a_reordering_and_differs_for_a_change(tmp_path):
+    pytest.importorskip("triton")
+    import sys
+    from triton.backends.compiler import GPUTarget
+    from epcomm.backends.gpu.launch import KernelSpec
+    tool = _script("ptx_fingerprint")
+
+    def fingerprint(root):
+        sys.path.insert(0, root)
+        try:
+            module = importlib.util.spec_from_file_location("kern_" + os.path.basename(root),
+                                                            os.path.join(root, "kern.py"))
+            kern = importlib.util.module_from_spec(module)
+            module.loader.exec_module(kern)
+        finally:
+            sys.path.remove(root)
+        spec = KernelSpec(kern.k)
+        ptx = spec.compile(dict(BLOCK=128), 4, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        return tool.fingerprint(ptx, "k", [n for n, t in spec.signature.items() if t != "constexpr"])
+
+    before = fingerprint(_tree(str(tmp_path / "a"), ORDERED, 1, ""))
+    assert fingerprint(_tree(str(tmp_path / "b"), REGROUPED, 1, "")) == before
+    assert fingerprint(_tree(str(tmp_path / "c"), REGROUPED, 2, "")) != before
