@@ -92,23 +92,31 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
 #          for each token t of this program:                                     (_reduce_tokens)
 #              out[t] = bf16( Σ_k w[t, k] · float32(slots[t, k]) )  over valid, unmasked entries
 @triton.jit
-def ep_ll_combine(x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
+def ep_ll_combine(
+                  # the call's tensors, and the dispatch's handle
+                  x_ptr: "*i8",  # [E_local, R*M, H] bf16 expert outputs, dispatch's layout
                   layout_ptr: "*i64",  # [E_local, R] int64 (offset << 32) | count
                   slot_info_ptr: "*i32",  # [E_local, R*M] int32 home slot t*K+k
                   topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32, as given to dispatch
+                  # the rank mask, the workspaces, this rank's state
                   mask_ptr: "*i32", bases_ptr: "*i64", state_ptr: "*i64",
                   out_ptr: "*bf16",  # [T, H] bf16
                   wait_stats_ptr: "*i64",  # [R] int64 (HAS_WAIT_STATS)
                   my_flags_address: "i64",  # this rank's LL-combine flag set
                   slots_address: "i64",  # this rank's combine slots of this half: bf16 [M][K][H]
                   mailbox_address: "i64",  # host mailbox (sync.py)
+                  # sizes
                   num_tokens: "i32", hidden: "i32", num_topk: "i32", num_local: "i32", num_ranks: "i32", rank: "i32",
-                  max_tokens: "i32", x_words: "i32", half_offset: "i64",
-                  combine_offset: "i64", half: "i32", timeout_ns: "i64",
-                  stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
+                  max_tokens: "i32", x_words: "i32",
+                  # this call's half of the workspace, and the timeout of a wait
+                  half_offset: "i64", combine_offset: "i64", half: "i32", timeout_ns: "i64",
+                  # peers on other nodes (REMOTE only: gpu/reach)
+                  stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",
+                  # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
                   fp_offset: "i64", fp0: "i64", fp1: "i64",
-                  board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                  board_bases_ptr: "*i64",  # [R] int64: each rank's call board
                   call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+                  # meta-parameters
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
                   REMOTE: tl.constexpr):

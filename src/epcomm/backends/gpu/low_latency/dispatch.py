@@ -227,13 +227,16 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
 #              recv_x[l, offset(s) + i] <- message i of s for l, i < count(s);  offset(s) = Σ_{s'<s} count
 #              layout[l, s] = (offset << 32) | count;  recv_count[l] = Σ_s count   (by the last s)
 @triton.jit
-def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
+def ep_ll_dispatch(
+                   # the call's tensors, the rank mask, the workspaces, this rank's state and mailbox
+                   x_ptr: "*bf16",  # [T, H] bf16
                    topk_ptr: "*i64",  # [T, K] int64 global expert ids (-1 = none)
                    counter_ptr: "*i32",  # [E] int32 local, zero on entry: messages per expert (slot allocator)
                    mask_ptr: "*i32",  # [R] int32: masked ranks receive nothing / are not waited for
                    bases_ptr: "*i64",  # [R] int64: each rank's workspace
                    state_ptr: "*i64",  # [16] int64 local (sync.py)
                    mailbox_address: "i64",  # host mailbox (sync.py)
+                   # the outputs: recv_x, its scales, the handle's arrays, the statistics
                    out_x_ptr: "*i8",  # [E_local, R*M, x_bytes] bytes of recv_x
                    out_scales_ptr: "*i32",  # [E_local, scale_words, R*M] 32-bit words (column-major scales)
                    src_info_ptr: "*i32", slot_info_ptr: "*i32",  # [E_local, R*M] int32: source token; home slot t*K+k
@@ -241,14 +244,19 @@ def ep_ll_dispatch(x_ptr: "*bf16",  # [T, H] bf16
                    recv_count_ptr: "*i32",  # [E_local] int32
                    stats_ptr: "*i32",  # [E_local] int32 cumulative receive counts (HAS_STATS)
                    wait_stats_ptr: "*i64",  # [R] int64 cumulative wait ns per source (HAS_WAIT_STATS)
+                   # sizes: of the call and of one message
                    num_tokens: "i32", hidden: "i32", num_topk: "i32", num_experts: "i32", num_local: "i32",
                    max_tokens: "i32", num_ranks: "i32", rank: "i32",
-                   msg_bytes: "i32", x_bytes: "i32", scale_words: "i32", half_offset: "i64", counts_offset: "i64",
-                   recv_offset: "i64", half: "i32", timeout_ns: "i64",
-                   stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only)
+                   msg_bytes: "i32", x_bytes: "i32", scale_words: "i32",
+                   # this call's half of the workspace, and the timeout of a wait
+                   half_offset: "i64", counts_offset: "i64", recv_offset: "i64", half: "i32", timeout_ns: "i64",
+                   # peers on other nodes (REMOTE only: gpu/reach)
+                   stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",
+                   # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
                    fp_offset: "i64", fp0: "i64", fp1: "i64",
-                   board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
+                   board_bases_ptr: "*i64",  # [R] int64: each rank's call board
                    call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+                   # meta-parameters
                    SEND: tl.constexpr, RECEIVE: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
