@@ -219,6 +219,7 @@ NOTIFY = KernelSpec(ml_notify_dispatch, **FAR_LIBRARY)
 def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                      # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
                      peer_bases_ptr: "*i64",
+                     # the call's tensors, and its routing (ml_dispatch_send_layout, the count exchange)
                      x_ptr: "*i8",  # [T, x_words] int64 words of x (bf16 or e4m3 bytes)
                      scales_ptr: "*fp32", scale_stride_t: "i64", scale_stride_c: "i64",  # [T, S] float32 (HAS_SCALES)
                      topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (HAS_TOPK)
@@ -229,14 +230,18 @@ def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sy
                      meta_ptr: "*i32",  # [R, meta_len] int32: every rank's count row of this call
                      # int64 addresses of this half (symmetric memory)
                      send_area: "i64", recv_area: "i64", signals: "i64",
+                     # the call's epoch, this rank, sizes
                      epoch: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32", num_tokens: "i32",
                      x_words: "i32", num_scales: "i32", num_topk: "i32",
+                     # the packed row (rows.RowLayout), the send area's capacity, the count row (rows.MetaRow)
                      row_bytes: "i32", scales_at: "i32", ids_at: "i32", weights_at: "i32", src_at: "i32",
                      mask_at: "i32", send_cap: "i32", meta_len: "i32", per_node_at: "i32",
                      rdma_prefix_at: "i32", num_channels: "i32",
+                     # how the sends are split and reach the forwarders
                      parts: "i32",  # programs per (channel, node): each packs and puts a slice of the rows
                      p2p: "i32",  # 1: store straight into a forwarder whose workspace is mapped here (peer_reach)
                      part_counters_ptr: "*i64",  # [MAX_CHANNELS * N] int64 local, zero between calls (parts > 1)
+                     # meta-parameters
                      REMOTE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
@@ -305,6 +310,7 @@ def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu
                         peer_bases_ptr: "*i64",  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)
                         # bytes from a base to this half's receive area / signals
                         area_offset: "i64", signals_offset: "i64",
+                        # the count exchange's results in, the received rows out
                         meta_ptr: "*i32",  # [R, meta_len] int32: every rank's count row of this call
                         prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (the count exchange)
                         recv_x_ptr: "*i8",  # [num_recv, x_words] int64 words
@@ -316,13 +322,16 @@ def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu
                         recv_area_row_ptr: "*i32",
                         # out [area rows] int32: the in-node mask of each row of this rank's area
                         area_masks_ptr: "*i32",
+                        # the host's timeout words, the call's epoch, this rank, sizes
                         timeouts_ptr: "*i64",  # the host mailbox's timeout words (sync.mailbox_words)
                         epoch: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", ranks_per_node: "i32",
                         x_words: "i32", num_scales: "i32", num_topk: "i32",
+                        # the packed row (rows.RowLayout) and the count row (rows.MetaRow)
                         num_local_experts: "i32", row_bytes: "i32", scales_at: "i32", ids_at: "i32", weights_at: "i32",
                         src_at: "i32", mask_at: "i32", meta_len: "i32",
                         per_node_at: "i32", gbl_prefix_at: "i32", rdma_prefix_at: "i32", num_channels: "i32",
                         num_out_rows: "i32",  # rows of the outputs (num_worst_tokens: rows past it are not written)
+                        # meta-parameters
                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
