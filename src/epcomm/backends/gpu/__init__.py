@@ -5,6 +5,8 @@
                      call fingerprints checked after every acquire
     mailbox.py       the host mailbox: what kernels report to the host, without a stream sync
     agreement.py     what a fingerprint holds, the errors it raises, the abort of a rejected call
+    call_board.py    which call each rank is in, across every Buffer of a group (a skipped call)
+    wiring.py        GpuBackend: what both backends hand on the same way (calls, board, resync)
     launch.py        kernels compiled once per specialisation, launched without Triton's binder
     compile_lock.py  one process per host compiles a specialisation at a time
     copy.py          row copies with 16-byte accesses where the alignment allows
@@ -16,7 +18,7 @@
                      shape: the plan in hierarchy.py, the step barrier, two-hop dispatch and combine)
     low_latency/     low-latency mode: dispatch and combine kernels; LowLatencyMode
 
-The backends are classes over this layer: ``backends/nvlink`` (one node: normal/one_node, and
+The backends are GpuBackend classes over this layer: ``backends/nvlink`` (one node: normal/one_node, and
 low_latency/ by stores) and ``backends/nvshmem`` (nodes: normal/two_level, and low_latency/ with
 far peers reached by NVSHMEM).
 """

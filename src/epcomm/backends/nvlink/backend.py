@@ -1,7 +1,8 @@
 """The NVLink backend: the GPU layer (backends/gpu) on one node, every peer reached by stores.
 
-This class only wires the parts together: a workspace, the host mailbox, NormalMode and
-LowLatencyMode (backends/gpu says what each module does), and the resync after an abort.
+This class only wires the parts together: a workspace, the host mailbox, the call board, NormalMode
+and LowLatencyMode (backends/gpu says what each module does), and the abort. What both GPU backends
+hand on the same way — the calls to the modes, the board's reports and resync — is gpu/wiring.py.
 """
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ import torch.distributed as dist
 
 from ...errors import EPInputError
 from ..store_agreement import StoreRendezvous
-from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement, call_board
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.normal.one_node import NormalMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.sync import device_state
+from ..gpu.wiring import GpuBackend
 from ..gpu.workspace import Workspace, symmetric_memory
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
 
 
-class NVLinkBackend(Backend):
+class NVLinkBackend(GpuBackend):
     name = "nvlink"
     native_expert_major = True  # the pull writes expert-major rows, the push folds them (gpu/normal/one_node)
 
@@ -50,11 +51,6 @@ class NVLinkBackend(Backend):
         return call_board.CallBoard(self.rank, self.num_ranks, buffer.view(torch.int64), bases, rendezvous, memory,
                                     agreement.resync_poster(bases.data_ptr(), self.rank, self.num_ranks, self.device))
 
-    def raise_pending(self) -> None:
-        """Raise what kernels reported since the last call (disagreements, timeouts, dropped input),
-        and a disagreement another Buffer of the group recorded (call_board.py)."""
-        self.seat.board.raise_pending(self)
-
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
         """Calls agree through the fingerprints their kernels carry (gpu/agreement.py); here only a
         rejected input acts: the peers are told (:meth:`abort`), so every rank raises."""
@@ -68,19 +64,6 @@ class NVLinkBackend(Backend):
                                board=(self.seat.bases_address, self.seat.tag()))
         self.mailbox.resync_needed = True
 
-    @property
-    def needs_resync(self) -> bool:
-        return self.seat.board.needs_resync
-
-    @property
-    def resync_generation(self) -> int:
-        return self.seat.board.generation
-
-    def resync(self) -> None:
-        """Collective over the group (every rank that raised calls it at its next call): every
-        Buffer of the group starts again from zero signals (call_board.CallBoard.resync)."""
-        self.seat.board.resync(self.device)
-
     def reset_signals(self) -> None:
         """Every flag, fingerprint row, epoch, low-latency count word and mailbox word back to zero,
         as in a new Buffer (no kernel of this Buffer runs: CallBoard.resync)."""
@@ -91,30 +74,6 @@ class NVLinkBackend(Backend):
 
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_node: int):
         return self.normal.dispatch_layout(topk_idx, num_experts)  # one node (Buffer checks ranks_per_node)
-
-    def check_dispatch(self, args: DispatchArgs) -> None:
-        self.normal.check_dispatch(args)
-
-    def check_combine(self, x, handle, topk_weights, bias) -> None:
-        self.normal.check_combine(x, handle, topk_weights, bias)
-
-    def check_low_latency_dispatch(self, args) -> None:
-        self.low_latency.check_dispatch(args)
-
-    def check_low_latency_combine(self, args) -> None:
-        self.low_latency.check_combine(args)
-
-    def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        return self.normal.dispatch(args)
-
-    def combine(self, x, handle, topk_weights, bias, config):
-        return self.normal.combine(x, handle, topk_weights, bias, config)
-
-    def low_latency_dispatch(self, args):
-        return self.low_latency.dispatch(args)
-
-    def low_latency_combine(self, args):
-        return self.low_latency.combine(args)
 
     def clean_low_latency(self) -> None:
         """Collective: reset every low-latency epoch, count word and flag (LowLatencyMode.reset)."""

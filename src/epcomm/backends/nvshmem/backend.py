@@ -9,6 +9,7 @@ This class wires the parts together; each has its own module (gpu/normal/two_lev
     dispatch.py    count exchange, hop 1 (network) and hop 2 (NVLink) of a dispatch
     combine.py     the combine: push to the forwarder, reduce per node, reduce at home
     mode.py        TwoLevelMode: the plans and launches of each normal-mode call
+    gpu/wiring.py  what both GPU backends hand on the same way (calls to the modes, the call board)
 
 Launches per call (C channels of contiguous tokens, ``C = config.num_sms // 2``)::
 
@@ -37,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from ...errors import EPError, EPInputError
-from ..base import Backend, DispatchArgs, DispatchResult
 from ..gpu import agreement, call_board
 from ..gpu import expert_major_kernels
 from ..gpu.launch import current_stream, p2
@@ -51,6 +51,7 @@ from ..gpu.normal.two_level.mode import TwoLevelMode
 from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.reach.transport import NvshmemTransport, Transport
 from ..gpu.sync import device_state
+from ..gpu.wiring import GpuBackend
 from ..gpu.workspace import ALIGN, Workspace
 from ..store_agreement import StoreRendezvous
 
@@ -58,7 +59,7 @@ MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count 
 LOOPBACK_LL_PROGRAMS = 8  # the loopback tests' low-latency receive programs (all ranks share one GPU)
 
 
-class NvshmemBackend(Backend):
+class NvshmemBackend(GpuBackend):
     """Normal mode across nodes of ``ranks_per_node`` consecutive ranks (docs/MULTINODE.md).
 
     Args:
@@ -193,10 +194,6 @@ class NvshmemBackend(Backend):
         """The one symmetric allocation (both modes' memory), whichever part is asked for."""
         return self.t.buffer
 
-    def raise_pending(self) -> None:
-        """What kernels reported since the last call, and another Buffer's disagreement (call_board.py)."""
-        self.seat.board.raise_pending(self)
-
     def agree(self, kind, fingerprint, error=None, rank_mask=None) -> None:
         """Calls agree through the step barrier's fingerprints; here only a rejected input acts:
         the abort kernel ends the peers' waits of this call and names the argument to them."""
@@ -220,19 +217,6 @@ class NvshmemBackend(Backend):
         if self.low_latency is not None:
             agreement.bind_abort(self.ll_ws.num_ranks, *self._ll_reach[:1])
 
-    @property
-    def needs_resync(self) -> bool:
-        return self.seat.board.needs_resync
-
-    @property
-    def resync_generation(self) -> int:
-        return self.seat.board.generation
-
-    def resync(self) -> None:
-        """Collective over the group (every rank that raised calls it at its next call): every
-        Buffer of the group starts again from zero signals (call_board.CallBoard.resync)."""
-        self.seat.board.resync(self.device)
-
     def reset_signals(self) -> None:
         """The step rows, every signal word of both modes, the epochs and the mailbox back to zero,
         as in a new Buffer (no kernel of this Buffer runs: CallBoard.resync)."""
@@ -245,19 +229,6 @@ class NvshmemBackend(Backend):
             self.normal.written = False
         self.mailbox.clear()
 
-    # ------------------------------------------------------------------ normal mode (gpu/normal/two_level/mode.py)
-    def check_dispatch(self, args: DispatchArgs) -> None:
-        self.normal.check_dispatch(args)
-
-    def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        return self.normal.dispatch(args)
-
-    def check_combine(self, x, handle, topk_weights, bias) -> None:
-        self.normal.check_combine(x, handle, topk_weights, bias)
-
-    def combine(self, x, handle, topk_weights, bias, config):
-        return self.normal.combine(x, handle, topk_weights, bias, config)
-
     # ------------------------------------------------------------------ low-latency mode
     def _low_latency(self) -> LowLatencyMode:
         if self.low_latency is None:
@@ -268,18 +239,6 @@ class NvshmemBackend(Backend):
                           "clean_low_latency_buffer on every rank first (the modes share num_rdma_bytes, as in "
                           "DeepEP, which requires the same)")
         return self.low_latency
-
-    def check_low_latency_dispatch(self, args) -> None:
-        self._low_latency().check_dispatch(args)
-
-    def check_low_latency_combine(self, args) -> None:
-        self._low_latency().check_combine(args)
-
-    def low_latency_dispatch(self, args):
-        return self._low_latency().dispatch(args)
-
-    def low_latency_combine(self, args):
-        return self._low_latency().combine(args)
 
     def clean_low_latency(self) -> None:
         """Collective: reset every low-latency epoch, count word and flag (LowLatencyMode.reset)."""

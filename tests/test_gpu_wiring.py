@@ -1,0 +1,61 @@
+"""Both GPU backends hand the same calls on the same way (backends/gpu/wiring.py): the call board's
+reports and resync, normal-mode and low-latency calls to their modes. Checked with recording
+stand-ins, no GPU (importing the backends needs Triton, which the CPU CI does not install)."""
+import types
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+class _Recorder:
+    def __init__(self, calls, name):
+        self._calls, self._name = calls, name
+
+    def __getattr__(self, method):
+        return lambda *args: self._calls.append((self._name, method, args)) or (self._name, method)
+
+
+def _wired(cls, low_latency=True):
+    calls = []
+    backend = object.__new__(cls)
+    board = types.SimpleNamespace(raise_pending=lambda b: calls.append(("board", "raise_pending", (b,))),
+                                  resync=lambda device: calls.append(("board", "resync", (device,))),
+                                  needs_resync=True, generation=7)
+    backend.seat, backend.device = types.SimpleNamespace(board=board), "cuda:0"
+    backend.normal = _Recorder(calls, "normal")
+    backend.normal.written = False
+    backend.low_latency = _Recorder(calls, "low_latency") if low_latency else None
+    return backend, calls
+
+
+@pytest.mark.parametrize("backend_name", ["nvlink", "nvshmem"])
+def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name):
+    from epcomm.backends.nvlink.backend import NVLinkBackend
+    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    cls = NVLinkBackend if backend_name == "nvlink" else NvshmemBackend
+    assert not cls.__abstractmethods__
+    backend, calls = _wired(cls)
+    assert backend.dispatch("args") == ("normal", "dispatch")
+    assert backend.combine("x", "handle", "w", (), "config") == ("normal", "combine")
+    backend.check_dispatch("args")
+    backend.check_combine("x", "handle", "w", ())
+    assert backend.low_latency_dispatch("ll") == ("low_latency", "dispatch")
+    assert backend.low_latency_combine("ll") == ("low_latency", "combine")
+    backend.check_low_latency_dispatch("ll")
+    backend.check_low_latency_combine("ll")
+    backend.raise_pending()
+    backend.resync()
+    assert backend.needs_resync and backend.resync_generation == 7
+    assert [(who, method) for who, method, _ in calls] == [
+        ("normal", "dispatch"), ("normal", "combine"), ("normal", "check_dispatch"), ("normal", "check_combine"),
+        ("low_latency", "dispatch"), ("low_latency", "combine"), ("low_latency", "check_dispatch"),
+        ("low_latency", "check_combine"), ("board", "raise_pending"), ("board", "resync")]
+
+
+def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():
+    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    from epcomm.errors import EPError
+    backend, _ = _wired(NvshmemBackend, low_latency=False)
+    with pytest.raises(EPError, match="no low-latency workspace"):
+        backend.low_latency_dispatch("ll")
