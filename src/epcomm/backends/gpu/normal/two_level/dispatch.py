@@ -50,19 +50,24 @@ CALL_DISPATCH = tl.constexpr(1)  # agreement.CALL_DISPATCH in the call field of 
 # every rank's notify reports it (the host raises EPInputError, as nvlink's staging check does).
 # Plain stores and atomics: the notify kernel after it on the stream reads the row.
 @triton.jit
-def ml_dispatch_send_layout(in_rank_ptr: "*i8",  # [T, R] bool (uint8): is_token_in_rank
-                   topk_ptr: "*i64",  # [T, K] int64 expert ids (HAS_TOPK)
-                   per_rank_ptr: "*i32",  # [R] int32: the caller's num_tokens_per_rank (checked)
-                   per_expert_ptr: "*i32",  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
-                   masks_ptr: "*i32",  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
-                   node_tokens_ptr: "*i32",  # out [N, T] int32: row n starts with node n's tokens, ascending
-                   row_ptr: "*i32",  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
-                            num_tokens: "i32", num_ranks: "i32", ranks_per_node: "i32", num_experts: "i32",
-                            num_channels: "i32", num_topk: "i32",
-                            per_expert_at: "i32", per_node_at: "i32", num_tokens_at: "i32", gbl_prefix_at: "i32",
-                            rdma_prefix_at: "i32", abort_at: "i32",
-                   HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr,
-                   BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
+def ml_dispatch_send_layout(
+        # the call's routing and counts in; the send layout and this rank's count row out
+        in_rank_ptr: "*i8",  # [T, R] bool (uint8): is_token_in_rank
+        topk_ptr: "*i64",  # [T, K] int64 expert ids (HAS_TOPK)
+        per_rank_ptr: "*i32",  # [R] int32: the caller's num_tokens_per_rank (checked)
+        per_expert_ptr: "*i32",  # [E] int32: the caller's num_tokens_per_expert (checked with HAS_TOPK)
+        masks_ptr: "*i32",  # out [T, N] int32: in-node masks (bit j: rank (n, j) needs the token)
+        node_tokens_ptr: "*i32",  # out [N, T] int32: row n starts with node n's tokens, ascending
+        row_ptr: "*i32",  # out [meta_len] int32: this rank's count row (rows.MetaRow), symmetric memory
+        # sizes
+        num_tokens: "i32", num_ranks: "i32", ranks_per_node: "i32", num_experts: "i32",
+        num_channels: "i32", num_topk: "i32",
+        # where each part of the count row lies (rows.MetaRow)
+        per_expert_at: "i32", per_node_at: "i32", num_tokens_at: "i32", gbl_prefix_at: "i32",
+        rdma_prefix_at: "i32", abort_at: "i32",
+        # meta-parameters
+        HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, R_P2: tl.constexpr, N_P2: tl.constexpr,
+        BLOCK_E: tl.constexpr, K_P2: tl.constexpr):
     num_nodes = num_ranks // ranks_per_node
     ranks = tl.arange(0, R_P2)
     nodes = tl.arange(0, N_P2)
@@ -141,19 +146,23 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout)
 # recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
 # sees every row, so every rank's host raises EPInputError naming the argument.
 @triton.jit
-def ml_notify_dispatch(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
-                       peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (where gpu/reach maps them)
-              my_row_ptr: "*i32",  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
-                       # int64 addresses of this half's [R, meta_len] table and [R_P2] int64 signals
-                       table: "i64", signals: "i64",
-              table_ptr: "*i32",  # the same table as a pointer (read after the wait)
-              state_ptr: "*i64",  # int64 local arrival counter
-              prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
-              mailbox_address: "i64",  # host mailbox (gpu/mailbox.py): receive counts, then the sequence number
-                       epoch: "i64", sequence: "i64", timeout_ns: "i64", rank: "i32", num_ranks: "i32", meta_len: "i32",
-                       num_experts: "i32", num_tokens_at: "i32", expert_alignment: "i32",
-              abort_at: "i32",
-              REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+def ml_notify_dispatch(
+        # this call's state word, and the workspaces (gpu/reach maps them)
+        failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
+        peer_bases_ptr: "*i64",  # [R] int64: each rank's workspace (where gpu/reach maps them)
+        # the count rows: this rank's in, every rank's table and the rank_prefix_matrix out
+        my_row_ptr: "*i32",  # [meta_len] int32 in symmetric memory: this rank's count row (rows.MetaRow)
+        table: "i64", signals: "i64",  # int64 addresses of this half's [R, meta_len] table and [R_P2] signals
+        table_ptr: "*i32",  # the same table as a pointer (read after the wait)
+        state_ptr: "*i64",  # int64 local arrival counter
+        prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+        # the host: its mailbox (receive counts, then the sequence number), the call's epoch, the timeout
+        mailbox_address: "i64", epoch: "i64", sequence: "i64", timeout_ns: "i64",
+        # this rank, sizes, where each part of a count row lies (rows.MetaRow)
+        rank: "i32", num_ranks: "i32", meta_len: "i32", num_experts: "i32", num_tokens_at: "i32",
+        expert_alignment: "i32", abort_at: "i32",
+        # meta-parameters
+        REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
     p = tl.program_id(0)
