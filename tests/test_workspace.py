@@ -72,17 +72,15 @@ def test_size_for_matches_the_workspace_and_the_scratch_word_is_free():
 def test_nvshmem_modes_share_the_allocation():
     """On nvshmem the low-latency workspace starts after normal mode's fixed signal words and the
     allocation is num_rdma_bytes unless the low-latency workspace needs more (DeepEP's sharing)."""
-    pytest.importorskip("triton")
-    from epcomm.backends.nvshmem.backend import NvshmemBackend
-    from epcomm.backends.gpu.normal.two_level.areas import preamble
+    from epcomm.backends.gpu.normal.two_level.areas import allocation_bytes, low_latency_start, preamble
     R, k = 16, 8
-    start = NvshmemBackend._ll_start(R, k)
+    start = low_latency_start(R, k)
     assert start >= preamble(R, k).data and start % W.ALIGN == 0
     ll = W.low_latency_bytes(128, 7168, R, 256)
     need = start + W.Workspace.size_for(R, 0, ll, normal=False)
-    assert NvshmemBackend.allocation_bytes(ll, ll, R, k) == need < ll + (1 << 20)
-    assert NvshmemBackend.allocation_bytes(4 * ll, ll, R, k) == 4 * ll
-    assert NvshmemBackend.allocation_bytes(ll, 0, R, k) == ll
+    assert allocation_bytes(ll, ll, R, k) == need < ll + (1 << 20)
+    assert allocation_bytes(4 * ll, ll, R, k) == 4 * ll
+    assert allocation_bytes(ll, 0, R, k) == ll
 
 
 def test_count_words_never_lie_where_another_shape_puts_messages():

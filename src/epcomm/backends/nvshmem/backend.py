@@ -45,14 +45,14 @@ from ..gpu.low_latency import LowLatencyMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.normal.layout_kernel import LayoutKernel
 from ..gpu.normal.two_level import step as step_kernels
-from ..gpu.normal.two_level.areas import preamble
+from ..gpu.normal.two_level.areas import allocation_bytes, low_latency_start, preamble
 from ..gpu.normal.two_level.hierarchy import Topology
 from ..gpu.normal.two_level.mode import TwoLevelMode
 from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.reach.transport import NvshmemTransport, Transport
 from ..gpu.sync import device_state
 from ..gpu.wiring import GpuBackend
-from ..gpu.workspace import ALIGN, Workspace
+from ..gpu.workspace import Workspace
 from ..store_agreement import StoreRendezvous
 
 MAX_LOCAL_EXPERTS = 4096  # experts per rank the host mailbox has receive-count words for
@@ -159,24 +159,12 @@ class NvshmemBackend(GpuBackend):
         return call_board.CallBoard(self.rank, self.num_ranks, memory.buffer.view(torch.int64), bases, rendezvous,
                                     memory, post_resync)
 
-    @staticmethod
-    def _ll_start(num_ranks: int, ranks_per_node: int) -> int:
-        """Where the low-latency workspace starts: after the normal mode's fixed signal words (its
-        per-call areas start there too: the two modes share those bytes)."""
-        return (preamble(num_ranks, ranks_per_node).data + ALIGN - 1) // ALIGN * ALIGN
-
-    @classmethod
-    def allocation_bytes(cls, num_rdma_bytes: int, num_ll_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
-        """Bytes of symmetric memory per rank: ``num_rdma_bytes``, or more if the low-latency
-        workspace after the fixed signal words needs it."""
-        if not num_ll_bytes:
-            return num_rdma_bytes
-        ll_end = cls._ll_start(num_ranks, ranks_per_node) + Workspace.size_for(num_ranks, 0, num_ll_bytes, normal=False)
-        return max(num_rdma_bytes, ll_end)
+    # Bytes of symmetric memory per rank for both modes (two_level/areas.py).
+    allocation_bytes = staticmethod(allocation_bytes)
 
     def _ll_workspace(self, num_ll_bytes: int) -> Workspace:
         """The low-latency workspace, right after the normal mode's fixed signal words."""
-        start = self._ll_start(self.num_ranks, self.topology.ranks_per_node)
+        start = low_latency_start(self.num_ranks, self.topology.ranks_per_node)
         bases = self.t.peer_bases
         ll_bases = torch.where(bases != 0, bases + start, torch.zeros_like(bases))  # 0: not mapped here
         # (loopback ranks are built one after another in one thread: no barrier among them here)

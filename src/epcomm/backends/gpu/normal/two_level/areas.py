@@ -35,6 +35,7 @@ from typing import Dict, List, Tuple
 
 from .....errors import EPInputError
 from .....layout import align_up
+from ...workspace import ALIGN as WORKSPACE_ALIGN, Workspace
 from .rows import CombineRow, MetaRow, RowLayout
 
 ALIGN = 256
@@ -164,3 +165,21 @@ def bytes_for_tokens(num_tokens: int, num_ranks: int, ranks_per_node: int, num_e
                              ("partials", num_tokens * N * combine_row.row_bytes),
                              ("home", num_tokens * N * combine_row.row_bytes)])[1]
     return max(dispatch, combine) + 3 * ALIGN  # the layouts' allowance for each area's alignment
+
+
+# ---------------------------------------------------------------------- the low-latency region
+def low_latency_start(num_ranks: int, ranks_per_node: int) -> int:
+    """Where a multi-node Buffer's low-latency workspace starts in its one allocation: after normal
+    mode's fixed signal words. The per-call areas start there too — the two modes share those
+    bytes, as in DeepEP, so low-latency calls after normal-mode ones need a clean first."""
+    return align_up(preamble(num_ranks, ranks_per_node).data, WORKSPACE_ALIGN)  # (the workspace's own)
+
+
+def allocation_bytes(num_rdma_bytes: int, num_ll_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
+    """Bytes of symmetric memory per rank: ``num_rdma_bytes``, or more if the low-latency workspace
+    (``num_ll_bytes``, gpu/workspace.py's layout) after the fixed signal words needs it."""
+    if not num_ll_bytes:
+        return num_rdma_bytes
+    ll_end = low_latency_start(num_ranks, ranks_per_node) + Workspace.size_for(num_ranks, 0, num_ll_bytes,
+                                                                               normal=False)
+    return max(num_rdma_bytes, ll_end)
