@@ -402,7 +402,7 @@ class NormalMode:
                           in_rank_address, combined_address, w_out, bias0, bias1,  # tensors
                           num_tokens, lo, hi, hidden, num_topk,  # sizes
                           rank, R, self.bases, self.bases, self.state,  # workspace
-                        half_bytes, plan.slots_x, plan.slots_w,
+                          half_bytes, plan.slots_x, plan.slots_w,
                           b.mailbox.address, b.timeout_ns,  # host
                           self.fingerprints, fp0, fp1, board, tag)  # identity
         return combined, combined_w
