@@ -155,3 +155,30 @@ def test_a_subgroup_allocates_every_time_and_never_frees():
 
     ranks = run_ranks(step)
     assert all(r.log == [("malloc", 64)] * 3 for r in ranks)
+
+
+def test_a_groups_call_board_held_for_life_is_not_counted_as_a_buffers_leak():
+    """Every process group keeps its call board (gpu/call_board.py) in the same ledger for the
+    process's life. The shared-GPU bed's check that Buffers let go of all their memory first failed
+    at 8 x 8 after the engine cases had made their own groups (four boards of 520 bytes held): the
+    check must leave the boards out, and still see a Buffer's allocation that is not let go."""
+    from epcomm.backends.gpu import call_board
+    from lifetime_cases import buffer_allocations
+
+    heap = SymmetricHeap(lambda num_bytes, device: torch.zeros(num_bytes, dtype=torch.uint8, device=device))
+    never = lambda obj: [obj]  # one rank: every exchange is its own  # noqa: E731
+    board_owner, buffer_owner, gone_owner = Owner(), Owner(), Owner()
+    words = heap.take([0], DEVICE, call_board.board_words(8) * 8, board_owner, never).view(torch.int64)
+    heap.take([0], DEVICE, 1024, buffer_owner, never)
+    heap.take([0], DEVICE, 2048, gone_owner, never)
+    del gone_owner
+    key = ("test-board", id(heap))
+    a_buffer = Owner()
+    a_buffer.mailbox = None
+    call_board.join(key, a_buffer, lambda: call_board.CallBoard(0, 1, words, torch.zeros(1, dtype=torch.int64),
+                                                                 lambda what: None))
+    try:
+        assert heap.held([0], DEVICE)[0] == (0, 520, False)  # the ledger itself still lists the board
+        assert buffer_allocations(heap, [0], DEVICE) == [(1, 1024, False), (2, 2048, True)]
+    finally:
+        del call_board._boards[key]

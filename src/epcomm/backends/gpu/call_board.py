@@ -224,3 +224,9 @@ def join(key: Tuple, backend, make: Callable[[], CallBoard], home: Optional[dict
     if board is None:
         board = boards[key] = make()
     return board.seat(backend)
+
+
+def kept_board_addresses() -> set:
+    """Where the boards this process keeps for its life lie (``words.data_ptr()``): a ledger of
+    symmetric memory (reach/symmetric_heap.py) lists them as held by design, not as leaks."""
+    return {board.words.data_ptr() for board in _boards.values()}

@@ -112,9 +112,13 @@ class SymmetricHeap:
             if allocation.tensor.data_ptr() == tensor.data_ptr():
                 allocation.owner = None
 
+    def allocations(self, group_ranks: Sequence[int], device: torch.device) -> List[Allocation]:
+        """The group's allocations this process holds, in id order: for tests and diagnosis."""
+        return list(self._by_group.get((tuple(group_ranks), str(device)), []))
+
     def held(self, group_ranks: Sequence[int], device: torch.device) -> List[Tuple[int, int, bool]]:
         """(id, bytes, let go of here) per allocation of the group: for tests and diagnosis."""
-        return [(a.id, a.num_bytes, a.let_go()) for a in self._by_group.get((tuple(group_ranks), str(device)), [])]
+        return [(a.id, a.num_bytes, a.let_go()) for a in self.allocations(group_ranks, device)]
 
 
 _PROCESS_HEAP: Optional[SymmetricHeap] = None
