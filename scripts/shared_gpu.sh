@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Many ranks on one GPU: the nvshmem suite (tests/test_shared_gpu.py) under CUDA MPS at DeepEP's
-# shapes. Correctness and memory ordering on the real NVSHMEM runtime, not speed.
+# shapes; the presets nvlink and nvlink-faults run it on the nvlink backend at one node of 8.
+# Correctness and memory ordering on the real NVSHMEM runtime, not speed.
 #
 #   scripts/shared_gpu.sh PART        PART: a preset below (each fits one 10-minute device call)
 #   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
@@ -12,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-scale}"
+backend=nvshmem  # the backend under test (BACKEND=nvlink with custom: one-node shapes only)
 case "$part" in
   scale)     shapes="16x8,8x8"; tests="internode or routings or low_latency_sweep or round_trips" ;;
   scale16x2) shapes="16x2"; tests="internode or routings or low_latency_sweep or round_trips" ;;  # 8 nodes of 2
@@ -21,19 +23,26 @@ case "$part" in
   faults)    shapes="4x2,16x8"; tests="out_of_range or failure_contract or raised_everywhere or skips_a_call or timeout or dead_rank" ;;
   sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
   engines)   shapes="4x2,8x8"; tests="engines or dropped_unevenly" ;;
+  # the nvlink backend at one node of 8 (its workspace in NVSHMEM's mapping: ranks share the GPU)
+  nvlink)    shapes="8x8"; backend=nvlink
+             tests="internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips" ;;
+  nvlink-faults) shapes="8x8"; backend=nvlink
+             tests="engines or dropped or fuzz or out_of_range or failure_contract or raised_everywhere or random_sequence or skips_a_call or timeout or dead_rank" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
   *) echo "shared_gpu.sh: unknown part '$part' (scale, scale16x2, small, graphs, fuzz, faults, sequence, engines," \
-          "custom)" >&2; exit 2 ;;
+          "nvlink, nvlink-faults, custom)" >&2; exit 2 ;;
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
-if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
+backend="${BACKEND:-$backend}"
+if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part backend=$backend shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 EPCOMM_SHARED_GPU=1 EPCOMM_SHARED_GPU_SHAPES="$shapes"
+export NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 EPCOMM_SHARED_GPU=1 EPCOMM_SHARED_GPU_SHAPES="$shapes" \
+  EPCOMM_SHARED_GPU_BACKEND="$backend"
 mps="/tmp/epcomm-mps-$$"
 export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -47,7 +56,7 @@ stop() {
 }
 trap stop EXIT
 nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
-echo "shared-gpu part=$part shapes=$shapes tests=[$tests] limit=${limit_s}s"
+echo "shared-gpu part=$part backend=$backend shapes=$shapes tests=[$tests] limit=${limit_s}s"
 started=$(date +%s)
 setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
   tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &

@@ -18,7 +18,7 @@ from epcomm.testing.sweeps import expert_fn, make_routing, world
 def buffers_dropped_unevenly(rounds: int = 6, hidden: int = 512, backend=None, ranks_per_node=None):
     """Each round: a low-latency Buffer (two sizes in turn) makes a round trip that matches the
     reference, then is dropped — on some ranks into a reference cycle, collected at once on even
-    ranks only. No round hangs or returns wrong data. Returns, on nvshmem, the ledger's
+    ranks only. No round hangs or returns wrong data. Returns, where the memory is NVSHMEM's, the ledger's
     (id, bytes, let go of) per allocation once a last Buffer is destroyed (:func:`buffer_allocations`):
     every one should be let go of (no view of it left anywhere, PyTorch's rendezvous included)."""
     R, rank = world()
@@ -49,14 +49,16 @@ def buffers_dropped_unevenly(rounds: int = 6, hidden: int = 512, backend=None, r
         del buffer, recv, handle, out
         if rank % 2 == 0:
             gc.collect()
-    on_nvshmem = last.backend_name == "nvshmem" and dev.type == "cuda"
     last.destroy()
     del last
     gc.collect()
-    if not on_nvshmem:
+    if dev.type != "cuda":
         return None
     from epcomm.backends.gpu.reach.symmetric_heap import process_heap
-    return buffer_allocations(process_heap(), dist.get_process_group_ranks(dist.group.WORLD), dev)
+    group_ranks = dist.get_process_group_ranks(dist.group.WORLD)
+    if not process_heap().allocations(group_ranks, dev):  # not NVSHMEM memory (the nvlink backend, a GPU per rank)
+        return None
+    return buffer_allocations(process_heap(), group_ranks, dev)
 
 
 def buffer_allocations(heap, group_ranks, device):

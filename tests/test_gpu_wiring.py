@@ -59,3 +59,17 @@ def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():
     backend, _ = _wired(NvshmemBackend, low_latency=False)
     with pytest.raises(EPError, match="no low-latency workspace"):
         backend.low_latency_dispatch("ll")
+
+
+def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing():
+    """Ranks sharing a GPU take the nvlink backend's memory from NVSHMEM (nvlink/backend.py); a
+    process without NVSHMEM gets an EPError naming both reasons, not PyTorch's refusal."""
+    from epcomm.backends.gpu.reach.nvshmem import nvshmem_available
+    from epcomm.backends.nvlink.backend import NVLinkBackend
+    from epcomm.errors import EPError
+    if nvshmem_available()[0]:
+        pytest.skip("NVSHMEM is usable here")
+    backend = object.__new__(NVLinkBackend)
+    backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
+    with pytest.raises(EPError, match="share a GPU.*NVSHMEM is not usable"):
+        backend._symmetric(64)

@@ -9,6 +9,9 @@ Skipped unless ``EPCOMM_SHARED_GPU=1`` (MPS running): ``GPU_CHECK=shared-gpu-<pa
 scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GPU_SHAPES``, e.g.
 ``16x8,16x2``: ranks x ranks per node) and stops MPS afterwards. A pool per shape; the tests of one
 shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
+
+``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
+shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py).
 """
 import os
 
@@ -23,6 +26,7 @@ import training_cases
 from epcomm.testing import WorkerPool
 
 ALL_SHAPES = "2x1,4x2,8x1,8x4,8x8,16x8,16x2"
+BACKEND = os.environ.get("EPCOMM_SHARED_GPU_BACKEND", "nvshmem")
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("EPCOMM_SHARED_GPU_SHAPES", ALL_SHAPES).split(",")]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.environ.get("EPCOMM_SHARED_GPU") != "1" or not torch.cuda.is_available(),
@@ -34,6 +38,8 @@ class SharedPool:
     (so one failure costs one test, not the shape's others)."""
 
     def __init__(self, ranks: int, per_node: int):
+        if BACKEND == "nvlink" and per_node != ranks:
+            pytest.skip(f"the nvlink backend runs one node: {ranks}x{per_node} is {ranks // per_node} nodes")
         self.world_size, self.per_node = ranks, per_node
         self._pool = None
         # Normal mode's programs per rank: about SMs / (2 ranks), so that the ranks' spinning
@@ -57,6 +63,8 @@ class SharedPool:
                 for name, value in saved.items():
                     os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
             self._pool.run(epcomm.Buffer.set_num_sms, self.num_sms)  # the default configs' SMs
+            if BACKEND != "nvshmem":  # (the automatic choice here is nvshmem: ranks share a GPU)
+                self._pool.run(ep_cases.choose_when_automatic, BACKEND)
         timeout_s = timeout_s or float(os.environ.get("EPCOMM_SHARED_GPU_CALL_S", "240"))
         try:
             return self._pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
@@ -107,7 +115,7 @@ def test_internode_deepep_usage(shared_pool):
     from epcomm.testing.internode import internode_against_reference
     config = (shared_pool.num_sms, 8, 512, 16, 128)  # DeepEP's, with the bed's SMs per rank
     results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2, config)
-    assert results == [{"backend": "nvshmem", "checked": 10}] * shared_pool.world_size, results
+    assert results == [{"backend": BACKEND, "checked": 10}] * shared_pool.world_size, results
 
 
 SWEEP = [(scenario, tokens, hidden, False, False) for scenario in ep_cases.SCENARIOS
@@ -131,13 +139,13 @@ def test_low_latency_sweep(shared_pool):
     R = shared_pool.world_size
     for hidden, cases in ((2048, 12), (7168, 4)):
         size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, 8 * R)
-        n = _all(shared_pool, ep_cases.low_latency_sweep, cases, 400, hidden, 8, 128, "cuda", size, False, "nvshmem",
+        n = _all(shared_pool, ep_cases.low_latency_sweep, cases, 400, hidden, 8, 128, "cuda", size, False, BACKEND,
                  shared_pool.per_node)
         assert n == [cases] * R
 
 
 def test_low_latency_cuda_graph(shared_pool):
-    assert _all(shared_pool, ep_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", shared_pool.per_node) == \
+    assert _all(shared_pool, ep_cases.gpu_low_latency_graph, 4, 2048, BACKEND, shared_pool.per_node) == \
         [4] * shared_pool.world_size
 
 
@@ -234,6 +242,6 @@ def test_timeout_names_the_stalled_rank(shared_pool):
 
 def test_low_latency_dead_rank_is_masked(shared_pool):
     R = shared_pool.world_size
-    assert _all(shared_pool, ep_cases.gpu_low_latency_dead_rank, 2048, "nvshmem", shared_pool.per_node,
+    assert _all(shared_pool, ep_cases.gpu_low_latency_dead_rank, 2048, BACKEND, shared_pool.per_node,
                 timeout_s=240) == ["masked"] * (R - 1) + ["dead"]
 

@@ -1,6 +1,6 @@
 """The CPU-checkable parts of the many-ranks-on-one-GPU bed (tests/test_shared_gpu.py): the
-group-limited routing DeepEP's internode tests use, and the automatic backend's refusal of the
-nvlink backend where ranks share a GPU (its symmetric memory cannot serve them)."""
+group-limited routing DeepEP's internode tests use, the automatic backend's choice where ranks
+share a GPU, and whose memory the nvlink backend takes there."""
 import os
 import re
 import subprocess
@@ -8,7 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from epcomm.backends.nvlink import one_host_one_gpu_each
+from epcomm.backends.nvlink import one_host_one_gpu_each, workspace_memory
+from epcomm.errors import EPError
 from epcomm.testing import group_limited_topk
 
 
@@ -33,8 +34,19 @@ def test_nvlink_needs_one_host_and_a_gpu_per_rank():
     assert not one_host_one_gpu_each([("a", "GPU-0"), ("b", "GPU-1")]), "two hosts"
 
 
+def test_nvlink_takes_nvshmem_memory_where_ranks_share_a_gpu():
+    """PyTorch's CUDA symmetric memory maps one allocation per GPU and refuses a second, so ranks
+    sharing a GPU (CUDA MPS) get NVSHMEM's mapping; ranks on several hosts are refused by name."""
+    assert workspace_memory([("a", "GPU-0"), ("a", "GPU-1")]) == "cuda"
+    assert workspace_memory([("a", "GPU-0")] * 8) == "nvshmem"
+    assert workspace_memory([("a", "GPU-0"), ("a", "GPU-0"), ("a", "GPU-1"), ("a", "GPU-1")]) == "nvshmem"
+    with pytest.raises(EPError, match="one host.*spans 2 .*nvshmem backend"):
+        workspace_memory([("a", "GPU-0"), ("b", "GPU-0")])
+
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "shared_gpu.sh")
-PRESETS = ["scale", "scale16x2", "small", "graphs", "fuzz", "faults", "sequence", "engines"]
+PRESETS = ["scale", "scale16x2", "small", "graphs", "fuzz", "faults", "sequence", "engines", "nvlink",
+           "nvlink-faults"]
 
 
 def _dry_run(part, **env):
@@ -53,6 +65,8 @@ def test_every_preset_names_whole_nodes_and_tests_that_exist(part):
     for shape in shapes:
         ranks, per_node = (int(v) for v in shape.split("x"))
         assert ranks % per_node == 0 and ranks >= 2, shape
+        if "backend=nvlink" in out:  # the nvlink backend runs one node
+            assert ranks == per_node, shape
     words = [w for w in re.search(r"tests=\[(.*)\]", out).group(1).split() if w not in ("or", "and", "not")]
     source = open(os.path.join(os.path.dirname(__file__), "test_shared_gpu.py")).read()
     names = re.findall(r"^def (test_\w+)", source, flags=re.M) + re.findall(r'"(\w+)"', source)
@@ -63,5 +77,9 @@ def test_every_preset_names_whole_nodes_and_tests_that_exist(part):
 def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
     rc, out = _dry_run("sequence", SHAPES="16x8")
     assert rc == 0 and "shapes=16x8 " in out
+    rc, out = _dry_run("nvlink")
+    assert rc == 0 and "backend=nvlink " in out
+    rc, out = _dry_run("graphs")
+    assert rc == 0 and "backend=nvshmem " in out
     rc, out = _dry_run("nonsense")
     assert rc == 2 and "unknown part" in out

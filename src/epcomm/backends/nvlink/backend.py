@@ -3,13 +3,18 @@
 This class only wires the parts together: a workspace, the host mailbox, the call board, NormalMode
 and LowLatencyMode (backends/gpu says what each module does), and the abort. What both GPU backends
 hand on the same way — the calls to the modes, the board's reports and resync — is gpu/wiring.py.
+
+The workspace and the board are PyTorch's CUDA symmetric memory, one allocation per GPU. Where
+ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) they are NVSHMEM's
+instead, which maps every process's allocation: the same kernels store through the same kind of
+pointers (``nvlink.workspace_memory``).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ...errors import EPInputError
+from ...errors import EPError, EPInputError
 from ..store_agreement import StoreRendezvous
 from ..gpu import agreement, call_board
 from ..gpu.low_latency import LowLatencyMode
@@ -18,6 +23,7 @@ from ..gpu.mailbox import HostMailbox, check_host_mapping
 from ..gpu.sync import device_state
 from ..gpu.wiring import GpuBackend
 from ..gpu.workspace import Workspace, symmetric_memory
+from . import gpu_places, workspace_memory
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
@@ -30,20 +36,37 @@ class NVLinkBackend(GpuBackend):
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
                  timeout_s: float = 100.0):
         super().__init__(group, device)
-        self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes)
+        self.timeout_s = float(timeout_s)
+        self.memory_kind = workspace_memory(gpu_places(group))  # (collective)
+        self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes,
+                            memory=self._symmetric(Workspace.size_for(self.num_ranks, num_nvl_bytes, num_ll_bytes)))
         self.state = device_state(device)
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
-        self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
         self.seat = call_board.join(("nvlink", group.group_name), self, lambda: self._make_board(group))
         self.normal = NormalMode(self)
         self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device, board=self.seat)
 
+    def _symmetric(self, num_bytes: int):
+        """``(buffer, bases, barrier)``: ``num_bytes`` of symmetric memory on every rank (collective),
+        PyTorch's CUDA symmetric memory or, where ranks share a GPU, NVSHMEM's (module docstring)."""
+        if self.memory_kind == "cuda":
+            return symmetric_memory(self.group, self.device, num_bytes)
+        from ..gpu.reach.nvshmem import nvshmem_available
+        from ..gpu.reach.transport import NvshmemTransport
+        usable, why = nvshmem_available()
+        if not usable:
+            raise EPError(f"ranks of this group share a GPU, where the nvlink backend's memory is NVSHMEM's "
+                          f"(PyTorch's CUDA symmetric memory maps one allocation per GPU), and NVSHMEM is not "
+                          f"usable in this process ({why})")
+        transport = NvshmemTransport(self.group, self.device, num_bytes)  # (its ledger keeps it while this lives)
+        return transport.buffer, transport.peer_bases, transport.barrier
+
     def _make_board(self, group: dist.ProcessGroup) -> call_board.CallBoard:
         words = call_board.board_words(self.num_ranks)
-        buffer, bases, _ = memory = symmetric_memory(group, self.device, words * 8)
+        buffer, bases, _ = memory = self._symmetric(words * 8)
         buffer.zero_()
         torch.cuda.synchronize(self.device)
         rendezvous = StoreRendezvous(group, self.timeout_s)
