@@ -61,7 +61,7 @@ def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():
         backend.low_latency_dispatch("ll")
 
 
-def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing():
+def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing(monkeypatch):
     """Ranks sharing a GPU take the nvlink backend's memory from NVSHMEM (nvlink/backend.py); a
     process without NVSHMEM gets an EPError naming both reasons, not PyTorch's refusal."""
     from epcomm.backends.gpu.reach.nvshmem import nvshmem_available
@@ -71,5 +71,18 @@ def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing():
         pytest.skip("NVSHMEM is usable here")
     backend = object.__new__(NVLinkBackend)
     backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
+    monkeypatch.setenv("EPCOMM_NVLINK_SHARED_GPU", "1")
     with pytest.raises(EPError, match="share a GPU.*NVSHMEM is not usable"):
+        backend._symmetric(64)
+
+
+def test_nvlink_with_ranks_sharing_a_gpu_is_refused_unless_asked_for_diagnosis(monkeypatch):
+    """That path gave wrong results on the one-GPU bed (docs/MULTINODE.md, finding 14): a clear
+    error instead of a wrong answer, unless EPCOMM_NVLINK_SHARED_GPU=1 asks for it."""
+    from epcomm.backends.nvlink.backend import NVLinkBackend
+    from epcomm.errors import EPError
+    backend = object.__new__(NVLinkBackend)
+    backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
+    monkeypatch.delenv("EPCOMM_NVLINK_SHARED_GPU", raising=False)
+    with pytest.raises(EPError, match="share a GPU.*wrong results.*nvshmem backend.*EPCOMM_NVLINK_SHARED_GPU=1"):
         backend._symmetric(64)

@@ -11,7 +11,8 @@ scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GP
 shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
 
 ``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
-shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py).
+shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), for
+diagnosis: at 4 and 8 ranks it gives wrong results there (docs/MULTINODE.md, finding 14).
 """
 import os
 
@@ -54,7 +55,9 @@ class SharedPool:
                    # each rank's symmetric heap: the largest workspace here (1024 tokens of 7168) fits
                    "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
                    # the ranks' spinning low-latency receivers together leave SMs to the senders
-                   "EPCOMM_LL_RECEIVE_PROGRAMS": str(max(2, 96 // self.world_size))}
+                   "EPCOMM_LL_RECEIVE_PROGRAMS": str(max(2, 96 // self.world_size)),
+                   # the nvlink backend on ranks sharing a GPU runs only when asked (finding 14)
+                   "EPCOMM_NVLINK_SHARED_GPU": "1" if BACKEND == "nvlink" else "0"}
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)  # the workers inherit it at spawn
             try:

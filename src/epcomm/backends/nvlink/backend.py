@@ -5,11 +5,15 @@ and LowLatencyMode (backends/gpu says what each module does), and the abort. Wha
 hand on the same way — the calls to the modes, the board's reports and resync — is gpu/wiring.py.
 
 The workspace and the board are PyTorch's CUDA symmetric memory, one allocation per GPU. Where
-ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) they are NVSHMEM's
-instead, which maps every process's allocation: the same kernels store through the same kind of
-pointers (``nvlink.workspace_memory``).
+ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) they would be
+NVSHMEM's instead, which maps every process's allocation: the same kernels store through the same
+kind of pointers (``nvlink.workspace_memory``). That path gave wrong results at 4 and 8 ranks on the
+one-GPU bed while the same shape is right on four real GPUs; until that is explained it runs only
+with ``EPCOMM_NVLINK_SHARED_GPU=1`` (the bed's nvlink presets set it).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,12 @@ class NVLinkBackend(GpuBackend):
         PyTorch's CUDA symmetric memory or, where ranks share a GPU, NVSHMEM's (module docstring)."""
         if self.memory_kind == "cuda":
             return symmetric_memory(self.group, self.device, num_bytes)
+        if os.environ.get("EPCOMM_NVLINK_SHARED_GPU") != "1":
+            raise EPError("ranks of this group share a GPU (CUDA MPS), where the nvlink backend's memory would be "
+                          "NVSHMEM's; there its kernels gave wrong results at 4 and 8 ranks in DeepEP's internode "
+                          "test shape (docs/MULTINODE.md, finding 14, not yet explained), so it is refused: use the "
+                          "nvshmem backend (the automatic choice here), or set EPCOMM_NVLINK_SHARED_GPU=1 to run "
+                          "it for diagnosis")
         from ..gpu.reach.nvshmem import nvshmem_available
         from ..gpu.reach.transport import NvshmemTransport
         usable, why = nvshmem_available()
