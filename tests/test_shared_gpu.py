@@ -111,6 +111,17 @@ def test_buffers_dropped_unevenly(shared_pool):
         assert held is not None and [let_go for _, _, let_go in held].count(False) == 0, held
 
 
+def test_peer_loads_see_released_stores(shared_pool):
+    """A pull's hand-off alone (tests/reach_cases.py): each rank stages words in its own NVSHMEM
+    memory and releases them; every peer acquires and loads them through the mapping, 20 rounds.
+    Every word is right and every rank's own base is its buffer (docs/MULTINODE.md, finding 14)."""
+    import reach_cases  # (Triton: only where the bed runs)
+    for rank, result in enumerate(_all(shared_pool, reach_cases.peer_loads_see_released_stores)):
+        assert result["bases"], f"rank {rank}: a peer unmapped, or its own base is not its buffer"
+        wrong = [(round_, peer, n) for round_, row in enumerate(result["wrong"]) for peer, n in enumerate(row) if n]
+        assert not wrong, f"rank {rank}: (round, peer, words wrong or -1 timed out): {wrong[:10]}"
+
+
 def test_internode_deepep_usage(shared_pool):
     """DeepEP's internode test shape: 1024 tokens, H=7168, top-8 of 16 experts per rank within
     the best 2 node groups, Config(num_sms, 8, 512, 16, 128), BF16 + FP8, async_finish and
