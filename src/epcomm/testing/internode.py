@@ -20,8 +20,10 @@ from epcomm.testing.reference import reference_combine, reference_dispatch
 from epcomm.testing.routing import group_limited_topk, random_weights
 
 
-def _rows_differ(got: torch.Tensor, want: torch.Tensor) -> str:
-    """``""`` when equal bit for bit, else how many rows differ and the first one."""
+def _rows_differ(got: torch.Tensor, want: torch.Tensor, source_ends=None) -> str:
+    """``""`` when equal bit for bit, else how many rows differ and the first one; with
+    ``source_ends`` (the received rows' end per source: a rank_prefix_matrix column), also how many
+    per source — whole sources missing and parts of several tell different faults apart."""
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -33,8 +35,30 @@ def _rows_differ(got: torch.Tensor, want: torch.Tensor) -> str:
     if bad.numel() == 0:
         return ""
     first = int(bad[0])
-    return (f"{bad.numel()} of {got.shape[0]} rows differ, first row {first}: got {got[first].flatten()[:8].tolist()} "
+    text = (f"{bad.numel()} of {got.shape[0]} rows differ, first row {first}: got {got[first].flatten()[:8].tolist()} "
             f"want {want[first].flatten()[:8].tolist()}")
+    if source_ends is not None:
+        ends = [int(e) for e in source_ends]
+        per_source = torch.bucketize(bad, torch.tensor(ends), right=True).bincount(minlength=len(ends)).tolist()
+        sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+        text += f"; per source (rows differing / received): {list(zip(per_source[:len(ends)], sizes))}"
+    return text
+
+
+def _gpu_state(buffer) -> str:
+    """For a failure on a GPU backend: this rank's device-side epochs (sync.py's state words) and
+    whether its own workspace base in the peer table is its buffer (diagnosis only)."""
+    backend = getattr(buffer, "_backend", None)
+    state = getattr(backend, "state", None)
+    if state is None:
+        return ""
+    text = f"device state words (epochs first) {state.tolist()[:8]}"
+    workspace = getattr(backend, "ws", None)
+    if workspace is not None:
+        bases = workspace.bases.tolist()
+        text += f"; own base in the peer table is the buffer: {bases[buffer.rank] == workspace.buffer.data_ptr()}"
+        text += f"; peers unmapped: {[i for i, b in enumerate(bases) if b == 0]}"
+    return text
 
 
 def _inputs(seed: int, num_ranks: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
@@ -97,7 +121,8 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
                                     ("recv_topk_weights", recv_w, want["recv_topk_weights"]),
                                     ("recv_src_idx", handle.recv_src_idx, want["recv_src_idx"]),
                                     ("rank_prefix_matrix", handle[0], want["rank_prefix_matrix"])):
-                differ = _rows_differ(got, ref)
+                differ = _rows_differ(got, ref, want["rank_prefix_matrix"][:, rank] if label != "rank_prefix_matrix"
+                                      else None)
                 assert not differ, f"{what}: BF16 dispatch {label}: {differ}"
             assert counts == want["num_recv_tokens_per_expert_list"], f"{what}: per-expert counts {counts}"
 
@@ -117,7 +142,7 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
             assert counts8 == [], f"{what}: num_worst_tokens returns no per-expert counts, got {counts8}"
 
             cached, *_ = buffer.dispatch(x, handle=handle, config=cfg)
-            differ = _rows_differ(cached, want["recv_x"])
+            differ = _rows_differ(cached, want["recv_x"], want["rank_prefix_matrix"][:, rank])
             assert not differ, f"{what}: cached dispatch recv_x: {differ}"
 
             expert_out = (recv_x.float() * (rank + 1) * 0.5).to(torch.bfloat16)
@@ -131,6 +156,8 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
                                        msg=lambda m: f"{what}: combined weights {m}")
             checked += 5
         return {"backend": buffer.backend_name, "checked": checked}
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_gpu_state(buffer)}") from None
     finally:
         buffer.destroy()
 
