@@ -77,12 +77,12 @@ def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing(monke
 
 
 def test_nvlink_with_ranks_sharing_a_gpu_is_refused_unless_asked_for_diagnosis(monkeypatch):
-    """That path gave wrong results on the one-GPU bed (docs/MULTINODE.md, finding 14): a clear
-    error instead of a wrong answer, unless EPCOMM_NVLINK_SHARED_GPU=1 asks for it."""
+    """That path ran into timeouts on the one-GPU bed, and those calls returned unfinished data
+    (docs/MULTINODE.md, finding 14): a clear error instead, unless EPCOMM_NVLINK_SHARED_GPU=1."""
     from epcomm.backends.nvlink.backend import NVLinkBackend
     from epcomm.errors import EPError
     backend = object.__new__(NVLinkBackend)
     backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
     monkeypatch.delenv("EPCOMM_NVLINK_SHARED_GPU", raising=False)
-    with pytest.raises(EPError, match="share a GPU.*wrong results.*nvshmem backend.*EPCOMM_NVLINK_SHARED_GPU=1"):
+    with pytest.raises(EPError, match="share a GPU.*timeout.*finding 14.*nvshmem backend.*EPCOMM_NVLINK_SHARED_GPU=1"):
         backend._symmetric(64)

@@ -11,8 +11,8 @@ scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GP
 shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
 
 ``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
-shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), for
-diagnosis: at 4 and 8 ranks it gives wrong results there (docs/MULTINODE.md, finding 14).
+shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), with
+fewer programs per rank (:func:`bed_num_sms`: more stalled it at 4 and 8 ranks, finding 14).
 """
 import os
 
@@ -34,6 +34,23 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs CUDA MPS running and EPCOMM_SHARED_GPU=1 (GPU_CHECK=shared-gpu-*)")]
 
 
+def bed_num_sms(device_sms: int, ranks: int, backend: str) -> int:
+    """Normal mode's programs per rank here (``Config.num_sms``): every rank's waiting programs
+    together must leave SMs to a rank whose sender kernel starts late. The ranks share one GPU's
+    SMs (on real machines each rank has its own), and a wait that ends only at the timeout returns
+    an unfinished call (docs/MULTINODE.md, finding 14).
+
+    - nvshmem: about SMs / (2 ranks). At 16x2, DeepEP's 24 hung (EPTimeoutError), 8 passed once
+      and hung once, 4 passed (H100, 2026-11-24).
+    - nvlink: its 16-warp kernels hold a whole SM each (512 threads at 128 registers for the pull
+      and the push, 74 for the reduce: sm_90 cubins, cuobjdump), and its combine reduce runs
+      4 x num_sms programs, each waiting for every rank's push. So ranks x 4 x num_sms stays below
+      the SMs: 4 at 8 ranks on an H100 (at most 7 x 16 = 112 programs wait; 24 and 8 stalled)."""
+    if backend == "nvlink":
+        return max(2, device_sms // (4 * ranks) // 2 * 2)
+    return max(2, min(24, device_sms // (2 * ranks) // 2 * 2))
+
+
 class SharedPool:
     """A WorkerPool of ``ranks`` processes on GPU 0, started again when a failed test closed it
     (so one failure costs one test, not the shape's others)."""
@@ -43,11 +60,8 @@ class SharedPool:
             pytest.skip(f"the nvlink backend runs one node: {ranks}x{per_node} is {ranks // per_node} nodes")
         self.world_size, self.per_node = ranks, per_node
         self._pool = None
-        # Normal mode's programs per rank: about SMs / (2 ranks), so that the ranks' spinning
-        # receivers leave SMs to the senders. At 16x2 DeepEP's 24 hung (EPTimeoutError), 8 passed
-        # once and hung once, 4 passed (H100, 2026-11-24).
         sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-        self.num_sms = int(os.environ.get("EPCOMM_SHARED_GPU_NUM_SMS") or max(2, min(24, sms // (2 * ranks) // 2 * 2)))
+        self.num_sms = int(os.environ.get("EPCOMM_SHARED_GPU_NUM_SMS") or bed_num_sms(sms, ranks, BACKEND))
 
     def run(self, fn, *args, timeout_s=None, **kwargs):
         if self._pool is None or self._pool.closed:

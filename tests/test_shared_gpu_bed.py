@@ -44,6 +44,22 @@ def test_nvlink_takes_nvshmem_memory_where_ranks_share_a_gpu():
         workspace_memory([("a", "GPU-0"), ("b", "GPU-0")])
 
 
+def test_the_beds_programs_per_rank_leave_a_late_sender_an_sm():
+    """Ranks sharing one GPU: every rank's waiting programs together stay below the SMs, so a rank
+    whose sender kernel starts late still gets one (finding 14: at 24 and at 8 programs per rank
+    the nvlink backend's waits ran into the timeout at 8 x 8 and 4 x 4)."""
+    from test_shared_gpu import bed_num_sms
+    for sms in (132, 78):  # H100 SXM / a smaller part
+        for ranks in (2, 4, 8, 16):
+            nvlink = bed_num_sms(sms, ranks, "nvlink")
+            assert nvlink % 2 == 0 and nvlink >= 2
+            if 4 * 2 * ranks < sms:  # (the floor of 2 programs cannot shrink further)
+                assert ranks * 4 * nvlink < sms, (sms, ranks, nvlink)  # the combine reduce: 4 x num_sms each
+            nvshmem = bed_num_sms(sms, ranks, "nvshmem")
+            assert 2 <= nvshmem <= 24 and ranks * nvshmem <= max(sms // 2, 2 * ranks)
+    assert bed_num_sms(132, 8, "nvlink") == 4 and bed_num_sms(132, 16, "nvshmem") == 4
+
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "shared_gpu.sh")
 PRESETS = ["scale", "scale16x2", "small", "graphs", "fuzz", "faults", "sequence", "engines", "nvlink",
            "nvlink-faults"]

@@ -4,6 +4,9 @@ resync) and the calls handed on to the normal mode (``self.normal``: one_node.No
 two_level.TwoLevelMode) and the low-latency mode (:meth:`GpuBackend._low_latency`)."""
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from ..base import Backend, DispatchArgs, DispatchResult
 
 
@@ -48,6 +51,15 @@ class GpuBackend(Backend):
         return self.normal.combine(x, handle, topk_weights, bias, config)
 
     # ------------------------------------------------------------------ low-latency mode
+    @staticmethod
+    def receive_programs(requested: Optional[int] = None) -> int:
+        """At most this many programs per low-latency receive phase: ``requested``, else
+        ``EPCOMM_LL_RECEIVE_PROGRAMS``, else 0 (no cap). Ranks sharing one GPU (CUDA MPS) need
+        about SMs / ranks: every rank's spinning receivers must leave SMs to the senders."""
+        if requested is None:
+            requested = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
+        return requested
+
     def _low_latency(self):
         """The low-latency mode, ready for a call (a subclass raises EPError where it is not)."""
         return self.low_latency

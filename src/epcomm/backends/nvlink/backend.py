@@ -7,13 +7,15 @@ hand on the same way — the calls to the modes, the board's reports and resync 
 The workspace and the board are PyTorch's CUDA symmetric memory, one allocation per GPU. Where
 ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) they would be
 NVSHMEM's instead, which maps every process's allocation: the same kernels store through the same
-kind of pointers (``nvlink.workspace_memory``). That path gave wrong results at 4 and 8 ranks on the
-one-GPU bed while the same shape is right on four real GPUs; until that is explained it runs only
-with ``EPCOMM_NVLINK_SHARED_GPU=1`` (the bed's nvlink presets set it).
+kind of pointers (``nvlink.workspace_memory``). On the one-GPU bed that path ran into timeouts at 4
+and 8 ranks: every rank's waiting programs together took the SMs a late rank's sender needed
+(docs/MULTINODE.md, finding 14). Until a run with the bed's smaller grids confirms it, the path runs
+only with ``EPCOMM_NVLINK_SHARED_GPU=1`` (the bed's nvlink presets set it).
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,9 @@ class NVLinkBackend(GpuBackend):
     native_expert_major = True  # the pull writes expert-major rows, the push folds them (gpu/normal/one_node)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
-                 timeout_s: float = 100.0):
+                 timeout_s: float = 100.0, ll_receive_programs: Optional[int] = None):
+        """``ll_receive_programs``: at most this many programs per low-latency receive phase
+        (default: ``EPCOMM_LL_RECEIVE_PROGRAMS``, else no cap; GpuBackend.receive_programs)."""
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
         self.memory_kind = workspace_memory(gpu_places(group))  # (collective)
@@ -51,7 +55,8 @@ class NVLinkBackend(GpuBackend):
         # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
         self.seat = call_board.join(("nvlink", group.group_name), self, lambda: self._make_board(group))
         self.normal = NormalMode(self)
-        self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device, board=self.seat)
+        self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device,
+                                          receive_programs=self.receive_programs(ll_receive_programs), board=self.seat)
 
     def _symmetric(self, num_bytes: int):
         """``(buffer, bases, barrier)``: ``num_bytes`` of symmetric memory on every rank (collective),
@@ -60,10 +65,11 @@ class NVLinkBackend(GpuBackend):
             return symmetric_memory(self.group, self.device, num_bytes)
         if os.environ.get("EPCOMM_NVLINK_SHARED_GPU") != "1":
             raise EPError("ranks of this group share a GPU (CUDA MPS), where the nvlink backend's memory would be "
-                          "NVSHMEM's; there its kernels gave wrong results at 4 and 8 ranks in DeepEP's internode "
-                          "test shape (docs/MULTINODE.md, finding 14, not yet explained), so it is refused: use the "
-                          "nvshmem backend (the automatic choice here), or set EPCOMM_NVLINK_SHARED_GPU=1 to run "
-                          "it for diagnosis")
+                          "NVSHMEM's; there its waits ran into the timeout at 4 and 8 ranks and those calls returned "
+                          "unfinished data (docs/MULTINODE.md, finding 14: every rank's waiting programs took the "
+                          "GPU's SMs from a late sender), so it is refused until a run confirms the fix: use the "
+                          "nvshmem backend (the automatic choice here), or set EPCOMM_NVLINK_SHARED_GPU=1 to run it "
+                          "(the one-GPU test bed)")
         from ..gpu.reach.nvshmem import nvshmem_available
         from ..gpu.reach.transport import NvshmemTransport
         usable, why = nvshmem_available()

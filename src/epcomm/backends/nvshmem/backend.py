@@ -138,11 +138,10 @@ class NvshmemBackend(GpuBackend):
         if num_ll_bytes:
             self._ll_reach = (self.far_mode, ll_ranks_per_node or ranks_per_node)
             self.ll_ws = self._ll_workspace(num_ll_bytes)
-            if ll_receive_programs is None:
-                ll_receive_programs = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
-                                              receive_programs=ll_receive_programs, board=self.seat)
+                                              receive_programs=self.receive_programs(ll_receive_programs),
+                                              board=self.seat)
 
     def _make_board(self, group: Optional[dist.ProcessGroup]) -> call_board.CallBoard:
         """The group's call board in symmetric memory (NVSHMEM, or the loopback world's)."""
