@@ -99,3 +99,18 @@ def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
     assert rc == 0 and "backend=nvshmem " in out
     rc, out = _dry_run("nonsense")
     assert rc == 2 and "unknown part" in out
+
+
+def test_both_gpu_backends_take_the_low_latency_receive_cap_the_same_way(monkeypatch):
+    """The bed caps each low-latency receive phase with EPCOMM_LL_RECEIVE_PROGRAMS; the nvlink
+    backend ignored it, and at 8 x 8 its 448 waiting receivers held every SM (finding 14). Both
+    backends now read it through GpuBackend.receive_programs; an argument wins over it."""
+    from epcomm.backends.gpu.wiring import GpuBackend
+    monkeypatch.delenv("EPCOMM_LL_RECEIVE_PROGRAMS", raising=False)
+    assert GpuBackend.receive_programs() == 0 and GpuBackend.receive_programs(5) == 5
+    monkeypatch.setenv("EPCOMM_LL_RECEIVE_PROGRAMS", "12")
+    assert GpuBackend.receive_programs() == 12 and GpuBackend.receive_programs(3) == 3
+    root = os.path.join(os.path.dirname(__file__), "..", "src", "epcomm", "backends")
+    for backend in ("nvlink", "nvshmem"):
+        source = open(os.path.join(root, backend, "backend.py")).read()
+        assert "receive_programs=self.receive_programs(ll_receive_programs)" in source, backend
