@@ -114,3 +114,19 @@ def test_both_gpu_backends_take_the_low_latency_receive_cap_the_same_way(monkeyp
     for backend in ("nvlink", "nvshmem"):
         source = open(os.path.join(root, backend, "backend.py")).read()
         assert "receive_programs=self.receive_programs(ll_receive_programs)" in source, backend
+
+
+def test_programs_per_sm_from_registers_warps_and_shared_memory():
+    """scripts/kernel_resources.py's occupancy arithmetic (sm_90): the one-node kernels at 16 warps
+    and about 128 registers hold a whole SM each — what bed_num_sms budgets for."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_resources.py")
+    spec = importlib.util.spec_from_file_location("kernel_resources", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.programs_per_sm(128, 16, 0) == 1  # ep_dispatch_pull, ep_combine_push
+    assert tool.programs_per_sm(74, 16, 0) == 1  # ep_combine_reduce, 16 warps (74 -> 80 a thread)
+    assert tool.programs_per_sm(74, 4, 0) == 6
+    assert tool.programs_per_sm(48, 4, 1024) == 10  # ep_notify_dispatch
+    assert tool.programs_per_sm(8, 1, 0) == 32  # the per-SM program limit
+    assert tool.programs_per_sm(32, 4, 100 * 1024) == 2  # shared memory bounds it
