@@ -6,6 +6,7 @@ frees must wait for an agreed point (backends/gpu/reach/symmetric_heap.py). A CP
 results; the shared-GPU suite runs it on the real NVSHMEM runtime, where the old frees hung.
 """
 import gc
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,9 @@ def buffers_dropped_unevenly(rounds: int = 6, hidden: int = 512, backend=None, r
     """Each round: a low-latency Buffer (two sizes in turn) makes a round trip that matches the
     reference, then is dropped — on some ranks into a reference cycle, collected at once on even
     ranks only. No round hangs or returns wrong data. Returns, where the memory is NVSHMEM's, the ledger's
-    (id, bytes, let go of) per allocation once a last Buffer is destroyed (:func:`buffer_allocations`):
-    every one should be let go of (no view of it left anywhere, PyTorch's rendezvous included)."""
+    (id, bytes, let go of) per allocation once a last Buffer is destroyed (:func:`buffer_allocations`),
+    and what holds those not let go of (:func:`who_holds`): every one should be let go of (no view
+    of it left anywhere, PyTorch's rendezvous included)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     num_experts, K = 4 * R, 4
@@ -58,7 +60,67 @@ def buffers_dropped_unevenly(rounds: int = 6, hidden: int = 512, backend=None, r
     group_ranks = dist.get_process_group_ranks(dist.group.WORLD)
     if not process_heap().allocations(group_ranks, dev):  # not NVSHMEM memory (the nvlink backend, a GPU per rank)
         return None
-    return buffer_allocations(process_heap(), group_ranks, dev)
+    held = buffer_allocations(process_heap(), group_ranks, dev)
+    return held, who_holds(process_heap(), group_ranks, dev)
+
+
+def who_holds(heap, group_ranks, device, depth: int = 6) -> dict:
+    """{id: what keeps it} for each of the group's allocations (boards left out) not let go of:
+    the owner's chain of referrers, or the views of its bytes and theirs (type names and
+    attribute names, ``depth`` steps up). For the failure message of a bed run: a leak on the
+    GPU is found from one run's log."""
+    from epcomm.backends.gpu.call_board import kept_board_addresses
+    from epcomm.backends.gpu.reach.symmetric_heap import storage_users
+    boards = kept_board_addresses()
+    found = {}
+    for allocation in heap.allocations(group_ranks, device):
+        if allocation.let_go() or allocation.tensor.data_ptr() in boards:
+            continue
+        owner = allocation.owner() if allocation.owner is not None else None
+        if owner is not None:
+            found[allocation.id] = "owner " + _referrer_chain(owner, depth)
+            continue
+        start, end = allocation.tensor.data_ptr(), allocation.tensor.data_ptr() + allocation.num_bytes
+        with warnings.catch_warnings():  # (isinstance on every object touches deprecated module attributes)
+            warnings.simplefilter("ignore")
+            views = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj is not allocation.tensor
+                     and obj.device == allocation.tensor.device and start <= _safe_data_ptr(obj) < end]
+        found[allocation.id] = (f"{storage_users(allocation.tensor)} storage users ({allocation.users_alone} alone); "
+                                + "; ".join(f"view {tuple(v.shape)} " + _referrer_chain(v, depth) for v in views[:4]))
+    return found
+
+
+def _safe_data_ptr(tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # (a tensor without storage: a fake or meta tensor)
+        return -1
+
+
+def _referrer_chain(obj, depth: int) -> str:
+    """``obj``'s first non-frame referrers, ``depth`` steps up: "Type.attribute <- Type ..."."""
+    import types
+    steps, current, seen = [], obj, {id(obj)}
+    for _ in range(depth):
+        found = gc.get_referrers(current)
+        referrers = [r for r in found if id(r) not in seen and not isinstance(r, types.FrameType) and r is not steps]
+        found.clear()  # (these lists would show up as the next step's referrers)
+        if not referrers:
+            steps.append("(no referrer)")
+            break
+        parent = referrers[0]
+        others = [type(r).__name__ for r in referrers[1:4]]
+        referrers.clear()
+        if isinstance(parent, dict):  # an object's __dict__ (where not inlined): the object owning it
+            owners = [o for o in gc.get_referrers(parent) if getattr(o, "__dict__", None) is parent]
+            seen.add(id(parent))
+            parent = owners[0] if owners else parent
+        names = [k for k, v in (vars(parent).items() if hasattr(parent, "__dict__") and not isinstance(parent, dict)
+                                else parent.items() if isinstance(parent, dict) else ()) if v is current]
+        steps.append(type(parent).__name__ + (f".{names[0]}" if names else "") + (f" (+{others})" if others else ""))
+        seen.add(id(parent))
+        current = parent
+    return " <- ".join(steps)
 
 
 def buffer_allocations(heap, group_ranks, device):

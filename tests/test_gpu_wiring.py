@@ -61,7 +61,7 @@ def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():
         backend.low_latency_dispatch("ll")
 
 
-def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing(monkeypatch):
+def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing():
     """Ranks sharing a GPU take the nvlink backend's memory from NVSHMEM (nvlink/backend.py); a
     process without NVSHMEM gets an EPError naming both reasons, not PyTorch's refusal."""
     from epcomm.backends.gpu.reach.nvshmem import nvshmem_available
@@ -71,18 +71,28 @@ def test_nvlink_with_ranks_sharing_a_gpu_says_why_where_nvshmem_is_missing(monke
         pytest.skip("NVSHMEM is usable here")
     backend = object.__new__(NVLinkBackend)
     backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
-    monkeypatch.setenv("EPCOMM_NVLINK_SHARED_GPU", "1")
     with pytest.raises(EPError, match="share a GPU.*NVSHMEM is not usable"):
         backend._symmetric(64)
 
 
-def test_nvlink_with_ranks_sharing_a_gpu_is_refused_unless_asked_for_diagnosis(monkeypatch):
-    """That path ran into timeouts on the one-GPU bed, and those calls returned unfinished data
-    (docs/MULTINODE.md, finding 14): a clear error instead, unless EPCOMM_NVLINK_SHARED_GPU=1."""
+@pytest.mark.parametrize("memory", ["nvshmem", "cuda"])
+def test_nvlink_destroy_gives_nvshmem_memory_back_to_the_ledger_at_once(memory):
+    """Where ranks share a GPU the nvlink backend's workspace is NVSHMEM's, through the ledger
+    (reach/symmetric_heap.py): destroy() must hand it back then, as the nvshmem backend does, not
+    when the last reference to the Buffer dies. The bed's lifetime check at 8 x 8 found a destroyed
+    nvlink Buffer's workspace held on every rank while a caller still had a name for the Buffer."""
     from epcomm.backends.nvlink.backend import NVLinkBackend
-    from epcomm.errors import EPError
+
+    class LedgerMemory:
+        released = False
+
+        def release(self):
+            self.released = True
+
     backend = object.__new__(NVLinkBackend)
-    backend.memory_kind, backend.group, backend.device = "nvshmem", None, "cuda:0"
-    monkeypatch.delenv("EPCOMM_NVLINK_SHARED_GPU", raising=False)
-    with pytest.raises(EPError, match="share a GPU.*timeout.*finding 14.*nvshmem backend.*EPCOMM_NVLINK_SHARED_GPU=1"):
-        backend._symmetric(64)
+    ledger_memory = LedgerMemory() if memory == "nvshmem" else None
+    backend._ledger_memory = ledger_memory
+    backend.ws = backend.normal = backend.low_latency = object()  # (each holds the workspace)
+    backend.destroy()
+    assert backend.released and backend.ws is None and backend.normal is None and backend.low_latency is None
+    assert ledger_memory is None or ledger_memory.released

@@ -299,7 +299,8 @@ def _buffers_on_gpu(num_nvl_bytes: int, ranks_per_node: int = 0, max_tokens: int
         name = "nvshmem"
     elif os.environ.get("EPCOMM_RANKS_PER_NODE"):  # the GPU suite on (virtual) nodes: the automatic choice
         fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
-        name = "nvshmem"
+        # nvshmem, or nvlink where the shared-GPU bed made it the automatic choice (its nvlink presets)
+        name = "nvlink" if fast.backend_name == "nvlink" else "nvshmem"
     else:
         fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, backend="nvlink")
         name = "nvlink"

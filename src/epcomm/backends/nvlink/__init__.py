@@ -11,8 +11,8 @@ from ...errors import EPError
 def nvlink_usable(group: dist.ProcessGroup) -> bool:
     """True when every rank of ``group`` runs on this host (one NVLink domain) on a GPU of its own,
     with CUDA and Triton: the automatic choice. Ranks sharing a GPU (CUDA MPS) are left to the
-    nvshmem backend; asked for by name, the nvlink backend would take NVSHMEM's mapping there
-    (:func:`workspace_memory`), and refuses unless ``EPCOMM_NVLINK_SHARED_GPU=1`` (backend.py).
+    nvshmem backend; asked for by name, the nvlink backend takes NVSHMEM's mapping there
+    (:func:`workspace_memory`; its grids must then fit the shared GPU together: backend.py).
     Collective: every rank of ``group`` must call it (Buffer construction)."""
     import torch
     try:

@@ -7,14 +7,12 @@ hand on the same way — the calls to the modes, the board's reports and resync 
 The workspace and the board are PyTorch's CUDA symmetric memory, one allocation per GPU. Where
 ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) they would be
 NVSHMEM's instead, which maps every process's allocation: the same kernels store through the same
-kind of pointers (``nvlink.workspace_memory``). On the one-GPU bed that path ran into timeouts at 4
-and 8 ranks: every rank's waiting programs together took the SMs a late rank's sender needed
-(docs/MULTINODE.md, finding 14). Until a run with the bed's smaller grids confirms it, the path runs
-only with ``EPCOMM_NVLINK_SHARED_GPU=1`` (the bed's nvlink presets set it).
+kind of pointers (``nvlink.workspace_memory``). There the ranks share the GPU's SMs too: their
+grids together must leave room for a late rank's sender, or every wait runs into the timeout
+(docs/MULTINODE.md, finding 14; ``Buffer.set_num_sms`` to about SMs / (4 x ranks)).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -46,8 +44,8 @@ class NVLinkBackend(GpuBackend):
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
         self.memory_kind = workspace_memory(gpu_places(group))  # (collective)
-        self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes,
-                            memory=self._symmetric(Workspace.size_for(self.num_ranks, num_nvl_bytes, num_ll_bytes)))
+        memory, self._ledger_memory = self._symmetric(Workspace.size_for(self.num_ranks, num_nvl_bytes, num_ll_bytes))
+        self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes, memory=memory)
         self.state = device_state(device)
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
@@ -59,17 +57,11 @@ class NVLinkBackend(GpuBackend):
                                           receive_programs=self.receive_programs(ll_receive_programs), board=self.seat)
 
     def _symmetric(self, num_bytes: int):
-        """``(buffer, bases, barrier)``: ``num_bytes`` of symmetric memory on every rank (collective),
-        PyTorch's CUDA symmetric memory or, where ranks share a GPU, NVSHMEM's (module docstring)."""
+        """``((buffer, bases, barrier), transport)``: ``num_bytes`` of symmetric memory on every rank
+        (collective), PyTorch's CUDA symmetric memory (transport None) or, where ranks share a GPU,
+        NVSHMEM's through the ledger (module docstring), whose transport releases it."""
         if self.memory_kind == "cuda":
-            return symmetric_memory(self.group, self.device, num_bytes)
-        if os.environ.get("EPCOMM_NVLINK_SHARED_GPU") != "1":
-            raise EPError("ranks of this group share a GPU (CUDA MPS), where the nvlink backend's memory would be "
-                          "NVSHMEM's; there its waits ran into the timeout at 4 and 8 ranks and those calls returned "
-                          "unfinished data (docs/MULTINODE.md, finding 14: every rank's waiting programs took the "
-                          "GPU's SMs from a late sender), so it is refused until a run confirms the fix: use the "
-                          "nvshmem backend (the automatic choice here), or set EPCOMM_NVLINK_SHARED_GPU=1 to run it "
-                          "(the one-GPU test bed)")
+            return symmetric_memory(self.group, self.device, num_bytes), None
         from ..gpu.reach.nvshmem import nvshmem_available
         from ..gpu.reach.transport import NvshmemTransport
         usable, why = nvshmem_available()
@@ -77,12 +69,13 @@ class NVLinkBackend(GpuBackend):
             raise EPError(f"ranks of this group share a GPU, where the nvlink backend's memory is NVSHMEM's "
                           f"(PyTorch's CUDA symmetric memory maps one allocation per GPU), and NVSHMEM is not "
                           f"usable in this process ({why})")
-        transport = NvshmemTransport(self.group, self.device, num_bytes)  # (its ledger keeps it while this lives)
-        return transport.buffer, transport.peer_bases, transport.barrier
+        transport = NvshmemTransport(self.group, self.device, num_bytes)
+        return (transport.buffer, transport.peer_bases, transport.barrier), transport
 
     def _make_board(self, group: dist.ProcessGroup) -> call_board.CallBoard:
         words = call_board.board_words(self.num_ranks)
-        buffer, bases, _ = memory = self._symmetric(words * 8)
+        memory, _ = self._symmetric(words * 8)  # (kept for the process's life: call_board.join)
+        buffer, bases, _ = memory
         buffer.zero_()
         torch.cuda.synchronize(self.device)
         rendezvous = StoreRendezvous(group, self.timeout_s)
@@ -129,5 +122,10 @@ class NVLinkBackend(GpuBackend):
         return self.ws.buffer[self.ws.normal_offset:self.ws.ll_offset]
 
     def destroy(self) -> None:
+        """Let go of the workspace. NVSHMEM memory goes back to the ledger now, not when the last
+        reference to this Buffer dies (a caller may keep one: the ledger would keep the bytes on
+        every rank), as on the nvshmem backend; views a caller holds still keep it."""
         self.released = True  # (its group's call board forgets it)
-        self.ws = None
+        if self._ledger_memory is not None:
+            self._ledger_memory.release()
+        self.ws = self.normal = self.low_latency = self._ledger_memory = None
