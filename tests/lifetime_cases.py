@@ -115,8 +115,8 @@ def _referrer_chain(obj, depth: int) -> str:
             owners = [o for o in gc.get_referrers(parent) if getattr(o, "__dict__", None) is parent]
             seen.add(id(parent))
             parent = owners[0] if owners else parent
-        names = [k for k, v in (vars(parent).items() if hasattr(parent, "__dict__") and not isinstance(parent, dict)
-                                else parent.items() if isinstance(parent, dict) else ()) if v is current]
+        fields = parent if isinstance(parent, dict) else getattr(parent, "__dict__", {})
+        names = [k for k, v in fields.items() if v is current]
         steps.append(type(parent).__name__ + (f".{names[0]}" if names else "") + (f" (+{others})" if others else ""))
         seen.add(id(parent))
         current = parent
