@@ -92,3 +92,86 @@ def test_host_tensors_name_their_device_under_another_default():
             assert mailbox.words.device.type == "cpu" and int(mailbox.view[0]) == 0
     finally:
         torch.set_default_device(None)
+
+
+# ------------------------------------------------------------------ DeepEP's Config names (issue 51)
+_SGLANG_DEEPEP_CONFIG = """{
+  "normal_dispatch": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 16, "num_max_nvl_chunked_recv_tokens": 256,
+                      "num_max_rdma_chunked_send_tokens": 6, "num_max_rdma_chunked_recv_tokens": 128},
+  "normal_combine": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256,
+                     "num_max_rdma_chunked_send_tokens": 6, "num_max_rdma_chunked_recv_tokens": 128}
+}"""
+
+
+def _sglang_load_json_config(data: str):
+    """SGLang's ``load_json_config``: ``--deepep-config`` is a JSON string or the path of a file."""
+    import json
+    import pathlib
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return json.loads(pathlib.Path(data).read_text())
+
+
+def test_config_takes_deep_eps_keyword_names_positional_order_and_defaults():
+    by_name = epcomm.Config(num_sms=24, num_max_nvl_chunked_send_tokens=16, num_max_nvl_chunked_recv_tokens=288,
+                            num_max_rdma_chunked_send_tokens=20, num_max_rdma_chunked_recv_tokens=128)
+    assert by_name == epcomm.Config(24, 16, 288, 20, 128)
+    assert (by_name.num_max_nvl_chunked_send_tokens, by_name.nvl_chunked_recv_tokens,
+            by_name.rdma_chunked_send_tokens, by_name.num_max_rdma_chunked_recv_tokens) == (16, 288, 20, 128)
+    assert epcomm.Config() == epcomm.Config(20, 6, 256, 6, 256)  # DeepEP's defaults
+    assert epcomm.Config(24, nvl_chunked_send_tokens=8) == epcomm.Config(24, 8)  # epcomm's short names still work
+    import inspect
+    assert list(inspect.signature(epcomm.Config).parameters)[:5] == [
+        "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+        "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"]
+    with pytest.raises(TypeError):
+        epcomm.Config(24, nvl_chunked_send_tokens=8, num_max_nvl_chunked_send_tokens=8)
+    with pytest.raises(TypeError):
+        epcomm.Config(24, chunked_send_tokens=8)
+    with pytest.raises(epcomm.EPInputError, match="num_max_rdma_chunked_send_tokens"):
+        epcomm.Config(num_max_rdma_chunked_send_tokens=300, num_max_rdma_chunked_recv_tokens=128)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_sglang_deepep_config_json_loads_as_sglang_loads_it(tmp_path, as_file):
+    """SGLang's ``--deepep-config``: ``Config(**parsed["normal_dispatch"])`` and
+    ``Config(**parsed["normal_combine"])``, the text given inline or as a file path."""
+    data = _SGLANG_DEEPEP_CONFIG
+    if as_file:
+        (tmp_path / "deepep.json").write_text(data)
+        data = str(tmp_path / "deepep.json")
+    parsed = _sglang_load_json_config(data)
+    dispatch, combine = epcomm.Config(**parsed["normal_dispatch"]), epcomm.Config(**parsed["normal_combine"])
+    assert dispatch == epcomm.Config(24, 16, 256, 6, 128) and combine == epcomm.Config(24, 6, 256, 6, 128)
+    assert parsed["normal_dispatch"]["num_sms"] == dispatch.num_sms == combine.num_sms
+    for config in (dispatch, combine):  # what SGLang sizes its Buffer with
+        assert config.get_nvl_buffer_size_hint(7168 * 2, 16) > 0 and config.get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+
+
+def test_rdma_size_hint_is_the_multi_node_workspace_for_the_configs_batch():
+    """0 on one node (DeepEP's nodes of 8); across nodes the nvshmem backend's workspace in which
+    every rank dispatches num_sms/2 * num_max_rdma_chunked_recv_tokens BF16 tokens (or num_tokens)."""
+    from epcomm.backends.gpu.normal.two_level.areas import combine_layout, dispatch_layout
+    from epcomm.backends.nvshmem import bytes_for_tokens
+    config = epcomm.Buffer.get_dispatch_config(16)
+    hidden = 7168
+    assert config.get_rdma_buffer_size_hint(hidden * 2, 8) == 0
+    hint = config.get_rdma_buffer_size_hint(hidden * 2, 16)
+    tokens = config.num_sms // 2 * config.num_max_rdma_chunked_recv_tokens
+    assert hint == bytes_for_tokens(tokens, 16, 8, 256, hidden, 32)
+    assert dispatch_layout(hint, 16, 8, 256, config.num_sms // 2, 2 * hidden, 0, 8).token_cap >= tokens
+    assert combine_layout(hint, 16, 8, hidden, 8).token_cap >= tokens
+    assert config.get_rdma_buffer_size_hint(hidden * 2, 16, num_tokens=4 * tokens) > hint
+    assert config.get_rdma_buffer_size_hint(hidden * 2, 16, ranks_per_node=4) > hint  # 4 nodes, not 2
+    with pytest.raises(epcomm.EPInputError, match="num_ranks"):
+        config.get_rdma_buffer_size_hint(hidden * 2, 12)
+
+
+def test_rdma_size_hint_loads_no_kernels():
+    import subprocess
+    import sys
+    code = ("import sys, epcomm; epcomm.Config().get_rdma_buffer_size_hint(4096, 32); "
+            "print('triton' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-2000:]

@@ -3,52 +3,121 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import EPInputError
 
 
-@dataclass(frozen=True)
+# DeepEP's names of the chunk settings, in DeepEP's positional order after num_sms; epcomm's own
+# shorter names (the keys) stay accepted as keywords and readable as attributes.
+_CHUNK_NAMES = {"nvl_chunked_send_tokens": "num_max_nvl_chunked_send_tokens",
+                "nvl_chunked_recv_tokens": "num_max_nvl_chunked_recv_tokens",
+                "rdma_chunked_send_tokens": "num_max_rdma_chunked_send_tokens",
+                "rdma_chunked_recv_tokens": "num_max_rdma_chunked_recv_tokens"}
+_CHUNK_DEFAULTS = {"num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256,
+                   "num_max_rdma_chunked_send_tokens": 6, "num_max_rdma_chunked_recv_tokens": 256}
+NUM_MAX_NVL_PEERS = 8  # DeepEP's ranks per node: the RDMA hint assumes nodes of this many ranks
+
+
+def _deep_ep_name(name: str) -> str:
+    return f"(DeepEP's {_CHUNK_NAMES[name]}) " if name in _CHUNK_NAMES else ""
+
+
+@dataclass(frozen=True, init=False)
 class Config:
-    """Launch configuration of the normal-mode dispatch/combine kernels.
+    """Launch configuration of the normal-mode dispatch/combine kernels (DeepEP's ``Config``).
+
+    ``Config(num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
+    num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256)``: DeepEP's keyword
+    names, defaults and positional order, so SGLang's ``Config(**json)`` of its ``--deepep-config``
+    file works. epcomm's shorter names (``nvl_chunked_send_tokens``, ``nvl_chunked_recv_tokens``,
+    ``rdma_chunked_send_tokens``, ``rdma_chunked_recv_tokens``) are accepted as keywords too (not
+    both names of one setting: TypeError) and readable as attributes.
 
     Args:
         num_sms: streaming multiprocessors (GPU programs) the kernels may use; must be even, as
             each channel takes one sending and one receiving program.
-        nvl_chunked_send_tokens: tokens a sender moves per step into an NVLink queue.
-        nvl_chunked_recv_tokens: capacity, in tokens, of one NVLink queue (per channel and peer).
-        rdma_chunked_send_tokens / rdma_chunked_recv_tokens: the same for the inter-node hop.
+        num_max_nvl_chunked_send_tokens: tokens a sender moves per step into an NVLink queue.
+        num_max_nvl_chunked_recv_tokens: capacity, in tokens, of one NVLink queue (per channel and peer).
+        num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the
+            inter-node hop.
 
-    Backends without queues (``torch_dist``) accept and ignore the chunk sizes.
+    Backends without queues (``torch_dist``) accept and ignore the chunk sizes. An invalid value
+    raises EPInputError naming the setting by epcomm's short name, DeepEP's in the message.
     """
 
-    num_sms: int = 20
-    nvl_chunked_send_tokens: int = 6
-    nvl_chunked_recv_tokens: int = 256
-    rdma_chunked_send_tokens: int = 6
-    rdma_chunked_recv_tokens: int = 256
+    num_sms: int
+    num_max_nvl_chunked_send_tokens: int
+    num_max_nvl_chunked_recv_tokens: int
+    num_max_rdma_chunked_send_tokens: int
+    num_max_rdma_chunked_recv_tokens: int
 
-    def __post_init__(self):
-        for name in ("num_sms", "nvl_chunked_send_tokens", "nvl_chunked_recv_tokens",
-                     "rdma_chunked_send_tokens", "rdma_chunked_recv_tokens"):
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: Optional[int] = None,
+                 num_max_nvl_chunked_recv_tokens: Optional[int] = None,
+                 num_max_rdma_chunked_send_tokens: Optional[int] = None,
+                 num_max_rdma_chunked_recv_tokens: Optional[int] = None, **short_names: int):
+        given = dict(num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                     num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                     num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                     num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for short, value in short_names.items():
+            if short not in _CHUNK_NAMES:
+                raise TypeError(f"Config() got an unexpected keyword argument {short!r}")
+            if given[_CHUNK_NAMES[short]] is not None:
+                raise TypeError(f"Config() got {short!r} and {_CHUNK_NAMES[short]!r}: one setting twice")
+            given[_CHUNK_NAMES[short]] = value
+        object.__setattr__(self, "num_sms", num_sms)
+        for long, value in given.items():
+            object.__setattr__(self, long, _CHUNK_DEFAULTS[long] if value is None else value)
+        for name in ("num_sms",) + tuple(_CHUNK_NAMES):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise EPInputError(name, f"must be a positive int, got {value!r}")
-        if self.num_sms % 2:
-            raise EPInputError("num_sms", f"must be even (one send and one receive program per channel), got {self.num_sms}")
-        if self.nvl_chunked_send_tokens > self.nvl_chunked_recv_tokens:
-            raise EPInputError("nvl_chunked_send_tokens", "must not exceed nvl_chunked_recv_tokens")
-        if self.rdma_chunked_send_tokens > self.rdma_chunked_recv_tokens:
-            raise EPInputError("rdma_chunked_send_tokens", "must not exceed rdma_chunked_recv_tokens")
+                raise EPInputError(name, f"{_deep_ep_name(name)}must be a positive int, got {value!r}")
+        if num_sms % 2:
+            raise EPInputError("num_sms", f"must be even (one send and one receive program per channel), got {num_sms}")
+        for hop in ("nvl", "rdma"):
+            send, recv = f"{hop}_chunked_send_tokens", f"{hop}_chunked_recv_tokens"
+            if getattr(self, send) > getattr(self, recv):
+                raise EPInputError(send, f"{_deep_ep_name(send)}must not exceed {recv} ({getattr(self, recv)}), "
+                                         f"got {getattr(self, send)}")
+
+    # epcomm's short names, read-only
+    nvl_chunked_send_tokens = property(lambda self: self.num_max_nvl_chunked_send_tokens)
+    nvl_chunked_recv_tokens = property(lambda self: self.num_max_nvl_chunked_recv_tokens)
+    rdma_chunked_send_tokens = property(lambda self: self.num_max_rdma_chunked_send_tokens)
+    rdma_chunked_recv_tokens = property(lambda self: self.num_max_rdma_chunked_recv_tokens)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer these settings want for rows of ``hidden_bytes`` (DeepEP name)."""
         num_channels = self.num_sms // 2
         per_token = hidden_bytes + 1024  # payload plus scales, top-k and index metadata, rounded up
-        return num_channels * num_ranks * self.nvl_chunked_recv_tokens * per_token + (1 << 20)
+        return num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * per_token + (1 << 20)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer these settings want (0 on one node)."""
-        return 0
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_tokens: Optional[int] = None,
+                                  ranks_per_node: int = NUM_MAX_NVL_PEERS, num_topk: int = 32,
+                                  num_experts: Optional[int] = None) -> int:
+        """``num_rdma_bytes`` the nvshmem backend needs across nodes for rows of ``hidden_bytes``
+        (BF16 rows: ``2 * hidden``) on ``num_ranks`` ranks (DeepEP name and first two arguments).
+
+        0 when the ranks fit one node (DeepEP's rule, nodes of ``ranks_per_node`` = 8 ranks; the
+        nvshmem backend then sizes its workspace from ``num_nvl_bytes``); otherwise the multi-node
+        workspace (``epcomm.backends.nvshmem.bytes_for_tokens``) in which every rank dispatches
+        ``num_tokens`` BF16 tokens of up to ``num_topk`` experts each and combines them.
+        ``num_tokens`` defaults to what DeepEP's RDMA queues of this config hold at once,
+        ``num_sms / 2 * num_max_rdma_chunked_recv_tokens``: a larger batch raises EPInputError
+        naming ``num_rdma_bytes`` at dispatch, so pass the batch's size where it is larger.
+        ``num_experts`` (default ``max(256, num_ranks)``) sizes only the count rows. The
+        keyword-only arguments are epcomm's.
+        """
+        if num_ranks <= ranks_per_node:
+            return 0
+        if num_ranks % ranks_per_node:
+            raise EPInputError("num_ranks", f"{num_ranks} ranks do not form nodes of {ranks_per_node} ranks")
+        if num_tokens is None:
+            num_tokens = self.num_sms // 2 * self.num_max_rdma_chunked_recv_tokens
+        from .backends.gpu.normal.two_level.areas import bytes_for_tokens  # (plain Python: loads no kernels)
+        return bytes_for_tokens(num_tokens, num_ranks, ranks_per_node, num_experts or max(256, num_ranks),
+                                max(1, hidden_bytes // 2), num_topk)
 
 
 # Default SM count for new configs; Buffer.set_num_sms changes it.
