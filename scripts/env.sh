@@ -26,7 +26,9 @@ else
     fi
   fi
   if ! "$PY" -c 'import pytest, numpy' 2>/dev/null; then
-    "$PY" -m pip install -q 'pytest>=7' numpy
+    # numpy < 2.3: Triton 3.6's interpreter (the CPU tests of kernels' device functions) turns
+    # one-element arrays into Python ints, which numpy 2.3 refuses.
+    "$PY" -m pip install -q 'pytest>=7' 'numpy<2.3'
   fi
   # The `epcomm` command (.venv/bin/epcomm), as an editable install of this checkout.
   if [ ! -x "$EPCOMM_ROOT/.venv/bin/epcomm" ]; then

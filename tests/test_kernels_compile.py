@@ -33,11 +33,12 @@ def _cases():
         if not em or topk:  # expert-major positions are staged with the top-k rows
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
-        yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, **copy), 16
+        yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
+                           TRACE=lists and al, **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
-                               EXPERT_MAJOR=em), 16
+                               EXPERT_MAJOR=em, EVERY_PEER=not (weights and al), TRACE=weights and al), 16
         yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=al), 16
     for (fp8, round_scale, ue8m0), al in itertools.product(
             [(True, False, False), (True, True, False), (True, True, True), (False, False, False)], [False, True]):
@@ -147,11 +148,13 @@ def test_nvshmem_backend_channel_limit():
     (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
                    S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1, POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=True), 16),
-    (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False), 16),
-    (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True), 16),
+                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False), 16),
+    (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
+                  TRACE=False), 16),
+    (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
+                  TRACE=False), 16),
     (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8), 16),
     (L.DISPATCH, dict(SEND=True, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
                       BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,

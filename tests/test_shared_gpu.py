@@ -211,6 +211,27 @@ def test_round_trips_end_without_a_backoff(shared_pool):
 
 
 # ------------------------------------------------------------------ failures (last: they can leave ranks out of step)
+def test_one_node_pull_and_push_serve_every_peer_at_once(shared_pool):
+    """The nvlink backend's pull and push (schedule.py), traced: in rank order every rank's program 0
+    starts on peer 0 and the peers' shares of the work in flight are uneven; every peer at once
+    starts rank r on peer r + 1 and keeps the shares near 1/R over the whole call."""
+    if BACKEND != "nvlink":
+        pytest.skip("the one-node kernels run on the nvlink backend (nvshmem runs the two-level ones)")
+    import schedule_trace_cases
+    per_rank = _all(shared_pool, schedule_trace_cases.trace_calls, num_sms=shared_pool.num_sms)
+    lines, largest = schedule_trace_cases.schedule_table(per_rank)
+    print("\n" + "\n".join(lines), flush=True)
+    R = shared_pool.world_size
+    for kernel in ("pull", "push"):
+        firsts = [min((rec for rec in result["every peer"][kernel] if rec[0] == 0), key=lambda rec: rec[3])[1]
+                  for result in per_rank]
+        assert firsts == [(rank + 1) % R for rank in range(R)], (kernel, firsts)
+        assert all(min((rec for rec in result["rank order"][kernel] if rec[0] == 0), key=lambda rec: rec[3])[1] == 0
+                   for result in per_rank)
+        rank_order, every_peer = largest[("rank order", kernel)], largest[("every peer", kernel)]
+        assert sum(every_peer) < sum(rank_order), (kernel, every_peer, rank_order)
+
+
 def test_out_of_range_expert_ids_raise(shared_pool):
     """An expert id >= num_experts: get_dispatch_layout on nvshmem rejects it as nvlink does (the
     next call raises EPInputError naming topk_idx) and the Buffer stays usable."""

@@ -89,7 +89,9 @@ class KernelSpec:
         self.library = library
         self.library_if = library_if
         self.name = fn.__name__
-        params = fn.params
+        params = getattr(fn, "params", None)
+        if params is None:  # Triton's interpreter (TRITON_INTERPRET=1, CPU tests): read the function itself
+            params = triton.runtime.jit.JITFunction(fn.fn).params
         runtime = [p.name for p in params if not p.is_constexpr]
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         if [p.name for p in params[:len(runtime)]] != runtime:

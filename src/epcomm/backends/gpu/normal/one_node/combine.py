@@ -10,17 +10,19 @@ from ... import sync
 from ...copy import copy_rows, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers,
-                     signal_peers)
-
+from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
+                     post_fingerprint_to_peers, signal_peers)
+from .schedule import advance_round, item_block, source_blocks, trace_item
 
 
 # ====================================================================== combine: push
 # ep_combine_push: every received row back to its home, into slot (token, this rank); grid = num_sms.
 #
 #   epoch = EPOCH_NORMAL + 1;  program 0: post the call's fingerprint and board word on every peer
-#   for each row r with token = src_idx[r] in [token_lo, token_hi):
-#       home = src_rank[r]
+#   the rows are the dispatch's, grouped by home in rank order (rank_prefix_matrix's column); they
+#   are taken in blocks of one home, every home at once (schedule.py):
+#   for each block (home, rows [first, end)) of this program, each row r with token = src_idx[r]
+#   in [token_lo, token_hi):
 #       home.half(epoch % 2).slots_x[token - token_lo, rank] <- x[r]     (NVLink stores)
 #           EXPERT_MAJOR: x[r] = Σ_k weight · y[dest[r, k]] first (float32, the fold)
 #       home.half.slots_w[token - token_lo, rank] <- topk_weights[r]    (HAS_WEIGHTS)
@@ -32,7 +34,8 @@ def ep_combine_push(
         # the call's tensors
         x_ptr: "*i8",  # [N, x_bytes] bytes of the bf16 expert outputs (dispatch's row order; expert-major: [M])
         weights_ptr: "*fp32",  # [N, K] float32 (HAS_WEIGHTS); expert-major: [M] float32 each row's weight
-        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: home rank and token of each row (-1 = padding)
+        prefix_ptr: "*i32",  # [R, R] int32 the dispatch's rank_prefix_matrix: where each home's rows start
+        src_idx_ptr: "*i32",  # [N] int32: token of each row at its home (-1 = padding)
         dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): expert-major row of entry (r, k), -1 = none
         # sizes: this round's tokens [token_lo, token_hi) of the homes
         num_rows: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_topk: "i32",
@@ -43,9 +46,11 @@ def ep_combine_push(
         fp_offset: "i64", fp0: "i64", fp1: "i64",
         board_bases_ptr: "*i64",  # [R] int64: each rank's call board
         call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        trace_ptr: "*i64",  # TRACE: the schedule's trace buffer (schedule.py)
         # meta-parameters
         HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
-        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
+        TRACE: tl.constexpr):
     # EXPERT_MAJOR: the fold is expert_major.py's. ALIGNED: x and its rows are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -56,15 +61,23 @@ def ep_combine_push(
         post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank, num_ranks,
                                   state_ptr, fp0, fp1, epoch, HAS_MASK=False, R_P2=R_P2)
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
-    # -- each program takes blocks of rows and stores them into their homes' slots
-    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
-        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_out = rows < num_rows
-        home = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
+    # -- each program takes its blocks: one home's rows each, every home at once (schedule.py)
+    starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
+    round_idx = 0
+    round_start = 0
+    round_size = tl.sum((blocks > 0).to(tl.int32), axis=0)
+    for item in range(pid, tl.sum(blocks, axis=0), num_programs):
+        if TRACE:
+            started = now_ns()
+        round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
+        home, first, end, _ = item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks, BLOCK_R,
+                                         R_P2, EVERY_PEER)
+        rows = first + tl.arange(0, BLOCK_R)
+        in_out = rows < end
         token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
         move = in_out & (token >= token_lo) & (token < token_hi)
         slot = (token - token_lo).to(tl.int64) * num_ranks + rank
-        base = tl.load(normal_bases_ptr + home, mask=move, other=0) + half_offset
+        base = tl.load(normal_bases_ptr + home) + half_offset
         if EXPERT_MAJOR:
             fold_expert_major_rows(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True), weights_ptr, dest_ptr,
                                rows.to(tl.int64), move, ptr_at(base + slots_x_offset, tl.bfloat16, ALIGNED) +
@@ -79,6 +92,8 @@ def ep_combine_push(
             w = tl.load(weights_ptr + rows.to(tl.int64)[:, None] * num_topk + k[None, :], mask=m)
             dw = (base + slots_w_offset).to(tl.pointer_type(tl.float32)) + slot * num_topk
             tl.store(dw[:, None] + k[None, :], w, mask=m)
+        if TRACE:
+            trace_item(trace_ptr, home, end - first, started)
     # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)

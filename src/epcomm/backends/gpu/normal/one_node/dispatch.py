@@ -10,8 +10,9 @@ import triton.language as tl
 from ... import agreement, sync
 from ...copy import copy_rows, copy_rows_to_each, multiple, word_ptr
 from ...launch import KernelSpec
-from ...sync import (acquire_and_agree, arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers,
-                     signal_peers)
+from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
+                     post_fingerprint_to_peers, signal_peers)
+from .schedule import advance_round, item_block, source_blocks, trace_item
 
 POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
 POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
@@ -195,19 +196,20 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #   epoch = EPOCH_NORMAL (the stage's);  ACQUIRE every source's flag == epoch (a timeout, or a source
 #           the call board shows in another call, goes to the mailbox), then compare the sources'
 #           fingerprints with this call's: any difference (an abort too) -> num_rows = 0, the host raises
-#   for each received row r (rows grouped by source in rank order, source token order within):
-#       INDEX:  src = the source whose rank_prefix_matrix column holds r; token = src.lists[rank][r - start]
-#               -> src_rank[r], src_idx[r]                 (a cached dispatch reads them back instead)
+#   received rows are grouped by source in rank order (rank_prefix_matrix's column), source token
+#   order within; they are taken in blocks of one source, every source at once (schedule.py):
+#   for each block (src, rows [first, end)) of this program:
+#       INDEX:  token = src.lists[rank][r - start of src]  -> src_rank[r], src_idx[r]
+#               (a cached dispatch reads src_idx back instead)
 #       if token in [token_lo, token_hi):                 (this round's part of the source's batch)
 #           recv_x[r], recv_scales[r] <- src.half.x[token], src.half.scales[token]
 #           recv_topk[r] <- local expert id or -1 (weight 0 for other ranks' experts)
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
-#   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
+#   rows past the received total (num_worst_tokens padding): src_rank, src_idx -1, top-k -1
 @triton.jit
 def ep_dispatch_pull(
         # the call's tensors: the notify's results in, the received rows out
-        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix (INDEX)
-        recv_info_ptr: "*i32",  # [2] int32 (device): rows received (INDEX)
+        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
         src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
         recv_x_ptr: "*i8",  # [N, x_bytes] bytes
         recv_scales_ptr: "*fp32",  # [N, S] float32
@@ -227,10 +229,12 @@ def ep_dispatch_pull(
         fp_offset: "i64", fp0: "i64", fp1: "i64",
         board_bases_ptr: "*i64",  # [R] int64: each rank's call board
         call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
+        trace_ptr: "*i64",  # TRACE: the schedule's trace buffer (schedule.py)
         # meta-parameters
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
+        TRACE: tl.constexpr):
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
@@ -242,30 +246,29 @@ def ep_dispatch_pull(
     num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
                                   fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
                                   R_P2)  # ACQUIRE: staged rows and lists
-    num_recv = num_rows
-    if INDEX:
-        num_recv = tl.load(recv_info_ptr)
-    # -- each program takes blocks of received rows: find each row's source, then pull it
-    for block in range(pid, tl.cdiv(num_rows, BLOCK_R), num_programs):
-        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_out = rows < num_rows
+    # -- each program takes its blocks: one source's rows each, every source at once (schedule.py)
+    starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
+    num_items = tl.where(num_rows > 0, tl.sum(blocks, axis=0), 0)  # (0: the agreement failed)
+    round_idx = 0
+    round_start = 0
+    round_size = tl.sum((blocks > 0).to(tl.int32), axis=0)
+    for item in range(pid, num_items, num_programs):
+        if TRACE:
+            started = now_ns()
+        round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
+        src, first, end, src_start = item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks,
+                                                BLOCK_R, R_P2, EVERY_PEER)
+        rows = first + tl.arange(0, BLOCK_R)
+        in_out = rows < end
+        staged = tl.load(normal_bases_ptr + src) + half_offset
         if INDEX:
-            live = rows < num_recv
-            src = tl.zeros([BLOCK_R], tl.int32)
-            for i in range(0, num_ranks):
-                src += (tl.load(prefix_ptr + i * num_ranks + rank) <= rows).to(tl.int32)
-            src = tl.minimum(src, num_ranks - 1)
-            start = tl.load(prefix_ptr + (src - 1) * num_ranks + rank, mask=live & (src > 0), other=0)
-            lists = tl.load(normal_bases_ptr + src, mask=live, other=0) + half_offset + lists_offset
-            entry = lists + ((rank * list_cap).to(tl.int64) + rows - start) * 4
-            token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=live, other=-1)
-            tl.store(src_rank_ptr + rows, tl.where(live, src, -1), mask=in_out)
+            entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
+            token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
+            tl.store(src_rank_ptr + rows, tl.zeros([BLOCK_R], tl.int32) + src, mask=in_out)
             tl.store(src_idx_ptr + rows, token, mask=in_out)
         else:
-            src = tl.load(src_rank_ptr + rows, mask=in_out, other=0)
             token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
         move = in_out & (token >= token_lo) & (token < token_hi)
-        staged = tl.load(normal_bases_ptr + src, mask=move, other=0) + half_offset
         srow = (token - token_lo).to(tl.int64)
         rows64 = rows.to(tl.int64)
         sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
@@ -293,9 +296,25 @@ def ep_dispatch_pull(
                 local = ids - expert_lo
                 mine = (ids >= 0) & (local >= 0) & (local < num_local)
                 out = rows64[:, None] * num_topk + k[None, :]
-                write = (move[:, None] | (in_out & (token < 0))[:, None]) & (k < num_topk)[None, :]
-                tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=write)
-                tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=write)
+                tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=m)
+                tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=m)
+        if TRACE:
+            trace_item(trace_ptr, src, end - first, started)
+    # -- rows past the received total: num_worst_tokens padding (a full dispatch marks them)
+    if INDEX:
+        num_recv = tl.max(ends, axis=0)
+        for block in range(pid, tl.cdiv(num_rows - num_recv, BLOCK_R), num_programs):
+            rows = num_recv + block * BLOCK_R + tl.arange(0, BLOCK_R)
+            pad = rows < num_rows
+            tl.store(src_rank_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=pad)
+            tl.store(src_idx_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=pad)
+            if HAS_TOPK:
+                if not EXPERT_MAJOR:
+                    k = tl.arange(0, K_P2)
+                    out = rows.to(tl.int64)[:, None] * num_topk + k[None, :]
+                    m = pad[:, None] & (k < num_topk)[None, :]
+                    tl.store(recv_topk_ptr + out, tl.full([BLOCK_R, K_P2], -1, tl.int64), mask=m)
+                    tl.store(recv_weights_ptr + out, tl.zeros([BLOCK_R, K_P2], tl.float32), mask=m)
     if EXPERT_MAJOR:
         if zero_padding != 0:
             _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
@@ -320,7 +339,7 @@ def _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_sca
                            other=0)
         local = ids - expert_lo
         mine = entries & (ids >= 0) & (local >= 0) & (local < num_local)
-        dest = tl.load(table_ptr + src[:, None] * num_local + local, mask=mine, other=0) + position
+        dest = tl.load(table_ptr + src * num_local + local, mask=mine, other=0) + position
         mine = mine & (dest >= 0) & (dest < num_em_rows)  # (the counts behind the table were checked on device)
         tl.store(dest_ptr + rows64[:, None] * num_topk + k[None, :], tl.where(mine, dest, -1), mask=entries)
         tl.store(row_experts_ptr + dest, local.to(tl.int64), mask=mine)

@@ -102,6 +102,19 @@ class NormalMode:
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
+        # Diagnostics for measurements (scripts/trace_schedule.py, scripts/kernels_alone.py), set
+        # before a call (the plans of a shape are made with them): the rank-order walk instead of
+        # every peer at once (schedule.py), and an int64 trace buffer the pull and push record into.
+        self.every_peer = True
+        self.trace: Optional[torch.Tensor] = None
+
+    def _diagnostics(self) -> tuple:
+        """The diagnostics a plan is made with (part of its key)."""
+        return self.every_peer, self.trace is not None
+
+    def _trace_address(self) -> int:
+        """The trace buffer's address for the pull and push (any valid address when not tracing)."""
+        return self.bases if self.trace is None else self.trace.data_ptr()
 
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -124,6 +137,7 @@ class NormalMode:
             block_w = min(block_w, EXPERT_MAJOR_BLOCK_W)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
+        schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
         words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
@@ -135,9 +149,9 @@ class NormalMode:
                             Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
                                             LIST_BLOCK=1024, L_P2=1, **meta, **positions),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
-                                      **meta),
+                                      **meta, **schedule),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
-                                      EXPERT_MAJOR=expert_major, **meta),
+                                      EXPERT_MAJOR=expert_major, **meta, **schedule),
                             agreement.pack(call=agreement.CALL_DISPATCH, **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
@@ -150,9 +164,9 @@ class NormalMode:
             handle.expert_major.dest.shape[1]
         key = (hidden * x.element_size(), hidden // 128 if args.x.__class__ is tuple else 0, num_topk,
                expert_major_topk)
-        plan = self._dispatch_plans.get(key)
+        plan = self._dispatch_plans.get(key + self._diagnostics())
         if plan is None:
-            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
+            plan = self._dispatch_plans[key + self._diagnostics()] = self._dispatch_plan(*key)
         return plan
 
     def check_dispatch(self, args: DispatchArgs) -> None:
@@ -243,8 +257,7 @@ class NormalMode:
             recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
         else:
             recv_topk = recv_weights = recv_x
-        prefix_address, recv_info_address, src_rank_address, src_idx_address, table_address, dest_address, _ = \
-            state.addresses
+        prefix_address, _, src_rank_address, src_idx_address, table_address, dest_address, _ = state.addresses
         recv_x_address = recv_x.data_ptr()
         outputs = (recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
                    recv_topk.data_ptr() if num_topk else recv_x_address,
@@ -261,14 +274,15 @@ class NormalMode:
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream,
-                prefix_address, recv_info_address, src_rank_address, src_idx_address, *outputs,  # tensors
+                prefix_address, src_rank_address, src_idx_address, *outputs,  # tensors
                 table_address, dest_address,
                 num_rows, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,  # sizes
                 rank * num_local, num_local_rows, out_rows, int(round_idx == 0),
                 rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
                 ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
                 b.mailbox.address, b.timeout_ns,  # host
-                self.fingerprints, fp0, fp1, board, tag)  # identity
+                self.fingerprints, fp0, fp1, board, tag,  # identity
+                self._trace_address())
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
@@ -324,7 +338,8 @@ class NormalMode:
         rows_aligned = hidden % 8 == 0  # 16-byte accesses (copy.py) where x / the biases are aligned too
         push = Specialisations(PUSH, ["ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
                                BLOCK_W=block_w, K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
-                               EXPERT_MAJOR=expert_major_topk > 0)
+                               EXPERT_MAJOR=expert_major_topk > 0, EVERY_PEER=self.every_peer,
+                               TRACE=self.trace is not None)
         reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
                                  HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
         return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
@@ -337,9 +352,9 @@ class NormalMode:
         mapping = handle.expert_major
         key = (x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
                0 if mapping is None else mapping.dest.shape[1])
-        plan = self._combine_plans.get(key)
+        plan = self._combine_plans.get(key + self._diagnostics())
         if plan is None:
-            plan = self._combine_plans[key] = self._combine_plan(*key)
+            plan = self._combine_plans[key + self._diagnostics()] = self._combine_plan(*key)
         return plan
 
     def check_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -367,7 +382,7 @@ class NormalMode:
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
         stream = current_stream(self.dev_index)
         # addresses, not tensors (PullState.addresses says why)
-        _, _, src_rank_address, src_idx_address, _, dest_address, in_rank_address = state.addresses
+        prefix_address, _, _, src_idx_address, _, dest_address, in_rank_address = state.addresses
         dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
         if mapping is not None:
@@ -386,11 +401,12 @@ class NormalMode:
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             push.launch(push_programs, 1, stream,
-                        x_address, w_in, src_rank_address, src_idx_address, dest,  # tensors
+                        x_address, w_in, prefix_address, src_idx_address, dest,  # tensors
                         num_rows, lo, hi, hidden // 4, num_topk if mapping is None else mapping.dest.shape[1],  # sizes
                         rank, R, self.bases, self.bases, self.state,  # workspace
                         half_bytes, plan.slots_x, plan.slots_w,
-                        self.fingerprints, fp0, fp1, board, tag)  # identity
+                        self.fingerprints, fp0, fp1, board, tag,  # identity
+                        self._trace_address())
             if combined is None:  # after the first push is launched: the GPU pushes while the host allocates
                 combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
                 combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None

@@ -1,0 +1,71 @@
+"""Each one-node normal-mode kernel alone at HBM speed: one rank (every row is local, so no link
+sets the pace), T tokens of H, ``Config(num_sms)`` programs; each kernel's mean device time under
+torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispatch, combine).
+
+    PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
+
+A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
+stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
+twice in one device call with PYTHONPATH on the two trees. Prints ``label phase kernel µs`` lines.
+"""
+import argparse
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--sms", type=int, default=24)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--label", default="this tree")
+    args = parser.parse_args()
+    import epcomm
+    from torch.profiler import ProfilerActivity, profile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dev = torch.device("cuda", 0)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
+    topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices
+    weights = torch.rand(args.tokens, 8, device=dev, generator=g)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 256)
+    config = epcomm.Config(args.sms, 8, 256)
+
+    def full():
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, config=config)
+
+    recv = full()
+    assert torch.equal(recv[0], x), "one rank: the received rows are the tokens themselves"
+    phases = {"full dispatch": full, "cached dispatch": lambda: buffer.dispatch(x, handle=recv[4], config=config),
+              "combine": lambda: buffer.combine(recv[0], recv[4], config=config)}
+    for phase, call in phases.items():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                call()
+            torch.cuda.synchronize()
+        for event in prof.key_averages():
+            device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
+            if event.key.startswith("ep_") and event.count:
+                print(f"{args.label} | {phase} | {event.key} | {device_us / event.count:.1f} us | "
+                      f"{event.count} launches", flush=True)
+    buffer.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
