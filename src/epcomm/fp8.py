@@ -87,3 +87,90 @@ def fp8_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     num_tokens, hidden = x.shape
     per_element_scale = scales.float().repeat_interleave(GROUP, dim=-1)
     return x.float().abs() / 16 + per_element_scale / 512
+
+
+# ---------------------------------------------------------------------- normal dispatch's FP8 payload
+SCALE_DTYPES = (torch.float32, torch.int32)
+
+
+class DispatchPayload:
+    """A normal dispatch's ``x`` as every backend carries it, and the way back to the caller's format.
+
+    DeepEP treats an FP8 input's scales as an opaque per-token payload of 4-byte words: float32 or
+    int32, any width ``S`` and any strides (row-major, column-major, the TMA-aligned column-major
+    ``(1, round_up(T, 4))`` of DeepGEMM, UE8M0 packed 4 per int32), and returns the received scales
+    in the same dtype and width, row-major ``[num_recv_rows, S]``. The backends move scales as
+    float32 words ``[T, H/128]``, which they only copy; this class puts any format into that slot
+    (bits kept: int32 words are viewed as float32, never converted) and :meth:`restore` takes it
+    out again:
+
+    - ``S == H/128``: the caller's scales themselves (an int32 view as float32; strides kept);
+    - ``S < H/128``: the words, zero-padded to ``H/128`` (one small copy);
+    - ``S > H/128``: the values get ``128 * j`` extra bytes per row, which carry the words the
+      slot has no room for (a copy of the values: the one costly case; no engine sends it).
+
+    Attributes: ``num_tokens``, ``hidden`` (the caller's ``T``, ``H``), ``is_fp8``, ``x`` (what
+    the backend gets: the bf16 tensor, or the wire pair), ``tensors`` (the caller's and the wire's
+    tensors, for the stream bookkeeping of an asynchronous call).
+    """
+
+    __slots__ = ("num_tokens", "hidden", "is_fp8", "x", "tensors", "_dtype", "_width")
+
+    def __init__(self, name: str, x, device: torch.device):
+        from .checks import check_tensor  # (checks imports nothing of fp8; kept local all the same)
+        from .errors import EPInputError
+        if not isinstance(x, (tuple, list)):
+            check_tensor(name, x, dtype=torch.bfloat16, ndim=2, device=device)
+            self.num_tokens, self.hidden, self.is_fp8, self.x, self.tensors = x.shape[0], x.shape[1], False, x, (x,)
+            return
+        if len(x) != 2:
+            raise EPInputError(name, f"an FP8 input must be a (values, scales) pair, got {len(x)} items")
+        values, scales = x
+        check_tensor(f"{name}[0]", values, dtype=FP8_DTYPE, ndim=2, device=device)
+        num_tokens, hidden = values.shape
+        if hidden % GROUP:
+            raise EPInputError(f"{name}[0]", f"hidden size {hidden} must be a multiple of {GROUP} for FP8")
+        check_tensor(f"{name}[1]", scales, dtypes=SCALE_DTYPES, shape=(num_tokens, None), device=device,
+                     contiguous=False)
+        if scales.shape[1] < 1:
+            raise EPInputError(f"{name}[1]", "must have at least one scale word per token")
+        self.num_tokens, self.hidden, self.is_fp8 = num_tokens, hidden, True
+        self._dtype, self._width = scales.dtype, scales.shape[1]
+        slot = hidden // GROUP
+        if self._width == slot:
+            wire = (values, scales if scales.dtype == torch.float32 else scales.view(torch.float32))
+        else:
+            extra = 0 if self._width < slot else -(-4 * (self._width - slot) // (GROUP + 4)) * GROUP
+            slot += extra // GROUP
+            words = torch.zeros(num_tokens, slot, dtype=torch.int32, device=scales.device)
+            in_slot = min(slot, self._width)
+            words[:, :in_slot] = scales[:, :in_slot].view(torch.int32)
+            if extra:
+                wide = torch.zeros(num_tokens, hidden + extra, dtype=torch.uint8, device=values.device)
+                wide[:, :hidden] = values.view(torch.uint8)
+                if in_slot < self._width:
+                    rest = scales[:, in_slot:].view(torch.int32).contiguous().view(torch.uint8)
+                    wide[:, hidden:hidden + rest.shape[1]] = rest
+                values = wide.view(FP8_DTYPE)
+            wire = (values, words.view(torch.float32))
+        self.x = wire
+        self.tensors = (x[0], x[1]) + wire
+
+    def restore(self, recv_x):
+        """The backend's received payload in the caller's format: bf16 as it is; FP8 values
+        ``[N, H]`` and scales ``[N, S]`` of the caller's dtype, row-major (DeepEP's layout)."""
+        if not self.is_fp8:
+            return recv_x
+        values, words = recv_x
+        slot = words.shape[1]
+        if values.shape[1] == self.hidden and slot == self._width:
+            return values, words if self._dtype == torch.float32 else words.view(self._dtype)
+        in_slot = min(slot, self._width)
+        scales = torch.empty(values.shape[0], self._width, dtype=torch.int32, device=words.device)
+        scales[:, :in_slot] = words[:, :in_slot].view(torch.int32)
+        if in_slot < self._width:
+            rest = values[:, self.hidden:].view(torch.uint8)[:, :4 * (self._width - in_slot)]
+            scales[:, in_slot:] = rest.contiguous().view(torch.int32)
+        if values.shape[1] != self.hidden:
+            values = values[:, :self.hidden].contiguous()
+        return values, scales.view(self._dtype)
