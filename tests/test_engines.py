@@ -17,6 +17,29 @@ def test_deep_ep_dropin(pools):
     assert pools.get(2).run(engine_cases.deep_ep_dropin) == [True, True]
 
 
+DEEP_EP_V1_CONSTRUCTOR = (("group", None), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
+                          ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                          ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False))
+
+
+def test_deep_ep_buffer_shows_deep_ep_v1_signature_and_lists_its_arguments():
+    """inspect.signature / help(deep_ep.Buffer): DeepEP V1's ten constructor arguments with its
+    defaults, in order, positional-or-keyword; epcomm's own only after them, keyword-only; the
+    docstring names every one."""
+    import inspect
+    import pydoc
+    import epcomm.compat.deep_ep as deep_ep
+    parameters = list(inspect.signature(deep_ep.Buffer).parameters.values())
+    assert [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in parameters[:10]] == \
+        list(DEEP_EP_V1_CONSTRUCTOR)
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters[:10])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[10:])
+    text = pydoc.render_doc(deep_ep.Buffer)
+    assert "Same arguments" not in text
+    for name, _ in DEEP_EP_V1_CONSTRUCTOR:
+        assert f"{name}:" in deep_ep.Buffer.__doc__, name
+
+
 def test_backend_argument_and_override(pools):
     assert pools.get(2).run(engine_cases.backend_argument) == [True, True]
 
