@@ -82,39 +82,55 @@ def trace_calls(num_tokens: int = 1024, hidden: int = 7168, num_experts: int = 2
     return result
 
 
+def _shares(load: List[float]) -> List[float]:
+    total = sum(load)
+    return [v / total for v in load] if total else []
+
+
 def schedule_table(per_rank: List[Dict[str, Dict[str, List[List[int]]]]], quarters: int = 4):
-    """``(lines, largest)``: lines of a table — per order and kernel, for each quarter of the
-    kernel's span (first item start to last item end, over all ranks), the share of the items'
-    time spent on each peer GPU (all ranks together), and the peer each rank's program 0 started
-    on — and ``largest[(order, kernel)]``: per quarter the largest share times R (1 = even)."""
+    """``(lines, largest)``. Per order and kernel, two views of the peers' shares of the work:
+
+    - by progress: each rank's items in the order they started, cut into quarters; a quarter's
+      share of peer p is the rows of p's items in that quarter of every rank. This is the schedule
+      itself, whatever the ranks' timing; ``largest[(order, kernel)]`` holds, per quarter, its
+      largest share times R (1 = even);
+    - by time: quarters of the kernel's span over all ranks (first start to last end), each peer's
+      share of the item-time in flight then (ranks sharing one GPU start their kernels at different
+      moments: a quarter in which no rank worked shows "-").
+
+    Also the peer each rank's program 0 started on."""
     R = len(per_rank)
     largest = {}
-    lines = [f"R={R} schedule: share of item-time per peer GPU, by quarter of the kernel's span (even = {1 / R:.2f})"]
+    lines = [f"R={R} schedule: each peer GPU's share of the work, by quarter (even = {1 / R:.2f} each)"]
     for order in per_rank[0]:
         for kernel in per_rank[0][order]:
-            items = [(rank, *rec) for rank, result in enumerate(per_rank) for rec in result[order][kernel]]
-            if not items:
-                continue
-            t0 = min(it[4] for it in items)
-            t1 = max(it[5] for it in items)
+            progress = [[0.0] * R for _ in range(quarters)]
+            for result in per_rank:
+                recs = sorted(result[order][kernel], key=lambda rec: rec[3])
+                for i, (_, peer, rows, _, _) in enumerate(recs):
+                    progress[i * quarters // len(recs)][peer] += rows
+            by_progress = [_shares(load) for load in progress]
+            largest[(order, kernel)] = [max(shares) * R if shares else 0.0 for shares in by_progress]
+            items = [rec for result in per_rank for rec in result[order][kernel]]
+            t0, t1 = min(rec[3] for rec in items), max(rec[4] for rec in items)
             span = max(t1 - t0, 1)
-            worst = []
-            cells = []
+            by_time = []
             for q in range(quarters):
                 lo, hi = t0 + span * q / quarters, t0 + span * (q + 1) / quarters
                 load = [0.0] * R
-                for _, _, peer, _, start, end in items:
+                for _, peer, _, start, end in items:
                     load[peer] += max(0.0, min(end, hi) - max(start, lo))
-                total = sum(load) or 1.0
-                shares = [v / total for v in load]
-                worst.append(max(shares) * R)
-                cells.append("/".join(f"{s:.2f}" for s in shares))
-            largest[(order, kernel)] = worst
+                by_time.append(_shares(load))
             first = []
-            for rank, result in enumerate(per_rank):
+            for result in per_rank:
                 recs = sorted((rec for rec in result[order][kernel] if rec[0] == 0), key=lambda rec: rec[3])
                 first.append(str(recs[0][1]) if recs else "-")
-            lines.append(f"R={R} {order:10s} {kernel}: span {span / 1e3:8.1f} us, largest share x R per quarter "
-                         f"{' '.join(f'{w:.2f}' for w in worst)}; first peer by rank {','.join(first)}")
-            lines.append(f"R={R}   shares per quarter (peer 0/1/...): {' | '.join(cells)}")
+
+            def cells(rows):
+                return " | ".join("/".join(f"{v:.2f}" for v in shares) if shares else "-" for shares in rows)
+            lines.append(f"R={R} {order:10s} {kernel}: largest share x R by progress quarter "
+                         f"{' '.join(f'{w:.2f}' for w in largest[(order, kernel)])}; program 0 of each rank "
+                         f"started on peer {','.join(first)}; span {span / 1e3:.1f} us")
+            lines.append(f"R={R}   by progress (peer 0/1/...): {cells(by_progress)}")
+            lines.append(f"R={R}   by time:                  {cells(by_time)}")
     return lines, largest

@@ -11,8 +11,11 @@ scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GP
 shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
 
 ``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
-shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), with
-fewer programs per rank (:func:`bed_num_sms`: more stalled it at 4 and 8 ranks, finding 14).
+shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py).
+
+The ranks share the GPU's SMs; the Buffer caps every grid so that all ranks' programs fit with room
+for a late sender (gpu/shared_grids.py; finding 14), whatever Config the tests pass, so the bed sets
+no SM count of its own (``EPCOMM_SHARED_GPU_NUM_SMS`` still sets one, for experiments).
 """
 import os
 
@@ -34,23 +37,6 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs CUDA MPS running and EPCOMM_SHARED_GPU=1 (GPU_CHECK=shared-gpu-*)")]
 
 
-def bed_num_sms(device_sms: int, ranks: int, backend: str) -> int:
-    """Normal mode's programs per rank here (``Config.num_sms``): every rank's waiting programs
-    together must leave SMs to a rank whose sender kernel starts late. The ranks share one GPU's
-    SMs (on real machines each rank has its own), and a wait that ends only at the timeout returns
-    an unfinished call (docs/MULTINODE.md, finding 14).
-
-    - nvshmem: about SMs / (2 ranks). At 16x2, DeepEP's 24 hung (EPTimeoutError), 8 passed once
-      and hung once, 4 passed (H100, 2026-11-24).
-    - nvlink: its 16-warp kernels hold a whole SM each (512 threads at 128 registers for the pull
-      and the push, 74 for the reduce: sm_90 cubins, cuobjdump), and its combine reduce runs
-      4 x num_sms programs, each waiting for every rank's push. So ranks x 4 x num_sms stays below
-      the SMs: 4 at 8 ranks on an H100 (at most 7 x 16 = 112 programs wait; 24 and 8 stalled)."""
-    if backend == "nvlink":
-        return max(2, device_sms // (4 * ranks) // 2 * 2)
-    return max(2, min(24, device_sms // (2 * ranks) // 2 * 2))
-
-
 class SharedPool:
     """A WorkerPool of ``ranks`` processes on GPU 0, started again when a failed test closed it
     (so one failure costs one test, not the shape's others)."""
@@ -60,16 +46,15 @@ class SharedPool:
             pytest.skip(f"the nvlink backend runs one node: {ranks}x{per_node} is {ranks // per_node} nodes")
         self.world_size, self.per_node = ranks, per_node
         self._pool = None
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-        self.num_sms = int(os.environ.get("EPCOMM_SHARED_GPU_NUM_SMS") or bed_num_sms(sms, ranks, BACKEND))
+        # the SMs the tests' Configs ask for: DeepEP's 24 (the Buffer caps it to what fits), or an experiment's
+        self.set_num_sms = int(os.environ.get("EPCOMM_SHARED_GPU_NUM_SMS") or 0)
+        self.num_sms = self.set_num_sms or 24
 
     def run(self, fn, *args, timeout_s=None, **kwargs):
         if self._pool is None or self._pool.closed:
             env = {"EPCOMM_RANKS_PER_NODE": str(self.per_node),
                    # each rank's symmetric heap: the largest workspace here (1024 tokens of 7168) fits
-                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
-                   # the ranks' spinning low-latency receivers together leave SMs to the senders
-                   "EPCOMM_LL_RECEIVE_PROGRAMS": str(max(2, 96 // self.world_size))}
+                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"}
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)  # the workers inherit it at spawn
             try:
@@ -77,7 +62,8 @@ class SharedPool:
             finally:
                 for name, value in saved.items():
                     os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
-            self._pool.run(epcomm.Buffer.set_num_sms, self.num_sms)  # the default configs' SMs
+            if self.set_num_sms:  # (otherwise the defaults', capped by the Buffer as any Config)
+                self._pool.run(epcomm.Buffer.set_num_sms, self.set_num_sms)
             if BACKEND != "nvshmem":  # (the automatic choice here is nvshmem: ranks share a GPU)
                 self._pool.run(ep_cases.choose_when_automatic, BACKEND)
         timeout_s = timeout_s or float(os.environ.get("EPCOMM_SHARED_GPU_CALL_S", "240"))
@@ -141,7 +127,7 @@ def test_internode_deepep_usage(shared_pool):
     the best 2 node groups, Config(num_sms, 8, 512, 16, 128), BF16 + FP8, async_finish and
     previous_event, num_worst_tokens, cached dispatch, combine (testing/internode.py)."""
     from epcomm.testing.internode import internode_against_reference
-    config = (shared_pool.num_sms, 8, 512, 16, 128)  # DeepEP's, with the bed's SMs per rank
+    config = (shared_pool.num_sms, 8, 512, 16, 128)  # DeepEP's (24 SMs: the Buffer caps them here)
     results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2, config)
     assert results == [{"backend": BACKEND, "checked": 10}] * shared_pool.world_size, results
 
@@ -211,10 +197,10 @@ def test_round_trips_end_without_a_backoff(shared_pool):
 
 
 # ------------------------------------------------------------------ failures (last: they can leave ranks out of step)
-def test_one_node_pull_and_push_serve_every_peer_at_once(shared_pool):
+def test_one_node_schedule_serves_every_peer_at_once(shared_pool):
     """The nvlink backend's pull and push (schedule.py), traced: in rank order every rank's program 0
-    starts on peer 0 and the peers' shares of the work in flight are uneven; every peer at once
-    starts rank r on peer r + 1 and keeps the shares near 1/R over the whole call."""
+    starts on peer 0 and each quarter of a rank's work goes to one or two peers; every peer at once
+    starts rank r on peer r + 1 and keeps every peer's share near 1/R over the whole call."""
     if BACKEND != "nvlink":
         pytest.skip("the one-node kernels run on the nvlink backend (nvshmem runs the two-level ones)")
     import schedule_trace_cases
@@ -229,7 +215,7 @@ def test_one_node_pull_and_push_serve_every_peer_at_once(shared_pool):
         assert all(min((rec for rec in result["rank order"][kernel] if rec[0] == 0), key=lambda rec: rec[3])[1] == 0
                    for result in per_rank)
         rank_order, every_peer = largest[("rank order", kernel)], largest[("every peer", kernel)]
-        assert sum(every_peer) < sum(rank_order), (kernel, every_peer, rank_order)
+        assert max(every_peer) < 1.5 and sum(every_peer) < sum(rank_order), (kernel, every_peer, rank_order)
 
 
 def test_out_of_range_expert_ids_raise(shared_pool):
