@@ -44,20 +44,37 @@ def test_nvlink_takes_nvshmem_memory_where_ranks_share_a_gpu():
         workspace_memory([("a", "GPU-0"), ("b", "GPU-0")])
 
 
-def test_the_beds_programs_per_rank_leave_a_late_sender_an_sm():
+def test_ranks_sharing_a_gpu_get_grids_that_leave_a_late_sender_an_sm():
     """Ranks sharing one GPU: every rank's waiting programs together stay below the SMs, so a rank
     whose sender kernel starts late still gets one (finding 14: at 24 and at 8 programs per rank
-    the nvlink backend's waits ran into the timeout at 8 x 8 and 4 x 4)."""
-    from test_shared_gpu import bed_num_sms
+    the nvlink backend's waits ran into the timeout at 8 x 8 and 4 x 4). The caps are the Buffer's
+    own now (gpu/shared_grids.py), not the bed's; one rank per GPU is not capped."""
+    from epcomm.backends.gpu.shared_grids import GridCaps, grid_caps
     for sms in (132, 78):  # H100 SXM / a smaller part
         for ranks in (2, 4, 8, 16):
-            nvlink = bed_num_sms(sms, ranks, "nvlink")
-            assert nvlink % 2 == 0 and nvlink >= 2
+            nvlink = grid_caps(sms, ranks, "nvlink")
+            assert nvlink.num_sms % 2 == 0 and nvlink.num_sms >= 2
             if 4 * 2 * ranks < sms:  # (the floor of 2 programs cannot shrink further)
-                assert ranks * 4 * nvlink < sms, (sms, ranks, nvlink)  # the combine reduce: 4 x num_sms each
-            nvshmem = bed_num_sms(sms, ranks, "nvshmem")
-            assert 2 <= nvshmem <= 24 and ranks * nvshmem <= max(sms // 2, 2 * ranks)
-    assert bed_num_sms(132, 8, "nvlink") == 4 and bed_num_sms(132, 16, "nvshmem") == 4
+                assert ranks * 4 * nvlink.num_sms < sms, (sms, ranks, nvlink)  # the combine reduce: 4 x num_sms each
+            nvshmem = grid_caps(sms, ranks, "nvshmem")
+            assert 2 <= nvshmem.num_sms <= 24 and ranks * nvshmem.num_sms <= max(sms // 2, 2 * ranks)
+            for caps in (nvlink, nvshmem):  # spinning receivers leave a quarter; senders fit in it
+                assert ranks * caps.ll_receive_programs <= max(3 * sms // 4, 2 * ranks), (sms, ranks, caps)
+                assert 1 <= ranks * caps.ll_send_programs <= max(sms // 4, ranks), (sms, ranks, caps)
+    assert grid_caps(132, 8, "nvlink").num_sms == 4 and grid_caps(132, 16, "nvshmem").num_sms == 4
+    assert grid_caps(132, 8, "nvshmem").ll_receive_programs == 12  # (the bed's EPCOMM_LL_RECEIVE_PROGRAMS was 96 // 8)
+    assert grid_caps(132, 1, "nvlink") == GridCaps() and grid_caps(132, 1, "nvlink", 7) == GridCaps(0, 0, 7)
+    assert grid_caps(132, 8, "nvlink", 5).ll_receive_programs == 5  # a smaller explicit cap wins
+    assert grid_caps(132, 8, "nvlink", 500).ll_receive_programs == 12
+
+
+def test_grids_are_capped_alike_on_every_rank():
+    """The caps come from the whole group's places (the most ranks on any one GPU, the fewest SMs),
+    so every rank caps alike: the two-level kernels need the same channel count everywhere."""
+    from epcomm.backends.gpu.shared_grids import sharing
+    places = [("a", "GPU-0", 132)] * 3 + [("a", "GPU-1", 132), ("b", "GPU-0", 78)]
+    assert sharing(places) == (3, 78)
+    assert sharing([("a", f"GPU-{i}", 132) for i in range(8)]) == (1, 132)
 
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "shared_gpu.sh")
@@ -101,19 +118,29 @@ def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
     assert rc == 2 and "unknown part" in out
 
 
-def test_both_gpu_backends_take_the_low_latency_receive_cap_the_same_way(monkeypatch):
-    """The bed caps each low-latency receive phase with EPCOMM_LL_RECEIVE_PROGRAMS; the nvlink
-    backend ignored it, and at 8 x 8 its 448 waiting receivers held every SM (finding 14). Both
-    backends now read it through GpuBackend.receive_programs; an argument wins over it."""
+def test_both_gpu_backends_cap_their_grids_the_same_way(monkeypatch):
+    """The bed capped each low-latency receive phase with EPCOMM_LL_RECEIVE_PROGRAMS and normal
+    mode's SMs with Buffer.set_num_sms; the nvlink backend ignored the first, and at 8 x 8 its 448
+    waiting receivers held every SM (finding 14). Both backends now cap every grid themselves
+    through GpuBackend.share_gpu (normal mode's SMs through the Buffer's config, low-latency send
+    and receive programs); an explicit receive cap (argument, then the variable) wins where smaller."""
     from epcomm.backends.gpu.wiring import GpuBackend
     monkeypatch.delenv("EPCOMM_LL_RECEIVE_PROGRAMS", raising=False)
     assert GpuBackend.receive_programs() == 0 and GpuBackend.receive_programs(5) == 5
     monkeypatch.setenv("EPCOMM_LL_RECEIVE_PROGRAMS", "12")
     assert GpuBackend.receive_programs() == 12 and GpuBackend.receive_programs(3) == 3
+    backend = object.__new__(GpuBackend)
+    caps = backend.share_gpu([("a", "GPU-0", 132)] * 8, "nvlink", 3)
+    assert backend.max_num_sms == caps.num_sms == 4 and caps.ll_receive_programs == 3 and caps.ll_send_programs == 4
+    monkeypatch.delenv("EPCOMM_LL_RECEIVE_PROGRAMS")
+    caps = backend.share_gpu([("a", f"GPU-{i}", 132) for i in range(8)], "nvshmem")
+    assert backend.max_num_sms == 0 and caps.ll_receive_programs == 0 and caps.ll_send_programs == 0
     root = os.path.join(os.path.dirname(__file__), "..", "src", "epcomm", "backends")
-    for backend in ("nvlink", "nvshmem"):
-        source = open(os.path.join(root, backend, "backend.py")).read()
-        assert "receive_programs=self.receive_programs(ll_receive_programs)" in source, backend
+    for backend_name in ("nvlink", "nvshmem"):
+        source = open(os.path.join(root, backend_name, "backend.py")).read()
+        assert 'self.share_gpu(' in source and f'"{backend_name}", ll_receive_programs)' in source, backend_name
+        assert "receive_programs=caps.ll_receive_programs" in source, backend_name
+        assert "send_programs=caps.ll_send_programs" in source, backend_name
 
 
 def test_programs_per_sm_from_registers_warps_and_shared_memory():

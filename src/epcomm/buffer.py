@@ -6,6 +6,7 @@ a backend (see :mod:`epcomm.backends`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, List, Optional, Tuple
 
@@ -15,11 +16,12 @@ import torch.distributed as dist
 from . import checks, config as config_mod
 from . import expert_major as expert_major_layout
 from .backends import BACKENDS, create_backend, default_backend_name, group_device, ranks_per_host
-from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .backends.base import DispatchArgs
 from .config import Config
 from .errors import EPError, EPInputError
 from .events import EventOverlap, StreamScope, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
+from .low_latency_calls import LowLatencyCalls
 from .rank_mask import RankMasking
 from .types import Payload
 
@@ -27,7 +29,7 @@ DEFAULT_TIMEOUT_S = 100.0
 _INLINE_SCOPE = StreamScope(None, None, False)  # a synchronous call without previous_event (events.py)
 
 
-class Buffer(RankMasking):
+class Buffer(RankMasking, LowLatencyCalls):
     """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``Buffer`` API).
 
     Args:
@@ -44,8 +46,9 @@ class Buffer(RankMasking):
             type of epcomm's symmetric memory itself: accepted, recorded, no effect.
         explicitly_destroy: if True, :meth:`destroy` must be called to free resources.
         enable_shrink: enable the low-latency rank-mask calls (``low_latency_update_mask_buffer``,
-            ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP.
-            A rank that times out in low-latency mode is masked either way.
+            ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``), as in DeepEP: a
+            rank that times out in low-latency mode is masked and the calls go on without it.
+            Without it a late rank is an EPTimeoutError on every rank, never a smaller sum.
         backend: ``"torch_dist"``, ``"nvlink"`` or ``"nvshmem"``; default: chosen from the group
             (``nvlink`` on one node, ``nvshmem`` across hosts or when ``ranks_per_node`` splits
             the group, else ``torch_dist``).
@@ -55,8 +58,9 @@ class Buffer(RankMasking):
             host on the nvshmem backend, one node otherwise. With several nodes,
             :meth:`get_dispatch_layout` returns ``num_tokens_per_rdma_rank`` (tokens per node), as
             DeepEP does across nodes; torch_dist and nvshmem run several nodes, nvlink one.
-        timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` (normal
-            mode) or masks the peer (low-latency mode); ``EPCOMM_TIMEOUT_S`` overrides the default.
+        timeout: seconds a wait for peers may take before it raises :class:`EPTimeoutError` naming
+            them (or, in low-latency mode with ``enable_shrink``, masks them); ``EPCOMM_TIMEOUT_S``
+            overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
             host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
         device: where the Buffer's tensors live. Default: from the group — CUDA (the current
@@ -135,7 +139,8 @@ class Buffer(RankMasking):
         self._check_values = bool(check_values)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
                                        self.low_latency_mode, self.timeout, ranks_per_node,
-                                       allow_nvlink_for_low_latency_mode)
+                                       allow_nvlink_for_low_latency_mode, self.enable_shrink)
+        self._capped_configs = {}  # Config -> the same with num_sms capped (ranks sharing a GPU)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -209,7 +214,7 @@ class Buffer(RankMasking):
         try:
             self._check_alive()
         except EPInputError as err:
-            self._backend.agree(kind, None, err, self._rank_mask if kind.startswith("low_latency") else None)
+            self._backend.agree(kind, None, err, self._shrink_mask(kind))
             raise
         if self._rejected_layout is not None:
             self._stand_in_for_skipped_call(kind)
@@ -228,6 +233,11 @@ class Buffer(RankMasking):
         self._ll_phase = 0
         self._ll_combine_staging = [None, None]
         self._ll_dispatched = [None, None]
+
+    def _shrink_mask(self, kind: str = "low_latency") -> Optional[torch.Tensor]:
+        """The rank mask a ``kind`` call agrees under: low-latency calls with ``enable_shrink`` only
+        (a late rank is masked there); otherwise None (a late rank is an error on every rank)."""
+        return self._rank_mask if self.enable_shrink and kind.startswith("low_latency") else None
 
     def _check_low_latency(self, kind: Optional[str] = None) -> None:
         self._check_alive() if kind is None else self._start_call(kind)
@@ -248,7 +258,7 @@ class Buffer(RankMasking):
         error = EPInputError(rejected.argument, f"get_dispatch_layout rejected it on rank {self.rank} ({reason}), "
                                                 f"which skipped the call that layout was for")
         try:
-            self._backend.stand_in(kind, error, self._rank_mask if kind.startswith("low_latency") else None)
+            self._backend.stand_in(kind, error, self._shrink_mask(kind))
         except EPInputError:
             pass  # this rank's own abort, expected: its peers raised in the call it skipped
         if self._backend.needs_resync:  # GPU backends: the abort left the signals out of step
@@ -312,10 +322,18 @@ class Buffer(RankMasking):
         return StreamScope(self._comm_stream, previous_event, bool(async_finish), inputs)
 
     def _resolve_config(self, config, default: Callable[[int], Config]) -> Config:
+        """``config`` or the default, its ``num_sms`` capped at the backend's ``max_num_sms`` (ranks
+        sharing a GPU: every rank's grids must fit at once, GpuBackend.share_gpu); smaller wins."""
         if config is None:
-            return default(self.group_size)
-        if not isinstance(config, Config):
+            config = default(self.group_size)
+        elif not isinstance(config, Config):
             raise EPInputError("config", f"must be an epcomm.Config, got {type(config).__name__}")
+        cap = self._backend.max_num_sms
+        if cap and config.num_sms > cap:
+            capped = self._capped_configs.get(config)
+            if capped is None:
+                capped = self._capped_configs[config] = dataclasses.replace(config, num_sms=cap)
+            return capped
         return config
 
     # ------------------------------------------------------------------ normal mode
@@ -397,8 +415,7 @@ class Buffer(RankMasking):
             checks.check_int("expert_alignment", expert_alignment, minimum=1)
             checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
             if handle is not None:
-                if not isinstance(handle, DispatchHandle):
-                    raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+                checks.check_dispatch_handle(handle, R)
                 if not (num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
                         and num_tokens_per_expert is None and topk_idx is None and topk_weights is None):
                     for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
@@ -490,8 +507,7 @@ class Buffer(RankMasking):
         """
         self._start_call("combine")
         try:
-            if not isinstance(handle, DispatchHandle):
-                raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+            checks.check_dispatch_handle(handle, self.group_size)
             mapping = handle.expert_major
             num_rows = handle.num_recv_rows if mapping is None else mapping.num_rows
             checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_rows, None), device=self.device)
@@ -525,176 +541,3 @@ class Buffer(RankMasking):
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, scope.event_overlap()
-
-    # ------------------------------------------------------------------ low-latency mode
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset low-latency buffer state (needed after switching from normal mode on shared memory).
-        Collective: every rank calls it (a host barrier)."""
-        if self._rejected_layout is not None:  # the peers may still be in the call this rank skipped
-            self._stand_in_for_skipped_call("clean_low_latency_buffer")
-        self._check_low_latency()
-        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        checks.check_int("hidden", hidden, minimum=1)
-        checks.check_num_experts(num_experts, self.group_size)
-        self._forget_calls_in_flight()
-        self._backend.clean_low_latency()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-
-    def _next_phase(self) -> int:
-        phase = self._ll_phase
-        self._ll_phase ^= 1
-        return phase
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False, use_nvfp4: bool = False,
-                             x_global_scale: Optional[torch.Tensor] = None):
-        """Low-latency dispatch: one message per (token, expert) into fixed per-(expert, source) slots.
-
-        Args:
-            x: bf16 ``[T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` (``M``).
-            topk_idx: ``[T, K]`` int64 global expert ids, ``-1`` = none.
-            cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the counts.
-            dispatch_wait_recv_cost_stats: optional int64 ``[R]``, incremented by wait time (ns).
-            use_fp8: send e4m3 with per-128-channel float32 scales; round_scale: power-of-two scales;
-                use_ue8m0: pack those scales as UE8M0 bytes, 4 per int32 (needs round_scale).
-            return_recv_hook: only send now; ``hook()`` receives.
-            use_nvfp4, x_global_scale: newer DeepEP's NVFP4 dispatch, which epcomm does not have:
-                ``use_nvfp4=True`` (or a global scale) raises EPInputError naming it on every rank.
-
-        Returns:
-            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
-            an FP8 pair whose scales ``[E_local, R*M, H/128]`` (int32 ``H/512`` with UE8M0) are
-            column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
-
-        Warning:
-            The buffer has two halves, used in turn: hold at most two low-latency results at once.
-            A dispatch's ``handle`` and ``recv_count`` (and its received data, until ``hook()``)
-            are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
-        """
-        self._check_low_latency("low_latency_dispatch")
-        try:
-            R = self.group_size
-            if use_nvfp4 or x_global_scale is not None:
-                raise EPInputError("use_nvfp4" if use_nvfp4 else "x_global_scale",
-                                   "NVFP4 dispatch (e2m1 with per-16 E4M3 scales) is not implemented: use use_fp8=True")
-            checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-            checks.check_num_experts(num_experts, R)
-            checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
-            num_tokens, hidden = x.shape
-            if num_tokens > num_max_dispatch_tokens_per_rank:
-                raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                                        f"{num_max_dispatch_tokens_per_rank}")
-            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
-                                  check_values=self._check_values)
-            if use_fp8 and hidden % 128:
-                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
-            if use_ue8m0 and not (use_fp8 and round_scale):
-                raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
-            if use_ue8m0 and hidden % 512:
-                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
-            num_local_experts = num_experts // R
-            if cumulative_local_expert_recv_stats is not None:
-                checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                    dtype=torch.int32, shape=(num_local_experts,), device=self.device)
-            if dispatch_wait_recv_cost_stats is not None:
-                checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                    dtype=torch.int64, shape=(R,), device=self.device)
-            args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                          round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
-                                          dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
-            self._backend.check_low_latency_dispatch(args)
-        except EPInputError as err:
-            self._backend.agree("low_latency_dispatch", None, err, self._rank_mask)  # every rank raises
-            raise
-        if self._backend.agrees:
-            self._backend.agree("low_latency_dispatch", (
-                ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-                ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
-                ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._rank_mask)
-        phase = self._next_phase()
-        with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
-            recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
-            self._ll_dispatched[phase] = (handle, topk_idx)
-            scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
-        return recv_x, recv_count, handle, scope.event_overlap(), hook
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """The bf16 ``[E_local, R*M, H]`` tensor the next ``low_latency_combine(zero_copy=True)`` reads.
-
-        Write expert outputs into it directly to save the copy.
-        """
-        self._check_low_latency()
-        if not isinstance(handle, LowLatencyHandle):
-            raise EPInputError("handle", f"must be a LowLatencyHandle, got {type(handle).__name__}")
-        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
-                 handle.hidden)
-        staging = self._ll_combine_staging[self._ll_phase]
-        if staging is None or tuple(staging.shape) != shape:
-            staging = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
-            self._ll_combine_staging[self._ll_phase] = staging
-        return staging
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        """Low-latency combine: ``combined[t] = Σ_k topk_weights[t, k] · expert_output(t, k)`` in float32.
-
-        The weights are applied here (unlike normal-mode :meth:`combine`, a plain sum); each
-        ``(t, k)`` entry gets its own weight, also when a token lists the same expert twice.
-
-        Args:
-            x: bf16 ``[E_local, R*M, H]`` expert outputs in dispatch's layout.
-            topk_idx, topk_weights: ``[T, K]`` int64 / float32, as given to the dispatch.
-            handle: the dispatch's handle.
-            use_logfmt: accepted for compatibility; the payload stays bf16 (no lossy compression).
-            zero_copy: read the expert outputs from :meth:`get_next_low_latency_combine_buffer`.
-            out: optional bf16 ``[T, H]`` to write the result into.
-
-        Returns:
-            ``(combined_x [T, H] bf16, event, hook)``.
-        """
-        self._check_low_latency("low_latency_combine")
-        try:
-            if not isinstance(handle, LowLatencyHandle):
-                raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
-            R = self.group_size
-            num_local_experts = handle.num_experts // R
-            slots = R * handle.num_max_dispatch_tokens_per_rank
-            checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
-            checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
-            num_tokens = topk_idx.shape[0]
-            if num_tokens > handle.num_max_dispatch_tokens_per_rank:
-                raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
-                                               f"{handle.num_max_dispatch_tokens_per_rank}")
-            checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
-            checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
-            if out is not None:
-                checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
-            if combine_wait_recv_cost_stats is not None:
-                checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
-                                    dtype=torch.int64, shape=(R,), device=self.device)
-            if zero_copy:
-                x = self.get_next_low_latency_combine_buffer(handle)
-            args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
-                                         return_recv_hook, self._rank_mask)
-            self._backend.check_low_latency_combine(args)
-        except EPInputError as err:
-            self._backend.agree("low_latency_combine", None, err, self._rank_mask)  # every rank raises
-            raise
-        if self._backend.agrees:
-            self._backend.agree("low_latency_combine", (
-                ("hidden", handle.hidden), ("num_experts", handle.num_experts),
-                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
-                ("num_topk", topk_idx.shape[1])), rank_mask=self._rank_mask)
-        self._next_phase()
-        with self._stream_scope(None, async_finish, (x, topk_idx, topk_weights)) as scope:
-            combined_x, hook = self._backend.low_latency_combine(args)
-            scope.keep(combined_x)
-        return combined_x, scope.event_overlap(), hook

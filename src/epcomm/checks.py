@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .errors import EPInputError
+from .handle import DispatchHandle, LowLatencyHandle
 
 
 def value_checks_enabled(device: torch.device) -> bool:
@@ -190,3 +191,30 @@ def check_combine_topk_idx(topk_idx: torch.Tensor, handle, dispatched_entries, c
     if check_values and not torch.equal(dispatched, topk_idx):
         raise EPInputError("topk_idx", "differs from the one the low_latency_dispatch of this handle was given: "
                                        "pass the same topk_idx")
+
+
+def check_dispatch_handle(handle, num_ranks: int):
+    """A normal-mode handle made by a Buffer of this group size: a ``DispatchHandle`` whose
+    ``rank_prefix_matrix`` is ``[R, R]`` and whose ``is_token_in_rank`` is ``[T, R]``. A handle of
+    another Buffer would otherwise reach the exchange with the wrong split sizes."""
+    if not isinstance(handle, DispatchHandle):
+        raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
+    prefix, in_rank = handle.rank_prefix_matrix, handle.is_token_in_rank
+    if tuple(prefix.shape) != (num_ranks, num_ranks) or in_rank.dim() != 2 or in_rank.shape[1] != num_ranks:
+        raise EPInputError("handle", f"was made by a Buffer of {prefix.shape[0]} ranks (rank_prefix_matrix "
+                                     f"{list(prefix.shape)}); this Buffer's group has {num_ranks}")
+    return handle
+
+
+def check_low_latency_handle(handle, num_ranks: int):
+    """A low-latency handle made by a Buffer of this group size: ``recv_layout_range`` is
+    ``[E_local, R]`` and ``num_experts`` a multiple of ``R``."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise EPInputError("handle", f"must be a LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
+    layout = handle.recv_layout_range
+    if layout.dim() != 2 or layout.shape[1] != num_ranks or handle.num_experts % num_ranks or \
+            layout.shape[0] != handle.num_experts // num_ranks:
+        raise EPInputError("handle", f"was made by a Buffer of {layout.shape[-1]} ranks (recv_layout_range "
+                                     f"{list(layout.shape)}, {handle.num_experts} experts); this Buffer's group has "
+                                     f"{num_ranks}")
+    return handle

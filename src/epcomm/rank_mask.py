@@ -1,8 +1,9 @@
 """Low-latency rank masking (``enable_shrink=True``), as in DeepEP: a part of :class:`epcomm.Buffer`.
 
 A masked rank is skipped by low-latency dispatch and combine: its peers neither send to it nor wait
-for it, and its slots of the results stay empty. A rank that times out in low-latency mode is masked
-whether or not ``enable_shrink`` is set; these calls let the caller read and change the mask.
+for it, and its slots of the results stay empty. With ``enable_shrink`` a rank that times out in
+low-latency mode is masked and the calls go on without it; these calls let the caller read and
+change the mask. Without ``enable_shrink`` nothing is masked: a late rank is an EPTimeoutError.
 """
 from __future__ import annotations
 

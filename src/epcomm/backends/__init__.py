@@ -130,15 +130,20 @@ def group_device(group: dist.ProcessGroup, requested=None) -> torch.device:
 
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
                    num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0,
-                   ranks_per_node: Optional[int] = None, allow_nvlink_for_low_latency_mode: bool = True) -> Backend:
+                   ranks_per_node: Optional[int] = None, allow_nvlink_for_low_latency_mode: bool = True,
+                   enable_shrink: bool = False) -> Backend:
+    """The backend ``name`` for a Buffer. ``enable_shrink``: a low-latency wait that gives up
+    masks the late rank (the call goes on without it); otherwise the next call raises
+    EPTimeoutError naming it, and the rows the call knows are missing are NaN."""
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
-        return TorchDistBackend(group, device, timeout_s)
+        return TorchDistBackend(group, device, timeout_s, num_rdma_bytes=num_rdma_bytes)
     if name == "nvlink":
         if device.type != "cuda":
             raise EPError("the nvlink backend needs CUDA tensors (an NCCL group, or device='cuda')")
         from .nvlink import NVLinkBackend
-        return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s)
+        return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s,
+                             shrink=enable_shrink)
     if name == "nvshmem":
         if device.type != "cuda":
             raise EPError("the nvshmem backend needs CUDA tensors (an NCCL group, or device='cuda')")
@@ -151,5 +156,6 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         workspace_bytes = num_rdma_bytes or num_nvl_bytes or DEFAULT_NVSHMEM_BYTES
         return NvshmemBackend(group, device, workspace_bytes, ranks_per_node, timeout_s,
                               num_ll_bytes=num_rdma_bytes if low_latency_mode else 0,
-                              ll_ranks_per_node=ranks_per_node if allow_nvlink_for_low_latency_mode else 1)
+                              ll_ranks_per_node=ranks_per_node if allow_nvlink_for_low_latency_mode else 1,
+                              shrink=enable_shrink)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

@@ -83,6 +83,9 @@ class Backend(abc.ABC):
     # True when dispatch/combine build the expert-major layout themselves (args.expert_major, the
     # handle's mapping); otherwise Buffer re-lays the plain rows with torch ops (expert_major.py).
     native_expert_major: bool = False
+    # At most this many SMs (Config.num_sms) per normal-mode call, 0: no cap. The GPU backends set
+    # it where ranks share a GPU (wiring.py, GpuBackend.share_gpu); Buffer applies it to every Config.
+    max_num_sms: int = 0
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group

@@ -8,7 +8,13 @@ and compares. What this turns into errors, on every rank:
 - ranks that disagree → :class:`EPInputError` naming the argument and the ranks;
 - a rank that rejected its own input posts an *abort* fingerprint naming the argument → every
   rank raises :class:`EPInputError` for it, instead of pairing with the wrong call;
-- a rank that never arrives (stalled, crashed, skipped the call) → :class:`EPTimeoutError` naming it.
+- a rank that never arrives (stalled, crashed, skipped the call) → :class:`EPTimeoutError` naming it,
+  on every rank that waited and on the late rank itself when it comes: the wait that gave up seals
+  the call *late*, nothing is exchanged, and every rank's next call pairs again. Under a rank mask
+  (low-latency calls with ``enable_shrink``) the late rank is masked instead and the call goes on;
+- two kinds of call at one number (a rank skipped a combine its peers are in, and its next call
+  met their combine) → the call is void for the ranks that skipped (their call takes the next
+  number) and the others raise :class:`EPInputError` naming ``call``: one error per rank.
 
 Keys of call ``n - 2`` are deleted at call ``n``: by then every rank has read them (a rank posts
 call ``n - 1`` only after it finished reading call ``n - 2``).
@@ -20,8 +26,8 @@ made — another Buffer's, or one this rank has not reached — can never end: t
 other. One of them gives way — the one more ranks wait in when every rank waits in one of the two
 (the fewer skipped a call), else the one waited in longer: its ranks raise :class:`EPInputError`
 (argument ``"call"``) naming the ranks and both calls, instead of waiting out the timeout, and seal it *void*
-(each call's verdict — made or void — is one compare-and-set in the store, so every rank acts on
-the same one). A rank arriving later at a call void for it takes the next call number, so the
+(each call's verdict — made, masked, late or void — is one compare-and-set in the store, so every
+rank acts on the same one). A rank arriving later at a call void for it takes the next call number, so the
 other call meets the ranks' next one and they pair again.
 """
 from __future__ import annotations
@@ -81,9 +87,11 @@ class StoreAgreement:
         """Post this rank's fingerprint (``(argument, value)`` pairs) or, with ``error``, an abort
         naming the rejected argument; return once every rank posted the same fingerprint.
 
-        ``rank_mask`` (low-latency calls, ``[R]`` int32, nonzero = masked): masked ranks are not
-        waited for, and a rank that does not arrive in time is masked there instead of raising. A
-        rank that a peer masked is masked here too (the masks stay one), and raises itself.
+        ``rank_mask`` (low-latency calls of a Buffer made with ``enable_shrink``, ``[R]`` int32,
+        nonzero = masked): masked ranks are not waited for, and a rank that does not arrive in time
+        is masked there instead of raising. A rank that a peer masked is masked here too (the masks
+        stay one), and raises itself. Without ``rank_mask`` a rank that does not arrive in time is
+        an :class:`EPTimeoutError` on every rank, the late one included when it comes.
 
         ``stand_in``: this abort stands in for a call this rank skipped (Buffer: a rejected layout);
         if the peers already gave that call up (this rank was found waiting on another Buffer), there
@@ -94,7 +102,12 @@ class StoreAgreement:
             # that call number was given up by the peers while this rank was elsewhere: the next one
 
     def _agree_once(self, kind, fingerprint, error, rank_mask) -> bool:
-        """One call number; False when it is void for this rank (it skipped it: take the next)."""
+        """One call number; False when it is void for this rank (it skipped it: take the next).
+
+        Every call that waits for peers ends in one verdict, sealed by the first rank that reaches
+        one (:meth:`_seal`) and acted on by every rank alike (:meth:`_act_on`): made (with the
+        ranks masked for not arriving, under a rank mask), void for the ranks that skipped a call,
+        or late — the ranks that did not arrive in time, an error on every rank."""
         call = self.calls
         self.calls += 1
         masked = set() if rank_mask is None else {r for r, m in enumerate(rank_mask.tolist()) if m}
@@ -104,43 +117,19 @@ class StoreAgreement:
             mine = {"kind": kind, "fields": [[name, repr(value)] for name, value in fingerprint]}
         if masked:
             mine["masked"] = sorted(masked)
+        mine["t"] = time.time()  # (breaks a tie between two calls met at one number: _skip_verdict)
         self.store.set(self._key(call, self.rank), json.dumps(mine))
         if call >= 2:
             self.store.delete_key(self._key(call - 2, self.rank))
         present = [r for r in range(self.num_ranks) if r not in masked or r == self.rank]
-        others = [self._key(call, r) for r in present if r != self.rank]
-        if others:
-            while True:
-                try:
-                    missing = self._wait_for(kind, call, [r for r in present if r != self.rank])
-                    break
-                except _Desync as desync:
-                    # first verdict wins: void (the missing ranks are elsewhere) unless every post
-                    # arrived meanwhile and a peer sealed the call as made (then wait on: it ends)
-                    verdict = desync.verdict or self._seal(call, {"void_for": desync.ranks, "message": desync.message})
-                    if "void_for" in verdict:
-                        if self.rank in verdict["void_for"]:
-                            return False
-                        raise EPInputError("call", verdict["message"]) from None
-            if missing:
-                if rank_mask is None:
-                    raise EPTimeoutError(f"rank {self.rank}: {kind} waited {self.timeout_s:g} s for ranks {missing}, "
-                                         f"which did not make the call (stalled, exited, or skipped it)",
-                                         missing) from None
-                rank_mask[missing] = 1  # low-latency mode goes on without them
-                present = [r for r in present if r not in missing]
-            verdict = self._seal(call, {"made": True})
-            if "void_for" in verdict:
-                if self.rank in verdict["void_for"]:
-                    return False  # this rank was elsewhere when its peers gave this call up: the next one
-                raise EPInputError("call", verdict["message"])
-        posts = {r: json.loads(self.store.get(self._key(call, r))) for r in present}
+        try:
+            posts = self._posts_of(kind, call, mine, present, rank_mask)
+        except _Void:
+            return False  # this rank was elsewhere when its peers gave this call up: the next one
         masked_me = [] if self.rank in masked else \
             sorted(r for r, post in posts.items() if self.rank in post.get("masked", ()))
         if masked_me:  # they go on without this rank, which thinks it takes part: it would exchange with nobody
-            raise EPError(f"rank {self.rank}: {kind}: ranks {masked_me} masked this rank (a wait for it timed out "
-                          f"there), so its low-latency calls no longer pair with theirs: unmask it on every rank "
-                          f"(low_latency_update_mask_buffer, then clean_low_latency_buffer) or mask them here too")
+            raise _masked_error(self.rank, kind, masked_me)
         if rank_mask is not None:  # a rank any peer masked takes no part (it raises above): mask it here too
             adopted = sorted({r for post in posts.values() for r in post.get("masked", ())} - masked - {self.rank})
             if adopted:
@@ -149,6 +138,65 @@ class StoreAgreement:
         _raise_on_disagreement(kind, posts)
         return True
 
+    def _posts_of(self, kind: str, call: int, mine: dict, present: list, rank_mask) -> Dict[int, dict]:
+        """Wait for the posts of ``present`` (the ranks not masked, this one included) and seal the
+        call's verdict; returns the posts of the ranks that take part. Raises what the verdict says
+        (:meth:`_act_on`); :class:`_Void` when the call is void for this rank."""
+        if len(present) == 1:
+            return {self.rank: mine}
+        while True:
+            try:
+                missing, verdict = self._wait_for(kind, call, [r for r in present if r != self.rank])
+                break
+            except _Desync as desync:
+                # first verdict wins: void (the missing ranks are elsewhere) unless every post
+                # arrived meanwhile and a peer sealed the call as made (then wait on: it ends)
+                verdict = desync.verdict or self._seal(call, {"void_for": desync.ranks, "message": desync.message})
+                if "void_for" in verdict:
+                    if self.rank in verdict["void_for"]:
+                        raise _Void() from None
+                    raise EPInputError("call", verdict["message"]) from None
+        if verdict is None and missing:  # this wait gave up: masked (shrink) or late, unless a peer saw them
+            verdict = self._seal(call, {"made": True, "masked": missing} if rank_mask is not None else
+                                 {"late": missing, "waiter": self.rank, "kind": kind})
+        if verdict is not None:
+            present = self._act_on(verdict, kind, call, present, rank_mask)
+            unposted = [r for r in present if not self.store.check([self._key(call, r)])]
+            if unposted:  # (a peer whose mask differed sealed it: these are late here)
+                raise EPTimeoutError(f"rank {self.rank}: {kind}: ranks {unposted} did not make the call in time",
+                                     unposted)
+        posts = {r: json.loads(self.store.get(self._key(call, r))) for r in present}
+        if verdict is None:  # every post is here: made, or void for the ranks that skipped a call
+            verdict = self._seal(call, _skip_verdict(kind, posts) or {"made": True})
+            present = self._act_on(verdict, kind, call, present, rank_mask)
+            posts = {r: post for r, post in posts.items() if r in present}
+        return posts
+
+    def _act_on(self, verdict: dict, kind: str, call: int, present: list, rank_mask) -> list:
+        """Act on a call's sealed verdict; returns the ranks taking part in it (``present`` less the
+        ranks masked for not arriving). Raises for a void call this rank made, a late call (every
+        rank: the ranks waited for, and the late ranks when they come), or a call that masked this
+        rank; a void call this rank did not make raises :class:`_Void` (it takes the next number)."""
+        if "void_for" in verdict:
+            if self.rank in verdict["void_for"]:
+                raise _Void()
+            raise EPInputError("call", verdict["message"])
+        if "late" in verdict:
+            late = verdict["late"]
+            if self.rank in late:
+                raise EPTimeoutError(f"rank {self.rank}: {kind} (call {call}) came after rank {verdict['waiter']} gave up "
+                                     f"waiting for ranks {late} ({self.timeout_s:g} s): the call is void on every rank, "
+                                     f"and each rank's next call pairs again", late)
+            raise EPTimeoutError(f"rank {self.rank}: {kind} waited for ranks {late}, which did not make the call within "
+                                 f"{self.timeout_s:g} s (stalled, exited, or skipped it); no data was exchanged", late)
+        gone = verdict.get("masked", ())
+        if gone:
+            if self.rank in gone:  # the peers went on without this rank
+                raise _masked_error(self.rank, kind, sorted(set(present) - set(gone)))
+            if rank_mask is None:  # (ranks agree on enable_shrink: a Buffer's setting is everyone's)
+                raise EPTimeoutError(f"rank {self.rank}: {kind}: ranks {list(gone)} did not arrive in time", gone)
+            rank_mask[list(gone)] = 1  # low-latency mode goes on without them (enable_shrink)
+        return [r for r in present if r not in gone]
 
     def _seal(self, call: int, verdict: dict) -> dict:
         """The call's verdict — made, or void for the ranks that were elsewhere — the first one
@@ -158,8 +206,10 @@ class StoreAgreement:
             self.store.delete_key(f"{self.prefix}/{call - 2}/verdict")
         return json.loads(self.store.compare_set(key, "", json.dumps(verdict)))
 
-    def _wait_for(self, kind: str, call: int, peers: Sequence[int]) -> list:
-        """Wait, bounded by the timeout, for ``peers``' posts of ``call``; returns those still missing.
+    def _wait_for(self, kind: str, call: int, peers: Sequence[int]) -> Tuple[list, Optional[dict]]:
+        """Wait, bounded by the timeout, for ``peers``' posts of ``call``; returns ``(those still
+        missing, None)``, or ``(missing, verdict)`` as soon as a peer sealed the call meanwhile (it
+        gave up waiting, or masked a rank: this rank need not wait out its own timeout).
 
         It polls the store (``check``, which never blocks) with a growing pause, from half a
         millisecond to 50 ms: a blocking ``store.wait`` that times out makes PyTorch's store client
@@ -180,7 +230,7 @@ class StoreAgreement:
                                      f"which had not made the call: {str(err).splitlines()[0][:200]}",
                                      missing) from None
             if not missing:
-                return []
+                return [], None
             now = time.monotonic()
             if now >= next_look:
                 if self._waiting_at != (call, kind):
@@ -188,9 +238,11 @@ class StoreAgreement:
                     next_look = now + _FIRST_SLICE_S  # look again soon
                 else:
                     next_look = now + _WAIT_SLICE_S
-                self._check_elsewhere(kind, call, missing, len(peers) + 1)
+                verdict = self._check_elsewhere(kind, call, missing, len(peers) + 1)
+                if verdict:
+                    return missing, verdict
             if now >= deadline:
-                return missing
+                return missing, None
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 2, _MAX_PAUSE_S)
 
@@ -221,8 +273,9 @@ class StoreAgreement:
             return False
         return here > there if here != there else mine < their_first
 
-    def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int], num_ranks: int) -> None:
-        """Raise :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
+    def _check_elsewhere(self, kind: str, call: int, missing: Sequence[int], num_ranks: int) -> dict:
+        """The call's verdict if a peer sealed it (made, masked or late; empty if none). Raise
+        :class:`_Desync` if this call was given up (a peer sealed it void) or if a missing
         rank waits at a call this rank never made — it can only be waiting for this rank there, as
         this rank waits for it here — and this call was waited in longer, so it gives way (the
         other call then meets this rank's next one)."""
@@ -233,6 +286,8 @@ class StoreAgreement:
             verdict = {}
         if "void_for" in verdict:
             raise _Desync(verdict["void_for"], verdict["message"], verdict)
+        if verdict:
+            return verdict
         mine = self._first_arrival
         elsewhere = {}
         for r in missing:
@@ -253,6 +308,7 @@ class StoreAgreement:
                           f"ranks are in different calls: rank {self.rank} waits in {kind} (Buffer #{self.number}, "
                           f"call {call}); {theirs}, a call rank {self.rank} did not make: a rank skipped a call its "
                           f"peers made. Every rank raises; each one's next call pairs again")
+        return {}
 
 
 def _count_posts(store, prefix: str, call: int, num_ranks: int) -> int:
@@ -261,6 +317,42 @@ def _count_posts(store, prefix: str, call: int, num_ranks: int) -> int:
         return sum(1 for r in range(num_ranks) if store.check([f"{prefix}/{call}/{r}"]))
     except Exception:
         return 0
+
+
+class _Void(Exception):
+    """The call is void for this rank (its peers gave it up while this rank was in another call,
+    or this rank's call met theirs at one number after it skipped one): it takes the next number."""
+
+
+def _skip_verdict(kind: str, posts: Dict[int, dict]) -> Optional[dict]:
+    """Two kinds of call met at one call number (and no rank aborted): the ranks of one skipped a
+    call the others are in — the fewer ranks, as one rank whose expert code raised skips its
+    combine; on a tie, the call posted later. The call is void for them (their call takes the next
+    number and pairs with the others' next call) and the others raise naming ``call``: one error
+    each, then every rank's next call pairs. None when the posts show no such skip."""
+    if any("abort" in post for post in posts.values()):
+        return None
+    groups: Dict[str, list] = {}
+    for rank, post in sorted(posts.items()):
+        groups.setdefault(post["kind"], []).append(rank)
+    if len(groups) != 2:
+        return None
+    (kind_a, ranks_a), (kind_b, ranks_b) = groups.items()
+    first = {k: min(posts[r].get("t", 0.0) for r in ranks) for k, ranks in groups.items()}
+    if (len(ranks_a), -first[kind_a]) < (len(ranks_b), -first[kind_b]):
+        (kind_a, ranks_a), (kind_b, ranks_b) = (kind_b, ranks_b), (kind_a, ranks_a)
+    # ranks_a stay in kind_a (it gives way: they raise); ranks_b's call goes on at the next number
+    return {"void_for": ranks_b,
+            "message": f"ranks are in different calls: ranks {ranks_a} are in {kind_a}, ranks {ranks_b} in {kind_b} "
+                       f"(they skipped a call: their {kind_b} pairs with the next call of ranks {ranks_a}). "
+                       f"Ranks {ranks_a} raise; each rank's next call pairs again"}
+
+
+def _masked_error(rank: int, kind: str, by: Sequence[int]) -> EPError:
+    return EPError(f"rank {rank}: {kind}: ranks {list(by)} masked this rank (a wait for it timed out there), so its "
+                   f"low-latency calls no longer pair with theirs: unmask it on every rank "
+                   f"(low_latency_update_mask_buffer or low_latency_clean_mask_buffer, then clean_low_latency_buffer) "
+                   f"or mask them here too")
 
 
 class _Desync(Exception):

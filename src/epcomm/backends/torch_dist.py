@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..errors import EPError, EPTimeoutError
+from ..errors import EPError, EPInputError, EPTimeoutError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..layout import aligned_counts, local_expert_ids, rank_prefix_matrix
 from .store_agreement import StoreAgreement
@@ -27,6 +27,15 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0) - counts
 
 
+def _mark_missing(rows: torch.Tensor) -> None:
+    """Rows that did not arrive: NaN (bf16, e4m3, float32 scales), or all bits set (UE8M0 int32
+    scales: exponent byte 255, UE8M0's NaN)."""
+    if rows.dtype.is_floating_point:
+        rows.fill_(float("nan"))
+    else:
+        rows.fill_(-1)
+
+
 class TorchDistBackend(Backend):
     """The reference backend. Every exchanging call first agrees with the peers through the
     store (store_agreement.py: fingerprints, aborts, who is missing); gloo collectives are then waited
@@ -35,9 +44,14 @@ class TorchDistBackend(Backend):
     name = "torch_dist"
     agrees = True
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float = 100.0):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float = 100.0,
+                 num_rdma_bytes: int = 0):
+        """``num_rdma_bytes``: the Buffer's; this backend moves data with collectives and needs no
+        memory of its own, but a low-latency call it would not fit raises as on the GPU backends
+        (0: not given, nothing checked)."""
         super().__init__(group, device)
         self.timeout_s = timeout_s
+        self.num_rdma_bytes = num_rdma_bytes
         self.agreement = StoreAgreement(group, timeout_s)
         self._bounded = dist.get_backend(group) == "gloo"  # NCCL has its own watchdog
         # Low-latency exchanges whose hook has not run yet: kept (not dropped with the hook) so
@@ -51,13 +65,15 @@ class TorchDistBackend(Backend):
         self.agreement.agree(kind, None, error, rank_mask, stand_in=True)
 
     # ---------------------------------------------------------------- collectives
-    def _finish(self, work, what: str) -> None:
-        """Wait for a gloo collective, bounded by the timeout; name the failure. (NCCL: its own watchdog.)"""
+    def _finish(self, work, what: str, timeout_s: Optional[float] = None) -> None:
+        """Wait for a gloo collective, bounded by ``timeout_s`` (default: the timeout); name the
+        failure. (NCCL: its own watchdog.)"""
         if not self._bounded:
             work.wait()
             return
         try:
-            if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+            seconds = self.timeout_s if timeout_s is None else max(timeout_s, 0.001)
+            if not work.wait(timeout=datetime.timedelta(seconds=seconds)):
                 raise RuntimeError("timed out")
         except RuntimeError as err:
             text = str(err).splitlines()[0][:200]
@@ -80,30 +96,65 @@ class TorchDistBackend(Backend):
         send_parts = send.contiguous().split(send_counts)
         recv_parts = recv.split(recv_counts)
         masked = rank_mask.tolist()
-        works = []
+        works = []  # (peer whose rows the work receives, or -1 for a send; work)
         for peer in range(self.num_ranks):
             if peer == self.rank:
                 recv_parts[peer].copy_(send_parts[peer])
             elif not masked[peer] and not masked[self.rank]:  # a masked rank takes no part at all
                 global_peer = dist.get_global_rank(self.group, peer)
-                works.append(dist.isend(send_parts[peer], global_peer, group=self.group, tag=tag))
-                works.append(dist.irecv(recv_parts[peer], global_peer, group=self.group, tag=tag))
+                works.append((-1, dist.isend(send_parts[peer], global_peer, group=self.group, tag=tag)))
+                works.append((peer, dist.irecv(recv_parts[peer], global_peer, group=self.group, tag=tag)))
         if async_op:
             return recv, works
-        for work in works:
-            self._finish(work, "the low-latency exchange")
+        failed, error = self._wait_works(works)
+        if error is not None:
+            raise error
         return recv, []
 
-    def _finish_all(self, works: list) -> None:
+    def _wait_works(self, works: list) -> Tuple[List[int], Optional[EPError]]:
+        """Wait for a low-latency exchange's ``(peer, work)`` pairs, all within one timeout; returns
+        ``(the peers whose rows did not arrive, the error to raise or None)``: the caller marks
+        those rows missing (NaN) before it raises. A collective (NCCL) counts as every peer."""
         if works in self._unfinished:
             self._unfinished.remove(works)
-        for work in works:
-            self._finish(work, "the low-latency exchange")
+        deadline = time.monotonic() + self.timeout_s
+        failed, error = [], None
+        for peer, work in works:
+            try:
+                self._finish(work, "the low-latency exchange", deadline - time.monotonic())
+            except EPError as err:
+                error = error or err
+                if peer >= 0:
+                    failed.append(peer)
+        if failed and isinstance(error, EPTimeoutError):
+            error = EPTimeoutError(f"rank {self.rank}: the low-latency exchange: ranks {failed} did not send within "
+                                   f"{self.timeout_s:g} s; the rows this call expected from them are NaN", failed)
+        return failed, error
 
     def clean_low_latency(self) -> None:
-        """Finish the exchanges of hooks that were never called."""
+        """Collective: finish the exchanges of hooks that were never called, and bring the ranks'
+        call numbers together again (a rank masked by its peers made fewer calls than they did)."""
         while self._unfinished:
-            self._finish_all(self._unfinished[0])
+            _, error = self._wait_works(self._unfinished[0])
+            if error is not None:
+                raise error
+        calls = torch.tensor([self.agreement.calls], dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=self.group, async_op=self._bounded)
+        if work is not None:
+            self._finish(work, "clean_low_latency_buffer")
+        self.agreement.calls = int(calls.item())
+
+    def check_low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> None:
+        """``num_rdma_bytes`` (when given) must hold the call, as on the GPU backends."""
+        if self.num_rdma_bytes:
+            from .gpu.workspace import low_latency_bytes
+            need = low_latency_bytes(args.num_max_dispatch_tokens_per_rank, args.x.shape[1], self.num_ranks,
+                                     args.num_experts)
+            if self.num_rdma_bytes < need:
+                raise EPInputError("num_rdma_bytes", f"{self.num_rdma_bytes} bytes are less than this call needs: "
+                                                     f"{need} for M={args.num_max_dispatch_tokens_per_rank}, "
+                                                     f"H={args.x.shape[1]}, E={args.num_experts} "
+                                                     f"(Buffer.get_low_latency_rdma_size_hint)")
 
     def _ll_rows(self, send, send_counts, recv_counts, rank_mask, async_op: bool):
         """Low-latency row exchange: point to point among live ranks on gloo (masking works), one
@@ -112,7 +163,7 @@ class TorchDistBackend(Backend):
             recv, works = self._exchange_live(send, send_counts, recv_counts, rank_mask, async_op)
         else:
             recv, work = self._all_to_all_rows(send, send_counts, recv_counts, async_op)
-            works = [work] if work is not None else []
+            works = [(-1, work)] if work is not None else []
         if works:
             self._unfinished.append(works)
         return recv, works
@@ -322,7 +373,7 @@ class TorchDistBackend(Backend):
         recv_layout_range = ((block_offsets << 32) | block_counts).t().contiguous().to(dev)
 
         def receive() -> None:
-            self._finish_all(work)
+            failed, error = self._wait_works(work)
             if args.dispatch_wait_recv_cost_stats is not None:
                 args.dispatch_wait_recv_cost_stats += time.perf_counter_ns() - started
             received = unpack_rows(recv_packed, specs)
@@ -342,6 +393,14 @@ class TorchDistBackend(Backend):
                     scales_rows = fp8.pack_ue8m0(scales_rows)
                 recv_scales[local_expert, row] = scales_rows
             recv_src_info[local_expert, row] = received[-1][keep_dev]
+            if error is not None:  # no plausible rows: those of the sources that did not arrive are NaN
+                for src in failed:
+                    for e in range(num_local_experts):
+                        start, count = int(block_offsets[src, e]), int(block_counts[src, e])
+                        _mark_missing(recv_x_data[e, start:start + count])
+                        if args.use_fp8:
+                            _mark_missing(recv_scales[e, start:start + count])
+                raise error
 
         if args.cumulative_local_expert_recv_stats is not None:
             args.cumulative_local_expert_recv_stats += recv_count
@@ -378,11 +437,16 @@ class TorchDistBackend(Backend):
         weights = args.topk_weights[token, k_of].float()  # each message's own (token, k) weight
 
         def receive() -> None:
-            self._finish_all(work)
+            failed, error = self._wait_works(work)
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += time.perf_counter_ns() - started
             combined = torch.zeros(num_tokens, handle.hidden, dtype=torch.float32, device=dev)
             combined.index_add_(0, token, recv.float() * weights.unsqueeze(1))
+            if error is not None:  # a token whose contribution from a failed rank did not land is NaN
+                lost = torch.isin(expert // num_local_experts, torch.tensor(failed, dtype=expert.dtype))
+                combined[token[lost.to(token.device)]] = float("nan")
+                out.copy_(combined)
+                raise error
             out.copy_(combined)
 
         if args.return_recv_hook:

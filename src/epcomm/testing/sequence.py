@@ -9,9 +9,10 @@ carries at most one fault:
 - ``layout``: one rank's ``get_dispatch_layout`` rejects its ``topk_idx``; that rank skips the step
   (its peers raise naming ``topk_idx`` — or ``call`` where its next call is on the other Buffer);
 - ``skip``: one rank skips the step's combine (its expert code failed). Its peers raise naming
-  ``call`` in that combine. Where its next call is on the same Buffer, that call meets the skipped
-  one and raises naming ``call`` too, and the rank makes it again; on the other Buffer
-  (``two_buffers``) the peers' combine gives way and the rank's next call just pairs.
+  ``call`` in that combine, and the rank's next call pairs with their next one: on the same
+  Buffer the two calls meet at one call number and the skipped combine gives way (store_agreement
+  .py), on the other Buffer (``two_buffers``) the peers find it waiting there. (On a GPU backend
+  the call board makes the rank's next call raise naming ``call`` too; it makes it again.)
 - ``drop`` (``two_buffers``): one rank drops the whole step (it fails before the dispatch) and
   the next step is on the other Buffer; its peers raise naming ``call`` in the dispatch.
 
@@ -164,7 +165,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         except _Expected:
             outcomes[f"{fault}_raised"] += 1
         same_buffer_next = (plan["next_op"] == "low_latency") == (op == "low_latency") or not two_buffers
-        if rank == plan["one"] and (fault == "skip" and (same_buffer_next or gpu) or
+        if rank == plan["one"] and (fault == "skip" and gpu or
                                     fault in ("drop", "layout") and gpu and not same_buffer_next):
             # its next call meets the skipped one (same Buffer), or on a GPU backend finds on the
             # call board that its peers are in another call: it raises, then makes it again

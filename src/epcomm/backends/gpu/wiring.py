@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from ..base import Backend, DispatchArgs, DispatchResult
+from .shared_grids import GridCaps, grid_caps, sharing
 
 
 class GpuBackend(Backend):
@@ -15,8 +16,22 @@ class GpuBackend(Backend):
 
     - ``seat``: its place on the group's call board (:func:`call_board.join`);
     - ``normal``: its normal mode, which checks and makes dispatch and combine;
-    - ``low_latency``: its :class:`LowLatencyMode`, or None (then :meth:`_low_latency` says why).
+    - ``low_latency``: its :class:`LowLatencyMode`, or None (then :meth:`_low_latency` says why);
+    - the caps of its grids, from :meth:`share_gpu` (before it makes the modes).
     """
+
+    # ------------------------------------------------------------------ ranks sharing a GPU
+    def share_gpu(self, places, backend: str, ll_receive_programs: Optional[int] = None) -> GridCaps:
+        """The caps of every call's grids (shared_grids.py) for this group's ``places`` (every
+        rank's ``(host, GPU, SMs)``, shared_grids.gpu_places): where ranks share a GPU, normal mode's
+        SMs (``max_num_sms``, which Buffer applies to every Config) and the low-latency send and
+        receive programs are capped so that all ranks' grids fit at once with room for a late
+        sender. ``ll_receive_programs`` (default ``EPCOMM_LL_RECEIVE_PROGRAMS``) wins where smaller."""
+        ranks_on_gpu, device_sms = sharing(places)
+        caps = grid_caps(device_sms, ranks_on_gpu, backend, self.receive_programs(ll_receive_programs))
+        self.max_num_sms = caps.num_sms
+        self.caps = caps
+        return caps
 
     # ------------------------------------------------------------------ the group's call board
     def raise_pending(self) -> None:
@@ -53,9 +68,9 @@ class GpuBackend(Backend):
     # ------------------------------------------------------------------ low-latency mode
     @staticmethod
     def receive_programs(requested: Optional[int] = None) -> int:
-        """At most this many programs per low-latency receive phase: ``requested``, else
-        ``EPCOMM_LL_RECEIVE_PROGRAMS``, else 0 (no cap). Ranks sharing one GPU (CUDA MPS) need
-        about SMs / ranks: every rank's spinning receivers must leave SMs to the senders."""
+        """An explicit cap of the programs per low-latency receive phase: ``requested``, else
+        ``EPCOMM_LL_RECEIVE_PROGRAMS``, else 0 (none). Ranks sharing one GPU (CUDA MPS) get a cap
+        without it (:meth:`share_gpu`); this one wins where it is smaller."""
         if requested is None:
             requested = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
         return requested

@@ -1,8 +1,6 @@
 """NVLink backend: Triton kernels over symmetric memory, one node."""
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from ...errors import EPError
@@ -56,12 +54,8 @@ def workspace_memory(places) -> str:
 
 def _gpu_identity() -> str:
     """This process's current GPU, the same string in every process that uses it (its UUID)."""
-    import torch
-    if not torch.cuda.is_available():
-        return ""
-    device = torch.cuda.current_device()
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    return str(uuid) if uuid is not None else f"{os.getpid()}:{device}"
+    from ..gpu.shared_grids import gpu_identity
+    return gpu_identity()
 
 
 def __getattr__(name):

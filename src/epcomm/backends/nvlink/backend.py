@@ -9,7 +9,7 @@ ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) th
 NVSHMEM's instead, which maps every process's allocation: the same kernels store through the same
 kind of pointers (``nvlink.workspace_memory``). There the ranks share the GPU's SMs too: their
 grids together must leave room for a late rank's sender, or every wait runs into the timeout
-(docs/MULTINODE.md, finding 14; ``Buffer.set_num_sms`` to about SMs / (4 x ranks)).
+(docs/MULTINODE.md, finding 14): the backend caps them (GpuBackend.share_gpu, gpu/shared_grids.py).
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from ..gpu import agreement, call_board
 from ..gpu.low_latency import LowLatencyMode
 from ..gpu.normal.one_node import NormalMode
 from ..gpu.mailbox import HostMailbox, check_host_mapping
+from ..gpu.shared_grids import gpu_places
 from ..gpu.sync import device_state
 from ..gpu.wiring import GpuBackend
 from ..gpu.workspace import Workspace, symmetric_memory
-from . import gpu_places, workspace_memory
+from . import workspace_memory
 
 # Largest expert count per rank the mailbox reports receive counts for.
 MAX_LOCAL_EXPERTS = 4096
@@ -38,12 +39,16 @@ class NVLinkBackend(GpuBackend):
     native_expert_major = True  # the pull writes expert-major rows, the push folds them (gpu/normal/one_node)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
-                 timeout_s: float = 100.0, ll_receive_programs: Optional[int] = None):
+                 timeout_s: float = 100.0, ll_receive_programs: Optional[int] = None, shrink: bool = False):
         """``ll_receive_programs``: at most this many programs per low-latency receive phase
-        (default: ``EPCOMM_LL_RECEIVE_PROGRAMS``, else no cap; GpuBackend.receive_programs)."""
+        (default: ``EPCOMM_LL_RECEIVE_PROGRAMS``, else no cap; GpuBackend.receive_programs; ranks
+        sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the Buffer's
+        ``enable_shrink`` (LowLatencyMode)."""
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
-        self.memory_kind = workspace_memory(gpu_places(group))  # (collective)
+        places = gpu_places(group)  # (collective)
+        self.memory_kind = workspace_memory([(host, gpu) for host, gpu, _ in places])
+        caps = self.share_gpu(places, "nvlink", ll_receive_programs)
         memory, self._ledger_memory = self._symmetric(Workspace.size_for(self.num_ranks, num_nvl_bytes, num_ll_bytes))
         self.ws = Workspace(group, device, num_nvl_bytes, num_ll_bytes, memory=memory)
         self.state = device_state(device)
@@ -54,7 +59,8 @@ class NVLinkBackend(GpuBackend):
         self.seat = call_board.join(("nvlink", group.group_name), self, lambda: self._make_board(group))
         self.normal = NormalMode(self)
         self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device,
-                                          receive_programs=self.receive_programs(ll_receive_programs), board=self.seat)
+                                          receive_programs=caps.ll_receive_programs, board=self.seat,
+                                          send_programs=caps.ll_send_programs, shrink=shrink)
 
     def _symmetric(self, num_bytes: int):
         """``((buffer, bases, barrier), transport)``: ``num_bytes`` of symmetric memory on every rank

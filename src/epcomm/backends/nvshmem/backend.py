@@ -50,6 +50,7 @@ from ..gpu.normal.two_level.hierarchy import Topology
 from ..gpu.normal.two_level.mode import TwoLevelMode
 from ..gpu.reach.modes import FAR_BY_LOOPBACK, FAR_BY_NVSHMEM
 from ..gpu.reach.transport import NvshmemTransport, Transport
+from ..gpu.shared_grids import GridCaps, gpu_places
 from ..gpu.sync import device_state
 from ..gpu.wiring import GpuBackend
 from ..gpu.workspace import Workspace
@@ -85,8 +86,10 @@ class NvshmemBackend(GpuBackend):
             map (other hosts) always take the put. Default True, or ``EPCOMM_NVSHMEM_P2P=0`` (to
             measure the puts between GPUs of one host).
         ll_receive_programs: at most this many programs per low-latency receive phase (default 0:
-            no cap, or ``EPCOMM_LL_RECEIVE_PROGRAMS``). Ranks sharing one GPU (CUDA MPS) need
-            about SMs / ranks, so that spinning receivers leave SMs to the senders.
+            no cap, or ``EPCOMM_LL_RECEIVE_PROGRAMS``). Ranks sharing one GPU (CUDA MPS) get caps
+            of every grid anyway (GpuBackend.share_gpu), this one winning where smaller.
+        shrink: the Buffer's ``enable_shrink``: a late rank is masked in low-latency mode and the
+            calls go on; otherwise the next call raises EPTimeoutError (LowLatencyMode).
     """
 
     name = "nvshmem"
@@ -98,7 +101,7 @@ class NvshmemBackend(GpuBackend):
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
                  num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None,
-                 p2p: Optional[bool] = None, ll_receive_programs: Optional[int] = None):
+                 p2p: Optional[bool] = None, ll_receive_programs: Optional[int] = None, shrink: bool = False):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -126,6 +129,10 @@ class NvshmemBackend(GpuBackend):
             p2p = os.environ.get("EPCOMM_NVSHMEM_P2P", "1") != "0"
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        if self.loopback:  # (the one-GPU tests: every rank in this process; their own caps)
+            caps = GridCaps(0, 0, self.receive_programs(ll_receive_programs))
+        else:  # ranks sharing a GPU: grids that fit it together (collective)
+            caps = self.share_gpu(gpu_places(group), "nvshmem", ll_receive_programs)
         # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
         if self.loopback:
             self.seat = call_board.join(self.rank, self, lambda: self._make_board(group), transport.world.call_boards)
@@ -140,8 +147,8 @@ class NvshmemBackend(GpuBackend):
             self.ll_ws = self._ll_workspace(num_ll_bytes)
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
-                                              receive_programs=self.receive_programs(ll_receive_programs),
-                                              board=self.seat)
+                                              receive_programs=caps.ll_receive_programs, board=self.seat,
+                                              send_programs=caps.ll_send_programs, shrink=shrink)
 
     def _make_board(self, group: Optional[dist.ProcessGroup]) -> call_board.CallBoard:
         """The group's call board in symmetric memory (NVSHMEM, or the loopback world's)."""
@@ -219,8 +226,9 @@ class NvshmemBackend(GpuBackend):
     # ------------------------------------------------------------------ low-latency mode
     def _low_latency(self) -> LowLatencyMode:
         if self.low_latency is None:
-            raise EPError("this nvshmem backend has no low-latency workspace: make the Buffer with "
-                          "low_latency_mode=True and num_rdma_bytes from get_low_latency_rdma_size_hint")
+            raise EPInputError("num_rdma_bytes", "this nvshmem backend has no low-latency workspace: make the Buffer "
+                                                 "with low_latency_mode=True and num_rdma_bytes from "
+                                                 "get_low_latency_rdma_size_hint")
         if self.normal.written:  # normal mode used the shared bytes (every rank makes the same calls: all raise)
             raise EPError("normal-mode calls used this Buffer's memory since the last low-latency call: call "
                           "clean_low_latency_buffer on every rank first (the modes share num_rdma_bytes, as in "

@@ -12,7 +12,7 @@ from ..launch import KernelSpec
 from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_any, post_fingerprint_any,
                           release_words, same_node)
 from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
-                    wait_peers)
+                    poll_epochs_or_other_call, record_elsewhere, report_late)
 
 
 # ====================================================================== combine
@@ -53,18 +53,28 @@ def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_
 
 @triton.jit
 def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens, hidden,
-                   num_topk, num_local, num_ranks, K_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+                   num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[t] = Σ_k w[t, k] · slot(t, k) in float32 over entries whose expert id is valid and
-    whose rank is not masked, for this program's tokens."""
+    whose rank is not masked, for this program's tokens. A token with an entry whose contribution
+    did not land is a NaN row instead: an entry on a rank in ``gone`` ([R_P2] lanes: found in
+    another call, or with another fingerprint; ``any_gone``: any lane set) or, without ``shrink``,
+    on a masked rank (a late one: without enable_shrink nothing else is masked)."""
     slots = ptr_at(slots_address, tl.bfloat16, True)  # slots are 16-byte aligned, hidden % 128 == 0
     ks = tl.arange(0, K_P2)
     cols = tl.arange(0, BLOCK_C)
     num_experts = num_local * num_ranks
+    ranks = tl.arange(0, gone.shape[0])
     for token in range(pid, num_tokens, num_programs):
         t64 = token.to(tl.int64)
         expert = tl.load(topk_ptr + t64 * num_topk + ks, mask=ks < num_topk, other=-1)
-        present = (expert >= 0) & (expert < num_experts)
-        present &= tl.load(mask_ptr + expert // num_local, mask=present, other=1) == 0
+        valid = (expert >= 0) & (expert < num_experts)
+        owner = expert // num_local
+        masked = tl.load(mask_ptr + owner, mask=valid, other=1) != 0
+        lost = valid & masked & (shrink == 0)
+        if any_gone:  # (only after a failure: a [K_P2, R_P2] compare per token)
+            lost |= valid & (tl.max(((owner[:, None] == ranks[None, :]) & gone[None, :]).to(tl.int32), axis=1) != 0)
+        token_lost = tl.max(lost.to(tl.int32), axis=0) != 0
+        present = valid & (masked == 0)
         weight = tl.load(weights_ptr + t64 * num_topk + ks, mask=present, other=0.0)
         slot = t64 * num_topk + ks
         for c0 in range(0, hidden, BLOCK_C):
@@ -72,6 +82,7 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
             cm = c < hidden
             rows = tl.load(slots + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
             acc = tl.sum(rows.to(tl.float32) * weight[:, None], axis=0)
+            acc = tl.where(token_lost, float("nan"), acc)  # no plausible row for a lost contribution
             tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
 
 
@@ -87,10 +98,12 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
 #          last to arrive:  RELEASE every live peer's LL-combine flag[rank] = epoch
 #   RECEIVE  (a hook's launch: the epoch its half was pushed with)
 #          ACQUIRE every live peer's flag == epoch — a peer the board shows in another call is
-#          recorded, a silent one is masked at the timeout; fingerprints compared (recorded: the
+#          recorded, a silent one is masked at the timeout (without shrink also reported: the host
+#          raises EPTimeoutError at the next call); fingerprints compared (recorded: the
 #          reduction reads only this rank's own slots, in bounds whatever a peer pushed)
 #          for each token t of this program:                                     (_reduce_tokens)
-#              out[t] = bf16( Σ_k w[t, k] · float32(slots[t, k]) )  over valid, unmasked entries
+#              out[t] = bf16( Σ_k w[t, k] · float32(slots[t, k]) )  over valid, unmasked entries;
+#              NaN where an entry's rank is in another call or differs, or (no shrink) was late
 @triton.jit
 def ep_ll_combine(
                   # the call's tensors, and the dispatch's handle
@@ -110,6 +123,7 @@ def ep_ll_combine(
                   max_tokens: "i32", x_words: "i32",
                   # this call's half of the workspace, and the timeout of a wait
                   half_offset: "i64", combine_offset: "i64", half: "i32", timeout_ns: "i64",
+                  shrink: "i32",  # 1: a late rank is masked (enable_shrink); 0: reported, its rows NaN
                   # peers on other nodes (REMOTE only: gpu/reach)
                   stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",
                   # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
@@ -153,20 +167,28 @@ def ep_ll_combine(
         peers, live = live_peers(mask_ptr, num_ranks, HAS_MASK=True, R_P2=R_P2)
         my_rows = tl.load(bases_ptr + rank) + fp_rows
         settled = fingerprints_settled(my_rows, peers, live, fp0, fp1, epoch)
-        _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+        timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+        board_address = tl.load(board_bases_ptr + rank)
+        my_flags = my_flags_address.to(tl.pointer_type(tl.int64))
         # ACQUIRE; a peer the call board shows in another call (a skipped call) is recorded
-        waited, _ = wait_peers(my_flags_address.to(tl.pointer_type(tl.int64)), num_ranks, epoch, mask_ptr, mask_ptr,
-                               timeout_ns, tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=True,
-                               MASK_ON_TIMEOUT=True, CHECK_BOARD=True, R_P2=R_P2)
-        # Recorded only: the reduction reads this rank's own slots, in bounds whatever a differing
-        # peer pushed, and the host raises; skipping would cost a reduction on the critical path.
-        check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+        _, waited, late, elsewhere = poll_epochs_or_other_call(my_flags + peers, live, epoch, timeout_ns, my_flags,
+                                                               fp0, 0, board_address, call_tag, EPOCH_SHIFT=0,
+                                                               CHECK_ROWS=False, CHECK_BOARD=True)
+        report_late(late, peers, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
+        if shrink == 0:  # no enable_shrink: a late rank is an error (the host raises), its rows NaN here
+            report_late(late, peers, mask_ptr, timeouts, MASK_ON_TIMEOUT=False)
+        record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
+        # Recorded: the reduction reads this rank's own slots, in bounds whatever a differing peer
+        # pushed, and the host raises; the rows of those peers' entries are NaN (they did not land).
+        differ = check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+        gone = elsewhere | differ
+        tl.debug_barrier()  # this program's mask stores (report_late) precede its reduce's loads
         if HAS_WAIT_STATS:
             if pid == 0:
-                peers = tl.arange(0, R_P2)
                 tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
         _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens,
-                       hidden, num_topk, num_local, num_ranks, K_P2, BLOCK_C)
+                       hidden, num_topk, num_local, num_ranks, shrink, gone, tl.max(gone.to(tl.int32), axis=0) != 0,
+                       K_P2, BLOCK_C)
 
 
 COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

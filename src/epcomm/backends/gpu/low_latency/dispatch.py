@@ -138,15 +138,16 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
 def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, slot_info_ptr, layout_ptr,
                    recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, mailbox_address, half_offset, counts_offset,
                    recv_offset, num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words,
-                   timeout_ns, fp_rows, fp0, fp1, board_address, call_tag,
+                   timeout_ns, shrink, fp_rows, fp0, fp1, board_address, call_tag,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
     """ACQUIRE the count words of local expert l from every live source (a word carrying this
     call's epoch means all its messages are stored here), then pack source s's messages for
     expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l, offset = messages
-    of lower sources. A source that stays silent past the timeout is masked; one whose call
-    differs (its fingerprint), or that the call board shows in another call, sends nothing here,
-    and the host raises (agreement.py)."""
+    of lower sources. A source that stays silent past the timeout is masked (its rows are left
+    out); without ``shrink`` (the Buffer's enable_shrink) it is also reported, and the host raises
+    EPTimeoutError naming it at the next call. One whose call differs (its fingerprint), or that
+    the call board shows in another call, sends nothing here, and the host raises (agreement.py)."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
     my_base = tl.load(bases_ptr + rank)
@@ -160,11 +161,15 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     words, waited, late, elsewhere = poll_epochs_or_other_call(count_words, live, epoch, timeout_ns, sender_rows,
                                                                fp0, fp1, board_address, call_tag, EPOCH_SHIFT=32,
                                                                CHECK_ROWS=True, CHECK_BOARD=True)
+    timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
+    # Masked either way, so this call's combine neither pushes to nor waits for it (without shrink
+    # its home then times out too, and its combine rows for this rank's experts are NaN there).
     report_late(late, sources, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
+    if shrink == 0:  # no enable_shrink: a late rank is an error, not a smaller call
+        report_late(late, sources, mask_ptr, timeouts, MASK_ON_TIMEOUT=False)
     if HAS_WAIT_STATS:
         if l == 0:
             tl.atomic_add(wait_stats_ptr + s, tl.sum(tl.where(sources == s, waited, 0), axis=0), sem="relaxed")
-    _, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
     differ = check_fingerprints(my_base + fp_rows, sources, live, settled, fp0, fp1, epoch, agreement, num_ranks)
     differ |= elsewhere
@@ -223,7 +228,8 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
 #   RECEIVE  (a hook's launch: the epoch its half was sent with)
 #          for each (local expert l, source s):                                  (_pack_received)
 #              ACQUIRE every live source's count word for l carrying epoch — or its fingerprint row
-#              or board word shows another call (recorded, nothing packed), or the timeout (masked)
+#              or board word shows another call (recorded, nothing packed), or the timeout (masked;
+#              without shrink also reported: the host raises EPTimeoutError at the next call)
 #              recv_x[l, offset(s) + i] <- message i of s for l, i < count(s);  offset(s) = Σ_{s'<s} count
 #              layout[l, s] = (offset << 32) | count;  recv_count[l] = Σ_s count   (by the last s)
 @triton.jit
@@ -250,6 +256,7 @@ def ep_ll_dispatch(
                    msg_bytes: "i32", x_bytes: "i32", scale_words: "i32",
                    # this call's half of the workspace, and the timeout of a wait
                    half_offset: "i64", counts_offset: "i64", recv_offset: "i64", half: "i32", timeout_ns: "i64",
+                   shrink: "i32",  # 1: a late rank is masked (enable_shrink); 0: masked and reported
                    # peers on other nodes (REMOTE only: gpu/reach)
                    stage_offset: "i64", ranks_per_node: "i32", spare_word: "i64",
                    # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
@@ -299,7 +306,8 @@ def ep_ll_dispatch(
             _pack_received(item // num_ranks, item % num_ranks, epoch, mask_ptr, out_x_ptr, out_scales_ptr,
                            src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
                            bases_ptr, mailbox_address, half_offset, counts_offset, recv_offset, num_local, num_ranks,
-                           rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, fp_rows, fp0, fp1,
+                           rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, shrink, fp_rows,
+                           fp0, fp1,
                            tl.load(board_bases_ptr + rank), call_tag, HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S,
                            BLOCK_M, R_P2)
 

@@ -75,17 +75,24 @@ class LowLatencyMode:
         num_sms: programs of the combine's receive phase (default: the GPU's SMs; tests with many
             ranks on one GPU keep it small so that every rank's programs fit at once).
         receive_programs: at most this many programs in each receive phase (0: no cap — one
-            per (local expert, source) in a dispatch, ``num_sms`` in a combine). Receive programs
-            spin until their messages land, so where several ranks share one GPU (CUDA MPS) their
-            receivers together must leave SMs for the senders: a cap of SMs / ranks does that.
-            The receive loops stride over their items, so any cap gives the same results.
+            per (local expert, source) in a dispatch, ``num_sms`` in a combine), and in a one-launch
+            call's grid. Receive programs spin until their messages land, so where several ranks
+            share one GPU (CUDA MPS) their receivers together must leave SMs for the senders
+            (shared_grids.py). The loops stride over their items, so any cap gives the same results.
+        send_programs: at most this many programs in each send phase (0: no cap — one per token
+            in a dispatch, per (local expert, source) in a combine): ranks sharing a GPU.
         board: this Buffer's seat on its group's call board (gpu/call_board.py; default: none,
             nothing posted or checked).
+        shrink: the Buffer's ``enable_shrink``: a peer that does not answer within the timeout is
+            masked and the call completes without it. Without it the peer is masked too (this call
+            chain neither waits for it nor sends to it again) and reported: the host raises
+            EPTimeoutError naming it at the next call, and the combine rows it did not deliver are
+            NaN (its dispatch rows are left out of ``recv_count``: their number never arrived).
     """
 
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
                  remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0,
-                 receive_programs: int = 0, board=None):
+                 receive_programs: int = 0, board=None, send_programs: int = 0, shrink: bool = False):
         self.ws = ws
         self.board = board if board is not None else unseated(device, ws.num_ranks)
         # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
@@ -102,6 +109,8 @@ class LowLatencyMode:
         # The one-launch kernels keep every program resident: at most one per SM.
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
         self.receive_cap = receive_programs or (1 << 30)
+        self.send_cap = send_programs or (1 << 30)
+        self.shrink = int(bool(shrink))  # the kernels' runtime flag
         self.reach = (ranks_per_node or self.R, ws.spare_word)  # the kernels' ranks_per_node, spare_word
         self.bases = self.ws.bases.data_ptr()
         self.state_words = state
@@ -137,7 +146,7 @@ class LowLatencyMode:
                        use_ue8m0: bool) -> DispatchPlan:
         if hidden % 128:
             raise EPInputError("x", f"the low-latency kernels need hidden % 128 == 0, got {hidden}")
-        layout = self.ws.ll_layout(E, M, hidden, K, use_fp8, use_ue8m0)
+        layout = self._layout(E, M, hidden, K, use_fp8, use_ue8m0)
         counters = self._counters.get(E)
         if counters is None:
             counters = self._counters[E] = torch.zeros(E, dtype=torch.int32, device=self.device)
@@ -150,6 +159,16 @@ class LowLatencyMode:
                                num_max_dispatch_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
                                use_ue8m0=use_ue8m0)
         return DispatchPlan(layout, kernels, -(-K // msgs), counters, counters.data_ptr(), words, [None, None])
+
+    def _layout(self, E: int, M: int, hidden: int, K: int, use_fp8: bool, use_ue8m0: bool):
+        """The workspace's layout for a call shape; EPInputError naming ``num_rdma_bytes`` (the
+        Buffer's, which sized the workspace) when the shape does not fit it."""
+        try:
+            return self.ws.ll_layout(E, M, hidden, K, use_fp8, use_ue8m0)
+        except EPInputError as err:
+            if err.argument != "num_max_dispatch_tokens_per_rank":
+                raise
+            raise EPInputError("num_rdma_bytes", str(err).split(": ", 1)[-1]) from None
 
     def _dispatch_half(self, plan: DispatchPlan, half: int, E: int, M: int, hidden: int, K: int) -> "_DispatchHalf":
         """One buffer half's index tensors, handle and the launch arguments that never change."""
@@ -165,7 +184,7 @@ class LowLatencyMode:
                                   LowLatencyState(slot_info, K, addresses=(indices[2], indices[1]), owner=self.token))
         sizes = (hidden, K, E, num_local, M, R, self.rank, layout.msg_bytes, layout.x_bytes, layout.scale_words,
                  self.ws.ll_offset + half * self.ws.ll_half, layout.counts, layout.recv, half, self.timeout_ns,
-                 layout.stage, *self.reach, self.fingerprints[0], *plan.fingerprint)
+                 self.shrink, layout.stage, *self.reach, self.fingerprints[0], *plan.fingerprint)
         return _DispatchHalf(handle, recv_count, indices, sizes)
 
     def dispatch(self, args):
@@ -202,7 +221,7 @@ class LowLatencyMode:
             # (in a synced call the kernels start that much sooner). Its out pointers are
             # placeholders (src_info: mapped, aligned, never read by the send phase).
             plan.kernels[True, False, False, False, x_address & 15 == 0].launch(
-                max(send_items, 1), 1, stream, *head, src_info, src_info, *tail)
+                max(min(send_items, self.send_cap), 1), 1, stream, *head, src_info, src_info, *tail)
         recv_x, scales = self._dispatch_outputs(num_local, slots, hidden, layout.scale_words, args)
         launch_args = head + (recv_x.data_ptr(), scales.data_ptr()) + tail
         packed = (recv_x, scales) if args.use_fp8 else recv_x
@@ -218,7 +237,8 @@ class LowLatencyMode:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return packed, per_half.recv_count, handle, receive
         kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
-        kernel.launch_resident(kernel.resident_grid(max(send_items, num_local * self.R)), stream, *launch_args)
+        grid = min(kernel.resident_grid(max(send_items, num_local * self.R)), self.receive_cap)  # (all spin)
+        kernel.launch_resident(grid, stream, *launch_args)
         return packed, per_half.recv_count, handle, None
 
     def _dispatch_outputs(self, num_local: int, slots: int, hidden: int, scale_words: int, args):
@@ -234,7 +254,7 @@ class LowLatencyMode:
         return recv_x, scales
 
     def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
-        layout = self.ws.ll_layout(E, M, hidden, K, False, False)
+        layout = self._layout(E, M, hidden, K, False, False)
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2,
@@ -244,7 +264,7 @@ class LowLatencyMode:
             half_offset = self.ws.ll_offset + half * self.ws.ll_half
             per_half.append(((self.flags, self.ws.local_base + half_offset + layout.combine, self.mailbox_address),
                              (hidden, K, E // self.R, self.R, self.rank, M, hidden // 4, half_offset, layout.combine,
-                              half, self.timeout_ns, layout.stage, *self.reach, self.fingerprints[1])))
+                              half, self.timeout_ns, self.shrink, layout.stage, *self.reach, self.fingerprints[1])))
         return CombinePlan(layout, kernels, agreement.pack(call=agreement.CALL_LL_COMBINE, hidden=hidden, x=1, num_topk=K,
                                                            num_experts=E, num_max_dispatch_tokens_per_rank=M),
                            tuple(per_half))
@@ -292,7 +312,8 @@ class LowLatencyMode:
             # The send phase pushes rows into the homes' workspaces, not into out: it is launched
             # before out is allocated (dispatch says why; its out pointer is a placeholder: the
             # state words, mapped and aligned, never read by the send phase).
-            plan.kernels[True, False, False, x_aligned].launch(pairs, 1, stream, *head, self.state, *tail)
+            plan.kernels[True, False, False, x_aligned].launch(min(pairs, self.send_cap), 1, stream, *head, self.state,
+                                                               *tail)
         out = args.out if args.out is not None else torch.empty((num_tokens, x.shape[2]), dtype=torch.bfloat16,
                                                                 device=self.device)
         out_address = out.data_ptr()
@@ -310,7 +331,8 @@ class LowLatencyMode:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return out, receive
         kernel = plan.kernels[True, True, wait_stats is not None, aligned]
-        kernel.launch_resident(kernel.resident_grid(max(pairs, num_tokens)), stream, *launch_args)
+        kernel.launch_resident(min(kernel.resident_grid(max(pairs, num_tokens)), self.receive_cap), stream,
+                               *launch_args)
         return out, None
 
     @property

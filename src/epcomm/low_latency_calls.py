@@ -1,0 +1,204 @@
+"""The low-latency (decode) calls of :class:`epcomm.Buffer`: a part of it, as :mod:`.rank_mask` is.
+
+The calls validate their arguments (:class:`EPInputError` naming one, raised on every rank), agree
+with the peers where the backend does, and hand the exchange to the backend. The buffer memory has
+two halves used in turn, so at most two low-latency results may be held at once (DeepEP's rule).
+With ``enable_shrink`` the calls carry the rank mask: a rank that does not arrive in time is masked
+and the call goes on without it. Without it a late rank is an :class:`EPTimeoutError` on every rank
+(DeepEP traps there), and a call whose wait gave up returns no plausible data: the rows it knows are
+missing are NaN (the backends' ``low_latency_*`` docstrings say which).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checks
+from .backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .errors import EPInputError
+from .handle import LowLatencyHandle
+
+
+class LowLatencyCalls:
+    """Low-latency mode's public calls; expects the Buffer's state (``_backend``, ``_rank_mask``,
+    ``_ll_phase``, ``_ll_dispatched``, ``_ll_combine_staging``, ``group_size``, ``device``,
+    ``_check_values``) and its helpers (``_check_alive``, ``_start_call``, ``_stream_scope``,
+    ``_forget_calls_in_flight``, ``_stand_in_for_skipped_call``, ``_shrink_mask``)."""
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset low-latency buffer state (needed after switching from normal mode on shared memory).
+        Collective: every rank calls it (a host barrier)."""
+        if self._rejected_layout is not None:  # the peers may still be in the call this rank skipped
+            self._stand_in_for_skipped_call("clean_low_latency_buffer")
+        self._check_low_latency()
+        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        checks.check_int("hidden", hidden, minimum=1)
+        checks.check_num_experts(num_experts, self.group_size)
+        self._forget_calls_in_flight()
+        self._backend.clean_low_latency()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def _next_phase(self) -> int:
+        phase = self._ll_phase
+        self._ll_phase ^= 1
+        return phase
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None):
+        """Low-latency dispatch: one message per (token, expert) into fixed per-(expert, source) slots.
+
+        Args:
+            x: bf16 ``[T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` (``M``).
+            topk_idx: ``[T, K]`` int64 global expert ids, ``-1`` = none.
+            cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the counts.
+            dispatch_wait_recv_cost_stats: optional int64 ``[R]``, incremented by wait time (ns).
+            use_fp8: send e4m3 with per-128-channel float32 scales; round_scale: power-of-two scales;
+                use_ue8m0: pack those scales as UE8M0 bytes, 4 per int32 (needs round_scale).
+            return_recv_hook: only send now; ``hook()`` receives.
+            use_nvfp4, x_global_scale: newer DeepEP's NVFP4 dispatch, which epcomm does not have:
+                ``use_nvfp4=True`` (or a global scale) raises EPInputError naming it on every rank.
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
+            an FP8 pair whose scales ``[E_local, R*M, H/128]`` (int32 ``H/512`` with UE8M0) are
+            column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
+            A source that did not arrive in time is masked with ``enable_shrink`` (its rows are
+            left out); without it the call raises EPTimeoutError naming it (the GPU backends: at the
+            next call; this call's rows from that source are then left out of ``recv_count``).
+
+        Warning:
+            The buffer has two halves, used in turn: hold at most two low-latency results at once.
+            A dispatch's ``handle`` and ``recv_count`` (and its received data, until ``hook()``)
+            are reused by the second dispatch after it, as in DeepEP; ``recv_x`` stays yours.
+        """
+        self._check_low_latency("low_latency_dispatch")
+        try:
+            R = self.group_size
+            if use_nvfp4 or x_global_scale is not None:
+                raise EPInputError("use_nvfp4" if use_nvfp4 else "x_global_scale",
+                                   "NVFP4 dispatch (e2m1 with per-16 E4M3 scales) is not implemented: use use_fp8=True")
+            checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+            checks.check_num_experts(num_experts, R)
+            checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
+            num_tokens, hidden = x.shape
+            if num_tokens > num_max_dispatch_tokens_per_rank:
+                raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                                        f"{num_max_dispatch_tokens_per_rank}")
+            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                  check_values=self._check_values)
+            if use_fp8 and hidden % 128:
+                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
+            if use_ue8m0 and not (use_fp8 and round_scale):
+                raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
+            if use_ue8m0 and hidden % 512:
+                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
+            num_local_experts = num_experts // R
+            if cumulative_local_expert_recv_stats is not None:
+                checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                    dtype=torch.int32, shape=(num_local_experts,), device=self.device)
+            if dispatch_wait_recv_cost_stats is not None:
+                checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                    dtype=torch.int64, shape=(R,), device=self.device)
+            args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                          round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
+            self._backend.check_low_latency_dispatch(args)
+        except EPInputError as err:
+            self._backend.agree("low_latency_dispatch", None, err, self._shrink_mask())  # every rank raises
+            raise
+        if self._backend.agrees:
+            self._backend.agree("low_latency_dispatch", (
+                ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
+                ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._shrink_mask())
+        phase = self._next_phase()
+        with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
+            recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
+            self._ll_dispatched[phase] = (handle, topk_idx)
+            scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
+        return recv_x, recv_count, handle, scope.event_overlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The bf16 ``[E_local, R*M, H]`` tensor the next ``low_latency_combine(zero_copy=True)`` reads.
+
+        Write expert outputs into it directly to save the copy.
+        """
+        self._check_low_latency()
+        checks.check_low_latency_handle(handle, self.group_size)
+        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        staging = self._ll_combine_staging[self._ll_phase]
+        if staging is None or tuple(staging.shape) != shape:
+            staging = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+            self._ll_combine_staging[self._ll_phase] = staging
+        return staging
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Low-latency combine: ``combined[t] = Σ_k topk_weights[t, k] · expert_output(t, k)`` in float32.
+
+        The weights are applied here (unlike normal-mode :meth:`combine`, a plain sum); each
+        ``(t, k)`` entry gets its own weight, also when a token lists the same expert twice.
+
+        Args:
+            x: bf16 ``[E_local, R*M, H]`` expert outputs in dispatch's layout.
+            topk_idx, topk_weights: ``[T, K]`` int64 / float32, as given to the dispatch.
+            handle: the dispatch's handle.
+            use_logfmt: accepted for compatibility; the payload stays bf16 (no lossy compression).
+            zero_copy: read the expert outputs from :meth:`get_next_low_latency_combine_buffer`.
+            out: optional bf16 ``[T, H]`` to write the result into.
+
+        Returns:
+            ``(combined_x [T, H] bf16, event, hook)``. With ``enable_shrink``, masked ranks' experts
+            contribute nothing; without it, a token whose contribution from some rank did not land
+            (the wait for that rank gave up) is a NaN row, and the error is raised (the GPU
+            backends: at the next call; the CPU backend: here, or in ``hook()``).
+        """
+        self._check_low_latency("low_latency_combine")
+        try:
+            R = self.group_size
+            checks.check_low_latency_handle(handle, R)
+            num_local_experts = handle.num_experts // R
+            slots = R * handle.num_max_dispatch_tokens_per_rank
+            checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
+            checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
+            num_tokens = topk_idx.shape[0]
+            if num_tokens > handle.num_max_dispatch_tokens_per_rank:
+                raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
+                                               f"{handle.num_max_dispatch_tokens_per_rank}")
+            checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
+            checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
+            if out is not None:
+                checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
+            if combine_wait_recv_cost_stats is not None:
+                checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                    dtype=torch.int64, shape=(R,), device=self.device)
+            if zero_copy:
+                x = self.get_next_low_latency_combine_buffer(handle)
+            args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                                         return_recv_hook, self._rank_mask)
+            self._backend.check_low_latency_combine(args)
+        except EPInputError as err:
+            self._backend.agree("low_latency_combine", None, err, self._shrink_mask())  # every rank raises
+            raise
+        if self._backend.agrees:
+            self._backend.agree("low_latency_combine", (
+                ("hidden", handle.hidden), ("num_experts", handle.num_experts),
+                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
+                ("num_topk", topk_idx.shape[1])), rank_mask=self._shrink_mask())
+        self._next_phase()
+        with self._stream_scope(None, async_finish, (x, topk_idx, topk_weights)) as scope:
+            combined_x, hook = self._backend.low_latency_combine(args)
+            scope.keep(combined_x)
+        return combined_x, scope.event_overlap(), hook
