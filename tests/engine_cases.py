@@ -115,7 +115,7 @@ def vllm_low_latency(hidden: int = 512, num_max_tokens: int = 8):
     """vLLM's low-latency prepare/finalize: a Buffer sized by the hint with one QP per local expert
     and ``enable_shrink``; FP8 dispatch with ``round_scale``/``use_ue8m0`` and the receive hook;
     combine with ``zero_copy=False``, the hook and ``out=``; the mask calls,
-    ``get_local_buffer_tensor``; ``use_nvfp4`` refused by name on every rank, the next call fine."""
+    ``get_local_buffer_tensor``; NVFP4 with a bad global scale refused by name on every rank, then NVFP4."""
     deep_ep = _deep_ep()
     R, rank = world()
     dev = _device()
@@ -155,15 +155,20 @@ def vllm_low_latency(hidden: int = 512, num_max_tokens: int = 8):
         assert combined.data_ptr() == out.data_ptr()
         _close(out, reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8,
                                                   round_scale), f"low-latency round trip {step}")
-    # newer engines' NVFP4 dispatch (every rank asks, as an engine does): refused by name, and the
-    # Buffer stays usable
+    # NVFP4 dispatch with a global scale that is not one float32 value: refused by name on every rank
+    # (each rank checks its own), and the Buffer stays usable; then NVFP4 as vLLM passes it
     xs, topks, _ = make_routing(499, "uniform", R, num_experts, 2, M, hidden, fixed_tokens=M)
     try:
         buffer.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M, num_experts, use_fp8=False,
-                                    use_nvfp4=True, x_global_scale=torch.ones((), device=dev))
-        raise AssertionError("use_nvfp4=True was not refused")
+                                    use_nvfp4=True, x_global_scale=torch.ones((), dtype=torch.float64, device=dev))
+        raise AssertionError("a float64 x_global_scale was not refused")
     except EPInputError as err:
-        assert "use_nvfp4" in str(err), err
+        assert err.argument == "x_global_scale", err
+    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+        xs[rank].to(dev), topks[rank].to(dev), M, num_experts, use_fp8=False, use_nvfp4=True,
+        x_global_scale=torch.ones(1, device=dev), return_recv_hook=True)
+    hook()
+    assert recv_x[0].dtype == torch.uint8 and recv_x[0].shape == (R * M, hidden // 2, num_experts // R)
     recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(xs[rank].to(dev), topks[rank].to(dev), M,
                                                                    num_experts, use_fp8=False)
     want = reference_low_latency_dispatch(xs, topks, num_experts, False)[rank]

@@ -192,11 +192,11 @@ VALIDATION_RULES = {
     "dispatch_fp8_hidden_multiple": ("x[0]", lambda b, l, x, t, w: _bad_dispatch(
         b, x, t, w, x=(to_fp8_input(x, False)[0][:, :200].contiguous(), torch.ones(x.shape[0], 2)))),
     "dispatch_fp8_scales_shape": ("x[1]", lambda b, l, x, t, w: _bad_dispatch(
-        b, x, t, w, x=(to_fp8_input(x, False)[0], torch.ones(x.shape[0], 3)))),
+        b, x, t, w, x=(to_fp8_input(x, False)[0], torch.ones(x.shape[0] + 1, 2)))),  # a row per token
     "dispatch_fp8_scales_dtype": ("x[1]", lambda b, l, x, t, w: _bad_dispatch(
         b, x, t, w, x=(to_fp8_input(x, False)[0], to_fp8_input(x, False)[1].double()))),
     "dispatch_fp8_scales_layout": ("x[1]", lambda b, l, x, t, w: _bad_dispatch(
-        b, x, t, w, x=(to_fp8_input(x, False)[0], torch.ones(x.shape[0], 4)[:, ::2]))),
+        b, x, t, w, x=(to_fp8_input(x, False)[0], torch.ones(x.shape[0], 2, 1)))),  # 2-D (any width, strides)
     "dispatch_missing_layout": ("num_tokens_per_rank", lambda b, l, x, t, w: b.dispatch(x, topk_idx=t, topk_weights=w)),
     "dispatch_per_rank_dtype": ("num_tokens_per_rank", lambda b, l, x, t, w: _bad_dispatch(
         b, x, t, w, num_tokens_per_rank=_layout_kwargs(b, t)["num_tokens_per_rank"].long())),

@@ -55,7 +55,7 @@ def test_an_engine_case_gives_the_callers_num_sms_back(pools, case):
     assert pools.get(4).run(engine_cases.leaves_num_sms_as_found, case) == [(6, 6)] * 4
 
 
-def test_vllm_low_latency_prepare_finalize_hooks_out_masks_and_nvfp4_refusal(pools):
+def test_vllm_low_latency_prepare_finalize_hooks_out_masks_and_nvfp4(pools):
     assert pools.get(4).run(engine_cases.vllm_low_latency) == [True] * 4
 
 

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checks, config as config_mod
+from . import checks, config as config_mod, fp8
 from . import expert_major as expert_major_layout
 from .backends import BACKENDS, create_backend, default_backend_name, group_device, ranks_per_host
 from .backends.base import DispatchArgs
@@ -380,8 +380,9 @@ class Buffer(RankMasking, LowLatencyCalls):
         """Send each token once to every rank that hosts at least one of its experts.
 
         Args:
-            x: bf16 ``[T, H]``, or FP8 ``(e4m3 [T, H], float32 scales [T, H/128])`` (scales row- or
-                column-major).
+            x: bf16 ``[T, H]``, or FP8 ``(e4m3 [T, H], scales [T, S])``: float32 or int32 scales of any
+                width ``S`` and strides (e.g. DeepGEMM's UE8M0 ``[T, H/512]`` int32, column-major and
+                TMA-aligned), received in their dtype and width, row-major (:class:`epcomm.fp8.DispatchPayload`).
             handle: a handle from an earlier dispatch: cached mode (no top-k arguments, no count
                 exchange, no host synchronisation).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
@@ -403,14 +404,16 @@ class Buffer(RankMasking, LowLatencyCalls):
         Returns:
             ``(recv_x, recv_topk_idx [Trecv, K] | None, recv_topk_weights [Trecv, K] | None,
             num_recv_tokens_per_expert_list, handle, event)``. Rows are grouped by source rank in rank
-            order, each source's tokens in its own order; ``handle[0]`` is ``rank_prefix_matrix``.
+            order, each source's tokens in its own order. ``handle`` holds DeepEP's fields at DeepEP's
+            positions (:mod:`epcomm.handle`: ``handle[0]`` is ``rank_prefix_matrix`` on one node).
             ``recv_topk_idx`` holds local expert ids (``-1`` elsewhere; weights 0 there).
             In cached mode the top-k outputs and the list are ``None``.
         """
         self._start_call("dispatch")
         try:
             R = self.group_size
-            num_tokens, hidden, is_fp8 = checks.check_payload("x", x, self.device)
+            # FP8 scales of any 4-byte dtype, width and strides, as float32 words the backends copy
+            num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
             config = self._resolve_config(config, Buffer.get_dispatch_config)
             checks.check_int("expert_alignment", expert_alignment, minimum=1)
             checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
@@ -456,7 +459,7 @@ class Buffer(RankMasking, LowLatencyCalls):
                                                 num_tokens_per_rdma_rank, self.ranks_per_node)
                 if expert_major and (topk_idx is None or num_worst_tokens):
                     raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
-            args = DispatchArgs(x=tuple(x) if is_fp8 else x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+            args = DispatchArgs(x=payload.x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                                 is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
                                 topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
                                 num_worst_tokens=num_worst_tokens, config=config,
@@ -471,11 +474,13 @@ class Buffer(RankMasking, LowLatencyCalls):
                                              ("num_topk", None if topk_idx is None else topk_idx.shape[1]),
                                              ("num_tokens_per_expert", None if handle is not None else num_experts),
                                              ("num_worst_tokens", num_worst_tokens > 0)))
-        inputs = (x if not is_fp8 else x[0], x[1] if is_fp8 else None, topk_idx, topk_weights, is_token_in_rank)
+        inputs = payload.tensors + (topk_idx, topk_weights, is_token_in_rank)
         with self._stream_scope(previous_event, async_finish, inputs) as scope:
             result = self._backend.dispatch(args)
             recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
-            counts, out_handle = result.num_recv_tokens_per_expert_list, result.handle
+            recv_x = payload.restore(recv_x)  # the caller's scale dtype and width, row-major
+            counts = result.num_recv_tokens_per_expert_list
+            out_handle = result.handle.laid_out(self.rank, self.ranks_per_node, config.num_sms // 2)  # DeepEP's fields
             if not self._backend.native_expert_major:  # re-laid here from the plain rows
                 if expert_major:
                     mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)

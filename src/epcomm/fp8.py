@@ -174,3 +174,10 @@ class DispatchPayload:
         if values.shape[1] != self.hidden:
             values = values[:, :self.hidden].contiguous()
         return values, scales.view(self._dtype)
+
+
+def dispatch_payload(name: str, x, device: torch.device):
+    """``(num_tokens, hidden, is_fp8, DispatchPayload)`` of a normal dispatch's ``x``; EPInputError
+    naming ``name`` (or ``name[0]`` / ``name[1]``) if it is neither bf16 nor an FP8 pair."""
+    payload = DispatchPayload(name, x, device)
+    return payload.num_tokens, payload.hidden, payload.is_fp8, payload

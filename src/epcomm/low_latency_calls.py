@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import checks
+from . import checks, nvfp4
 from .backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .errors import EPInputError
 from .handle import LowLatencyHandle
@@ -63,13 +63,16 @@ class LowLatencyCalls:
             use_fp8: send e4m3 with per-128-channel float32 scales; round_scale: power-of-two scales;
                 use_ue8m0: pack those scales as UE8M0 bytes, 4 per int32 (needs round_scale).
             return_recv_hook: only send now; ``hook()`` receives.
-            use_nvfp4, x_global_scale: newer DeepEP's NVFP4 dispatch, which epcomm does not have:
-                ``use_nvfp4=True`` (or a global scale) raises EPInputError naming it on every rank.
+            use_nvfp4, x_global_scale: NVFP4 dispatch, as DeepEP's (``use_fp8``, ``round_scale`` and
+                ``use_ue8m0`` are then ignored): e2m1 values with an e4m3 scale per 16 and the float32
+                global scale ``x_global_scale`` (one value); ``recv_x`` is then ``(uint8 [R*M, H/2, E_local],
+                float8_e4m3fn [32, 4, ceil(R*M/128), 4, H/64, E_local])``, DeepEP's layout (:mod:`epcomm.nvfp4`).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E_local, R*M, H]`` or
             an FP8 pair whose scales ``[E_local, R*M, H/128]`` (int32 ``H/512`` with UE8M0) are
-            column-major in the last two dims; ``recv_count [E_local]`` int32 valid rows per expert.
+            column-major in the last two dims, or the NVFP4 pair above; ``recv_count [E_local]`` int32
+            valid rows per expert.
             A source that did not arrive in time is masked with ``enable_shrink`` (its rows are
             left out); without it the call raises EPTimeoutError naming it (the GPU backends: at the
             next call; this call's rows from that source are then left out of ``recv_count``).
@@ -82,9 +85,6 @@ class LowLatencyCalls:
         self._check_low_latency("low_latency_dispatch")
         try:
             R = self.group_size
-            if use_nvfp4 or x_global_scale is not None:
-                raise EPInputError("use_nvfp4" if use_nvfp4 else "x_global_scale",
-                                   "NVFP4 dispatch (e2m1 with per-16 E4M3 scales) is not implemented: use use_fp8=True")
             checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
             checks.check_num_experts(num_experts, R)
             checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
@@ -94,10 +94,14 @@ class LowLatencyCalls:
                                         f"{num_max_dispatch_tokens_per_rank}")
             checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
                                   check_values=self._check_values)
-            if use_fp8 and hidden % 128:
-                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8")
-            if use_ue8m0 and not (use_fp8 and round_scale):
-                raise EPInputError("use_ue8m0", "needs use_fp8=True and round_scale=True")
+            # DeepEP reads round_scale and use_ue8m0 only with use_fp8, and use_fp8 not with use_nvfp4
+            # (SGLang passes Blackwell's round_scale / use_ue8m0 whatever it dispatches)
+            if not use_fp8 or use_nvfp4:
+                use_fp8 = round_scale = use_ue8m0 = False
+            if (use_fp8 or use_nvfp4) and hidden % 128:
+                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8 and NVFP4")
+            if use_ue8m0 and not round_scale:
+                raise EPInputError("use_ue8m0", "needs round_scale=True (with use_fp8=True)")
             if use_ue8m0 and hidden % 512:
                 raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
             num_local_experts = num_experts // R
@@ -107,7 +111,10 @@ class LowLatencyCalls:
             if dispatch_wait_recv_cost_stats is not None:
                 checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     dtype=torch.int64, shape=(R,), device=self.device)
-            args = LowLatencyDispatchArgs(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+            # NVFP4: quantized here (nvfp4.py) and carried as a bf16 payload by every backend
+            wire = nvfp4.wire_for(x, use_nvfp4, x_global_scale, self._check_values)
+            args = LowLatencyDispatchArgs(x if wire is None else wire.x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                          num_experts, use_fp8,
                                           round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
                                           dispatch_wait_recv_cost_stats, return_recv_hook, self._rank_mask)
             self._backend.check_low_latency_dispatch(args)
@@ -118,10 +125,13 @@ class LowLatencyCalls:
             self._backend.agree("low_latency_dispatch", (
                 ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                 ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]), ("use_fp8", bool(use_fp8)),
-                ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0))), rank_mask=self._shrink_mask())
+                ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0)), ("use_nvfp4", bool(use_nvfp4))),
+                rank_mask=self._shrink_mask())
         phase = self._next_phase()
-        with self._stream_scope(None, async_finish, (x, topk_idx)) as scope:
+        with self._stream_scope(None, async_finish, (args.x, topk_idx)) as scope:
             recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
+            if wire is not None:  # DeepEP's NVFP4 layout from the bf16 payload; the handle gets hidden back
+                recv_x, handle, hook = wire.unpack(recv_x, handle, hook)
             self._ll_dispatched[phase] = (handle, topk_idx)
             scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
         return recv_x, recv_count, handle, scope.event_overlap(), hook

@@ -162,3 +162,13 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).replace('torch.', '')} {list(value.shape)} on {value.device}"
     return type(value).__name__
+
+
+def wire_for(x: torch.Tensor, use_nvfp4: bool, x_global_scale, check_values: bool) -> Optional[Wire]:
+    """The :class:`Wire` of a low-latency dispatch with ``use_nvfp4``, else None; a global scale
+    without ``use_nvfp4`` is an EPInputError naming ``x_global_scale``."""
+    if not use_nvfp4:
+        if x_global_scale is not None:
+            raise EPInputError("x_global_scale", "is the NVFP4 global scale: it needs use_nvfp4=True")
+        return None
+    return Wire(x, x_global_scale, check_values)

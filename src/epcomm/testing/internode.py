@@ -120,7 +120,7 @@ def internode_against_reference(num_tokens: int = 1024, hidden: int = 7168, num_
             for label, got, ref in (("recv_x", recv_x, want["recv_x"]), ("recv_topk_idx", recv_idx, want["recv_topk_idx"]),
                                     ("recv_topk_weights", recv_w, want["recv_topk_weights"]),
                                     ("recv_src_idx", handle.recv_src_idx, want["recv_src_idx"]),
-                                    ("rank_prefix_matrix", handle[0], want["rank_prefix_matrix"])):
+                                    ("rank_prefix_matrix", handle.rank_prefix_matrix, want["rank_prefix_matrix"])):
                 differ = _rows_differ(got, ref, want["rank_prefix_matrix"][:, rank] if label != "rank_prefix_matrix"
                                       else None)
                 assert not differ, f"{what}: BF16 dispatch {label}: {differ}"

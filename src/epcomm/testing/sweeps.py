@@ -138,7 +138,7 @@ def normal_mode_sweep(num_cases: int, seed0: int = 0, hidden: int = 256, num_top
         assert torch.equal(recv_idx.cpu(), ref["recv_topk_idx"]), f"case {case} recv_topk_idx"
         assert torch.equal(recv_w.cpu(), ref["recv_topk_weights"]), f"case {case} recv_topk_weights"
         assert counts == ref["num_recv_tokens_per_expert_list"], f"case {case} counts {counts}"
-        assert torch.equal(handle[0].cpu(), ref["rank_prefix_matrix"]), f"case {case} rank_prefix_matrix"
+        assert torch.equal(handle.rank_prefix_matrix.cpu(), ref["rank_prefix_matrix"]), f"case {case} rank_prefix_matrix"
         assert torch.equal(handle.recv_src_idx.cpu(), ref["recv_src_idx"]), f"case {case} recv_src_idx"
 
         # Cached mode reproduces recv_x without top-k outputs.
