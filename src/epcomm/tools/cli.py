@@ -1,4 +1,4 @@
-"""Command line: ``epcomm demo | info | check | bench | model``.
+"""Command line: ``epcomm demo | info | check | bench | model | model-one-node``.
 
 Every option has help text and shows its default (``epcomm <command> --help``); invalid values
 end in a one-line usage error, not a traceback.
@@ -92,6 +92,11 @@ def main(argv=None) -> int:
                            help="multi-node normal-mode time from the two-level plan's bytes and per-leg rates (CPU)")
     from . import internode_model
     internode_model.add_arguments(model)
+    one_node_model = sub.add_parser("model-one-node", formatter_class=formatter,
+                                    help="one-node normal-mode time from bytes, link and per-program rates, for "
+                                         "both schedules of the pull and push (CPU)")
+    from . import one_node_model as one_node
+    one_node.add_arguments(one_node_model)
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -109,6 +114,8 @@ def main(argv=None) -> int:
         return run(args)
     if args.command == "model":
         return internode_model.run(args)
+    if args.command == "model-one-node":
+        return one_node.run(args)
     return 2
 
 

@@ -1,0 +1,169 @@
+"""``epcomm model-one-node``: one-node normal-mode time from byte counts, link rate, per-program rates
+and the kernels' phases, for the schedule the kernels use and the rank-order walk they replaced.
+
+The rows are exact for the routing given (DeepEP's test routing, :func:`uniform_topk`, for every
+rank); the rates are inputs. A call is its kernels one after the other (``|``), and a kernel that
+moves rows between GPUs is bound by the slower of its programs and its links::
+
+    cached dispatch = fixed + stage | pull        full dispatch = cached + count exchange and host wait
+    combine         = fixed + push  | reduce
+    stage  = T rows copied locally                       (local copy rate)
+    reduce = the rows sent back read, T rows written     (local reduce rate)
+    pull, push (every peer at once, gpu/normal/one_node/schedule.py):
+        max( local / (P * r_local) + remote / (P * r_remote),   the programs: P of them, each at
+                                                                its rate per byte kind
+             remote bytes in / link,  remote bytes out / link )  each GPU's links, each way
+    pull, push (rank order, the walk before): each receiver takes source 0, 1, ... in turn, at
+        P * r_local from itself, else min(P * r_remote, link / receivers now on that source) — a fluid
+        queue (at 2 ranks the two receivers pair up; from 4 on they crowd one GPU's links)
+
+Defaults: the link of an H200 (18 NVLinks), the per-program rates fitted to the
+measured one-GPU kernels (scripts/kernels_alone.py) and 2-rank calls on 2 × H200 (docs/PERFORMANCE.md).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from ..layout import tokens_to_ranks
+from ..testing.routing import uniform_topk
+
+# Measured on 4 x H200 at commit 7562a92 (docs/PERFORMANCE.md), gpu / synced µs on rank 0, T=4096,
+# H=7168, top-8 of 256, Config(24, 8, 256); DeepEP V1 in the same run and (8 ranks) on 8 x H200.
+MEASURED = {
+    2: {"full dispatch": ("374 / 534", "416"), "cached dispatch": ("295 / 328", "376"), "combine": ("323 / 363", "398")},
+    4: {"full dispatch": ("1119 / 1031", "863"), "cached dispatch": ("1017 / 846", "821"),
+        "combine": ("945 / 970", "616")},
+    8: {"full dispatch": ("-", "-"), "cached dispatch": ("-", "925"), "combine": ("-", "960")},
+}
+
+
+@dataclass
+class Rates:
+    """GB/s: link (one GPU, one direction); per program: local rows, remote loads (pull), remote
+    stores (push); local copy (stage) and reduce rates of the whole GPU; µs: fixed per call, and
+    the full dispatch's count exchange and host wait."""
+
+    link: float
+    program_local: float
+    program_remote_load: float
+    program_remote_store: float
+    local_copy: float
+    local_reduce: float
+    fixed_us: float
+    notify_us: float
+
+
+def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
+    """``rows[s, d]``: rows source s sends rank d in a dispatch (DeepEP's routing, one draw per rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([tokens_to_ranks(uniform_topk(tokens, experts, topk, generator=g), experts, num_ranks).sum(0)
+                        for _ in range(num_ranks)]).double()
+
+
+def _every_peer_us(rows: torch.Tensor, row_bytes: int, programs: int, rates: Rates, remote_rate: float) -> float:
+    R = rows.shape[0]
+    local = rows.diagonal() * row_bytes
+    remote_in = (rows.sum(0) - rows.diagonal()) * row_bytes
+    remote_out = (rows.sum(1) - rows.diagonal()) * row_bytes
+    per_rank = torch.maximum(local / (programs * rates.program_local) + remote_in / (programs * remote_rate),
+                             torch.maximum(remote_in, remote_out) / rates.link) if R > 1 else \
+        local / (programs * rates.program_local)
+    return float(per_rank.max()) / 1e3  # bytes / (GB/s) = ns
+
+
+def _rank_order_us(rows: torch.Tensor, row_bytes: int, programs: int, rates: Rates, remote_rate: float) -> float:
+    """The rank-order walk as a fluid queue: every receiver takes its sources 0, 1, ... in turn; the
+    remote receivers on one source share that GPU's links (each at most its programs' rate), so
+    receivers that reach a source together slow each other down and drift apart."""
+    R = rows.shape[0]
+    remaining = [float(rows[0, d]) * row_bytes for d in range(R)]
+    source = [0] * R
+    t = 0.0
+    while True:
+        for d in range(R):  # past the sources it has no rows from
+            while source[d] < R and remaining[d] <= 1e-3:  # (bytes: float rounding)
+                source[d] += 1
+                remaining[d] = float(rows[source[d], d]) * row_bytes if source[d] < R else 0.0
+        active = [d for d in range(R) if source[d] < R]
+        if not active:
+            return t / 1e3
+        readers = [sum(1 for d in active if source[d] == s and d != s) for s in range(R)]
+        rate = {d: programs * rates.program_local if source[d] == d else
+                min(programs * remote_rate, rates.link / readers[source[d]]) for d in active}
+        step = min(remaining[d] / rate[d] for d in active)
+        t += step
+        for d in active:
+            remaining[d] -= rate[d] * step
+
+
+def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, programs: int,
+             rates: Rates) -> Dict[str, Dict[str, float]]:
+    """µs per call of the busiest rank, ``{schedule: {call: µs}}`` for "every peer" and "rank order"."""
+    rows = rows_between(num_ranks, tokens, experts, topk)
+    x_bytes = 2 * hidden  # BF16 rows
+    stage_us = tokens * (x_bytes + 12 * topk) * 2 / rates.local_copy / 1e3  # read + write
+    reduce_us = float((rows.sum(1).max() + tokens) * x_bytes) / rates.local_reduce / 1e3
+    out = {}
+    for schedule, kernel in (("every peer", _every_peer_us), ("rank order", _rank_order_us)):
+        pull = kernel(rows, x_bytes, programs, rates, rates.program_remote_load)
+        push = kernel(rows, x_bytes, programs, rates, rates.program_remote_store)
+        cached = rates.fixed_us + stage_us + pull
+        out[schedule] = {"cached dispatch": cached, "full dispatch": cached + rates.notify_us,
+                         "combine": rates.fixed_us + push + reduce_us}
+    remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
+    out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / rates.link}
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .args import non_negative_float, positive_float, positive_int, token_list
+    parser.add_argument("--ranks", type=token_list, default="2,4,8", help="ranks of the node to model")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
+    parser.add_argument("--topk", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--experts", type=positive_int, default=256, help="experts in total")
+    parser.add_argument("--sms", type=positive_int, default=24, help="programs of the pull and push (Config.num_sms)")
+    parser.add_argument("--link-gbps", type=positive_float, default=478.0,
+                        help="GB/s of one GPU's NVLinks, each way (H200: 18 links of 26.6)")
+    parser.add_argument("--program-local-gbps", type=positive_float, default=36.0,
+                        help="GB/s of rows one program copies locally (the pull alone on one GPU: 4096 rows of "
+                             "14 KB in 67 µs at 24 programs on H100, scripts/kernels_alone.py)")
+    parser.add_argument("--program-load-gbps", type=positive_float, default=15.0,
+                        help="GB/s of rows one program loads from a peer (fitted: cached dispatch at 2 ranks, "
+                             "295 µs on 2 x H200, half its rows remote)")
+    parser.add_argument("--program-store-gbps", type=positive_float, default=12.0,
+                        help="GB/s of rows one program stores to a peer (fitted: combine at 2 ranks, 323 µs)")
+    parser.add_argument("--copy-gbps", type=positive_float, default=2060.0,
+                        help="GB/s of the stage's local copy, bytes read + written (4096 rows in 57 µs on H200)")
+    parser.add_argument("--reduce-gbps", type=positive_float, default=2800.0,
+                        help="GB/s of the reduce, rows read + written (one GPU: 42 µs on H200)")
+    parser.add_argument("--fixed-us", type=non_negative_float, default=10.0, help="launch gaps per call")
+    parser.add_argument("--notify-us", type=non_negative_float, default=80.0,
+                        help="a full dispatch's count exchange and host wait over a cached one (measured 79 at 2 "
+                             "ranks)")
+
+
+def run(args) -> int:
+    rates = Rates(args.link_gbps, args.program_local_gbps, args.program_load_gbps, args.program_store_gbps,
+                  args.copy_gbps, args.reduce_gbps, args.fixed_us, args.notify_us)
+    print(f"model: one node, T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, {args.sms} programs, "
+          f"link {args.link_gbps:g} GB/s, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
+          f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
+    print("| ranks | call | remote MB in | link floor µs | every peer µs | rank order µs | measured gpu / synced "
+          "(7562a92, rank order) | DeepEP V1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for R in args.ranks:
+        if R < 1 or args.experts % R:
+            print(f"skipped {R} ranks: {args.experts} experts do not split over them")
+            continue
+        est = estimate(R, args.tokens, args.hidden, args.topk, args.experts, args.sms, rates)
+        for call in ("full dispatch", "cached dispatch", "combine"):
+            measured, peer = MEASURED.get(R, {}).get(call, ("-", "-")) if args.tokens == 4096 and \
+                args.hidden == 7168 and args.sms == 24 else ("-", "-")
+            print(f"| {R} | {call} | {est['bytes']['remote MB in']:.0f} | {est['bytes']['link floor us']:.0f} | "
+                  f"{est['every peer'][call]:.0f} | {est['rank order'][call]:.0f} | {measured} | {peer} |")
+    return 0

@@ -1,0 +1,48 @@
+"""``epcomm model-one-node`` (tools/one_node_model.py): the bytes it counts, and that it fits what was
+measured with the rank-order walk before predicting the schedule that replaced it."""
+import pytest
+
+from epcomm.tools import cli
+from epcomm.tools.one_node_model import MEASURED, Rates, estimate
+
+DEFAULTS = Rates(link=478.0, program_local=36.0, program_remote_load=15.0, program_remote_store=12.0,
+                 local_copy=2060.0, local_reduce=2800.0, fixed_us=10.0, notify_us=80.0)
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    return {R: estimate(R, 4096, 7168, 8, 256, 24, DEFAULTS) for R in (2, 4, 8)}
+
+
+def test_remote_bytes_grow_as_the_issue_counts_them(estimates):
+    """58 MB in per GPU at 2 ranks, 159 at 4, 272 at 8 (DeepEP's routing, BF16 rows of 7168)."""
+    for R, mb in ((2, 58), (4, 159), (8, 272)):
+        assert abs(estimates[R]["bytes"]["remote MB in"] - mb) / mb < 0.03, (R, estimates[R]["bytes"])
+
+
+def test_rank_order_fits_the_measured_calls_and_pairs_up_at_two_ranks(estimates):
+    """The fluid queue of the old walk: at 2 ranks the receivers pair up (the same as every peer at
+    once), at 4 it lands within 15 % of the measured synced cached dispatch and combine."""
+    two, four = estimates[2], estimates[4]
+    assert two["rank order"] == pytest.approx(two["every peer"])
+    assert two["every peer"]["cached dispatch"] == pytest.approx(295, rel=0.1)
+    for call in ("cached dispatch", "combine"):
+        synced = float(MEASURED[4][call][0].split("/")[1])
+        assert four["rank order"][call] == pytest.approx(synced, rel=0.15), call
+
+
+def test_every_peer_grows_with_the_bytes_where_rank_order_does_not(estimates):
+    """From 2 to 8 ranks the remote bytes grow 4.7x; the every-peer pull grows less than that, the
+    rank-order one more (its receivers queue on one GPU's links)."""
+    growth = estimates[8]["bytes"]["remote MB in"] / estimates[2]["bytes"]["remote MB in"]
+    every = estimates[8]["every peer"]["cached dispatch"] / estimates[2]["every peer"]["cached dispatch"]
+    rank = estimates[8]["rank order"]["cached dispatch"] / estimates[2]["rank order"]["cached dispatch"]
+    assert every < growth < rank
+    assert estimates[8]["rank order"]["combine"] > 1.5 * estimates[8]["every peer"]["combine"]
+
+
+def test_model_one_node_command_prints_a_row_per_ranks_and_call(capsys):
+    assert cli.main(["model-one-node", "--ranks", "2,4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |") or
+            line.startswith("| 4 |")]
+    assert len(rows) == 6
