@@ -13,7 +13,9 @@ workspace half at HBM speed and writes, for each destination, the ascending list
 sends there; then every receiver pulls its rows straight from the sources into ``recv_x``, at
 rank-prefix offsets (rows grouped by source in rank order, source token order within). Combine is
 "push and reduce": each rank stores every received row into slot ``(token, own rank)`` of the
-token's home, and the home sums the slots present in ``is_token_in_rank`` in float32.
+token's home, and the home sums the slots present in ``is_token_in_rank`` in float32. The pull and
+the push take their rows in blocks of one peer, every peer at once (schedule.py: DESIGN's scale
+rule), not in rank order.
 
 Ordering follows the contract in :mod:`...sync`: every kernel that writes for peers ends with an
 arrival and a release of the next epoch; every kernel that reads peers' data begins with the
