@@ -152,3 +152,16 @@ def test_a_rank_that_skips_a_call_never_gets_wrong_data(pools, skipped):
             if outcome[0] == "EPInputError":
                 assert outcome[1] == "call" and seconds < timeout / 2, (rank, steps)
         assert [o[0] for _, o, _ in judged[-2:]] == ["ok", "ok"], (rank, steps)
+
+
+def test_random_sequence_with_late_ranks(pools):
+    """30 steps of the fault sequence with late ranks among the faults (testing/sequence.py): a rank
+    comes past the timeout to a round on a Buffer of its own — without enable_shrink every rank
+    raises EPTimeoutError naming it and the next round pairs; with it the others mask it and get
+    the live ranks' sum, the late rank raises, and after every rank unmasked and cleaned the next
+    round is whole. The other faults and valid steps in between stay right."""
+    from epcomm.testing.sequence import error_sequence
+    results = pools.get(4).run(error_sequence, 30, 41, late=True, timeout_s=300)
+    assert all(r == results[0] for r in results), results
+    for key in ("ok", "late_raised", "late_masked", "skip_raised"):
+        assert results[0].get(key, 0) > 0, results[0]

@@ -15,6 +15,11 @@ carries at most one fault:
   the call board makes the rank's next call raise naming ``call`` too; it makes it again.)
 - ``drop`` (``two_buffers``): one rank drops the whole step (it fails before the dispatch) and
   the next step is on the other Buffer; its peers raise naming ``call`` in the dispatch.
+- ``late`` (``late``, CPU): one rank comes past the timeout to a round trip on a Buffer of its own
+  with a short timeout. Without ``enable_shrink`` (a low-latency or a normal round) every rank
+  raises EPTimeoutError naming it, the late rank too when it comes; with it (low-latency) the
+  others mask it and get the live ranks' sum, the late rank raises EPError (masked), and every
+  rank unmasks and cleans the buffer. Either way the next round on that Buffer is right.
 
 With ``two_buffers`` normal-mode steps run on one Buffer and low-latency steps on a second one of
 the same group, as a server's prefill and decode paths do. (A rank that drops a whole step and
@@ -39,9 +44,11 @@ from .reference import reference_combine, reference_dispatch, reference_low_late
 from .sweeps import _bits, expert_fn, make_routing, rank_fn, world
 
 OPS = ("normal", "cached", "low_latency")
-FAULTS = ("none", "bad", "disagree", "layout", "skip", "drop")
-FAULT_WEIGHTS = (5, 2, 2, 2, 2, 0)
-TWO_BUFFER_WEIGHTS = (5, 2, 2, 2, 3, 2)
+FAULTS = ("none", "bad", "disagree", "layout", "skip", "drop", "late")
+FAULT_WEIGHTS = (5, 2, 2, 2, 2, 0, 0)
+TWO_BUFFER_WEIGHTS = (5, 2, 2, 2, 3, 2, 0)
+LATE_WEIGHTS = (5, 1, 1, 1, 1, 0, 3)  # (a late step sleeps past LATE_TIMEOUT_S)
+LATE_TIMEOUT_S = 1.0  # the late steps' Buffers' timeout; the late rank comes 0.3 s after it
 
 
 class _Expected(Exception):
@@ -49,12 +56,12 @@ class _Expected(Exception):
 
 
 def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: bool, last: bool, gpu: bool,
-          two_buffers: bool = False) -> Dict:
+          two_buffers: bool = False, late: bool = False) -> Dict:
     rng = random.Random(seed * 100003 + step)
     ops = OPS if have_handle else ("normal", "low_latency")
     op = previous.get("next_op") or rng.choice(ops)
     # a fault is followed by a valid step (the last step too: a rank that skipped needs a next call)
-    weights = TWO_BUFFER_WEIGHTS if two_buffers else FAULT_WEIGHTS
+    weights = TWO_BUFFER_WEIGHTS if two_buffers else LATE_WEIGHTS if late else FAULT_WEIGHTS
     fault = "none" if previous["fault"] != "none" or last else rng.choices(FAULTS, weights)[0]
     next_op = None
     if fault in ("skip", "drop") or (fault == "layout" and two_buffers):  # the next step's op is part of it
@@ -78,7 +85,7 @@ def _plan(seed: int, step: int, num_ranks: int, previous: Dict, have_handle: boo
 
 def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: int = 256, num_topk: int = 2,
                    tokens: int = 8, backend: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
-                   two_buffers: bool = False):
+                   two_buffers: bool = False, late: bool = False):
     """Run ``num_steps`` planned steps on this rank (all ranks call it with the same arguments);
     returns ``{outcome: count}``. Raises AssertionError naming the step on any broken promise.
     A step that completes updates the handle later cached steps use; one that raised anywhere
@@ -93,7 +100,8 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
     and low-latency steps on two Buffers of the group, with ``drop`` faults. On the reference
     backend the call of the rank that skipped pairs with its peers' next one; on a GPU backend the
     call board (gpu/call_board.py) makes both sides raise naming ``call``, so the rank that skipped
-    makes its next call again after it raised."""
+    makes its next call again after it raised. ``late`` (the reference backend): ``late`` faults, on
+    two more Buffers of the group (with and without ``enable_shrink``, timeout LATE_TIMEOUT_S)."""
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     num_experts, M = 2 * R, tokens
@@ -105,6 +113,12 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         kwargs["backend"] = backend
     buffer = epcomm.Buffer(dist.group.WORLD, **kwargs)
     normal_buffer = epcomm.Buffer(dist.group.WORLD, **dict(kwargs, low_latency_mode=False)) if two_buffers else buffer
+    late_buffers = {}
+    if late:
+        assert not gpu, "late faults run on the reference backend (a GPU Buffer's timeout error is sticky)"
+        late_buffers = {shrink: epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=shrink,
+                                              timeout=LATE_TIMEOUT_S, **({"backend": backend} if backend else {}))
+                        for shrink in (False, True)}
     outcomes: Counter = Counter()
     previous, cached = {"fault": "none", "op": "normal"}, None  # cached: (routing seed, handle) of the last normal step
     retry_pending = False  # this rank skipped a combine: its next call raises, then it makes it again
@@ -131,8 +145,12 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
         return fn()
 
     for step in range(num_steps):
-        plan = _plan(seed, step, R, previous, cached is not None, step == num_steps - 1, gpu, two_buffers)
+        plan = _plan(seed, step, R, previous, cached is not None, step == num_steps - 1, gpu, two_buffers, late)
         op, fault = plan["op"], plan["fault"]
+        if fault == "late":
+            outcomes[_late_step(late_buffers, plan, rank, R, num_experts, num_topk, M, hidden)] += 1
+            previous = {"fault": fault, "op": op, "next_op": None}
+            continue
         where = f"rank {rank} step {step} ({op}, {fault} at {plan['at']}, ranks {plan['bad_ranks']}/{plan['odd_ranks']}/{plan['one']})"
 
         def expect(argument: str, peer: Optional[int] = None):
@@ -282,3 +300,65 @@ def _low_latency_step(buffer, plan, rank, R, num_experts, M, hidden, dev, collec
     combined = combine()[0].cpu()
     want = reference_low_latency_combine(xs[rank], topks[rank], weights[rank], expert_fn, use_fp8=False)
     torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{where}: combine: {m}")
+
+
+def _late_step(buffers, plan, rank, R, num_experts, num_topk, M, hidden) -> str:
+    """A ``late`` fault: rank ``plan["one"]`` sleeps past LATE_TIMEOUT_S, then every rank makes a
+    round trip on ``buffers[shrink]`` (shrink: ``plan["variant"]``; without it the round is
+    low-latency or normal as ``plan["op"]`` says). Checks what each rank must see (module
+    docstring), then a valid round on that Buffer; returns the outcome's name."""
+    import time
+    shrink, late = bool(plan["variant"]), plan["one"]
+    buffer = buffers[shrink]
+    low_latency = shrink or plan["op"] == "low_latency"
+    where = f"rank {rank} late step (rank {late} late, shrink={shrink}, {'low_latency' if low_latency else 'normal'})"
+
+    def round_trip(seed, dropped=()):
+        xs, topks, weights = make_routing(seed, "uniform", R, num_experts, num_topk, M, hidden, fixed_tokens=M)
+        x, topk, w = xs[rank], topks[rank], weights[rank]
+        if not low_latency:
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+            recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                         num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                         topk_weights=w)
+            combined = buffer.combine(rank_fn(rank, recv_x), handle)[0]
+            want = reference_combine(x, topk, num_experts, R, rank_fn)
+            torch.testing.assert_close(combined, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"{where}: {m}")
+            return
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=False)
+        num_local = num_experts // R
+        experts = rank * num_local + torch.arange(num_local)
+        expert_out = torch.stack([expert_fn(torch.full((recv_x.shape[1],), int(e)), recv_x[i].float())
+                                  for i, e in enumerate(experts)]).to(torch.bfloat16)
+        combined = buffer.low_latency_combine(expert_out, topk, w, handle)[0]
+        live = topk.clone()
+        for r in dropped:
+            live[(live // num_local) == r] = -1
+        want = reference_low_latency_combine(x, live, w, expert_fn, use_fp8=False)
+        torch.testing.assert_close(combined, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{where}: {m}")
+
+    if rank == late:
+        time.sleep(LATE_TIMEOUT_S + 0.3)
+    seed = plan["routing_seed"]
+    if not shrink:
+        try:
+            round_trip(seed)
+        except epcomm.EPTimeoutError as err:
+            assert err.peers == [late], f"{where}: EPTimeoutError names {err.peers}: {err}"
+        else:
+            raise AssertionError(f"{where}: the round with a late rank did not raise")
+        round_trip(seed + 1)  # the next call pairs on every rank
+        return "late_raised"
+    if rank == late:
+        try:
+            round_trip(seed)
+        except epcomm.EPError as err:
+            assert "masked this rank" in str(err), f"{where}: {err}"
+        else:
+            raise AssertionError(f"{where}: the late rank's round did not raise (its peers masked it)")
+    else:
+        round_trip(seed, dropped=(late,))  # the live ranks' sum
+    buffer.low_latency_clean_mask_buffer()
+    buffer.clean_low_latency_buffer(M, hidden, num_experts)  # (collective: the late rank is here too)
+    round_trip(seed + 1)
+    return "late_masked"

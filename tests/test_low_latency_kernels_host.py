@@ -1,0 +1,150 @@
+"""The GPU low-latency mode's host side, checked on CPU with stand-ins for the workspace and the
+kernels (no GPU; Triton must be importable, as for the compile tests): the Buffer's
+``enable_shrink`` reaches every launch as the kernels' ``shrink`` flag, the send and receive grids
+keep the caps of ranks sharing a GPU (gpu/shared_grids.py), an undersized workspace is named
+``num_rdma_bytes``, and the combine kernel carries its NaN rows for contributions that did not land."""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from epcomm.backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs  # noqa: E402
+from epcomm.backends.gpu import low_latency as L  # noqa: E402
+from epcomm.backends.gpu.low_latency import mode as mode_module  # noqa: E402
+from epcomm.backends.gpu.workspace import LowLatencyLayout  # noqa: E402
+from epcomm.errors import EPInputError  # noqa: E402
+
+R, E, M, H, K = 4, 8, 16, 256, 2
+
+
+class _Launches:
+    """Stands in for a compiled specialisation: records each launch's grid and arguments."""
+
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def launch(self, grid_x, grid_y, stream, *args):
+        self.log.append((self.key, grid_x, args))
+
+    def resident_grid(self, items):
+        return items
+
+    def launch_resident(self, grid_x, stream, *args):
+        self.log.append((self.key, grid_x, args))
+
+
+def _mode(monkeypatch, fits=True, **kwargs):
+    log = []
+
+    class Recording(dict):
+        def __init__(self, spec, flags, num_warps, **fixed):
+            super().__init__()
+            self.spec = spec
+
+        def __missing__(self, key):
+            self[key] = _Launches(log, (self.spec.name, key))
+            return self[key]
+
+    monkeypatch.setattr(mode_module, "Specialisations", Recording)
+    monkeypatch.setattr(mode_module, "current_stream", lambda index: 0)
+
+    def ll_layout(E, M, hidden, K, use_fp8, use_ue8m0):
+        if not fits:
+            raise EPInputError("num_max_dispatch_tokens_per_rank", "low-latency mode needs num_rdma_bytes >= 1 ...")
+        return LowLatencyLayout(2 * hidden, 0, 2 * hidden + 16, 0, 4096, 8192, 0)
+
+    memory = torch.zeros(64, dtype=torch.int64)
+    ws = types.SimpleNamespace(num_ranks=R, rank=1, spare_word=0, bases=memory, local_base=memory.data_ptr(),
+                               fingerprint_set=lambda s: 0, ll_layout=ll_layout, ll_offset=0, ll_half=1 << 20)
+    mode = mode_module.LowLatencyMode(ws, torch.zeros(16, dtype=torch.int64), types.SimpleNamespace(address=0),
+                                      10 ** 9, torch.device("cpu"), num_sms=132, **kwargs)
+    return mode, log
+
+
+def _dispatch_args(tokens=M):
+    x = torch.zeros(tokens, H, dtype=torch.bfloat16)
+    topk = torch.arange(tokens * K, dtype=torch.int64).view(tokens, K) % E
+    return LowLatencyDispatchArgs(x, topk, M, E, False, False, False, None, None, False,
+                                  torch.zeros(R, dtype=torch.int32))
+
+
+def _argument(spec, args, name):
+    return args[list(spec.signature).index(name)]
+
+
+@pytest.mark.parametrize("shrink", [False, True])
+def test_enable_shrink_reaches_every_low_latency_launch(monkeypatch, shrink):
+    """Without enable_shrink the kernels report a late peer (the host raises EPTimeoutError at the
+    next call) and the combine writes NaN rows for what did not land; with it they mask it. The
+    flag is a run-time argument of both kernels, in every launch of a call."""
+    mode, log = _mode(monkeypatch, shrink=shrink)
+    args = _dispatch_args()
+    mode.check_dispatch(args)
+    recv_x, _, handle, hook = mode.dispatch(args)
+    combine = LowLatencyCombineArgs(torch.zeros(E // R, R * M, H, dtype=torch.bfloat16), args.topk_idx,
+                                    torch.ones(M, K), handle, None, None, False, args.rank_mask)
+    mode.check_combine(combine)
+    mode.combine(combine)
+    assert len(log) == 4, log  # send and receive phases of each call
+    for (name, _), _, launch_args in log:
+        spec = L.DISPATCH if name == "ep_ll_dispatch" else L.COMBINE
+        assert _argument(spec, launch_args, "shrink") == int(shrink), name
+        assert _argument(spec, launch_args, "timeout_ns") == 10 ** 9, name
+
+
+def test_low_latency_grids_keep_the_caps_of_ranks_sharing_a_gpu(monkeypatch):
+    """Send phases at most ``send_programs``, receive phases (and a one-launch call's grid) at most
+    ``receive_programs``, whatever the call's size; without caps, one program per item."""
+    for caps, want in (({}, (M * 1, E // R * R, R * E // R, M)), ({"send_programs": 3, "receive_programs": 2},
+                                                                   (3, 2, 3, 2))):
+        mode, log = _mode(monkeypatch, **caps)
+        args = _dispatch_args()
+        mode.check_dispatch(args)
+        _, _, handle, _ = mode.dispatch(args)
+        combine = LowLatencyCombineArgs(torch.zeros(E // R, R * M, H, dtype=torch.bfloat16), args.topk_idx,
+                                        torch.ones(M, K), handle, None, None, False, args.rank_mask)
+        mode.check_combine(combine)
+        mode.combine(combine)
+        assert tuple(grid for _, grid, _ in log) == want, (caps, log and [(k, g) for k, g, _ in log])
+    mode, log = _mode(monkeypatch, receive_programs=5)
+    mode.one_launch = True
+    args = _dispatch_args()
+    mode.check_dispatch(args)
+    mode.dispatch(args)
+    assert [grid for _, grid, _ in log] == [5]
+
+
+def test_an_undersized_low_latency_workspace_is_named_num_rdma_bytes(monkeypatch):
+    mode, _ = _mode(monkeypatch, fits=False)
+    with pytest.raises(EPInputError) as raised:
+        mode.check_dispatch(_dispatch_args())
+    assert raised.value.argument == "num_rdma_bytes" and "num_rdma_bytes >=" in str(raised.value)
+
+
+def test_create_backend_hands_enable_shrink_to_both_gpu_backends(monkeypatch):
+    from epcomm import backends
+    from epcomm.backends.nvlink import backend as nvlink_backend
+    from epcomm.backends.nvshmem import backend as nvshmem_backend
+    made = {}
+
+    def recorder(name):
+        return lambda *args, **kwargs: made.setdefault(name, kwargs)
+    monkeypatch.setattr(nvlink_backend, "NVLinkBackend", recorder("nvlink"))
+    monkeypatch.setattr(nvshmem_backend, "NvshmemBackend", recorder("nvshmem"))
+    for name in ("nvlink", "nvshmem"):
+        backends.create_backend(name, None, torch.device("cuda"), 1 << 20, 1 << 20, True, 1.0, 2, True, True)
+        assert made[name]["shrink"] is True, (name, made[name])
+
+
+def test_the_combine_kernel_writes_nan_rows_for_lost_contributions():
+    """The receive phase's reduction has a NaN path (a token with an entry on a rank that was late
+    without shrink, in another call, or with another fingerprint); the send phase has none."""
+    from triton.backends.compiler import GPUTarget
+    flags = dict(HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=0)
+    receive = L.COMBINE.compile(dict(SEND=False, RECEIVE=True, **flags), 8, target=GPUTarget("cuda", 90, 32))
+    send = L.COMBINE.compile(dict(SEND=True, RECEIVE=False, **flags), 8, target=GPUTarget("cuda", 90, 32))
+    assert "0x7FC00000" in receive.asm["ttir"] and "0x7FC00000" not in send.asm["ttir"]
+    for spec in (L.DISPATCH, L.COMBINE):
+        assert spec.signature["shrink"] == "i32"
