@@ -65,7 +65,7 @@ def _normal_round(buffer, seed):
     return bool(torch.allclose(combined.float(), want.float(), rtol=1e-2, atol=1e-2))
 
 
-def late_rank(mode: str, shrink: bool, timeout: float = 1.0):
+def late_rank(mode: str, shrink: bool, timeout: float = 1.5):
     """The last rank comes ``timeout + 0.5`` s late to a round trip (``mode``: ``"low_latency"`` or
     ``"normal"``). Returns ``(first outcome, [outcomes of the recovery steps])``: without shrink every
     rank raises EPTimeoutError naming it (the late rank too, when it comes) and the next round pairs;
