@@ -122,7 +122,7 @@ def fused_layer(async_finish: bool, hidden: int = 128, steps: int = 2):
     caller_num_sms = deep_ep.Buffer.num_sms
     set_deepep_num_sms(8)
     try:
-        num_experts = 2 * R
+        num_experts = 4 * R
         num_local = num_experts // R
         scale = torch.arange(1, num_experts + 1, dtype=torch.float32) / 8  # expert e multiplies by (e + 1) / 8
         made = None

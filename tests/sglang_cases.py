@@ -72,7 +72,7 @@ def dispatchers(form: str, config_in_file: str = "", hidden: int = 1024, async_f
     R, rank = world()
     dev = _device()
     group = dist.group.WORLD
-    num_experts, M = 2 * R, 8
+    num_experts, M = 4 * R, 8
     text = config_in_file or json.dumps(DEEPEP_CONFIG)  # a file's path (written by the test), or the JSON
     deepep_config = DeepEPConfig(text, Buffer, Config)
     buffer = get_deepep_buffer(group, hidden, 2, deepep_config, M, num_experts)

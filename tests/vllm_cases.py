@@ -72,7 +72,7 @@ def low_latency(hidden: int = 512, max_tokens: int = 8):
     R, rank = world()
     dev = _device()
     cpu_group = dist.new_group(list(range(R)), backend="gloo")
-    num_experts, M = 2 * R, max_tokens
+    num_experts, M = 4 * R, max_tokens
     buffer = deep_ep.Buffer(cpu_group, num_nvl_bytes=0,
                             num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts),
                             low_latency_mode=True, num_qps_per_rank=num_experts // R,
