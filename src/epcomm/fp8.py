@@ -11,6 +11,9 @@ from typing import Tuple
 
 import torch
 
+from .checks import check_tensor
+from .errors import EPInputError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
@@ -117,8 +120,6 @@ class DispatchPayload:
     __slots__ = ("num_tokens", "hidden", "is_fp8", "x", "tensors", "_dtype", "_width")
 
     def __init__(self, name: str, x, device: torch.device):
-        from .checks import check_tensor  # (checks imports nothing of fp8; kept local all the same)
-        from .errors import EPInputError
         if not isinstance(x, (tuple, list)):
             check_tensor(name, x, dtype=torch.bfloat16, ndim=2, device=device)
             self.num_tokens, self.hidden, self.is_fp8, self.x, self.tensors = x.shape[0], x.shape[1], False, x, (x,)
