@@ -147,8 +147,10 @@ def ep_ll_combine(
             post_fingerprint_any(bases_ptr, fp_rows, rank, num_ranks, mask_ptr, fp0, fp1, epoch, ranks_per_node,
                                  spare_word, R_P2, REMOTE)
             post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
+        # items (local expert, home) with the homes rotated per rank: with fewer programs than ranks
+        # the ranks still write to different homes at once (DESIGN's scale rule)
         for item in range(pid, num_local * num_ranks, num_programs):
-            _push_rows(item // num_ranks, item % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
+            _push_rows(item // num_ranks, (item + rank + 1) % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
                        num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
                        stage_offset, ranks_per_node, BLOCK_W, REMOTE)
         if REMOTE:
