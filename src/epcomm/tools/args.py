@@ -61,3 +61,11 @@ def switch_list(text: str):
             raise argparse.ArgumentTypeError(f"each value must be 0 or 1, got {item.strip()!r}")
         values.append(int(item))
     return values
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape of a modelled batch (``epcomm model``, ``epcomm model-one-node``): DeepEP's test shape."""
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
+    parser.add_argument("--topk", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--experts", type=positive_int, default=256, help="experts in total")

@@ -152,13 +152,11 @@ def estimate_low_latency(nodes: int, ranks_per_node: int, tokens: int, hidden: i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .args import non_negative_float, non_negative_int, positive_float, positive_int, token_list
+    from .args import (add_routing_arguments, non_negative_float, non_negative_int, positive_float, positive_int,
+                       token_list)
     parser.add_argument("--nodes", type=token_list, default="2,4", help="node counts to model, comma-separated")
     parser.add_argument("--ranks-per-node", type=positive_int, default=8, help="GPUs per node")
-    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
-    parser.add_argument("--topk", type=positive_int, default=8, help="experts per token")
-    parser.add_argument("--experts", type=positive_int, default=256, help="experts in total")
+    add_routing_arguments(parser)
     parser.add_argument("--nic-gbps", type=positive_float, default=45.0,
                         help="GB/s one GPU's NIC delivers each way (400 Gb/s line = 50; DeepEP V1 reports 43-58)")
     parser.add_argument("--nvlink-gbps", type=positive_float, default=336.0,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -120,12 +120,9 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .args import non_negative_float, positive_float, positive_int, token_list
+    from .args import add_routing_arguments, non_negative_float, positive_float, positive_int, token_list
     parser.add_argument("--ranks", type=token_list, default="2,4,8", help="ranks of the node to model")
-    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
-    parser.add_argument("--topk", type=positive_int, default=8, help="experts per token")
-    parser.add_argument("--experts", type=positive_int, default=256, help="experts in total")
+    add_routing_arguments(parser)
     parser.add_argument("--sms", type=positive_int, default=24, help="programs of the pull and push (Config.num_sms)")
     parser.add_argument("--link-gbps", type=positive_float, default=478.0,
                         help="GB/s of one GPU's NVLinks, each way (H200: 18 links of 26.6)")
