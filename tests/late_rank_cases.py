@@ -286,3 +286,105 @@ def elastic_recovery_main(rank: int, world_size: int, port: int, results, done) 
         results.put((rank, seen))
     finally:
         _finish(results, done, rank)
+
+
+# ---------------------------------------------------------------------- GPU (the one-GPU bed)
+def gpu_late_rank_without_shrink(hidden: int = 512, timeout: float = 3.0):
+    """A low-latency Buffer without ``enable_shrink`` on a GPU backend; after a round that compiles
+    every kernel, the last rank comes ``timeout + 2`` s late to a round trip. The others' combine
+    returns NaN rows for the tokens with an expert on the late rank (never its stale slots) and the
+    rest right, and their next call raises EPTimeoutError naming it; the late rank's own waits for
+    its peers' combine give up (they no longer signal it), and its next call raises too. Returns
+    ``(rows check, next call's outcome)``."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E = 2 * R
+    late = R - 1
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, E)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, timeout=timeout)
+
+    def round_trip(seed):
+        xs, topks, ws = make_routing(seed, "uniform", R, E, 2, M, hidden, fixed_tokens=M)
+        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
+        # the experts on the GPU, no host sync: the combine is queued behind the dispatch's wait, as
+        # in a serving loop (a sync here would let the combine itself raise: the dispatch's report)
+        scale = ((rank * (E // R) + torch.arange(E // R, device=dev)).float() + 1) / 8  # (expert_fn)
+        out = buffer.low_latency_combine((recv.float() * scale[:, None, None]).to(torch.bfloat16), topk, w,
+                                         handle)[0].cpu()
+        want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
+        return out, want, topks[rank]
+
+    out, want, _ = round_trip(80)  # compiles every kernel of the shape on every rank
+    assert torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2), "the warm-up round differs"
+    dist.barrier()
+    if rank == late:
+        time.sleep(timeout + 2)
+    try:
+        out, want, topk = round_trip(81)
+    except epcomm.EPTimeoutError as err:  # (the dispatch reported before the combine started: also right)
+        rows = ("the combine raised", late in err.peers or rank == late)
+    else:
+        if rank == late:
+            rows = ("late rank: some rows NaN", bool(out.float().isnan().any()))
+        else:
+            lost = ((topk // (E // R)) == late).any(dim=1)
+            rows = ("lost rows NaN, the rest right", bool(lost.any()) and bool(out[lost].float().isnan().all())
+                    and bool(torch.allclose(out[~lost].float(), want[~lost].float(), rtol=2e-2, atol=2e-2)))
+    following = _outcome(lambda: round_trip(82))[:2]
+    dist.barrier()
+    buffer.destroy()
+    return rows, following
+
+
+def gpu_elastic_recovery(hidden: int = 512, timeout: float = 2.0):
+    """vLLM's elastic recovery on a GPU backend, as vLLM calls it: ``enable_shrink``; after a round
+    that compiles every kernel the last rank stops taking part (it stays away, its memory mapped).
+    The live ranks' next round masks it and is right for them; then, between barriers of the live
+    ranks, ``get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()`` and
+    ``low_latency_clean_mask_buffer()``; the next two rounds are right again (the first masks the
+    absent rank again at its wait). Returns this rank's checks (the absent rank: ``"absent"``)."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E = 2 * R
+    gone = R - 1
+    live = dist.new_group(list(range(R - 1)))  # (collective over the world)
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, E)
+    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, enable_shrink=True,
+                           timeout=timeout)
+
+    def round_trip(seed, dropped=()):
+        xs, topks, ws = make_routing(seed, "uniform", R, E, 2, M, hidden, fixed_tokens=M)
+        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
+        scale = ((rank * (E // R) + torch.arange(E // R, device=dev)).float() + 1) / 8  # (expert_fn)
+        out = buffer.low_latency_combine((recv.float() * scale[:, None, None]).to(torch.bfloat16), topk, w,
+                                         handle)[0].cpu()
+        kept = topks[rank].clone()
+        for r in dropped:
+            kept[(kept // (E // R)) == r] = -1
+        want = reference_low_latency_combine(xs[rank], kept, ws[rank], expert_fn, use_fp8=False)
+        return bool(torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
+
+    seen = [("whole", round_trip(90))]
+    dist.barrier()
+    if rank == gone:
+        time.sleep(6 * timeout + 10)  # away from every call below, its buffer still mapped
+        dist.barrier()
+        return "absent"
+    seen.append(("absent rank masked", round_trip(91, dropped=(gone,))))
+    mask = torch.zeros(R, dtype=torch.int32, device=dev)
+    buffer.low_latency_query_mask_buffer(mask)
+    seen.append(("mask", mask.tolist()))
+    torch.cuda.synchronize()
+    dist.barrier(group=live)  # (no live rank writes into another's memory while it is zeroed)
+    buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()
+    buffer.low_latency_clean_mask_buffer()
+    torch.cuda.synchronize()
+    dist.barrier(group=live)
+    for seed in (92, 93):
+        seen.append((f"after clean {seed}", round_trip(seed, dropped=(gone,))))
+    buffer.low_latency_query_mask_buffer(mask)
+    seen.append(("mask again", mask.tolist()))
+    dist.barrier()
+    return seen
