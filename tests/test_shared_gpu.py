@@ -275,6 +275,18 @@ def test_timeout_names_the_stalled_rank(shared_pool):
     assert _all(shared_pool, ep_cases.gpu_timeout_names_peer, timeout_s=180) == ["raised"] * (R - 1) + ["absent"]
 
 
+@pytest.mark.parametrize("call", ["cached dispatch", "combine"])
+def test_timeout_leaves_nan_rows_in_a_normal_call(shared_pool, call):
+    """A rank stops after a full dispatch: the others' next cached dispatch or combine gives up
+    waiting, returns NaN in every row (no plausible data), and their next call names the rank."""
+    if BACKEND != "nvlink":
+        pytest.skip("the one-node kernels run on the nvlink backend")
+    import normal_nan_cases
+    R = shared_pool.world_size
+    assert _all(shared_pool, normal_nan_cases.missing_rows_are_nan, call, timeout_s=180) == \
+        ["nan, then raised"] * (R - 1) + ["absent"]
+
+
 def test_low_latency_dead_rank_is_masked(shared_pool):
     R = shared_pool.world_size
     assert _all(shared_pool, ep_cases.gpu_low_latency_dead_rank, 2048, BACKEND, shared_pool.per_node,

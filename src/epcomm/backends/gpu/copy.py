@@ -111,3 +111,33 @@ def copy_rows_to_each(src, dst, dest_rows, live, num_topk, row_words, BLOCK_W: t
             row = tl.load(dest_rows + k, mask=live, other=-1)
             tl.store(dst + row.to(tl.int64)[:, None] * row_words + c[None, :], values,
                      mask=(row >= 0)[:, None] & cm[None, :])
+
+
+# Words of NaN, for the rows a call knows are missing (DESIGN section 5: no plausible data).
+NAN_BF16_WORD = tl.constexpr(0x7FC07FC07FC07FC0)  # four bf16 quiet NaNs
+NAN_E4M3_WORD = tl.constexpr(0x7F7F7F7F7F7F7F7F)  # eight float8_e4m3fn NaNs
+
+
+@triton.jit
+def fill_rows(dst, num_rows, row_words, word, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Store ``word`` (an int64 bit pattern, e.g. NAN_BF16_WORD) into every 8-byte word of rows
+    ``[0, num_rows)`` of ``dst`` (an int64 pointer, rows of ``row_words`` words), the launch's
+    programs taking blocks of rows in turn."""
+    cols = tl.arange(0, BLOCK_W)
+    value = tl.full([BLOCK_R, BLOCK_W], word, tl.int64)
+    for block in range(tl.program_id(0), tl.cdiv(num_rows, BLOCK_R), tl.num_programs(0)):
+        rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        for start in range(0, row_words, BLOCK_W):
+            c = start + cols
+            tl.store(dst + rows[:, None] * row_words + c[None, :], value,
+                     mask=(rows < num_rows)[:, None] & (c < row_words)[None, :])
+
+
+@triton.jit
+def fill_nan_f32(ptr, count, BLOCK: tl.constexpr):
+    """NaN into ``count`` contiguous float32 elements at ``ptr``, the launch's programs taking
+    blocks in turn."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(tl.program_id(0) * BLOCK, count, tl.num_programs(0) * BLOCK):
+        i = (start + offs).to(tl.int64)
+        tl.store(ptr + i, tl.full([BLOCK], float("nan"), tl.float32), mask=i < count)

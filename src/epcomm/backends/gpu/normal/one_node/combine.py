@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ... import sync
-from ...copy import copy_rows, multiple, ptr_at, word_ptr
+from ...copy import NAN_BF16_WORD, copy_rows, fill_nan_f32, fill_rows, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
 from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
@@ -109,7 +109,8 @@ PUSH = KernelSpec(ep_combine_push, aligned_if={"ALIGNED": ["x_ptr"]})
 # ep_combine_reduce: each token's slots summed at home; grid = programs striding over tokens.
 #
 #   epoch = EPOCH_NORMAL (the push's);  ACQUIRE every rank's flag == epoch and compare fingerprints
-#           (any difference, a timeout, a rank elsewhere on the board: nothing is reduced, the host raises)
+#           (any difference, a timeout, a rank elsewhere on the board: nothing is reduced, the round's
+#           out rows are NaN, the host raises at the next call)
 #   for t in [token_lo, token_hi):
 #       out[t]   = bf16( Σ_{j: is_token_in_rank[t, j]} float32(slots_x[t - token_lo, j]) + biases[t] )
 #       out_w[t] = Σ_j slots_w[t - token_lo, j]                          (HAS_WEIGHTS)
@@ -139,10 +140,17 @@ def ep_combine_reduce(
     hidden = multiple(hidden, 8, ALIGNED)
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    expected_hi = token_hi
     token_hi = token_lo + acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
                                              timeout_ns, fp_offset, fp0, fp1, token_hi - token_lo,
                                              tl.load(board_bases_ptr + rank), call_tag,
                                              R_P2)  # ACQUIRE: rows pushed here
+    if token_hi < expected_hi:  # the wait gave up, or a rank is in another call: no contribution is known
+        missing = tl.maximum(tl.minimum(expected_hi, num_tokens) - token_lo, 0)  # (to NaN: no plausible data)
+        fill_rows((out_ptr + token_lo.to(tl.int64) * hidden).to(tl.pointer_type(tl.int64), bitcast=True), missing,
+                  hidden // 4, NAN_BF16_WORD, 1, BLOCK_C // 4)
+        if HAS_WEIGHTS:
+            fill_nan_f32(out_w_ptr + token_lo.to(tl.int64) * num_topk, missing * num_topk, 1024)
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))

@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from ... import agreement, sync
-from ...copy import copy_rows, copy_rows_to_each, multiple, word_ptr
+from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, copy_rows_to_each, fill_nan_f32, fill_rows, multiple,
+                     word_ptr)
 from ...launch import KernelSpec
 from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
                      post_fingerprint_to_peers, signal_peers)
@@ -243,9 +244,15 @@ def ep_dispatch_pull(
     num_programs = tl.num_programs(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
+    expected = num_rows
     num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
                                   fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
                                   R_P2)  # ACQUIRE: staged rows and lists
+    if num_rows < expected:  # the wait gave up, or a source is in another call: no row arrived
+        if EXPERT_MAJOR:
+            expected = num_em_rows
+        _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
+                      HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
     # -- each program takes its blocks: one source's rows each, every source at once (schedule.py)
     starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
     num_items = tl.where(num_rows > 0, tl.sum(blocks, axis=0), 0)  # (0: the agreement failed)
@@ -319,6 +326,21 @@ def ep_dispatch_pull(
         if zero_padding != 0:
             _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
                           num_em_rows, x_words, num_scales, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2)
+
+
+@triton.jit
+def _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales, num_topk,
+                  HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A pull whose wait gave up returns no plausible rows (DESIGN section 5): every output row NaN —
+    x (bf16, or e4m3 with scales), its scales and its weights (float32); the host raises the error
+    at the next call. ``num_rows``: the outputs' rows (expert-major: its rows, one weight each)."""
+    fill_rows(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), num_rows, x_words,
+              NAN_E4M3_WORD if HAS_SCALES else NAN_BF16_WORD, BLOCK_R, BLOCK_W)
+    if HAS_SCALES:
+        fill_nan_f32(recv_scales_ptr, num_rows * num_scales, 1024)
+    if HAS_TOPK:
+        fill_nan_f32(recv_weights_ptr, num_rows if EXPERT_MAJOR else num_rows * num_topk, 1024)
 
 
 @triton.jit

@@ -1,0 +1,44 @@
+"""A normal-mode call whose wait gave up returns no plausible data (DESIGN section 5): the rows it
+knows are missing are NaN, and the error comes at the next call. Bodies run on every rank of a
+WorkerPool (tests/test_shared_gpu.py; the one-node kernels of the nvlink backend)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+
+
+def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
+    """Every rank makes a full dispatch; then the last rank stops. The others make one more ``call``
+    ("cached dispatch" or "combine"): its wait gives up after ``timeout_s``, every output row is NaN,
+    and their next call raises EPTimeoutError naming the stopped rank."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, timeout=timeout_s)
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(64, 256, device=device, generator=g).to(torch.bfloat16)
+    topk = torch.randn(64, 8 * R, device=device, generator=g).topk(2, dim=-1).indices
+    weights = torch.rand(64, 2, device=device, generator=g)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 8 * R)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                 topk_weights=weights)
+    torch.cuda.synchronize()
+    absent = R - 1
+    if rank == absent:
+        return "absent"
+    if call == "cached dispatch":
+        out = buffer.dispatch(x, handle=handle)[0]
+    else:
+        out = buffer.combine(recv_x, handle)[0]
+    torch.cuda.synchronize()
+    assert out.numel() and bool(torch.isnan(out.float()).all()), f"{call}: {int(torch.isnan(out.float()).sum())} " \
+                                                                  f"of {out.numel()} values NaN"
+    try:
+        buffer.dispatch(x, handle=handle)
+        torch.cuda.synchronize()
+    except epcomm.EPTimeoutError as err:
+        assert absent in err.peers, err.peers
+        return "nan, then raised"
+    return "no error"
