@@ -93,7 +93,10 @@ class NormalMode:
         self.R_P2 = p2(self.R)
         self.dev_index = backend.device.index
         self.device = backend.device
-        self.device_sms = torch.cuda.get_device_properties(backend.device).multi_processor_count
+        # The expert-major pull and push run up to this many programs: the device's SMs, or the cap
+        # of ranks sharing a GPU (gpu/shared_grids.py; its arithmetic counts num_sms programs each)
+        self.expert_major_programs = getattr(backend, "max_num_sms", 0) or \
+            torch.cuda.get_device_properties(backend.device).multi_processor_count
         # persistent tensors go to the launcher as plain addresses
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
@@ -265,7 +268,7 @@ class NormalMode:
         num_local_rows = len(mapping.group_sizes) if expert_major else num_local
         num_sms = args.config.num_sms
         if expert_major:
-            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
@@ -386,7 +389,7 @@ class NormalMode:
         dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
         if mapping is not None:
-            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.device_sms, num_sms))
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
         x, x_aligned = for_word_copies(x)
