@@ -209,7 +209,7 @@ VALIDATION_RULES = {
     "dispatch_weights_shape": ("topk_weights", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, topk_weights=w[:, :1].contiguous())),
     "dispatch_topk_rows": ("topk_idx", lambda b, l, x, t, w: _bad_dispatch(
         b, x, t, w, topk_idx=t[:-1].contiguous(), topk_weights=w[:-1].contiguous())),
-    "dispatch_in_rank_rows": ("is_token_in_rank", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, x=x[:-1])),
+    "dispatch_x_rows": ("topk_idx", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, x=x[:-1])),
     "dispatch_topk_range": ("topk_idx", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, topk_idx=t * 0 + 99)),
     "dispatch_alignment": ("expert_alignment", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, expert_alignment=0)),
     "dispatch_worst_tokens": ("num_worst_tokens", lambda b, l, x, t, w: _bad_dispatch(b, x, t, w, num_worst_tokens=-1)),
@@ -693,8 +693,8 @@ def choose_when_automatic(name: str) -> str:
     import epcomm.buffer as buffer_module
     from epcomm.backends import default_backend_name
 
-    def chosen(group, requested=None, ranks_per_node=None, device=None):
-        return default_backend_name(group, requested or name, ranks_per_node, device)
+    def chosen(group, requested=None, *rest):  # (rest: ranks_per_node, device, what named the backend)
+        return default_backend_name(group, requested or name, *rest)
 
     buffer_module.default_backend_name = chosen
     return name

@@ -118,21 +118,17 @@ def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
     assert rc == 2 and "unknown part" in out
 
 
-def test_both_gpu_backends_cap_their_grids_the_same_way(monkeypatch):
-    """The bed capped each low-latency receive phase with EPCOMM_LL_RECEIVE_PROGRAMS and normal
+def test_both_gpu_backends_cap_their_grids_the_same_way():
+    """The bed capped each low-latency receive phase with a receive-program cap of its own and normal
     mode's SMs with Buffer.set_num_sms; the nvlink backend ignored the first, and at 8 x 8 its 448
     waiting receivers held every SM (finding 14). Both backends now cap every grid themselves
     through GpuBackend.share_gpu (normal mode's SMs through the Buffer's config, low-latency send
-    and receive programs); an explicit receive cap (argument, then the variable) wins where smaller."""
+    and receive programs); an explicit receive cap (the Buffer's Tuning.ll_receive_programs) wins
+    where smaller."""
     from epcomm.backends.gpu.wiring import GpuBackend
-    monkeypatch.delenv("EPCOMM_LL_RECEIVE_PROGRAMS", raising=False)
-    assert GpuBackend.receive_programs() == 0 and GpuBackend.receive_programs(5) == 5
-    monkeypatch.setenv("EPCOMM_LL_RECEIVE_PROGRAMS", "12")
-    assert GpuBackend.receive_programs() == 12 and GpuBackend.receive_programs(3) == 3
     backend = object.__new__(GpuBackend)
     caps = backend.share_gpu([("a", "GPU-0", 132)] * 8, "nvlink", 3)
     assert backend.max_num_sms == caps.num_sms == 4 and caps.ll_receive_programs == 3 and caps.ll_send_programs == 4
-    monkeypatch.delenv("EPCOMM_LL_RECEIVE_PROGRAMS")
     caps = backend.share_gpu([("a", f"GPU-{i}", 132) for i in range(8)], "nvshmem")
     assert backend.max_num_sms == 0 and caps.ll_receive_programs == 0 and caps.ll_send_programs == 0
     root = os.path.join(os.path.dirname(__file__), "..", "src", "epcomm", "backends")

@@ -4,7 +4,7 @@ A DeepEP V1-compatible :class:`Buffer` over pluggable backends: torch.distribute
 (CPU/gloo and NCCL; the reference) and Triton kernels over NVLink symmetric memory.
 """
 from .buffer import Buffer
-from .config import Config
+from .config import Config, Tuning
 from .errors import EPError, EPInputError, EPTimeoutError
 from .events import EventOverlap
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
@@ -24,6 +24,6 @@ def __getattr__(name):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'epcomm' has no attribute {name!r}")
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EPError", "EPInputError", "EPTimeoutError",
+__all__ = ["Buffer", "Config", "Tuning", "EventOverlap", "EPError", "EPInputError", "EPTimeoutError",
            "DispatchHandle", "LowLatencyHandle", "Payload", "topk_idx_t", "per_token_cast_to_fp8",
            "per_token_cast_back", "__version__"]

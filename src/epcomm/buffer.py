@@ -17,7 +17,7 @@ from . import checks, config as config_mod, fp8
 from . import expert_major as expert_major_layout
 from .backends import BACKENDS, create_backend, default_backend_name, group_device, ranks_per_host
 from .backends.base import DispatchArgs
-from .config import Config
+from .config import Config, Tuning
 from .errors import EPError, EPInputError
 from .events import EventOverlap, StreamScope, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
@@ -26,6 +26,11 @@ from .rank_mask import RankMasking
 from .types import Payload
 
 DEFAULT_TIMEOUT_S = 100.0
+# Operators' switches of Tuning, read where a Buffer is built and by no module below this one
+# (tests/test_code_layout.py): the variable wins over the argument, as EPCOMM_BACKEND does.
+TUNING_VARIABLES = {"ll_send_messages": "EPCOMM_LL_SEND_MESSAGES", "ll_one_launch": "EPCOMM_LL_ONE_LAUNCH",
+                    "ll_receive_programs": "EPCOMM_LL_RECEIVE_PROGRAMS",
+                    "nvshmem_send_parts": "EPCOMM_NVSHMEM_SEND_PARTS", "nvshmem_p2p": "EPCOMM_NVSHMEM_P2P"}
 _INLINE_SCOPE = StreamScope(None, None, False)  # a synchronous call without previous_event (events.py)
 
 
@@ -63,6 +68,9 @@ class Buffer(RankMasking, LowLatencyCalls):
             overrides the default.
         check_values: validate tensor contents (e.g. ``topk_idx`` ranges) on CUDA too, which costs a
             host synchronisation per call; ``EPCOMM_CHECK_VALUES=1`` turns it on. Always on for CPU.
+        tuning: the GPU kernels' settings (:class:`epcomm.Tuning`; default: the measured choices),
+            each overridden by its ``EPCOMM_*`` variable (``TUNING_VARIABLES``); ``buffer.tuning``
+            holds what the backend got.
         device: where the Buffer's tensors live. Default: from the group — CUDA (the current
             device) for a group with CUDA collectives (``nccl``, ``"cpu:gloo,cuda:nccl"``), the CPU
             for a ``gloo`` group (the reference backend). ``device="cuda"`` with a gloo group on
@@ -88,7 +96,8 @@ class Buffer(RankMasking, LowLatencyCalls):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  timeout: Optional[float] = None, check_values: Optional[bool] = None,
-                 backend: Optional[str] = None, ranks_per_node: Optional[int] = None, device=None):
+                 backend: Optional[str] = None, ranks_per_node: Optional[int] = None, device=None,
+                 tuning: Optional[Tuning] = None):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise EPInputError("group", f"must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         checks.check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
@@ -124,7 +133,12 @@ class Buffer(RankMasking, LowLatencyCalls):
             raise EPInputError("device", str(err)) from None
         if backend is not None and backend not in BACKENDS:
             raise EPInputError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-        self.backend_name = default_backend_name(group, backend, ranks_per_node, self.device)
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise EPInputError("tuning", f"must be an epcomm.Tuning, got {type(tuning).__name__}")
+        self.tuning = tuning_from_environment(tuning or Tuning())
+        override = os.environ.get("EPCOMM_BACKEND")  # (an operator's switch: wins over the argument)
+        self.backend_name = default_backend_name(group, override or backend, ranks_per_node, self.device,
+                                                 "EPCOMM_BACKEND" if override else "backend")
         if ranks_per_node is None:  # one node, except on nvshmem: its hosts' blocks of ranks
             ranks_per_node = ranks_per_host(group) if self.backend_name == "nvshmem" else self.group_size
         self.ranks_per_node = ranks_per_node
@@ -135,11 +149,12 @@ class Buffer(RankMasking, LowLatencyCalls):
         # Value checks read tensors (a host sync on CUDA): always on CPU and for the reference
         # backend, opt-in (check_values / EPCOMM_CHECK_VALUES=1) on the GPU fast path.
         if check_values is None:
-            check_values = checks.value_checks_enabled(self.device) or self.backend_name == "torch_dist"
+            check_values = checks.value_checks_enabled(self.device) or self.backend_name == "torch_dist" \
+                or os.environ.get("EPCOMM_CHECK_VALUES", "0") == "1"
         self._check_values = bool(check_values)
         self._backend = create_backend(self.backend_name, group, self.device, num_nvl_bytes, num_rdma_bytes,
                                        self.low_latency_mode, self.timeout, ranks_per_node,
-                                       allow_nvlink_for_low_latency_mode, self.enable_shrink)
+                                       allow_nvlink_for_low_latency_mode, self.enable_shrink, self.tuning)
         self._capped_configs = {}  # Config -> the same with num_sms capped (ranks sharing a GPU)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
@@ -438,6 +453,8 @@ class Buffer(RankMasking, LowLatencyCalls):
                                     ("num_tokens_per_expert", num_tokens_per_expert)):
                     if value is None:
                         raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
+                checks.check_rows(num_tokens, "x", topk_idx=topk_idx, topk_weights=topk_weights,
+                                  is_token_in_rank=is_token_in_rank)
                 checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
                 checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
                 checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
@@ -546,3 +563,18 @@ class Buffer(RankMasking, LowLatencyCalls):
             combined_x, combined_weights = self._backend.combine(x, handle, topk_weights, biases, config)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, scope.event_overlap()
+
+
+def tuning_from_environment(tuning: Tuning) -> Tuning:
+    """``tuning`` with each field whose ``EPCOMM_*`` variable (``TUNING_VARIABLES``) is set taken
+    from it: a whole number, or 0 / 1 for the switches. EPInputError names a bad variable."""
+    changes = {}
+    for field, variable in TUNING_VARIABLES.items():
+        text = os.environ.get(variable, "").strip()
+        if not text:
+            continue
+        switch = isinstance(getattr(tuning, field), bool)
+        if (switch and text not in ("0", "1")) or not text.isdigit():
+            raise EPInputError(variable, f"must be {'0 or 1' if switch else 'a whole number'}, got {text!r}")
+        changes[field] = bool(int(text)) if switch else int(text)
+    return dataclasses.replace(tuning, **changes) if changes else tuning

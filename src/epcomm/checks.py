@@ -3,11 +3,11 @@
 Each check raises :class:`EPInputError` naming the argument. Checks run before any communication,
 on every rank, so an invalid call fails the same way everywhere and the buffer stays usable.
 Value checks that need the tensor's contents (``topk_idx`` ranges) read device memory; on CUDA
-they run only when ``EPCOMM_CHECK_VALUES=1``, because they force a host synchronisation.
+they run only where the Buffer asks for them (``check_values``), because they force a host
+synchronisation.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -17,9 +17,8 @@ from .handle import DispatchHandle, LowLatencyHandle
 
 
 def value_checks_enabled(device: torch.device) -> bool:
-    if device.type == "cpu":
-        return True
-    return os.environ.get("EPCOMM_CHECK_VALUES", "0") == "1"
+    """Value checks by default: on CPU tensors (they cost no host synchronisation there)."""
+    return device.type == "cpu"
 
 
 def check_int(name: str, value, minimum: Optional[int] = None) -> int:
@@ -73,6 +72,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         return (a.index if a.index is not None else torch.cuda.current_device()) == \
                (b.index if b.index is not None else torch.cuda.current_device())
     return True
+
+
+def check_rows(num_tokens: int, owner: str, **tensors) -> None:
+    """``x``, ``topk_idx``, ``topk_weights`` (and ``is_token_in_rank``) hold one row per token: the
+    first of ``tensors`` with another number of rows than ``owner``'s ``num_tokens`` raises
+    EPInputError naming it and both counts (before its other checks, which would blame its shape)."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[0] != num_tokens:
+            raise EPInputError(name, f"has {tensor.shape[0]} rows but {owner} has {num_tokens}: x, topk_idx and "
+                                     f"topk_weights hold one row per token")
 
 
 def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: torch.device,

@@ -120,6 +120,47 @@ class Config:
                                 max(1, hidden_bytes // 2), num_topk)
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Settings of the GPU kernels a Buffer fixes when it is built: ``Buffer(..., tuning=Tuning(...))``.
+
+    The defaults are the measured choices (docs/GPU.md); the others exist to measure against them.
+    ``torch_dist`` ignores them all, and each GPU backend reads only its own. An operator who cannot
+    change the code that builds the Buffer (an engine) overrides a field with its variable, read
+    where the Buffer is built: ``EPCOMM_LL_SEND_MESSAGES``, ``EPCOMM_LL_ONE_LAUNCH``,
+    ``EPCOMM_LL_RECEIVE_PROGRAMS``, ``EPCOMM_NVSHMEM_SEND_PARTS``, ``EPCOMM_NVSHMEM_P2P``.
+
+    Args:
+        ll_send_messages: messages of one token a low-latency send item carries (0: all its top-k,
+            one FP8 cast per token).
+        ll_one_launch: low-latency calls without a hook run their send and receive phases in one
+            cooperative launch (one launch less of host time) instead of two (faster in a CUDA graph
+            on 2 x H200: 74-75 against 79-80 us per round trip).
+        ll_receive_programs: at most this many programs per low-latency receive phase (0: no cap).
+            Ranks sharing one GPU get a cap anyway (backends/gpu/shared_grids.py); a smaller one here wins.
+        nvshmem_send_parts: programs per (channel, node) of the nvshmem backend's puts between
+            nodes, each moving a slice of the channel's rows.
+        nvshmem_p2p: the nvshmem backend stores rows straight into a peer on another node whose
+            memory this GPU maps (virtual nodes, one NVLink domain) instead of staging and putting
+            them; peers it cannot map always take the put.
+    """
+
+    ll_send_messages: int = 0
+    ll_one_launch: bool = False
+    ll_receive_programs: int = 0
+    nvshmem_send_parts: int = 1
+    nvshmem_p2p: bool = True
+
+    def __post_init__(self):
+        for name, lowest in (("ll_send_messages", 0), ("ll_receive_programs", 0), ("nvshmem_send_parts", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise EPInputError(f"tuning.{name}", f"must be an int >= {lowest}, got {value!r}")
+        for name in ("ll_one_launch", "nvshmem_p2p"):
+            if not isinstance(getattr(self, name), bool):
+                raise EPInputError(f"tuning.{name}", f"must be a bool, got {getattr(self, name)!r}")
+
+
 # Default SM count for new configs; Buffer.set_num_sms changes it.
 _default_num_sms = 20
 

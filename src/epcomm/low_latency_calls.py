@@ -92,6 +92,7 @@ class LowLatencyCalls:
             if num_tokens > num_max_dispatch_tokens_per_rank:
                 raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                                         f"{num_max_dispatch_tokens_per_rank}")
+            checks.check_rows(num_tokens, "x", topk_idx=topk_idx)
             checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
                                   check_values=self._check_values)
             # DeepEP reads round_scale and use_ue8m0 only with use_fp8, and use_fp8 not with use_nvfp4
@@ -188,6 +189,7 @@ class LowLatencyCalls:
                 raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
                                                f"{handle.num_max_dispatch_tokens_per_rank}")
             checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
+            checks.check_rows(num_tokens, "topk_idx", topk_weights=topk_weights)
             checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
             if out is not None:
                 checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)

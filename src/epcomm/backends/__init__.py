@@ -7,16 +7,16 @@
   every rank can use NVSHMEM.
 
 ``Buffer(..., backend=...)`` asks for one; ``EPCOMM_BACKEND=torch_dist|nvlink|nvshmem`` overrides
-both that and the automatic choice (an operator's switch).
+both that and the automatic choice (an operator's switch, read where the Buffer is built).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..config import Tuning
 from ..errors import EPError
 from .base import Backend
 
@@ -25,15 +25,15 @@ DEFAULT_NVSHMEM_BYTES = 1 << 30  # the nvshmem workspace of a Buffer made with n
 
 
 def default_backend_name(group: dist.ProcessGroup, requested: Optional[str] = None,
-                         ranks_per_node: Optional[int] = None, device: Optional[torch.device] = None) -> str:
-    """The backend a Buffer on ``group`` uses: ``EPCOMM_BACKEND`` if set, else ``requested``, else
-    the automatic choice (the same for both modes: every backend runs both): ``nvlink`` when the
+                         ranks_per_node: Optional[int] = None, device: Optional[torch.device] = None,
+                         source: str = "backend") -> str:
+    """The backend a Buffer on ``group`` uses: ``requested`` (the Buffer's ``backend``, or the
+    ``EPCOMM_BACKEND`` that overrides it: ``source`` names which, for the errors), else the automatic choice (the same for both modes: every backend runs both): ``nvlink`` when the
     group is one node — on one host, and ``ranks_per_node`` (if given) spans the whole group —
     else ``nvshmem`` when every rank can use NVSHMEM, else ``torch_dist``. ``device`` is the
     Buffer's (:func:`group_device`; default: the group's). Raises EPError for an unknown name or
     one this group cannot run. Collective on CUDA (the automatic choice gathers every rank's host)."""
-    choice = os.environ.get("EPCOMM_BACKEND") or requested
-    source = "EPCOMM_BACKEND" if os.environ.get("EPCOMM_BACKEND") else "backend"
+    choice = requested
     backend_string = dist.get_backend(group)
     device_type = device.type if device is not None else choose_device(backend_string, None, torch.cuda.is_available())
     on_gpu = device_type == "cuda"
@@ -131,10 +131,11 @@ def group_device(group: dist.ProcessGroup, requested=None) -> torch.device:
 def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int,
                    num_rdma_bytes: int, low_latency_mode: bool, timeout_s: float = 100.0,
                    ranks_per_node: Optional[int] = None, allow_nvlink_for_low_latency_mode: bool = True,
-                   enable_shrink: bool = False) -> Backend:
+                   enable_shrink: bool = False, tuning: Tuning = Tuning()) -> Backend:
     """The backend ``name`` for a Buffer. ``enable_shrink``: a low-latency wait that gives up
     masks the late rank (the call goes on without it); otherwise the next call raises
-    EPTimeoutError naming it, and the rows the call knows are missing are NaN."""
+    EPTimeoutError naming it, and the rows the call knows are missing are NaN. ``tuning``: the
+    kernels' settings (:class:`epcomm.config.Tuning`), each GPU backend taking its own."""
     if name == "torch_dist":
         from .torch_dist import TorchDistBackend
         return TorchDistBackend(group, device, timeout_s, num_rdma_bytes=num_rdma_bytes)
@@ -143,7 +144,8 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
             raise EPError("the nvlink backend needs CUDA tensors (an NCCL group, or device='cuda')")
         from .nvlink import NVLinkBackend
         return NVLinkBackend(group, device, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0, timeout_s,
-                             shrink=enable_shrink)
+                             ll_receive_programs=tuning.ll_receive_programs, shrink=enable_shrink,
+                             ll_send_messages=tuning.ll_send_messages, ll_one_launch=tuning.ll_one_launch)
     if name == "nvshmem":
         if device.type != "cuda":
             raise EPError("the nvshmem backend needs CUDA tensors (an NCCL group, or device='cuda')")
@@ -157,5 +159,7 @@ def create_backend(name: str, group: dist.ProcessGroup, device: torch.device, nu
         return NvshmemBackend(group, device, workspace_bytes, ranks_per_node, timeout_s,
                               num_ll_bytes=num_rdma_bytes if low_latency_mode else 0,
                               ll_ranks_per_node=ranks_per_node if allow_nvlink_for_low_latency_mode else 1,
-                              shrink=enable_shrink)
+                              send_parts=tuning.nvshmem_send_parts, p2p=tuning.nvshmem_p2p,
+                              ll_receive_programs=tuning.ll_receive_programs, shrink=enable_shrink,
+                              ll_send_messages=tuning.ll_send_messages, ll_one_launch=tuning.ll_one_launch)
     raise EPError(f"unknown backend {name!r}; choose one of {BACKENDS}")

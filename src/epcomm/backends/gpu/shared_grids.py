@@ -15,8 +15,8 @@ value the caller asks for wins):
 - low-latency send phases (they do not spin, but a late rank's sender must find room beside every
   other rank's spinning receivers): together about a quarter.
 
-The arithmetic is the one-GPU bed's (tests: ``bed_num_sms``, ``EPCOMM_LL_RECEIVE_PROGRAMS`` before
-it moved here), measured on an H100 at 4, 8 and 16 ranks; ``scripts/kernel_resources.py`` gives the
+The arithmetic is the one-GPU bed's (tests: ``bed_num_sms`` and a receive-program cap before it
+moved here), measured on an H100 at 4, 8 and 16 ranks; ``scripts/kernel_resources.py`` gives the
 programs per SM of each kernel.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GridCaps:
 def grid_caps(device_sms: int, ranks_on_gpu: int, backend: str, receive_programs: int = 0) -> GridCaps:
     """The caps for ``ranks_on_gpu`` ranks sharing a GPU of ``device_sms`` SMs on ``backend``
     (``"nvlink"``: the one-node kernels; otherwise the two-level ones). ``receive_programs``: an
-    explicit low-latency receive cap (argument or ``EPCOMM_LL_RECEIVE_PROGRAMS``; 0: none), which
+    explicit low-latency receive cap (``Tuning.ll_receive_programs``; 0: none), which
     wins where it is smaller. One rank per GPU: no caps but that one."""
     if ranks_on_gpu <= 1:
         return GridCaps(0, 0, max(receive_programs, 0))

@@ -4,9 +4,6 @@ resync) and the calls handed on to the normal mode (``self.normal``: one_node.No
 two_level.TwoLevelMode) and the low-latency mode (:meth:`GpuBackend._low_latency`)."""
 from __future__ import annotations
 
-import os
-from typing import Optional
-
 from ..base import Backend, DispatchArgs, DispatchResult
 from .shared_grids import GridCaps, grid_caps, sharing
 
@@ -21,14 +18,14 @@ class GpuBackend(Backend):
     """
 
     # ------------------------------------------------------------------ ranks sharing a GPU
-    def share_gpu(self, places, backend: str, ll_receive_programs: Optional[int] = None) -> GridCaps:
+    def share_gpu(self, places, backend: str, ll_receive_programs: int = 0) -> GridCaps:
         """The caps of every call's grids (shared_grids.py) for this group's ``places`` (every
         rank's ``(host, GPU, SMs)``, shared_grids.gpu_places): where ranks share a GPU, normal mode's
         SMs (``max_num_sms``, which Buffer applies to every Config) and the low-latency send and
         receive programs are capped so that all ranks' grids fit at once with room for a late
-        sender. ``ll_receive_programs`` (default ``EPCOMM_LL_RECEIVE_PROGRAMS``) wins where smaller."""
+        sender. ``ll_receive_programs`` (the Buffer's ``Tuning``; 0: none) wins where smaller."""
         ranks_on_gpu, device_sms = sharing(places)
-        caps = grid_caps(device_sms, ranks_on_gpu, backend, self.receive_programs(ll_receive_programs))
+        caps = grid_caps(device_sms, ranks_on_gpu, backend, ll_receive_programs)
         self.max_num_sms = caps.num_sms
         self.caps = caps
         return caps
@@ -66,15 +63,6 @@ class GpuBackend(Backend):
         return self.normal.combine(x, handle, topk_weights, bias, config)
 
     # ------------------------------------------------------------------ low-latency mode
-    @staticmethod
-    def receive_programs(requested: Optional[int] = None) -> int:
-        """An explicit cap of the programs per low-latency receive phase: ``requested``, else
-        ``EPCOMM_LL_RECEIVE_PROGRAMS``, else 0 (none). Ranks sharing one GPU (CUDA MPS) get a cap
-        without it (:meth:`share_gpu`); this one wins where it is smaller."""
-        if requested is None:
-            requested = int(os.environ.get("EPCOMM_LL_RECEIVE_PROGRAMS", "0"))
-        return requested
-
     def _low_latency(self):
         """The low-latency mode, ready for a call (a subclass raises EPError where it is not)."""
         return self.low_latency

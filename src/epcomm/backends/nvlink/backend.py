@@ -13,7 +13,6 @@ grids together must leave room for a late rank's sender, or every wait runs into
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,11 +38,12 @@ class NVLinkBackend(GpuBackend):
     native_expert_major = True  # the pull writes expert-major rows, the push folds them (gpu/normal/one_node)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
-                 timeout_s: float = 100.0, ll_receive_programs: Optional[int] = None, shrink: bool = False):
+                 timeout_s: float = 100.0, ll_receive_programs: int = 0, shrink: bool = False,
+                 ll_send_messages: int = 0, ll_one_launch: bool = False):
         """``ll_receive_programs``: at most this many programs per low-latency receive phase
-        (default: ``EPCOMM_LL_RECEIVE_PROGRAMS``, else no cap; GpuBackend.receive_programs; ranks
-        sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the Buffer's
-        ``enable_shrink`` (LowLatencyMode)."""
+        (0: no cap; ranks sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the
+        Buffer's ``enable_shrink``; ``ll_send_messages``, ``ll_one_launch``: its ``Tuning``
+        (LowLatencyMode)."""
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
         places = gpu_places(group)  # (collective)
@@ -60,7 +60,8 @@ class NVLinkBackend(GpuBackend):
         self.normal = NormalMode(self)
         self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device,
                                           receive_programs=caps.ll_receive_programs, board=self.seat,
-                                          send_programs=caps.ll_send_programs, shrink=shrink)
+                                          send_programs=caps.ll_send_programs, shrink=shrink,
+                                          messages_per_program=ll_send_messages, one_launch=ll_one_launch)
 
     def _symmetric(self, num_bytes: int):
         """``((buffer, bases, barrier), transport)``: ``num_bytes`` of symmetric memory on every rank

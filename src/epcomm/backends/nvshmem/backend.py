@@ -31,7 +31,6 @@ graphs (normal-mode calls cannot: their step barrier counts epochs on the host).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -78,16 +77,18 @@ class NvshmemBackend(GpuBackend):
             ``allow_nvlink_for_low_latency_mode=False``).
         send_parts: programs per (channel, node) of the puts between nodes — a dispatch's send, a
             combine's forward: each moves a slice of the channel's rows (more puts in flight;
-            default 1, or ``EPCOMM_NVSHMEM_SEND_PARTS`` for measurements).
+            the Buffer's ``Tuning.nvshmem_send_parts``, default 1).
         p2p: a dispatch's send and a combine's forward store their rows straight into a peer on
             another node whose workspace this GPU can load and store (NVSHMEM maps it: the nodes
             share an NVLink domain, or virtual nodes of one host) instead of staging them and
             putting them — what NVSHMEM's put would do there anyway, less one copy. Peers it cannot
-            map (other hosts) always take the put. Default True, or ``EPCOMM_NVSHMEM_P2P=0`` (to
-            measure the puts between GPUs of one host).
+            map (other hosts) always take the put. The Buffer's ``Tuning.nvshmem_p2p``, default
+            True (False measures the puts between GPUs of one host).
         ll_receive_programs: at most this many programs per low-latency receive phase (default 0:
-            no cap, or ``EPCOMM_LL_RECEIVE_PROGRAMS``). Ranks sharing one GPU (CUDA MPS) get caps
-            of every grid anyway (GpuBackend.share_gpu), this one winning where smaller.
+            no cap). Ranks sharing one GPU (CUDA MPS) get caps of every grid anyway
+            (GpuBackend.share_gpu), this one winning where smaller.
+        ll_send_messages, ll_one_launch: the low-latency kernels' settings (the Buffer's ``Tuning``;
+            LowLatencyMode).
         shrink: the Buffer's ``enable_shrink``: a late rank is masked in low-latency mode and the
             calls go on; otherwise the next call raises EPTimeoutError (LowLatencyMode).
     """
@@ -100,8 +101,9 @@ class NvshmemBackend(GpuBackend):
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, num_rdma_bytes: int,
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
-                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: Optional[int] = None,
-                 p2p: Optional[bool] = None, ll_receive_programs: Optional[int] = None, shrink: bool = False):
+                 num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: int = 1,
+                 p2p: bool = True, ll_receive_programs: int = 0, shrink: bool = False, ll_send_messages: int = 0,
+                 ll_one_launch: bool = False):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -121,16 +123,12 @@ class NvshmemBackend(GpuBackend):
         self.mailbox = HostMailbox(self.num_ranks, MAX_LOCAL_EXPERTS)
         check_host_mapping(self.mailbox, device)
         self.layout = LayoutKernel(self.num_ranks, ranks_per_node, device, self.state, self.mailbox.address)
-        if send_parts is None:
-            send_parts = int(os.environ.get("EPCOMM_NVSHMEM_SEND_PARTS", "1"))
         if send_parts < 1:
             raise EPInputError("send_parts", f"must be >= 1, got {send_parts}")
-        if p2p is None:
-            p2p = os.environ.get("EPCOMM_NVSHMEM_P2P", "1") != "0"
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         if self.loopback:  # (the one-GPU tests: every rank in this process; their own caps)
-            caps = GridCaps(0, 0, self.receive_programs(ll_receive_programs))
+            caps = GridCaps(0, 0, ll_receive_programs)
         else:  # ranks sharing a GPU: grids that fit it together (collective)
             caps = self.share_gpu(gpu_places(group), "nvshmem", ll_receive_programs)
         # which call each rank is in, across every Buffer of the group (a skipped call: call_board.py)
@@ -148,7 +146,8 @@ class NvshmemBackend(GpuBackend):
             self.low_latency = LowLatencyMode(self.ll_ws, self.state, self.mailbox, self.timeout_ns, device,
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
                                               receive_programs=caps.ll_receive_programs, board=self.seat,
-                                              send_programs=caps.ll_send_programs, shrink=shrink)
+                                              send_programs=caps.ll_send_programs, shrink=shrink,
+                                              messages_per_program=ll_send_messages, one_launch=ll_one_launch)
 
     def _make_board(self, group: Optional[dist.ProcessGroup]) -> call_board.CallBoard:
         """The group's call board in symmetric memory (NVSHMEM, or the loopback world's)."""

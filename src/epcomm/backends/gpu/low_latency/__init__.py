@@ -4,7 +4,7 @@
     low_latency_combine    ep_ll_combine    push rows + signal      ->  wait + reduce
 
 Each call launches the send phase, then the receive phase (``return_recv_hook=True`` returns
-after the first; ``hook()`` issues the second). With ``EPCOMM_LL_ONE_LAUNCH=1`` a call without a
+after the first; ``hook()`` issues the second). With ``Tuning(ll_one_launch=True)`` a call without a
 hook runs both phases in one cooperative launch no larger than the GPU holds at once (launch.py):
 all programs are resident, so the receive phase's spin cannot starve the send phase it waits for.
 

@@ -1,7 +1,6 @@
 """Low-latency mode's host side: plans per shape, the buffer halves, the launches of each call."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +87,15 @@ class LowLatencyMode:
             chain neither waits for it nor sends to it again) and reported: the host raises
             EPTimeoutError naming it at the next call, and the combine rows it did not deliver are
             NaN (its dispatch rows are left out of ``recv_count``: their number never arrived).
+        messages_per_program: messages of one token a send item carries (0: all its top-k, one
+            FP8 cast per token); one_launch: calls without a hook in one cooperative launch (the
+            Buffer's ``Tuning``: ``ll_send_messages``, ``ll_one_launch``).
     """
 
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
                  remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0,
-                 receive_programs: int = 0, board=None, send_programs: int = 0, shrink: bool = False):
+                 receive_programs: int = 0, board=None, send_programs: int = 0, shrink: bool = False,
+                 messages_per_program: int = 0, one_launch: bool = False):
         self.ws = ws
         self.board = board if board is not None else unseated(device, ws.num_ranks)
         # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
@@ -121,14 +124,13 @@ class LowLatencyMode:
         self._dispatch_plans = {}
         self._combine_plans = {}
         self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
-        # Messages per send item: all K of a token by default (one cast per token);
-        # EPCOMM_LL_SEND_MESSAGES overrides it for measurements.
-        self.messages_per_program = int(os.environ.get("EPCOMM_LL_SEND_MESSAGES", 0))
+        # Messages per send item: all K of a token by default (0: one cast per token).
+        self.messages_per_program = messages_per_program
         # Calls without a hook run the two phases as two launches by default: measured on 2 x H200,
         # the round trip in a CUDA graph took 74-75 us that way against 79-80 us with both phases in
         # one cooperative launch (whose receive phase spins while other programs still send).
-        # EPCOMM_LL_ONE_LAUNCH=1 picks the one launch (one launch less of host time per call).
-        self.one_launch = os.environ.get("EPCOMM_LL_ONE_LAUNCH", "0") == "1"
+        # one_launch picks the one launch (one launch less of host time per call).
+        self.one_launch = bool(one_launch)
 
     def check_dispatch(self, args) -> None:
         """This backend's limits (hidden % 128, the buffer's size for this shape): EPInputError."""
