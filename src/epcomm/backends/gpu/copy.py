@@ -119,13 +119,13 @@ NAN_E4M3_WORD = tl.constexpr(0x7F7F7F7F7F7F7F7F)  # eight float8_e4m3fn NaNs
 
 
 @triton.jit
-def fill_rows(dst, num_rows, row_words, word, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def fill_rows(dst, num_rows, row_words, word, program, num_programs, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Store ``word`` (an int64 bit pattern, e.g. NAN_BF16_WORD) into every 8-byte word of rows
-    ``[0, num_rows)`` of ``dst`` (an int64 pointer, rows of ``row_words`` words), the launch's
-    programs taking blocks of rows in turn."""
+    ``[0, num_rows)`` of ``dst`` (an int64 pointer, rows of ``row_words`` words); ``program`` of
+    ``num_programs`` takes blocks of rows ``program, program + num_programs, ...``."""
     cols = tl.arange(0, BLOCK_W)
     value = tl.full([BLOCK_R, BLOCK_W], word, tl.int64)
-    for block in range(tl.program_id(0), tl.cdiv(num_rows, BLOCK_R), tl.num_programs(0)):
+    for block in range(program, tl.cdiv(num_rows, BLOCK_R), num_programs):
         rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         for start in range(0, row_words, BLOCK_W):
             c = start + cols
@@ -134,10 +134,10 @@ def fill_rows(dst, num_rows, row_words, word, BLOCK_R: tl.constexpr, BLOCK_W: tl
 
 
 @triton.jit
-def fill_nan_f32(ptr, count, BLOCK: tl.constexpr):
-    """NaN into ``count`` contiguous float32 elements at ``ptr``, the launch's programs taking
-    blocks in turn."""
+def fill_nan(ptr, count, program, num_programs, BLOCK: tl.constexpr):
+    """NaN into ``count`` contiguous floating-point elements at ``ptr`` (its element type);
+    ``program`` of ``num_programs`` takes blocks ``program, program + num_programs, ...``."""
     offs = tl.arange(0, BLOCK)
-    for start in range(tl.program_id(0) * BLOCK, count, tl.num_programs(0) * BLOCK):
+    for start in range(program * BLOCK, count, num_programs * BLOCK):
         i = (start + offs).to(tl.int64)
-        tl.store(ptr + i, tl.full([BLOCK], float("nan"), tl.float32), mask=i < count)
+        tl.store(ptr + i, tl.full([BLOCK], float("nan"), ptr.dtype.element_ty), mask=i < count)

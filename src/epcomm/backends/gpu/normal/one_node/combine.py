@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ... import sync
-from ...copy import NAN_BF16_WORD, copy_rows, fill_nan_f32, fill_rows, multiple, ptr_at, word_ptr
+from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
 from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
@@ -147,10 +147,9 @@ def ep_combine_reduce(
                                              R_P2)  # ACQUIRE: rows pushed here
     if token_hi < expected_hi:  # the wait gave up, or a rank is in another call: no contribution is known
         missing = tl.maximum(tl.minimum(expected_hi, num_tokens) - token_lo, 0)  # (to NaN: no plausible data)
-        fill_rows((out_ptr + token_lo.to(tl.int64) * hidden).to(tl.pointer_type(tl.int64), bitcast=True), missing,
-                  hidden // 4, NAN_BF16_WORD, 1, BLOCK_C // 4)
+        fill_nan(out_ptr + token_lo.to(tl.int64) * hidden, missing * hidden, pid, num_programs, BLOCK_C)
         if HAS_WEIGHTS:
-            fill_nan_f32(out_w_ptr + token_lo.to(tl.int64) * num_topk, missing * num_topk, 1024)
+            fill_nan(out_w_ptr + token_lo.to(tl.int64) * num_topk, missing * num_topk, pid, num_programs, 1024)
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     slots_x = ptr_at(half + slots_x_offset, tl.bfloat16, ALIGNED)
     slots_w = (half + slots_w_offset).to(tl.pointer_type(tl.float32))

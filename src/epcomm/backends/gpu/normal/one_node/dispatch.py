@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ... import agreement, sync
-from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, copy_rows_to_each, fill_nan_f32, fill_rows, multiple,
+from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, copy_rows_to_each, fill_nan, fill_rows, multiple,
                      word_ptr)
 from ...launch import KernelSpec
 from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
@@ -335,12 +335,13 @@ def _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_wor
     """A pull whose wait gave up returns no plausible rows (DESIGN section 5): every output row NaN —
     x (bf16, or e4m3 with scales), its scales and its weights (float32); the host raises the error
     at the next call. ``num_rows``: the outputs' rows (expert-major: its rows, one weight each)."""
+    program, num_programs = tl.program_id(0), tl.num_programs(0)
     fill_rows(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), num_rows, x_words,
-              NAN_E4M3_WORD if HAS_SCALES else NAN_BF16_WORD, BLOCK_R, BLOCK_W)
+              NAN_E4M3_WORD if HAS_SCALES else NAN_BF16_WORD, program, num_programs, BLOCK_R, BLOCK_W)
     if HAS_SCALES:
-        fill_nan_f32(recv_scales_ptr, num_rows * num_scales, 1024)
+        fill_nan(recv_scales_ptr, num_rows * num_scales, program, num_programs, 1024)
     if HAS_TOPK:
-        fill_nan_f32(recv_weights_ptr, num_rows if EXPERT_MAJOR else num_rows * num_topk, 1024)
+        fill_nan(recv_weights_ptr, num_rows if EXPERT_MAJOR else num_rows * num_topk, program, num_programs, 1024)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...copy import copy_rows, word_ptr
+from ...copy import copy_rows, fill_nan, word_ptr
 from ...launch import KernelSpec
 from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ...reach.modes import FAR_LIBRARY
@@ -183,7 +183,7 @@ FORWARD = KernelSpec(ml_combine_forward, **FAR_LIBRARY)
 #
 # Every program ACQUIREs all N x C signals of this call (each forwarder program signals, with
 # rows or without; a late one is flagged in the mailbox for its forwarder (n, local) and this
-# program writes nothing), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
+# program's share of the output is NaN: no plausible data), then takes token blocks pid, pid + P, ... of BLOCK_T tokens (P
 # programs, at most num_sms, so that few programs spin: on one GPU shared by many ranks,
 # a grid per token block filled the SMs with waiters while the pushes they waited for could
 # not start). Per token: the float32 sum over the nodes in each token's mask, in ascending node
@@ -203,9 +203,12 @@ def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/s
                       weights_at: "i32", home_cap: "i32", num_channels: "i32",
                       HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_C: tl.constexpr, K_P2: tl.constexpr, SIGNALS_P2: tl.constexpr):
-    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
-        return
     pid = tl.program_id(0)
+    if call_failed(failed_ptr, epoch):  # the step barrier found another call or a late rank: NaN, DESIGN 5
+        fill_nan(out_ptr, num_tokens * hidden, pid, tl.num_programs(0), BLOCK_C)
+        if HAS_WEIGHTS:
+            fill_nan(out_weights_ptr, num_tokens * num_topk, pid, tl.num_programs(0), BLOCK_C)
+        return
     num_nodes = num_ranks // ranks_per_node
     local = rank % ranks_per_node
     lanes = tl.arange(0, SIGNALS_P2)
@@ -214,7 +217,11 @@ def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/s
     _, _, late = poll_epochs(words, lanes < num_nodes * num_channels, epoch, timeout_ns,
                              EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
     report_late(late, (lanes // num_channels) * ranks_per_node + local, timeouts, timeouts, MASK_ON_TIMEOUT=False)
-    if tl.max(late.to(tl.int32), axis=0) == 0:
+    if tl.max(late.to(tl.int32), axis=0) != 0:  # a partial is missing: no token's sum is known (NaN, DESIGN 5)
+        fill_nan(out_ptr, num_tokens * hidden, pid, tl.num_programs(0), BLOCK_C)
+        if HAS_WEIGHTS:
+            fill_nan(out_weights_ptr, num_tokens * num_topk, pid, tl.num_programs(0), BLOCK_C)
+    else:
         for first in range(pid * BLOCK_T, num_tokens, tl.num_programs(0) * BLOCK_T):
             tokens = first + tl.arange(0, BLOCK_T)
             live = tokens < num_tokens

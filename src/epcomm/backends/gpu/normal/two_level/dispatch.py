@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...copy import copy_rows, word_ptr
+from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, word_ptr
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
@@ -310,7 +310,8 @@ SEND = KernelSpec(ml_dispatch_send, **FAR_LIBRARY)
 # or stored by s itself when m == node. ACQUIRE f's signal [m][c] over NVLink (bounded: a
 # timeout is flagged for s in the host mailbox and nothing moves), then scan the channel's
 # rows, keep those whose in-node mask has bit j, and copy them to recv_x from row
-# rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order:
+# rank_prefix_matrix[s - 1][d] + (s's rows for d in channels before c), in block order (on a
+# timeout those rows are NaN instead: no plausible data):
 # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
 # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
 # in-node mask of each row of its own area.
@@ -343,25 +344,37 @@ def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu
                         # meta-parameters
                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
-    if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
-        return
+    # A call whose step barrier found another call or a late rank moves nothing (step.py); its rows
+    # are NaN, as are those of a source whose signal never came (the host raises: no plausible data).
+    # (A full dispatch never gets here then: its host count wait raises first.)
+    going = call_failed(failed_ptr, epoch) == 0
     s, c, j, m, base = hop2_program(peer_bases_ptr, rank, ranks_per_node)
     node = rank // ranks_per_node
     signal_word = base + signals_offset + (m * SIGNAL_STRIDE + c).to(tl.int64) * 8
     start = now_ns()
     seen = load_acquire_sys(signal_word)
-    while (seen < epoch) & (now_ns() - start < timeout_ns):
+    while going & (seen < epoch) & (now_ns() - start < timeout_ns):
         seen = load_acquire_sys(signal_word)  # ACQUIRE: the rows of block m, channel c
     tl.debug_barrier()  # the polling thread's acquire precedes every thread's row loads
-    if seen < epoch:
-        tl.store(timeouts_ptr + s, 1)
-        tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
+    meta_s = meta_ptr + s * meta_len  # (the handle's count table in a cached dispatch: this rank's own)
+    out, out_end = channel_range(meta_s + gbl_prefix_at + rank * num_channels, c)
+    first_out = tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
+    out += first_out
+    if going == 0 or seen < epoch:
+        if going:
+            tl.store(timeouts_ptr + s, 1)
+            tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
+        # the rows (s, c) would have filled are missing: NaN in x (bf16, or e4m3 with scales), scales, weights
+        missing = tl.maximum(tl.minimum(first_out + out_end, num_out_rows) - out, 0)
+        fill_rows(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + out.to(tl.int64) * x_words, missing,
+                  x_words, NAN_E4M3_WORD if HAS_SCALES else NAN_BF16_WORD, 0, 1, BLOCK_R, BLOCK_W)
+        if HAS_SCALES:
+            fill_nan(recv_scales_ptr + out.to(tl.int64) * num_scales, missing * num_scales, 0, 1, S_P2)
+        if HAS_TOPK:
+            fill_nan(recv_weights_ptr + out.to(tl.int64) * num_topk, missing * num_topk, 0, 1, K_P2)
     else:
-        meta_s = meta_ptr + s * meta_len
         lo, hi = channel_range(meta_s + rdma_prefix_at + node * num_channels, c)
         block_start = node_block_start(meta_ptr, meta_len, per_node_at, m, node, s % ranks_per_node, ranks_per_node)
-        out, _ = channel_range(meta_s + gbl_prefix_at + rank * num_channels, c)
-        out += tl.load(prefix_ptr + (s - 1) * num_ranks + rank, mask=s > 0, other=0)
         area = base + area_offset + block_start.to(tl.int64) * row_bytes
         running = out
         for first in range(lo, hi, BLOCK_R):
