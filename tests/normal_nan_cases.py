@@ -1,6 +1,7 @@
 """A normal-mode call whose wait gave up returns no plausible data (DESIGN section 5): the rows it
 knows are missing are NaN, and the error comes at the next call. Bodies run on every rank of a
-WorkerPool (tests/test_shared_gpu.py; the one-node kernels of the nvlink backend)."""
+WorkerPool (tests/test_shared_gpu.py: the nvlink backend's one-node kernels, or the nvshmem
+backend's two-level ones)."""
 from __future__ import annotations
 
 import torch
