@@ -46,6 +46,11 @@ def hidden_size(text: str) -> int:
     return value
 
 
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural unless one: ``counted(1, "GPU rank")`` is "1 GPU rank"."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def token_list(text: str):
     """argparse type: comma-separated positive ints ('' = none)."""
     return [positive_int(t) for t in text.split(",") if t.strip()]

@@ -525,33 +525,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes = parser.add_subparsers(dest="mode", required=True, metavar="{normal,low-latency}")
     for mode, description in MODE_DESCRIPTIONS.items():
         _add_mode_arguments(modes.add_parser(mode, help=description.split(":")[0], description=description,
-                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter), mode)
 
 
-def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
+    """Each mode's own options only (``epcomm bench low-latency --help`` lists no normal-mode one)."""
     from .args import non_negative_int, positive_int, switch_list, token_list
+    normal = mode == "normal"
     parser.add_argument("--tokens", type=non_negative_int, default=0,
-                        help="tokens per rank (0: 4096 in normal mode, 128 in low-latency mode)")
+                        help=f"tokens per rank (0: {4096 if normal else 128})")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
-    parser.add_argument("--sms", type=token_list, default="24",
-                        help="Config num_sms (normal mode), comma-separated: the first for every token count, each "
-                             "further one a table of its own at --tokens")
-    parser.add_argument("--extra-tokens", type=token_list, default="512",
-                        help="more token counts to run in normal mode, comma-separated ('' for none)")
-    parser.add_argument("--reps", type=positive_int, default=30, help="calls per timing")
+    if normal:
+        parser.add_argument("--sms", type=token_list, default="24",
+                            help="Config num_sms, comma-separated: the first for every token count, each further "
+                                 "one a table of its own at --tokens")
+        parser.add_argument("--extra-tokens", type=token_list, default="512",
+                            help="more token counts to run, comma-separated ('' for none)")
+    parser.add_argument("--reps", type=positive_int, default=30,
+                        help="calls per timing" + ("" if normal else " (at least 20)"))
     parser.add_argument("--peer", choices=["deep_ep"], default=None,
                         help="also run this library on the same data (needs it importable)")
     parser.add_argument("--ranks", type=non_negative_int, default=0, help="ranks to use (0: all GPUs)")
-    parser.add_argument("--send-parts", type=token_list, default="",
-                        help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own at "
-                             "--tokens (programs per channel and node of the puts between nodes)")
-    parser.add_argument("--p2p", type=switch_list, default="",
-                        help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table of its "
-                             "own at --tokens (1: rows stored straight into a peer mapped here, 0: staged and put, "
-                             "as between hosts)")
+    if normal:
+        parser.add_argument("--send-parts", type=token_list, default="",
+                            help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own "
+                                 "at --tokens (programs per channel and node of the puts between nodes)")
+        parser.add_argument("--p2p", type=switch_list, default="",
+                            help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
+                                 "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
+                                 "and put, as between hosts)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0,
-                        help="virtual nodes of this many ranks (the nvshmem backend; low-latency mode runs nvlink "
-                             "beside it); 0: one node")
+                        help="virtual nodes of this many ranks, on the nvshmem backend" +
+                             ("" if normal else ", with nvlink on one node beside it") + "; 0: one node")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON and PNG results")
 
 

@@ -40,14 +40,15 @@ def check_rank(num_cases: int):
 def run_check(ranks: int = 0, num_cases: int = 24, timeout_s: float = 900) -> int:
     """Run the checks on all GPUs (or ``ranks`` CPU ranks); print a table; return the exit code."""
     from ..testing import RankFailure, default_world, run_distributed
+    from .args import counted
     world, backend = default_world(ranks)
-    print(f"epcomm check: {num_cases} randomized cases per mode on {world} {'GPU' if backend == 'nccl' else 'CPU'} "
-          f"ranks", flush=True)
+    print(f"epcomm check: {counted(num_cases, 'randomized case')} per mode on "
+          f"{counted(world, 'GPU rank' if backend == 'nccl' else 'CPU rank')}", flush=True)
     try:
         results = run_distributed(check_rank, world, num_cases, backend=backend, timeout_s=timeout_s)[0]
     except RankFailure as failure:
         print(f"FAILED on rank {failure.rank}:\n{failure.remote_traceback}")
         return 1
     for what, cases, seconds in results:
-        print(f"{what:<36} {cases:>4} cases  {seconds:6.1f} s  OK")
+        print(f"{what:<36} {counted(cases, 'case'):>10}  {seconds:6.1f} s  OK")
     return 0

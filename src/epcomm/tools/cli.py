@@ -1,7 +1,7 @@
-"""Command line: ``epcomm demo | info | check | bench | model | model-one-node``.
+"""Command line: ``epcomm demo | info | check | bench | model | model-one-node``, ``epcomm --version``.
 
-Every option has help text and shows its default (``epcomm <command> --help``); invalid values
-end in a one-line usage error, not a traceback.
+Every option has help text and shows its default (``epcomm <command> --help``), each command lists
+only its own options; invalid values end in a one-line usage error, not a traceback.
 """
 from __future__ import annotations
 
@@ -62,8 +62,10 @@ def _info() -> int:
 
 def main(argv=None) -> int:
     formatter = argparse.ArgumentDefaultsHelpFormatter
+    from .. import __version__
     parser = argparse.ArgumentParser(prog="epcomm", description="Expert-parallel dispatch/combine for MoE.",
                                      formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"epcomm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", formatter_class=formatter,
                           help="EP MoE layer forward in normal and low-latency mode, checked against one process")

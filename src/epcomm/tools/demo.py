@@ -64,14 +64,15 @@ def demo_rank(settings: DemoSettings):
 def run_demo(ranks: int = 0, settings: DemoSettings = DemoSettings(), timeout_s: float = 600) -> int:
     """Run the demo on all GPUs (or ``ranks`` CPU ranks), print a table, return the exit code."""
     from ..testing import default_world, run_distributed
+    from .args import counted
 
     world, backend = default_world(ranks)
     num_experts = settings.experts_per_rank * world
     if settings.topk > num_experts:
-        print(f"epcomm demo: error: --topk {settings.topk} exceeds the {num_experts} experts of {world} ranks",
-              file=sys.stderr)
+        print(f"epcomm demo: error: --topk {settings.topk} exceeds the {counted(num_experts, 'expert')} of "
+              f"{counted(world, 'rank')}", file=sys.stderr)
         return 2
-    print(f"epcomm demo: MoE layer forward on {world} {'GPU' if backend == 'nccl' else 'CPU'} ranks "
+    print(f"epcomm demo: MoE layer forward on {counted(world, 'GPU rank' if backend == 'nccl' else 'CPU rank')} "
           f"(T={settings.tokens}/rank, H={settings.hidden}, E={settings.experts_per_rank * world}, K={settings.topk})",
           flush=True)
     results = run_distributed(demo_rank, world, settings, backend=backend, timeout_s=timeout_s)[0]

@@ -1,0 +1,48 @@
+"""The command line as a newcomer meets it: ``epcomm --version``, each subcommand's ``--help`` lists
+only the options that subcommand reads, and counts read right in the singular ("1 GPU rank")."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+import epcomm
+from epcomm.tools import bench
+from epcomm.tools.args import counted
+
+ENV = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), EPCOMM_DEMO_CPU="1")
+NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p")
+
+
+def _epcomm(*args):
+    return subprocess.run([sys.executable, "-m", "epcomm", *args], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+
+
+def test_version_prints_the_package_version():
+    run = _epcomm("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"epcomm {epcomm.__version__}", run
+
+
+@pytest.mark.parametrize("mode", ["normal", "low-latency"])
+def test_each_bench_mode_lists_only_its_own_options(mode):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    modes = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    options = {option for action in modes.choices[mode]._actions for option in action.option_strings}
+    listed = {option for option in NORMAL_ONLY if option in options}
+    assert listed == (set(NORMAL_ONLY) if mode == "normal" else set()), (mode, listed)
+    assert {"--tokens", "--hidden", "--reps", "--peer", "--ranks", "--ranks-per-node", "--out"} <= options
+
+
+def test_low_latency_help_shows_its_own_default_token_count():
+    out = _epcomm("bench", "low-latency", "--help").stdout
+    assert "(0: 128)" in out and "4096" not in out and not any(option in out for option in NORMAL_ONLY), out
+
+
+def test_counts_read_right_in_the_singular():
+    assert counted(1, "GPU rank") == "1 GPU rank" and counted(4, "CPU rank") == "4 CPU ranks"
+    assert counted(0, "case") == "0 cases"
+    run = _epcomm("demo", "--ranks", "1", "--experts-per-rank", "1", "--topk", "2")
+    assert run.returncode == 2 and "exceeds the 1 expert of 1 rank" in run.stderr, run.stderr
