@@ -1,4 +1,4 @@
-"""DeepEP's internode test shape (testing/internode.py: 1024 tokens, H=7168, top-8 within the best 2
+"""DeepEP's internode test shape (tests/internode_cases.py: 1024 tokens, H=7168, top-8 within the best 2
 node groups, the workspace sized exactly for the batch) on one node of real GPUs, one rank each:
 the automatic backend there is nvlink. Usage: ``python3 scripts/internode_shape_one_node.py
 [num_sms ...]``; prints one line per SM count."""
@@ -8,10 +8,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # the project's GPU cases
 
 if __name__ == "__main__":
     from epcomm.testing import WorkerPool
-    from epcomm.testing.internode import internode_against_reference
+    from internode_cases import internode_against_reference
     R = torch.cuda.device_count()
     with WorkerPool(R, backend="nccl") as pool:
         for num_sms in [int(v) for v in sys.argv[1:]] or [24]:

@@ -102,7 +102,7 @@ def test_random_sequence_of_faults(pools):
     """200 steps of valid calls, bad inputs on random ranks, disagreements, rejected
     layouts and skipped combines; after each step every rank raised naming the argument (and
     the rank) or returned the reference's result, and the next valid call succeeded."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = pools.get(4).run(error_sequence, 200, 11, timeout_s=300)
     assert all(r == results[0] or set(r) == set(results[0]) for r in results), results
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
@@ -115,7 +115,7 @@ def test_random_sequence_with_skipped_calls_on_two_buffers(pools):
     on the same Buffer or on the other one), or drops a whole step before its dispatch. Every step
     either raised EPInputError naming the argument or ``call`` on every rank the plan says, or
     returned the reference's result; the next step is correct on every rank — no wrong data."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = pools.get(4).run(error_sequence, 300, 23, two_buffers=True, timeout_s=400)
     assert all(set(r) == set(results[0]) for r in results), results
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised", "drop_raised"):
@@ -155,12 +155,12 @@ def test_a_rank_that_skips_a_call_never_gets_wrong_data(pools, skipped):
 
 
 def test_random_sequence_with_late_ranks(pools):
-    """30 steps of the fault sequence with late ranks among the faults (testing/sequence.py): a rank
+    """30 steps of the fault sequence with late ranks among the faults (tests/sequence_cases.py): a rank
     comes past the timeout to a round on a Buffer of its own — without enable_shrink every rank
     raises EPTimeoutError naming it and the next round pairs; with it the others mask it and get
     the live ranks' sum, the late rank raises, and after every rank unmasked and cleaned the next
     round is whole. The other faults and valid steps in between stay right."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = pools.get(4).run(error_sequence, 30, 41, late=True, timeout_s=300)
     assert all(r == results[0] for r in results), results
     for key in ("ok", "late_raised", "late_masked", "skip_raised"):

@@ -291,9 +291,9 @@ def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
 @needs_peers
 def test_random_sequence_of_faults_on_nvlink(gpu_pool):
     """1000 steps of valid calls, bad inputs on random ranks, disagreements, rejected
-    layouts and skipped combines on the GPU backend (testing/sequence.py says how deferred reports
+    layouts and skipped combines on the GPU backend (sequence_cases.py says how deferred reports
     are expected there)."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = gpu_pool.run(error_sequence, 1000, 5, "cuda", timeout_s=1200)
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
         assert results[0].get(key, 0) > 0, results[0]
@@ -304,7 +304,7 @@ def test_random_sequence_with_skipped_calls_on_two_buffers_on_nvlink(gpu_pool):
     """The fault sequence with a normal and a low-latency Buffer on the group, 1000 steps: skipped
     combines, low-latency combines and whole rounds across the two, on the nvlink backend's call
     board (gpu/call_board.py)."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = gpu_pool.run(error_sequence, 1000, 23, "cuda", two_buffers=True, timeout_s=1200)
     for key in ("ok", "skip_raised", "drop_raised", "skipped_call_found"):
         assert sum(r.get(key, 0) for r in results) > 0, results

@@ -1,10 +1,10 @@
-"""The messages of testing/internode.py's checks (run on GPUs) are worked out on the CPU: a
+"""The messages of internode_cases.py's checks (run on GPUs) are worked out on the CPU: a
 failure on a GPU bed must say which sources' rows were wrong, and the state behind it."""
 import types
 
 import torch
 
-from epcomm.testing.internode import _gpu_state, _rows_differ
+from internode_cases import _gpu_state, _rows_differ
 
 
 def test_rows_differ_counts_the_wrong_rows_per_source():

@@ -1,7 +1,7 @@
 """The multi-node (nvshmem) backend's kernels on one GPU, every rank a thread of one process
 (loopback transport): the send layout; dispatch, cached dispatch and combine; low-latency rounds,
 a dead rank, both modes on one backend — against the references, per topology
-(epcomm.testing.loopback; it runs in a child process with eager module loading and the
+(tests/loopback_suite.py; it runs in a child process with eager module loading and the
 stream-ordered allocator, which its docstring explains). Skipped without CUDA. The NVSHMEM puts themselves need one GPU per process:
 tests/test_gpu.py runs the backend on virtual nodes where two GPUs are lent.
 """
@@ -14,7 +14,7 @@ import torch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 try:
-    from epcomm.testing.loopback import TOPOLOGIES
+    from loopback_suite import TOPOLOGIES
 except ImportError:  # no Triton (the CPU CI): nothing here can run
     TOPOLOGIES = [(2, 1)]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUD
 
 @pytest.mark.parametrize("ranks,per_node", TOPOLOGIES)
 def test_loopback_cases_against_references(ranks, per_node):
-    from epcomm.testing.loopback import loopback_environment
+    from loopback_suite import loopback_environment
     env = loopback_environment(os.environ)
-    run = subprocess.run([sys.executable, "-m", "epcomm.testing.loopback", "--topology", f"{ranks},{per_node}"],
+    suite = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loopback_suite.py")
+    run = subprocess.run([sys.executable, suite, "--topology", f"{ranks},{per_node}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

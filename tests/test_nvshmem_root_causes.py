@@ -100,7 +100,7 @@ def test_loopback_process_loads_eagerly_and_allocates_stream_ordered():
     between launches, orders a rank's next kernel behind its peers' spinning waits, which then run
     their whole timeout (a skipping rank's first case, H100 2026-11-26). The runner's process
     loads eagerly and allocates stream-ordered, unless the caller chose an allocator."""
-    from epcomm.testing.loopback import loopback_environment
+    from loopback_suite import loopback_environment
     env = loopback_environment({"PATH": "/bin"})
     assert env == {"PATH": "/bin", "CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     chosen = loopback_environment({"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

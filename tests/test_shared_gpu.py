@@ -125,8 +125,8 @@ def test_peer_loads_see_released_stores(shared_pool):
 def test_internode_deepep_usage(shared_pool):
     """DeepEP's internode test shape: 1024 tokens, H=7168, top-8 of 16 experts per rank within
     the best 2 node groups, Config(num_sms, 8, 512, 16, 128), BF16 + FP8, async_finish and
-    previous_event, num_worst_tokens, cached dispatch, combine (testing/internode.py)."""
-    from epcomm.testing.internode import internode_against_reference
+    previous_event, num_worst_tokens, cached dispatch, combine (internode_cases.py)."""
+    from internode_cases import internode_against_reference
     config = (shared_pool.num_sms, 8, 512, 16, 128)  # DeepEP's (24 SMs: the Buffer caps them here)
     results = _all(shared_pool, internode_against_reference, 1024, 7168, 16, 8, 2, config)
     assert results == [{"backend": BACKEND, "checked": 10}] * shared_pool.world_size, results
@@ -189,7 +189,7 @@ def test_round_trips_end_without_a_backoff(shared_pool):
     """A cached dispatch + combine and a low-latency round trip, synchronised, take milliseconds at
     most even with the ranks sharing one GPU: a wait that ends only through a backoff or a timeout
     (hundreds of ms) would cost the same on real machines."""
-    from epcomm.testing.internode import round_trip_times
+    from internode_cases import round_trip_times
     times = _all(shared_pool, round_trip_times, 256, 2048, 10)
     print(f"R={shared_pool.world_size} nodes of {shared_pool.per_node}: median ms per rank {times}")
     worst = {name: max(t[name] for t in times) for name in times[0]}
@@ -241,7 +241,7 @@ def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(shared_pool, cas
 
 
 def test_random_sequence_of_faults(shared_pool):
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     results = _all(shared_pool, error_sequence, int(os.environ.get("EPCOMM_SHARED_GPU_STEPS", "200")), 5, "cuda")
     for key in ("ok", "bad_raised", "disagree_raised", "layout_raised", "skip_raised"):
         assert results[0].get(key, 0) > 0, results[0]
@@ -250,7 +250,7 @@ def test_random_sequence_of_faults(shared_pool):
 def test_random_sequence_with_skipped_calls_on_two_buffers(shared_pool):
     """The fault sequence with a normal and a low-latency Buffer on the group: skipped combines,
     low-latency combines and whole rounds across the two (the call board, gpu/call_board.py)."""
-    from epcomm.testing.sequence import error_sequence
+    from sequence_cases import error_sequence
     steps = int(os.environ.get("EPCOMM_SHARED_GPU_STEPS", "200"))
     results = _all(shared_pool, error_sequence, steps, 23, "cuda", two_buffers=True)
     for key in ("ok", "skip_raised", "drop_raised", "skipped_call_found"):

@@ -1,7 +1,10 @@
 """Randomized correctness sweeps against the single-process reference, run on every rank.
 
 Every rank rebuilds every rank's inputs from the same seeds, so each can compare its own outputs
-with the reference without extra communication. Used by the test suite and by ``epcomm check``.
+with the reference without extra communication. Kept in the package (not with the project's tests)
+because ``epcomm check`` — a command of the installed package, which cannot import tests/ — runs
+these sweeps on a user's machine; a user's tests may call them too. The test suite uses them and
+their helpers (``make_routing``, ``expert_fn``, ``cuda_graph_replays``).
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 
 It states what the multi-node kernels must compute, step by step, with the layout functions they
 mirror; the tests compare it with the one-level reference (:mod:`.reference`) and count the rows
-that cross the network against the minimum.
+that cross the network against the minimum. Kept in the package beside the reference: it is the
+executable statement of the plan that the two-level kernels' docstrings cite
+(backends/gpu/normal/two_level), a multi-node reference a user's tests can compare with too.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the loopback cases share: running ranks as threads of this process over one GPU (the
 ``LoopbackWorld`` itself is backends/gpu/reach/transport.py's), and reporting a failure (signal
 words, row differences). The cases are in loopback_cases.py and loopback_faults.py; the runner in
-loopback.py."""
+loopback_suite.py."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +9,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..backends.nvshmem.backend import NvshmemBackend
-from ..backends.gpu.reach.transport import LoopbackWorld
+from epcomm.backends.nvshmem.backend import NvshmemBackend
+from epcomm.backends.gpu.reach.transport import LoopbackWorld
 
 
 def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBackend], object], num_bytes: int,
@@ -97,7 +97,7 @@ def signal_words(backend: NvshmemBackend) -> str:
 def low_latency_words(backend: NvshmemBackend, num_experts: int) -> str:
     """One rank's low-latency epochs, combine flags and count words (both halves; nonzero ones as
     source:local expert=epoch/messages): what a timed-out wait read."""
-    from ..backends.gpu import sync
+    from epcomm.backends.gpu import sync
     ws, R = backend.ll_ws, backend.num_ranks
     state = backend.state.cpu().tolist()
     words = ws.buffer.view(torch.int64)

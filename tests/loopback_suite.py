@@ -1,11 +1,13 @@
 """The multi-node backend's kernels on one GPU: every rank a thread of this process (loopback
-transport, backends/gpu/reach/transport.py), checked against the references.
+transport, src/epcomm/backends/gpu/reach/transport.py), checked against the references. The
+project's own suite: tests/test_nvshmem_loopback.py runs it per topology on a machine with a GPU.
 
 Normal mode: dispatch, cached dispatch, combine (:func:`normal_case`). Low-latency mode: a few
 rounds of dispatch + combine with and without hooks, FP8 variants, messages to near and far
 ranks (:func:`low_latency_case`), against the references as the GPU suite checks them.
 
-Run it as ``python -m epcomm.testing.loopback [--topology R,k ...]``: it runs in a process with
+Run it as ``python3 tests/loopback_suite.py [--topology R,k ...] [--mode normal|low_latency]
+[--only CASE]`` (with epcomm importable: ``pip install -e .`` or ``PYTHONPATH=src``): it runs in a process with
 ``CUDA_MODULE_LOADING=EAGER`` and PyTorch's stream-ordered allocator
 (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``), starting one if needed. Both avoid a host
 call that waits for, or orders work behind, the GPU's running kernels — here another rank's
@@ -30,10 +32,10 @@ reference (within bf16 rounding).
 """
 from __future__ import annotations
 
-from .loopback_cases import layout_case, low_latency_case, mixed_modes_case, normal_case, send_layout_case
-from .loopback_faults import (bad_counts_case, disagreement_case, ll_other_call_case, low_latency_dead_rank_case,
-                              recovery_case, skip_across_buffers_case)
-from .loopback_common import run_ranks
+from loopback_cases import layout_case, low_latency_case, mixed_modes_case, normal_case, send_layout_case
+from loopback_faults import (bad_counts_case, disagreement_case, ll_other_call_case, low_latency_dead_rank_case,
+                             recovery_case, skip_across_buffers_case)
+from loopback_common import run_ranks
 
 
 TOPOLOGIES = ((2, 1), (4, 2), (4, 1), (2, 2), (6, 2))  # (ranks, ranks per node)
@@ -122,8 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     env = loopback_environment(os.environ)
     if env != dict(os.environ):  # see the module's docstring
-        return subprocess.call([sys.executable, "-m", "epcomm.testing.loopback"] + list(argv or sys.argv[1:]),
-                               env=env)
+        return subprocess.call([sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:]), env=env)
     topologies = [tuple(int(v) for v in t.split(",")) for t in args.topology] or TOPOLOGIES
     failed = 0
     suites = [(layout_case, layout_cases), (send_layout_case, send_layout_cases), (normal_case, cases),

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 import epcomm
-from .reference import reference_combine, reference_dispatch, reference_low_latency_combine
-from .sweeps import _bits, expert_fn, make_routing, rank_fn, world
+from epcomm.testing.reference import reference_combine, reference_dispatch, reference_low_latency_combine
+from epcomm.testing.sweeps import _bits, expert_fn, make_routing, rank_fn, world
 
 OPS = ("normal", "cached", "low_latency")
 FAULTS = ("none", "bad", "disagree", "layout", "skip", "drop", "late")

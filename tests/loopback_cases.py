@@ -1,4 +1,4 @@
-"""Loopback cases of valid calls (loopback.py runs them): the send layout, normal-mode dispatch /
+"""Loopback cases of valid calls (loopback_suite.py runs them): the send layout, normal-mode dispatch /
 cached dispatch / combine, low-latency rounds, both modes on one backend — each against the
 references."""
 from __future__ import annotations
@@ -7,18 +7,18 @@ from typing import Optional
 
 import torch
 
-from .. import fp8
-from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
-from ..backends.nvshmem.backend import NvshmemBackend
-from ..backends.gpu.workspace import low_latency_bytes
-from ..backends.nvshmem import bytes_for_tokens
-from ..config import Config
-from ..layout import dispatch_layout
-from .reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
-                        reference_low_latency_dispatch)
-from .sweeps import _equal_payload, _ll_rows, expert_fn, make_routing, rank_fn, to_fp8_input
-from .two_level import two_level_combine, two_level_dispatch
-from .loopback_common import (HandleView, bits16, differing_rows, low_latency_words, run_ranks, to_cpu, wait_stream,
+from epcomm import fp8
+from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from epcomm.backends.nvshmem.backend import NvshmemBackend
+from epcomm.backends.gpu.workspace import low_latency_bytes
+from epcomm.backends.nvshmem import bytes_for_tokens
+from epcomm.config import Config
+from epcomm.layout import dispatch_layout
+from epcomm.testing.reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
+                                      reference_low_latency_dispatch)
+from epcomm.testing.sweeps import _equal_payload, _ll_rows, expert_fn, make_routing, rank_fn, to_fp8_input
+from epcomm.testing.two_level import two_level_combine, two_level_dispatch
+from loopback_common import (HandleView, bits16, differing_rows, low_latency_words, run_ranks, to_cpu, wait_stream,
                              xs_home)
 
 
@@ -28,10 +28,10 @@ def layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: str = 
     layout.dispatch_layout: the counts per rank, per node (None on one node) and per expert, and
     is_token_in_rank; then one expert id out of range, which counts nowhere and is reported to the
     host mailbox (EPInputError naming topk_idx at the next look)."""
-    from ..backends.gpu.mailbox import HostMailbox
-    from ..backends.gpu.normal.layout_kernel import LayoutKernel
-    from ..backends.gpu.sync import device_state
-    from ..errors import EPInputError
+    from epcomm.backends.gpu.mailbox import HostMailbox
+    from epcomm.backends.gpu.normal.layout_kernel import LayoutKernel
+    from epcomm.backends.gpu.sync import device_state
+    from epcomm.errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, k, E = num_ranks, ranks_per_node, 4 * num_ranks
     _, topks, _ = make_routing(seed, scenario, R, E, 4, num_tokens, 128, fixed_tokens=num_tokens)
@@ -64,9 +64,9 @@ def send_layout_case(seed: int, num_ranks: int, ranks_per_node: int, scenario: s
                      num_tokens: int = 300, num_channels: int = 3, device: Optional[torch.device] = None) -> None:
     """ml_dispatch_send_layout (one program) against hierarchy.send_layout, rows.node_tokens and
     rows.count_row on one routing: masks, each node's token list, the whole count row."""
-    from ..backends.gpu.normal.two_level.dispatch import SEND_LAYOUT
-    from ..backends.gpu.normal.two_level.rows import MetaRow, count_row, node_tokens
-    from ..backends.gpu.normal.two_level.hierarchy import Topology, send_layout
+    from epcomm.backends.gpu.normal.two_level.dispatch import SEND_LAYOUT
+    from epcomm.backends.gpu.normal.two_level.rows import MetaRow, count_row, node_tokens
+    from epcomm.backends.gpu.normal.two_level.hierarchy import Topology, send_layout
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, k, E = num_ranks, ranks_per_node, 4 * num_ranks
     topology = Topology(R, k)
@@ -308,7 +308,7 @@ def mixed_modes_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     DeepEP's modes share num_rdma_bytes): low-latency round, normal round, a low-latency call that
     must raise EPError (no clean since the normal calls), clean_low_latency, low-latency round,
     normal round — every round against the references."""
-    from ..errors import EPError
+    from epcomm.errors import EPError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, M, K = num_ranks, 4 * num_ranks, 32, 4
     num_local = E // R

@@ -1,4 +1,4 @@
-"""Loopback cases of faults (loopback.py runs them): a dead rank masked, counts that do not match the
+"""Loopback cases of faults (loopback_suite.py runs them): a dead rank masked, counts that do not match the
 routing, a rejected call and its recovery, ranks that disagree, a rank in another call."""
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ from typing import Optional
 
 import torch
 
-from ..backends.gpu import launch
-from ..backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
-from ..backends.nvshmem.backend import NvshmemBackend
-from ..backends.gpu.workspace import low_latency_bytes
-from ..backends.nvshmem import bytes_for_tokens
-from ..config import Config
-from ..layout import dispatch_layout
-from .reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
-                        reference_low_latency_dispatch)
-from .sweeps import _equal_payload, expert_fn, make_routing, rank_fn
-from .loopback_cases import warm_low_latency
-from .loopback_common import run_ranks, to_cpu, wait_stream
+from epcomm.backends.gpu import launch
+from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from epcomm.backends.nvshmem.backend import NvshmemBackend
+from epcomm.backends.gpu.workspace import low_latency_bytes
+from epcomm.backends.nvshmem import bytes_for_tokens
+from epcomm.config import Config
+from epcomm.layout import dispatch_layout
+from epcomm.testing.reference import (reference_combine, reference_dispatch, reference_low_latency_combine,
+                                      reference_low_latency_dispatch)
+from epcomm.testing.sweeps import _equal_payload, expert_fn, make_routing, rank_fn
+from loopback_cases import warm_low_latency
+from loopback_common import run_ranks, to_cpu, wait_stream
 
 
 def low_latency_dead_rank_case(num_ranks: int, ranks_per_node: int, hidden: int = 512, rounds: int = 3,
@@ -73,7 +73,7 @@ def bad_counts_case(num_ranks: int, ranks_per_node: int, argument: str = "num_to
                     device: Optional[torch.device] = None) -> None:
     """The last rank passes counts that do not summarise its routing (``argument``): every rank's
     full dispatch raises EPInputError naming it (the count rows carry the abort code; no hang)."""
-    from ..errors import EPInputError
+    from epcomm.errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, T, hidden = num_ranks, 4 * num_ranks, 24, 256
     xs, topks, weights = make_routing(80, "uniform", R, E, 4, T, hidden, fixed_tokens=T)
@@ -124,7 +124,7 @@ def recovery_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     input and aborts; the others' call raises EPInputError naming the argument (a full dispatch at
     its count wait; a low-latency dispatch at the next look at the mailbox); every rank then
     resyncs (what Buffer does at the next call) and the next call pairs and matches the reference."""
-    from ..errors import EPInputError
+    from epcomm.errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, T, M, K = num_ranks, 4 * num_ranks, 24, 16, 4
     normal = make_routing(83, "uniform", R, E, K, T, hidden, fixed_tokens=T)
@@ -223,8 +223,8 @@ def disagreement_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     failed: gpu/normal/two_level/step.py), since reading the peers' rows with this rank's layout indexes
     anything. Every rank then raises EPInputError naming the argument at its next look at the
     mailbox, resyncs, and the next full dispatch and combine match the reference."""
-    from ..errors import EPInputError
-    from ..fp8 import per_token_cast_to_fp8
+    from epcomm.errors import EPInputError
+    from epcomm.fp8 import per_token_cast_to_fp8
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, T, K = num_ranks, 4 * num_ranks, 24, 4
     routing = make_routing(85, "uniform", R, E, K, T, hidden, fixed_tokens=T)
@@ -302,7 +302,7 @@ def ll_other_call_case(num_ranks: int, ranks_per_node: int, hidden: int = 512,
     raise EPInputError naming num_experts; after the resync a round trip matches the reference."""
     import time
 
-    from ..errors import EPInputError
+    from epcomm.errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, M, K, timeout_s = num_ranks, 4 * num_ranks, 16, 4, 5.0
     xs, topks, weights = make_routing(85, "uniform", R, E, K, M, hidden, fixed_tokens=M)
@@ -358,7 +358,7 @@ def skip_across_buffers_case(num_ranks: int, ranks_per_node: int, hidden: int = 
     resync (one for the whole group) a round trip on A and one on B match the reference."""
     import time
 
-    from ..errors import EPInputError
+    from epcomm.errors import EPInputError
     device = device or torch.device("cuda", torch.cuda.current_device())
     R, E, M, K, timeout_s = num_ranks, 4 * num_ranks, 16, 4, 5.0
     xs, topks, weights = make_routing(86, "uniform", R, E, K, M, hidden, fixed_tokens=M)
