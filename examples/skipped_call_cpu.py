@@ -3,7 +3,7 @@
 A serving loop alternates a normal-mode round (dispatch, experts, combine) on one Buffer and a
 low-latency round on a second Buffer of the same group. At step 0 rank 1's experts raise after the
 dispatch, so rank 1 skips that combine. Every rank runs each step in ``try``, and drops a step that
-raises ``epcomm.EPError`` (README, "Errors and recovery"). What the table shows: the errors name
+raises ``epcomm.EPError`` (docs/ERRORS.md, the recovery rule). What the table shows: the errors name
 ``call`` (ranks in different calls) and come at once, not after the Buffer's timeout; no step
 returns wrong data; the ranks pair again and the last steps are right everywhere.
 

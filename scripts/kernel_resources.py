@@ -6,7 +6,7 @@ tests/test_kernels_compile.py.
 
 Why: a kernel that waits for its peers holds its SMs while it waits. Where ranks share one GPU
 (the CUDA MPS bed) every rank's waiting programs together must leave an SM to a late sender
-(docs/MULTINODE.md, finding 14); on real machines the same numbers bound how many warps an SM
+(docs/notes/multinode-log.md, finding 14); on real machines the same numbers bound how many warps an SM
 has to hide a remote load's latency.
 """
 import os

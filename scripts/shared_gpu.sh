@@ -24,7 +24,7 @@ case "$part" in
   sequence)  shapes="4x2"; tests="random_sequence"; export EPCOMM_SHARED_GPU_STEPS="${STEPS:-1000}" ;;
   engines)   shapes="4x2,8x8"; tests="engines or dropped_unevenly" ;;
   # the nvlink backend at one node of 8 (its workspace in NVSHMEM's mapping: ranks share the GPU);
-  # with fewer programs per rank than nvshmem (docs/MULTINODE.md, finding 14)
+  # with fewer programs per rank than nvshmem (docs/notes/multinode-log.md, finding 14)
   nvlink)    shapes="8x8"; backend=nvlink
              tests="peer_loads or internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips" ;;
   nvlink-faults) shapes="8x8"; backend=nvlink

@@ -54,7 +54,7 @@ def vllm_high_throughput(hidden: int = 256):
     assert buffer.device == dev and buffer.group is cpu_group
     # vLLM sets the process-wide SM count; the case gives the caller's back when it ends, so a
     # later case in the same process runs with its own (in the one-GPU bed, 20 programs per rank
-    # at 16 ranks starved the next case's kernels: docs/MULTINODE.md, finding 11)
+    # at 16 ranks starved the next case's kernels: docs/notes/multinode-log.md, finding 11)
     caller_num_sms = deep_ep.Buffer.num_sms
     deep_ep.Buffer.set_num_sms(20)
     try:

@@ -635,7 +635,7 @@ def skipped_call_then_next_calls(skipped: str = "combine", timeout: float = 20.0
     ``(outcome, seconds)``, outcome ``"ok"`` (checked against the reference) or the error's class
     and argument — never wrong data. ``device="cuda"``: the group's GPU backend (the call board
     finds the skip, gpu/call_board.py). Its calls that do not wait on the host report at the next
-    call (README, the recovery rule): a round whose results the GPU has reported as not valid (its
+    call (docs/ERRORS.md, the recovery rule): a round whose results the GPU has reported as not valid (its
     kernels finished, the report is pending) is ``"reported"``, not checked."""
     from epcomm.testing.reference import reference_combine, reference_low_latency_combine
     R, rank = world()

@@ -3,8 +3,8 @@ rank of a world; the shared-GPU bed: ranks sharing one GPU under CUDA MPS).
 
 Why: the nvlink backend's kernels pull (a receiver loads the rows a source staged in its own
 memory, after acquiring the source's release), where the two-level kernels only store to peers.
-On ranks sharing a GPU the nvlink backend read zeros in place of staged rows (docs/MULTINODE.md,
-finding 14). This case does the pull's hand-off alone, on the same memory and the same sync
+On ranks sharing a GPU the nvlink backend read zeros in place of staged rows (docs/notes/
+multinode-log.md, finding 14). This case does the pull's hand-off alone, on the same memory and the same sync
 helpers, so one device call tells whether the mapping and the acquire are at fault::
 
     round e (every rank, one stream, no host sync inside the round):

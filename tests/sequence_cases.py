@@ -92,7 +92,7 @@ def error_sequence(num_steps: int, seed: int = 0, device: str = "cpu", hidden: i
     leaves it (every rank keeps the same one).
 
     On a GPU backend (``device="cuda"``) a call that does not wait on the host learns of a peer's
-    rejection or of a disagreement only at the next call (README, the recovery rule): where a call
+    rejection or of a disagreement only at the next call (docs/ERRORS.md, the recovery rule): where a call
     must raise and returns instead, the step synchronises and makes it again, and that attempt
     must raise. A skipped normal-mode combine is followed by a normal-mode step there (its peers
     wait on signals only a normal-mode call sets); low-latency steps skip nothing (a peer that

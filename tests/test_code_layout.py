@@ -1,4 +1,4 @@
-"""The package's layout rules (README, "Layout"), checked on the source so a change that breaks one
+"""The package's layout rules (docs/LAYOUT.md), checked on the source so a change that breaks one
 fails CI: files stay short, only ``backends/gpu/reach`` knows how a peer is reached, and the
 modules' top-level imports form no circle."""
 import ast

@@ -114,7 +114,7 @@ def test_buffers_dropped_unevenly(shared_pool):
 def test_peer_loads_see_released_stores(shared_pool):
     """A pull's hand-off alone (tests/reach_cases.py): each rank stages words in its own NVSHMEM
     memory and releases them; every peer acquires and loads them through the mapping, 20 rounds.
-    Every word is right and every rank's own base is its buffer (docs/MULTINODE.md, finding 14)."""
+    Every word is right and every rank's own base is its buffer (docs/notes/multinode-log.md, finding 14)."""
     import reach_cases  # (Triton: only where the bed runs)
     for rank, result in enumerate(_all(shared_pool, reach_cases.peer_loads_see_released_stores)):
         assert result["bases"], f"rank {rank}: a peer unmapped, or its own base is not its buffer"
@@ -323,3 +323,48 @@ def test_low_latency_late_rank_without_shrink_is_an_error(shared_pool):
             assert following[0] == "EPTimeoutError" and R - 1 in following[1], (rank, following)
         else:  # the late rank: its waits gave up, or its call board found the peers gone on (nvlink, 4 x 4)
             assert following[0] == "EPTimeoutError" or following[:2] == ("EPInputError", "call"), (rank, following)
+
+
+# ------------------------------------------------------------------ the call board after faults (tests/board_cases.py)
+def test_call_board_fresh_buffers_after_a_stalled_rank(shared_pool):
+    """A rank never makes a round its peers make (they raise EPTimeoutError naming it); Buffers made
+    afterwards pair on every rank, the stalled rank's waits reading the board included (its call
+    numbers start again with the peers' at the construction: gpu/call_board.py)."""
+    import board_cases
+    R = shared_pool.world_size
+    for rank, (stalled, rounds) in enumerate(_all(shared_pool, board_cases.fresh_buffers_after_a_stall,
+                                                  timeout_s=240)):
+        assert stalled == ("absent" if rank == R - 1 else "EPTimeoutError"), (rank, stalled)
+        assert rounds == [("ok", True)] * 4, (rank, rounds)
+
+
+def test_call_board_late_rank_is_a_timeout_and_a_fresh_buffer_works(shared_pool):
+    """No enable_shrink, after a stall: a rank late past the timeout raises EPTimeoutError naming
+    peers, as they raise it naming it (never the board's EPInputError('call') and a resync its peers
+    never join); then a fresh Buffer's rounds are right on every rank."""
+    import board_cases
+    R = shared_pool.world_size
+    for rank, (stalled, warm, late_round, following, rounds) in enumerate(
+            _all(shared_pool, board_cases.late_rank_then_fresh_buffer, timeout_s=240)):
+        print(f"rank {rank}: late round {late_round}, next call {following}, fresh {rounds}", flush=True)
+        assert warm == ("ok", True), (rank, warm)
+        assert following[0] == "EPTimeoutError", (rank, following)
+        if rank < R - 1:
+            assert R - 1 in following[1], (rank, following)
+            assert late_round == ("ok", "lost rows NaN, the rest right") or \
+                (late_round[0] == "EPTimeoutError" and R - 1 in late_round[1]), (rank, late_round)
+        else:
+            assert following[1] and R - 1 not in following[1], (rank, following)
+            assert late_round == ("ok", "late rank: some rows NaN") or late_round[0] == "EPTimeoutError", \
+                (rank, late_round)
+        assert rounds == [("ok", True)] * 2, (rank, rounds)
+
+
+@pytest.mark.parametrize("after_stall", [False, True])
+def test_call_board_skipped_combine_costs_one_error_per_rank(shared_pool, after_stall):
+    """Rank 1 skips a normal combine (its expert code raised): every rank raises EPInputError('call')
+    once — the peers at the call after the combine (its rows NaN), rank 1 in the dispatch that met
+    their combine — and every later round pairs and is right (after a stall too)."""
+    import board_cases
+    board_cases.judge_one_error_per_rank(_all(shared_pool, board_cases.skipped_combine_costs_one_error, after_stall,
+                                              timeout_s=240))

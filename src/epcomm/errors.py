@@ -15,7 +15,7 @@ class EPInputError(EPError, ValueError):
     Raised before any communication starts on the rejecting rank; its peers raise it too (the
     call's fingerprint or an abort tells them). The message names the argument (``argument`` holds
     it as well). The buffer stays usable: the next call pairs (on the GPU backends every rank
-    that raised first resyncs with its peers there; README, "the recovery rule").
+    that raised first resyncs with its peers there; docs/ERRORS.md, the recovery rule).
     """
 
     def __init__(self, argument: str, message: str):

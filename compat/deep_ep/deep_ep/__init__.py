@@ -3,7 +3,7 @@
 Opt-in: installed with ``pip install ./compat/deep_ep`` from an epcomm checkout, it gives engines
 that ``import deep_ep`` (vLLM, SGLang, Megatron-Core, torchtitan) epcomm's Buffer with DeepEP V1's
 API. ``deep_ep.__version__`` names epcomm; with logging at INFO for ``deep_ep``, rank 0 says so once
-at import. What differs from DeepEP: README, "Use it from vLLM, SGLang, Megatron-Core".
+at import. What differs from DeepEP: docs/ENGINES.md and docs/API.md.
 """
 import logging as _logging
 

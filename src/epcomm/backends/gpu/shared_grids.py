@@ -3,9 +3,9 @@
 On a real machine each rank has a GPU of its own. Where several ranks share one (the one-GPU test
 bed, or a deployment under MPS), their kernels share its SMs, and a kernel that waits for peers
 spins on an SM until they arrive. If every rank's waiting programs together hold every SM, a rank
-whose sender starts late never gets one and every wait runs into the timeout (docs/MULTINODE.md,
-finding 14). So each call's grids are capped, whatever ``Config`` the caller passes (a smaller
-value the caller asks for wins):
+whose sender starts late never gets one and every wait runs into the timeout (docs/GPU.md;
+docs/notes/multinode-log.md, finding 14). So each call's grids are capped, whatever ``Config`` the
+caller passes (a smaller value the caller asks for wins):
 
 - normal mode, ``Config.num_sms`` (Buffer applies the cap where it resolves the config): the
   one-node kernels run 16 warps, a whole SM each, and the combine's reduce runs 4 x num_sms

@@ -9,7 +9,8 @@ ranks share a GPU (CUDA MPS: DeepEP's one-node shape of 8 checked on one GPU) th
 NVSHMEM's instead, which maps every process's allocation: the same kernels store through the same
 kind of pointers (``nvlink.workspace_memory``). There the ranks share the GPU's SMs too: their
 grids together must leave room for a late rank's sender, or every wait runs into the timeout
-(docs/MULTINODE.md, finding 14): the backend caps them (GpuBackend.share_gpu, gpu/shared_grids.py).
+(docs/GPU.md; docs/notes/multinode-log.md, finding 14): the backend caps them (GpuBackend.share_gpu,
+gpu/shared_grids.py).
 """
 from __future__ import annotations
 
