@@ -1,23 +1,15 @@
 """The command line as a newcomer meets it: ``epcomm --version``, each subcommand's ``--help`` lists
 only the options that subcommand reads, and counts read right in the singular ("1 GPU rank")."""
 import argparse
-import os
-import subprocess
-import sys
 
 import pytest
+from test_demo_cli import _epcomm
 
 import epcomm
 from epcomm.tools import bench
 from epcomm.tools.args import counted
 
-ENV = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), EPCOMM_DEMO_CPU="1")
 NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p")
-
-
-def _epcomm(*args):
-    return subprocess.run([sys.executable, "-m", "epcomm", *args], capture_output=True, text=True, env=ENV,
-                          timeout=120)
 
 
 def test_version_prints_the_package_version():
