@@ -27,7 +27,7 @@ from .types import Payload
 
 DEFAULT_TIMEOUT_S = 100.0
 # Operators' switches of Tuning, read where a Buffer is built and by no module below this one
-# (tests/test_code_layout.py): the variable wins over the argument, as EPCOMM_BACKEND does.
+# (tests/test_configuration.py): the variable wins over the argument, as EPCOMM_BACKEND does.
 TUNING_VARIABLES = {"ll_send_messages": "EPCOMM_LL_SEND_MESSAGES", "ll_one_launch": "EPCOMM_LL_ONE_LAUNCH",
                     "ll_receive_programs": "EPCOMM_LL_RECEIVE_PROGRAMS",
                     "nvshmem_send_parts": "EPCOMM_NVSHMEM_SEND_PARTS", "nvshmem_p2p": "EPCOMM_NVSHMEM_P2P"}
