@@ -64,7 +64,9 @@ def test_calls_on_every_buffer_of_a_group_share_one_number_sequence():
     normal, low_latency = board.seat(FakeBackend()), board.seat(FakeBackend())
     assert (normal.slot, low_latency.slot) == (1, 2)
     tags = [normal.tag(), low_latency.tag(), normal.tag()]
-    assert [t >> call_board.NUMBER_SHIFT for t in tags] == [1, 2, 3]
+    count = (1 << call_board.GENERATION_SHIFT) - 1  # (above it: the era, call_board.py)
+    assert [(t >> call_board.NUMBER_SHIFT) & count for t in tags] == [1, 2, 3]
+    assert len({t >> (call_board.NUMBER_SHIFT + call_board.GENERATION_SHIFT) for t in tags}) == 1
     assert [(t >> call_board.BUFFER_SHIFT) & call_board.NUM_SLOTS for t in tags] == [1, 2, 1]
 
 
@@ -141,8 +143,10 @@ def test_the_resync_covers_every_buffer_of_the_group():
     assert [m.resets for m in members] == [1, 1] and not board.needs_resync
     assert board.number == 0 and board.generation == 1 and not board.words.any()
     assert seen == ["call board resync", "call board resync done"]
-    # numbers start again on every rank, above every number posted before the resync
-    assert seats[0].tag() >> call_board.NUMBER_SHIFT == (1 << call_board.GENERATION_SHIFT) | 1
+    # numbers start again on every rank, in the next era (a number posted before never matches)
+    era = board.era
+    assert seats[0].tag() >> call_board.NUMBER_SHIFT == (era << call_board.GENERATION_SHIFT) | 1
+    assert era == ((2 << call_board.ERA_JOIN_SHIFT) | 1)  # two Buffers joined, one resync since
 
 
 def test_a_destroyed_or_collected_buffer_leaves_the_board():
@@ -156,17 +160,18 @@ def test_a_destroyed_or_collected_buffer_leaves_the_board():
 
 
 def test_a_buffer_dropped_before_its_resync_leaves_the_group_to_resync():
-    """Ranks that raised may have given their calls different numbers; a Buffer made afterwards on
-    the group must not pair by those numbers: its first call resyncs the group."""
+    """Ranks that raised may have given their calls different numbers; calls made afterwards must
+    not pair by those numbers: the group's next call resyncs it — unless a Buffer was made since
+    (its construction, collective, started the numbers again: tests/test_call_board_realign.py)."""
     board = make_board()
-    old, new = FakeBackend(), FakeBackend()
+    old, kept = FakeBackend(), FakeBackend()
+    board.seat(kept)
     board.seat(old)
     old.mailbox.resync_needed = True
     old.released = True
-    board.seat(new)
     assert board.needs_resync
     board.resync(torch.device("cpu"))
-    assert not board.needs_resync and new.resets == 1
+    assert not board.needs_resync and kept.resets == 1
 
 
 DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE, ABORT = 1, 3, 4, 5, call_board.ABORT_KIND  # (agreement.CALLS)

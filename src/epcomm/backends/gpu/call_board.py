@@ -13,9 +13,9 @@ the group on this process. Row ``i`` of a rank's board holds what rank ``i`` pos
     (call number << 8) | (Buffer slot << 4) | call kind        (sync.board_word)
 
 - The call number counts this process's calls on all Buffers of the group since the group's last
-  resync, above the number of resyncs (host counters; every rank makes the same calls and
-  resyncs, so the numbers agree, and a post still in flight from before a resync matches no later
-  call). A rank that skipped a call gives its next call the skipped one's number.
+  resync or Buffer construction, above an *era* (host counters; every rank makes the same calls,
+  resyncs and constructions, so the numbers agree, and a post still in flight from before matches
+  no later call). A rank that skipped a call gives its next call the skipped one's number.
 - The slot names the Buffer (1..7, in construction order, the same on every rank); the kind is the
   fingerprint's ``call`` field (dispatch, cached dispatch, combine, low-latency dispatch, combine).
 
@@ -38,6 +38,20 @@ zero together, between two host rendezvous. A rank entering the resync first pos
 every slot of its row on every peer (on a side stream: its own stream may hold a waiting kernel),
 so a peer's kernel still waiting for it — a call its host queued before it learned of the error —
 ends at once instead of at the timeout.
+
+Realignment at every Buffer construction. A rank can make fewer calls than its peers without any
+rank raising a disagreement: one that stalled, died, or came late past the timeout while its peers
+went on (their calls posted numbers it never used; their Buffers then raise EPTimeoutError, which
+is sticky, and nobody resyncs). Its numbers would stay behind its peers' for the rest of the group's
+life, and its waits in a fresh Buffer would read a peer's *older* call of the same number as
+"another call": EPInputError('call') where nobody skipped anything, and a resync request its peers
+never join. Buffer construction is collective — every rank seats the new Buffer at the same point
+of its calls — so :meth:`CallBoard.seat` restarts the count there, under a new era (the Buffers
+joined so far: the same on every rank), and forgets a group resync that only a Buffer dropped
+before its resync asked for (the numbers it could have left apart start again here). A wait still
+running from before (an older era) and a call made after never take each other for another call:
+their numbers differ. The cost: a skip made before a construction and not yet detected when it
+happens ends in its peers' timeout instead of an EPInputError.
 
 Limits. Calls captured in a CUDA graph post and check nothing (tag 0): a replay repeats the
 numbers it was captured with. Calls on the Buffers of one group must be made in the same order on
@@ -63,7 +77,12 @@ FP_BUFFER_SHIFT = 60  # where the fingerprint's ``buffer`` field lies in word 0 
 # on past the call a waiter is in (its calls that do not wait returned) still shows what that call was.
 RING = 8
 RESYNC_TAG = -1  # posted into every slot of a rank's row when it resyncs: every wait for it ends
-GENERATION_SHIFT = 32  # a call's number: (resyncs of the group so far << 32) | calls since the last
+GENERATION_SHIFT = 32  # a call's number: (the era << 32) | calls since the last resync or construction
+# The era: (Buffers of the group joined << ERA_JOIN_SHIFT) + resyncs since the last join, in 23 bits
+# (a tag stays positive, never RESYNC_TAG). A resync that failed on one rank leaves that rank's era
+# apart from its peers' (their boards then see nothing, never a false skip) until the next join.
+ERA_JOIN_SHIFT = 12
+ERA_MASK = (1 << (63 - NUMBER_SHIFT - GENERATION_SHIFT)) - 1
 
 
 def board_word(tag: int, kind: int) -> int:
@@ -120,32 +139,46 @@ class CallBoard:
         self.words, self.bases, self._keep = words, bases, keep
         self.bases_address = bases.data_ptr()
         self.rendezvous = rendezvous
-        self.number = 0  # calls made on the group's Buffers since the last resync
-        self.generation = 0  # resyncs so far
-        self._members: List[Tuple[weakref.ref, object]] = []  # (backend, its mailbox)
+        self.number = 0  # calls made on the group's Buffers since the last resync or join
+        self.generation = 0  # resyncs so far (Buffer restarts its low-latency halves when it moves)
+        self.era = 0  # above the number in every tag (ERA_JOIN_SHIFT; the module docstring)
+        # (backend, its mailbox, whether the resync it asks for predates the last join)
+        self._members: List[Tuple[weakref.ref, object, bool]] = []
         self._joined = 0
         # A Buffer destroyed or collected while it still had to resync: the call numbers may differ
-        # between ranks (each raised at its own calls), so the group resyncs at its next call anyway.
+        # between ranks (each raised at its own calls), so the group resyncs at its next call anyway
+        # — unless a Buffer joined since (the numbers started again there).
         self._left_out_of_step = False
 
     def seat(self, backend) -> "Seat":
-        """Register a backend (a Buffer) of the group: its slot, and a place in the resync."""
+        """Register a backend (a Buffer) of the group: its slot, and a place in the resync. Collective
+        (Buffer construction): every rank's numbers start again here, under a new era (the module
+        docstring: a rank left behind by a timeout no longer reads its peers' older calls as
+        another call), and a group resync asked for only by Buffers dropped before theirs is
+        forgotten. The live members' own resyncs stay asked for (their signals are out of step);
+        one of them dropped later no longer asks for the group's (its numbers are gone)."""
         self.members()
-        self._members.append((weakref.ref(backend), backend.mailbox))
+        # a live member's resync asked for so far predates the new numbers (kept: its signals)
+        self._members = [(ref, mailbox, before or mailbox.resync_needed) for ref, mailbox, before in self._members]
+        self._members.append((weakref.ref(backend), backend.mailbox, False))
         self._joined += 1
+        self.number = 0
+        self.era = (self._joined << ERA_JOIN_SHIFT) & ERA_MASK
+        self._left_out_of_step = False
         return Seat(self, (self._joined - 1) % NUM_SLOTS + 1)
 
     def members(self) -> list:
         """The group's live backends on this process (destroyed or collected ones leave)."""
         live = []
-        for ref, mailbox in self._members:
+        for ref, mailbox, before_join in self._members:
             backend = ref()
             if backend is None or getattr(backend, "released", False):
-                self._left_out_of_step |= mailbox.resync_needed
+                # (a resync it asked for before the last join: the numbers started again there)
+                self._left_out_of_step |= mailbox.resync_needed and not before_join
             else:
-                live.append((ref, mailbox))
+                live.append((ref, mailbox, before_join))
         self._members = live
-        return [ref() for ref, _ in live]
+        return [ref() for ref, _, _ in live]
 
     @property
     def needs_resync(self) -> bool:
@@ -172,10 +205,12 @@ class CallBoard:
         self.rendezvous("call board resync")
         for backend in self.members():
             backend.reset_signals()
+        self._members = [(ref, mailbox, False) for ref, mailbox, _ in self._members]
         self.words.zero_()
         self.number = 0
         self._left_out_of_step = False
         self.generation += 1
+        self.era = (self.era + 1) & ERA_MASK
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.rendezvous("call board resync done")
@@ -199,9 +234,10 @@ class Seat:
         if board is None or self._capturing():
             return 0
         board.number += 1
-        # The resyncs so far above the count: a post still in flight from before a resync (a signal
-        # lands late) carries an older number, which no later call has — every rank resyncs alike.
-        return (((board.generation << GENERATION_SHIFT) | board.number) << NUMBER_SHIFT) | (self.slot << BUFFER_SHIFT)
+        # The era above the count: a post still in flight from before a resync or a join (a signal
+        # lands late) carries an older number, which no later call has — every rank resyncs and
+        # joins alike.
+        return (((board.era << GENERATION_SHIFT) | board.number) << NUMBER_SHIFT) | (self.slot << BUFFER_SHIFT)
 
 
 def unseated(device: torch.device, num_ranks: int) -> Seat:
