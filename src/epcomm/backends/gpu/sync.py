@@ -396,8 +396,8 @@ def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_n
     flagged in the host mailbox (``timeouts_ptr[p]``; the next call raises EPTimeoutError). With
     ``CHECK_BOARD``, a peer whose call board word says it is in another call stops the wait for it
     and is recorded (``agreement_ptr``: the mailbox's agreement words; the host raises naming the
-    calls). Returns ``(waited, elsewhere)``: each peer's wait in ns ([R_P2] int64), and the peers
-    found in another call."""
+    calls). Returns ``(waited, late, elsewhere)``: each peer's wait in ns ([R_P2] int64), the peers
+    whose wait gave up, and the peers found in another call."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     if HAS_MASK:
@@ -408,7 +408,7 @@ def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_n
     report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT)
     if CHECK_BOARD:
         record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement_ptr, num_ranks)
-    return waited, elsewhere
+    return waited, late, elsewhere
 
 
 @triton.jit
@@ -427,18 +427,20 @@ def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, n
                        fp0, fp1, num_items, board_address, call_tag, R_P2: tl.constexpr):
     """Step 4 for the normal mode's receivers: ACQUIRE every rank's signal of ``epoch`` (a timeout is
     flagged in the mailbox; a rank the call board shows in another call is recorded), then check
-    the fingerprints they carried. Returns ``num_items``, or 0 when any rank's call differs: the
-    caller then moves nothing, and the host raises (agreement.py)."""
+    the fingerprints they carried. Returns ``num_items``, or 0 when a rank's wait gave up or its call
+    differs: the caller then moves nothing (and marks its outputs missing), and the host raises at
+    the next call (agreement.py, the mailbox's timeout words)."""
     my_base = tl.load(flag_bases_ptr + rank)
     my_flags = (my_base + NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64))
     timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     peers = tl.arange(0, R_P2)
     fp_rows = my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)
     settled = fingerprints_settled(fp_rows, peers, peers < num_ranks, fp0, fp1, epoch)
-    _, elsewhere = wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, board_address, call_tag, fp0,
-                              agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False, CHECK_BOARD=True, R_P2=R_P2)
+    _, late, elsewhere = wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, board_address,
+                                    call_tag, fp0, agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False, CHECK_BOARD=True,
+                                    R_P2=R_P2)
     differ = check_fingerprints(fp_rows, peers, peers < num_ranks, settled, fp0, fp1, epoch, agreement, num_ranks)
-    return tl.where(tl.max((differ | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
+    return tl.where(tl.max((differ | late | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
 
 
 def device_state(device: torch.device) -> torch.Tensor:
