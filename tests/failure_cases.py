@@ -462,7 +462,14 @@ def gpu_recovery(case: str, timeout: float = 10.0):
         out = expert_fn(experts.repeat_interleave(R * M), recv.float().reshape(-1, H)).reshape(recv.shape)
         combined = buffer.low_latency_combine(out.to(torch.bfloat16), topk, w, handle)[0]
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
-        return torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2)
+        ok = torch.allclose(combined.float().cpu(), want.float(), rtol=2e-2, atol=2e-2)
+        if not ok:  # what went wrong, for the log
+            got = combined.float().cpu()
+            bad = ~torch.isclose(got, want.float(), rtol=2e-2, atol=2e-2)
+            print(f"rank {rank} ll_step({seed}): {int(torch.isnan(got).sum())} NaN, {int(bad.sum())} of {got.numel()} "
+                  f"values off in tokens {bad.any(1).nonzero().flatten().tolist()[:16]}; recv counts "
+                  f"{count.tolist()}", flush=True)
+        return ok
 
     xs, topks, ws, x, topk, w = routing(60, T)
     if case == "ll_one_bad":
