@@ -469,6 +469,12 @@ def gpu_recovery(case: str, timeout: float = 10.0):
             print(f"rank {rank} ll_step({seed}): {int(torch.isnan(got).sum())} NaN, {int(bad.sum())} of {got.numel()} "
                   f"values off in tokens {bad.any(1).nonzero().flatten().tolist()[:16]}; recv counts "
                   f"{count.tolist()}", flush=True)
+            try:  # the host reports what the kernels found at the next call
+                buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
+                torch.cuda.synchronize()
+                print(f"rank {rank} ll_step({seed}): the next call raised nothing", flush=True)
+            except Exception as exc:  # noqa: BLE001 (a diagnostic)
+                print(f"rank {rank} ll_step({seed}): the next call raised {type(exc).__name__}: {exc}", flush=True)
         return ok
 
     xs, topks, ws, x, topk, w = routing(60, T)
