@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ...errors import EPInputError
-from . import call_board, sync, workspace
+from . import call_board, sync
 from .launch import KernelSpec
 from .reach.modes import FAR_LIBRARY, far_complete, post_call_any, release_words, same_node, set_row
 from .sync import fingerprint_half, post_fingerprint
@@ -185,9 +185,6 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
 # ---------------------------------------------------------------------- a rank that rejected its input
 # sync.ABORT_EPOCH as a low-latency count word: (epoch << 32) | 0 messages.
 ABORT_COUNT_WORD = tl.constexpr(1 << 62)
-# The fingerprint sets (workspace.py), as the kernels read module globals: constexprs.
-SET_NORMAL = tl.constexpr(workspace.FP_NORMAL)
-SET_LL_DISPATCH = tl.constexpr(workspace.FP_LL_DISPATCH)
 
 
 @triton.jit
@@ -195,22 +192,16 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
              state_ptr: "*i64",  # [16] int64 local (a spare word for masked-off lanes)
              fingerprints_offset: "i64",  # bytes from a workspace to its fingerprint area
              ll_counts_ptr: "*i64",  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
-             num_shapes: "i32",
-             ll_dispatch_half: "i32", ll_combine_half: "i32",  # the halves of this rank's next low-latency calls
-             fp0: "i64", fp1: "i64", rank: "i32", num_ranks: "i32",
+             num_shapes: "i32", fp0: "i64", fp1: "i64", rank: "i32", num_ranks: "i32",
              ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only: gpu/reach/)
              board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
              call_tag: "i64",  # the aborted call's number and Buffer (0: not posted)
              NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
              REMOTE: tl.constexpr):
-    # On every peer (self included): the abort words into the fingerprint row this rank owns in
-    # each set's half of its *next* call (normal mode: the half of epoch EPOCH_NORMAL + 1; the
-    # low-latency calls: the halves the host says), then RELEASE ABORT_EPOCH into each flag word
-    # and into the low-latency count words of the next dispatch's half. Every wait for this rank
-    # then ends at once, and the check after it finds the abort words (the release covers them) and
-    # names the argument. The other half stays: a peer one call behind may still be checking this
-    # rank's row of a call this rank finished (its flag already passed), and overwriting that row
-    # made the peer take a finished call for a failed one (NaN rows; seen on the one-GPU bed). Peers of other nodes
+    # On every peer (self included): the abort words into each fingerprint row this rank owns (all
+    # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
+    # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
+    # abort words (the release covers them) and names the argument. Peers of other nodes
     # (REMOTE) get the same words by signals (gpu/reach), the rows completed before the epochs. The
     # abort is posted on the call board too: peers waiting in another Buffer's call of the same
     # number (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it.
@@ -222,11 +213,8 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     spare = (state_ptr + sync.SPARE).to(tl.int64)
     epoch = tl.zeros([R_P2], tl.int64) + sync.ABORT_EPOCH
     post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
-    normal_half = (tl.load(state_ptr + sync.EPOCH_NORMAL) + 1) % 2
-    for fp_set in range(0, NUM_ROWS // 2):  # rows: (set, half) pairs, set-major
-        half = tl.where(fp_set == SET_NORMAL, normal_half, tl.where(fp_set == SET_LL_DISPATCH, ll_dispatch_half,
-                                                                    ll_combine_half))
-        rows_offset = fingerprint_half(fingerprints_offset, fp_set * 2 + half, num_ranks)
+    for row in range(0, NUM_ROWS):  # (set, half) pairs
+        rows_offset = fingerprint_half(fingerprints_offset, row, num_ranks)
         post_fingerprint(base + rows_offset, rank, live & (far == 0), fp0, fp1, epoch)
         if REMOTE:
             set_row(my_base + rows_offset, peers, far, fp0, fp1, sync.ABORT_EPOCH, bases_ptr, rank, spare_word, R_P2,
@@ -238,9 +226,9 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
                       epoch, live, spare, rank, ranks_per_node, spare_word, REMOTE)
     experts = tl.arange(0, BLOCK_L)
     receivers = peers[:, None] + tl.zeros([R_P2, BLOCK_L], tl.int32)
-    for shape in range(0, num_shapes):
-        counts_offset = tl.load(ll_counts_ptr + shape * 3 + ll_dispatch_half)
-        num_local = tl.load(ll_counts_ptr + shape * 3 + 2)
+    for shape in range(0, num_shapes * 2):
+        counts_offset = tl.load(ll_counts_ptr + (shape // 2) * 3 + shape % 2)
+        num_local = tl.load(ll_counts_ptr + (shape // 2) * 3 + 2)
         for first in range(0, num_local, BLOCK_L):
             local = first + experts
             offsets = counts_offset + ((rank * num_local + local) * 8).to(tl.int64)[None, :] + \
@@ -263,14 +251,12 @@ def bind_abort(num_ranks: int, remote: int = 0):
 
 
 def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0,
-                 board: Tuple[int, int] = (0, 0), ll_halves: Tuple[int, int] = (0, 0)) -> None:
+                 board: Tuple[int, int] = (0, 0)) -> None:
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
-    rejected ``argument``: the fingerprint rows of every set's next half, every flag word and the
-    low-latency count words of the next dispatch's half (of the expert counts ``experts_seen`` used
-    so far) this rank owns, on every peer. ``remote`` and ``ranks_per_node``: how far peers are
-    reached (gpu/reach/); ``board``: the call board's bases address and the aborted call's tag
-    (call_board.py); ``ll_halves``: the halves of this rank's next low-latency dispatch and combine
-    (LowLatencyMode.next_halves)."""
+    rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
+    expert counts ``experts_seen`` used so far) this rank owns, on every peer. ``remote`` and
+    ``ranks_per_node``: how far peers are reached (gpu/reach/); ``board``: the call board's bases
+    address and the aborted call's tag (call_board.py)."""
     import torch
 
     from .launch import current_stream
@@ -281,8 +267,8 @@ def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0
     shapes = torch.tensor(ll_shapes or [(0, 0, 0)], dtype=torch.int64).to(device, non_blocking=True)
     fp0, fp1 = abort_words(argument)
     bind_abort(R, remote).launch(
-        1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes),
-        *ll_halves, fp0, fp1, ws.rank, R, ranks_per_node or R, ws.spare_word, *board)
+        1, 1, current_stream(device.index), ws.bases, state, FINGERPRINTS_OFFSET, shapes, len(ll_shapes), fp0, fp1,
+        ws.rank, R, ranks_per_node or R, ws.spare_word, *board)
 
 
 # ---------------------------------------------------------------------- a rank that resyncs

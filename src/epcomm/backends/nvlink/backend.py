@@ -101,8 +101,7 @@ class NVLinkBackend(GpuBackend):
         """This rank rejected its input for a ``kind`` call its peers make: launch the abort kernel
         (the peers' waits end and they raise naming ``error.argument``); the next call resyncs."""
         agreement.launch_abort(self.ws, self.state, self.low_latency.num_experts_seen, error.argument, self.device,
-                               board=(self.seat.bases_address, self.seat.tag()),
-                               ll_halves=self.low_latency.next_halves())
+                               board=(self.seat.bases_address, self.seat.tag()))
         self.mailbox.resync_needed = True
 
     def reset_signals(self) -> None:

@@ -196,7 +196,7 @@ class NvshmemBackend(GpuBackend):
         board = (self.seat.bases_address, self.seat.tag())  # the aborted call, posted on the call board
         if self.low_latency is not None:  # the low-latency waits end too
             agreement.launch_abort(self.ll_ws, self.state, self.low_latency.num_experts_seen, error.argument,
-                                   self.device, *self._ll_reach, board=board, ll_halves=self.low_latency.next_halves())
+                                   self.device, *self._ll_reach, board=board)
         step_kernels.ABORT.bind(num_warps=4, REMOTE=self.far_mode, R_P2=p2(self.num_ranks)).launch(
             self.num_ranks, 1, current_stream(self.device.index), self.peer_bases, self.base, self.pre.step_rows,
             self.pre.fingerprint, self.pre.notify_signals, self.pre.dispatch_signals, self.pre.push_flags,

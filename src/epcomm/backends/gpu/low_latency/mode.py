@@ -359,11 +359,6 @@ class LowLatencyMode:
             self.state_words[word] = 0
         barrier()
 
-    def next_halves(self) -> tuple:
-        """The buffer halves this rank's next low-latency dispatch and combine use (an abort posts
-        only to those: agreement.launch_abort)."""
-        return self._calls[0] & 1, self._calls[1] & 1
-
     def forget_calls(self) -> None:
         """Start counting calls again: both halves' call counters and the per-shape slot counters
         (the caller zeroes the words they index; no kernel may run)."""
