@@ -11,6 +11,7 @@ import torch
 import ep_cases
 import epcomm
 import failure_cases
+import recovery_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -275,11 +276,11 @@ def test_kernel_names_and_default_device(gpu_pool):
 
 
 @needs_peers
-@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+@pytest.mark.parametrize("case", recovery_cases.GPU_RECOVERY_CASES)
 def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):
     """A rejected call and a disagreement on nvlink: every rank raises naming the argument, then resyncs at its
     next call, which pairs and matches the reference."""
-    results = gpu_pool.run(failure_cases.gpu_recovery, case)
+    results = gpu_pool.run(recovery_cases.gpu_recovery, case)
     want = {"layout": "topk_idx", "ll_one_bad": "x"}.get(case, "x")
     for rank, (first, after) in enumerate(results):
         assert first[:2] == ("EPInputError", want), (rank, first)
@@ -351,7 +352,7 @@ def test_nodes_failure_contract(node_pool, case):
     assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * GPUS, results
 
 
-@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+@pytest.mark.parametrize("case", recovery_cases.GPU_RECOVERY_CASES)
 def test_nodes_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case):
     """A rejected call and a disagreement on nvshmem (virtual nodes)."""
     test_a_call_that_raised_everywhere_leaves_the_buffer_usable(node_pool, case)

@@ -26,6 +26,7 @@ import ep_cases
 import epcomm
 import failure_cases
 import lifetime_cases
+import recovery_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -231,9 +232,9 @@ def test_failure_contract(shared_pool, case):
     assert results == [("EPInputError", failure_cases.GPU_CASES[case])] * shared_pool.world_size, results
 
 
-@pytest.mark.parametrize("case", failure_cases.GPU_RECOVERY_CASES)
+@pytest.mark.parametrize("case", recovery_cases.GPU_RECOVERY_CASES)
 def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(shared_pool, case):
-    results = _all(shared_pool, failure_cases.gpu_recovery, case, 60.0, timeout_s=240)
+    results = _all(shared_pool, recovery_cases.gpu_recovery, case, 60.0, timeout_s=240)
     want = {"layout": "topk_idx", "ll_one_bad": "x"}.get(case, "x")
     for rank, (first, after) in enumerate(results):
         assert first[:2] == ("EPInputError", want), (rank, first)
