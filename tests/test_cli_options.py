@@ -9,7 +9,7 @@ import epcomm
 from epcomm.tools import bench
 from epcomm.tools.args import counted
 
-NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p")
+NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--rank-order")
 
 
 def test_version_prints_the_package_version():

@@ -158,6 +158,7 @@ class NormalBenchSettings:
     ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend
     send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
     p2p: List[int] = field(default_factory=list)  # nvshmem: p2p settings (1 stores, 0 puts), crossed with send_parts
+    rank_order: bool = False  # one node: also a point at T=tokens with the pull and push in rank order (schedule.py)
 
 
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
@@ -269,20 +270,26 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     started = time.time()
     normal = getattr(buffers["epcomm"][0]._backend, "normal", None)  # (the nvshmem backend's TwoLevelMode)
     default_transport = (getattr(normal, "send_parts", None), getattr(normal, "p2p", None))
-    runs = [(tokens, settings.sms, default_transport) for tokens in [settings.tokens] + [
+    runs = [(tokens, settings.sms, default_transport, False) for tokens in [settings.tokens] + [
         t for t in settings.extra_tokens if t != settings.tokens]]
-    runs += [(settings.tokens, sms, default_transport) for sms in settings.more_sms if sms != settings.sms]
+    runs += [(settings.tokens, sms, default_transport, False) for sms in settings.more_sms if sms != settings.sms]
     if settings.send_parts or settings.p2p:  # the nvshmem backend's transport settings, crossed
-        runs += [(settings.tokens, settings.sms, (parts, bool(p2p)))
+        runs += [(settings.tokens, settings.sms, (parts, bool(p2p)), False)
                  for parts in settings.send_parts or [default_transport[0]]
                  for p2p in settings.p2p or [default_transport[1]] if (parts, bool(p2p)) != default_transport]
-    for tokens, sms, (parts, p2p) in runs:
+    if settings.rank_order:  # the one-node walk before every peer at once, in the same run (NormalMode.every_peer)
+        runs.append((settings.tokens, settings.sms, default_transport, True))
+    for tokens, sms, (parts, p2p), rank_order in runs:
         if parts is not None:  # the nvshmem backend reads both at every launch
             normal.send_parts, normal.p2p = parts, p2p
+        if hasattr(normal, "every_peer"):  # (the plans of a shape are made per schedule)
+            normal.every_peer = not rank_order
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
-                  f" ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
-        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p))
+                  (" rank order" if rank_order else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
+                  flush=True)
+        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p,
+                           rank_order=rank_order))
     buffers["epcomm"][0].destroy()
     return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
             "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
@@ -298,6 +305,8 @@ def normal_table(result: Dict) -> str:
                  f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
                  f"Config({point.get('sms', s['sms'])}, 8, 256); "
                  + (f"send_parts {point['send_parts']}, p2p {int(point['p2p'])}; " if point.get("send_parts") else "")
+                 + ("pull and push in rank order (the walk before every peer at once); " if point.get("rank_order")
+                    else "")
                  + f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
@@ -550,6 +559,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
         parser.add_argument("--send-parts", type=token_list, default="",
                             help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own "
                                  "at --tokens (programs per channel and node of the puts between nodes)")
+        parser.add_argument("--rank-order", action="store_true",
+                            help="one node: also a table at --tokens with the pull and push walking the peers in "
+                                 "rank order (the schedule before every peer at once), in the same run")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
@@ -583,7 +595,10 @@ def run(args: argparse.Namespace) -> int:
                                    more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer,
                                    ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts),
-                                   p2p=list(args.p2p))
+                                   p2p=list(args.p2p), rank_order=args.rank_order)
+    if args.rank_order and args.ranks_per_node:
+        print("--rank-order is a one-node schedule (the nvlink backend); leave out --ranks-per-node", file=sys.stderr)
+        return 2
     if (args.send_parts or args.p2p) and not args.ranks_per_node:
         print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)
         return 2
