@@ -13,6 +13,7 @@ moves rows between GPUs is bound by the slower of its programs and its links::
         max( local / (P * r_local) + remote / (P * r_remote),   the programs: P of them, each at
                                                                 its rate per byte kind
              remote bytes in / link,  remote bytes out / link )  each GPU's links, each way
+    overlapped (not built: the phases through per-chunk flags): max(stage, pull), max(push, reduce)
     pull, push (rank order, the walk before): each receiver takes source 0, 1, ... in turn, at
         P * r_local from itself, else min(P * r_remote, link / receivers now on that source) — a fluid
         queue (at 2 ranks the two receivers pair up; from 4 on they crowd one GPU's links)
@@ -102,7 +103,8 @@ def _rank_order_us(rows: torch.Tensor, row_bytes: int, programs: int, rates: Rat
 
 def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, programs: int,
              rates: Rates) -> Dict[str, Dict[str, float]]:
-    """µs per call of the busiest rank, ``{schedule: {call: µs}}`` for "every peer" and "rank order"."""
+    """µs per call of the busiest rank, ``{schedule: {call: µs}}`` for "every peer", "rank order" and
+    "overlapped" (every peer, with stage and pull, push and reduce overlapped: not built yet)."""
     rows = rows_between(num_ranks, tokens, experts, topk)
     x_bytes = 2 * hidden  # BF16 rows
     stage_us = tokens * (x_bytes + 12 * topk) * 2 / rates.local_copy / 1e3  # read + write
@@ -114,6 +116,10 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
         cached = rates.fixed_us + stage_us + pull
         out[schedule] = {"cached dispatch": cached, "full dispatch": cached + rates.notify_us,
                          "combine": rates.fixed_us + push + reduce_us}
+        if schedule == "every peer":  # what the phases overlapped through per-chunk flags would give
+            overlapped = rates.fixed_us + max(stage_us, pull)
+            out["overlapped"] = {"cached dispatch": overlapped, "full dispatch": overlapped + rates.notify_us,
+                                 "combine": rates.fixed_us + max(push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / rates.link}
     return out
@@ -150,9 +156,9 @@ def run(args) -> int:
     print(f"model: one node, T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, {args.sms} programs, "
           f"link {args.link_gbps:g} GB/s, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
-    print("| ranks | call | remote MB in | link floor µs | every peer µs | rank order µs | measured gpu / synced "
-          "(7562a92, rank order) | DeepEP V1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | call | remote MB in | link floor µs | every peer µs | + phases overlapped µs | rank order µs | "
+          "measured gpu / synced (7562a92, rank order) | DeepEP V1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for R in args.ranks:
         if R < 1 or args.experts % R:
             print(f"skipped {R} ranks: {args.experts} experts do not split over them")
@@ -162,5 +168,6 @@ def run(args) -> int:
             measured, peer = MEASURED.get(R, {}).get(call, ("-", "-")) if args.tokens == 4096 and \
                 args.hidden == 7168 and args.sms == 24 else ("-", "-")
             print(f"| {R} | {call} | {est['bytes']['remote MB in']:.0f} | {est['bytes']['link floor us']:.0f} | "
-                  f"{est['every peer'][call]:.0f} | {est['rank order'][call]:.0f} | {measured} | {peer} |")
+                  f"{est['every peer'][call]:.0f} | {est['overlapped'][call]:.0f} | {est['rank order'][call]:.0f} | "
+                  f"{measured} | {peer} |")
     return 0
