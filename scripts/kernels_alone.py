@@ -3,6 +3,7 @@ sets the pace), T tokens of H, ``Config(num_sms)`` programs; each kernel's mean 
 torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispatch, combine).
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
+                                                    [--pipelined-pull]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -23,6 +24,8 @@ def main() -> int:
     parser.add_argument("--sms", type=int, default=24)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--label", default="this tree")
+    parser.add_argument("--pipelined-pull", action="store_true",
+                        help="the pull's experiment (NormalMode.pipelined_pull: next loads before these stores)")
     args = parser.parse_args()
     import epcomm
     from torch.profiler import ProfilerActivity, profile
@@ -34,6 +37,8 @@ def main() -> int:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     dev = torch.device("cuda", 0)
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
+    if args.pipelined_pull:
+        buffer._backend.normal.pipelined_pull = True
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices

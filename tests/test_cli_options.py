@@ -9,7 +9,7 @@ import epcomm
 from epcomm.tools import bench
 from epcomm.tools.args import counted
 
-NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--rank-order")
+NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--variants")
 
 
 def test_version_prints_the_package_version():
@@ -38,3 +38,12 @@ def test_counts_read_right_in_the_singular():
     assert counted(0, "case") == "0 cases"
     run = _epcomm("demo", "--ranks", "1", "--experts-per-rank", "1", "--topk", "2")
     assert run.returncode == 2 and "exceeds the 1 expert of 1 rank" in run.stderr, run.stderr
+
+
+def test_bench_normal_variants_are_named_or_refused():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["normal", "--variants", "rank-order,pipelined-pull"])
+    assert args.variants == ["rank-order", "pipelined-pull"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["normal", "--variants", "faster"])

@@ -34,7 +34,7 @@ def _cases():
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
-                           TRACE=lists and al, **copy), 16
+                           TRACE=lists and al, PIPELINE=not em and fp8 == al, **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
@@ -148,9 +148,11 @@ def test_nvshmem_backend_channel_limit():
     (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
                    S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1, POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False), 16),
+    (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False), 16),
+                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
@@ -319,3 +321,26 @@ def test_spec_types_come_from_the_annotations():
     with pytest.raises(EPError, match=r"no type given for \['n'\]"):
         KernelSpec(half_typed)
     assert KernelSpec(half_typed, ["*i32", "i32"]).signature == {"x_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
+
+
+def test_pipelined_pull_holds_two_half_tiles_without_spilling():
+    """The experimental pipelined pull (PIPELINE: the next item's loads before this item's stores)
+    keeps two tiles of BLOCK_R / 2 rows where the plain pull keeps one of BLOCK_R: the same 128
+    registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
+    import os
+    import subprocess
+    import tempfile
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton's cuobjdump is not installed")
+    compiled = N.PULL.compile(dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True, EXPERT_MAJOR=False,
+                                   EVERY_PEER=True, TRACE=False, PIPELINE=True, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8,
+                                   R_P2=8), 16, target=GPUTarget("cuda", 90, 32))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    finally:
+        os.unlink(f.name)
+    assert "STACK:0 " in usage and "REG:128 " in usage, usage

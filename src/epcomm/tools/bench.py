@@ -158,7 +158,9 @@ class NormalBenchSettings:
     ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend
     send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
     p2p: List[int] = field(default_factory=list)  # nvshmem: p2p settings (1 stores, 0 puts), crossed with send_parts
-    rank_order: bool = False  # one node: also a point at T=tokens with the pull and push in rank order (schedule.py)
+    # one node: a further point at T=tokens for each: "rank-order" (the pull and push walking peers in rank
+    # order, schedule.py), "pipelined-pull" (the pull's experimental PIPELINE, dispatch.py)
+    variants: List[str] = field(default_factory=list)
 
 
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
@@ -270,26 +272,26 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     started = time.time()
     normal = getattr(buffers["epcomm"][0]._backend, "normal", None)  # (the nvshmem backend's TwoLevelMode)
     default_transport = (getattr(normal, "send_parts", None), getattr(normal, "p2p", None))
-    runs = [(tokens, settings.sms, default_transport, False) for tokens in [settings.tokens] + [
+    runs = [(tokens, settings.sms, default_transport, None) for tokens in [settings.tokens] + [
         t for t in settings.extra_tokens if t != settings.tokens]]
-    runs += [(settings.tokens, sms, default_transport, False) for sms in settings.more_sms if sms != settings.sms]
+    runs += [(settings.tokens, sms, default_transport, None) for sms in settings.more_sms if sms != settings.sms]
     if settings.send_parts or settings.p2p:  # the nvshmem backend's transport settings, crossed
-        runs += [(settings.tokens, settings.sms, (parts, bool(p2p)), False)
+        runs += [(settings.tokens, settings.sms, (parts, bool(p2p)), None)
                  for parts in settings.send_parts or [default_transport[0]]
                  for p2p in settings.p2p or [default_transport[1]] if (parts, bool(p2p)) != default_transport]
-    if settings.rank_order:  # the one-node walk before every peer at once, in the same run (NormalMode.every_peer)
-        runs.append((settings.tokens, settings.sms, default_transport, True))
-    for tokens, sms, (parts, p2p), rank_order in runs:
+    runs += [(settings.tokens, settings.sms, default_transport, variant) for variant in settings.variants]
+    for tokens, sms, (parts, p2p), variant in runs:
         if parts is not None:  # the nvshmem backend reads both at every launch
             normal.send_parts, normal.p2p = parts, p2p
-        if hasattr(normal, "every_peer"):  # (the plans of a shape are made per schedule)
-            normal.every_peer = not rank_order
+        if hasattr(normal, "every_peer"):  # one node's variants (the plans of a shape are made per variant)
+            normal.every_peer = variant != "rank-order"
+            normal.pipelined_pull = variant == "pipelined-pull"
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
-                  (" rank order" if rank_order else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
+                  (f" {variant}" if variant else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
                   flush=True)
         points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p,
-                           rank_order=rank_order))
+                           variant=variant))
     buffers["epcomm"][0].destroy()
     return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
             "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
@@ -305,8 +307,7 @@ def normal_table(result: Dict) -> str:
                  f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
                  f"Config({point.get('sms', s['sms'])}, 8, 256); "
                  + (f"send_parts {point['send_parts']}, p2p {int(point['p2p'])}; " if point.get("send_parts") else "")
-                 + ("pull and push in rank order (the walk before every peer at once); " if point.get("rank_order")
-                    else "")
+                 + (f"variant {point['variant']}; " if point.get("variant") else "")
                  + f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
@@ -528,6 +529,9 @@ MODE_DESCRIPTIONS = {
 }
 
 
+NORMAL_VARIANTS = ("rank-order", "pipelined-pull")  # NormalBenchSettings.variants
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``epcomm bench`` (shared by the ``epcomm`` command and :func:`main`): one
     sub-command per mode, each with its own ``--help``."""
@@ -540,6 +544,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     """Each mode's own options only (``epcomm bench low-latency --help`` lists no normal-mode one)."""
     from .args import non_negative_int, positive_int, switch_list, token_list
+
+    def variant_list(text: str):
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [name for name in names if name not in NORMAL_VARIANTS]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(NORMAL_VARIANTS)}")
+        return names
     normal = mode == "normal"
     parser.add_argument("--tokens", type=non_negative_int, default=0,
                         help=f"tokens per rank (0: {4096 if normal else 128})")
@@ -559,9 +570,10 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
         parser.add_argument("--send-parts", type=token_list, default="",
                             help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own "
                                  "at --tokens (programs per channel and node of the puts between nodes)")
-        parser.add_argument("--rank-order", action="store_true",
-                            help="one node: also a table at --tokens with the pull and push walking the peers in "
-                                 "rank order (the schedule before every peer at once), in the same run")
+        parser.add_argument("--variants", type=variant_list, default="",
+                            help="one node: a further table at --tokens for each, in the same run: rank-order (the "
+                                 "pull and push walking peers in rank order, the schedule before every peer at "
+                                 "once), pipelined-pull (the pull's experiment: next loads before these stores)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
@@ -595,9 +607,9 @@ def run(args: argparse.Namespace) -> int:
                                    more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer,
                                    ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts),
-                                   p2p=list(args.p2p), rank_order=args.rank_order)
-    if args.rank_order and args.ranks_per_node:
-        print("--rank-order is a one-node schedule (the nvlink backend); leave out --ranks-per-node", file=sys.stderr)
+                                   p2p=list(args.p2p), variants=list(args.variants))
+    if args.variants and args.ranks_per_node:
+        print("--variants are the one-node kernels' (the nvlink backend); leave out --ranks-per-node", file=sys.stderr)
         return 2
     if (args.send_parts or args.p2p) and not args.ranks_per_node:
         print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)

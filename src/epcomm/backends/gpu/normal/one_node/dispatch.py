@@ -235,9 +235,12 @@ def ep_dispatch_pull(
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr):
+        TRACE: tl.constexpr, PIPELINE: tl.constexpr):
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
+    # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x
+    # rows are stored only after the next item's loads are issued, so a program has a remote load in
+    # flight while it stores (the plan halves BLOCK_R to keep two tiles in the same registers).
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     pid = tl.program_id(0)
     x_words = multiple(x_words, 2, ALIGNED)
@@ -259,6 +262,11 @@ def ep_dispatch_pull(
     round_idx = 0
     round_start = 0
     round_size = tl.sum((blocks > 0).to(tl.int32), axis=0)
+    if PIPELINE:  # the previous item's x rows, not yet stored: values, destination rows, which are live
+        cols = tl.arange(0, BLOCK_W)
+        held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)
+        held_rows = tl.zeros([BLOCK_R], tl.int64)
+        held_live = tl.arange(0, BLOCK_R) < 0
     for item in range(pid, num_items, num_programs):
         if TRACE:
             started = now_ns()
@@ -285,8 +293,15 @@ def ep_dispatch_pull(
                                topk_offset, topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES, HAS_TOPK,
                                BLOCK_W, S_P2, K_P2)
         else:
-            dx = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows64 * x_words
-            copy_rows(sx, dx, move, x_words, BLOCK_W)
+            recv_words = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+            if PIPELINE:  # load this item's rows, then store the previous item's (no ordering: local outputs)
+                cm = cols < x_words
+                loaded = tl.load(sx[:, None] + cols[None, :], mask=move[:, None] & cm[None, :])
+                tl.store(recv_words + held_rows[:, None] * x_words + cols[None, :], held,
+                         mask=held_live[:, None] & cm[None, :])
+                held, held_rows, held_live = loaded, rows64, move
+            else:
+                copy_rows(sx, recv_words + rows64 * x_words, move, x_words, BLOCK_W)
             if HAS_SCALES:
                 s = tl.arange(0, S_P2)
                 m = move[:, None] & (s < num_scales)[None, :]
@@ -307,6 +322,9 @@ def ep_dispatch_pull(
                 tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=m)
         if TRACE:
             trace_item(trace_ptr, src, end - first, started)
+    if PIPELINE:  # the last item's rows
+        tl.store(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + held_rows[:, None] * x_words + cols[None, :],
+                 held, mask=held_live[:, None] & (cols < x_words)[None, :])
     # -- rows past the received total: num_worst_tokens padding (a full dispatch marks them)
     if INDEX:
         num_recv = tl.max(ends, axis=0)

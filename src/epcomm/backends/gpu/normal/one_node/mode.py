@@ -105,15 +105,18 @@ class NormalMode:
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        # Diagnostics for measurements (scripts/trace_schedule.py, scripts/kernels_alone.py), set
+        # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants), set
         # before a call (the plans of a shape are made with them): the rank-order walk instead of
         # every peer at once (schedule.py), and an int64 trace buffer the pull and push record into.
         self.every_peer = True
         self.trace: Optional[torch.Tensor] = None
+        # An experiment for a multi-GPU lease (epcomm bench normal --variants pipelined-pull): the
+        # pull stores an item's rows after the next item's loads are issued (dispatch.py, PIPELINE).
+        self.pipelined_pull = False
 
     def _diagnostics(self) -> tuple:
         """The diagnostics a plan is made with (part of its key)."""
-        return self.every_peer, self.trace is not None
+        return self.every_peer, self.trace is not None, self.pipelined_pull
 
     def _trace_address(self) -> int:
         """The trace buffer's address for the pull and push (any valid address when not tracing)."""
@@ -138,9 +141,13 @@ class NormalMode:
         block_r, block_w = copy_block_shape(x_bytes // 8)
         if expert_major:
             block_w = min(block_w, EXPERT_MAJOR_BLOCK_W)
+        # (rows of one chunk only; two tiles of half the rows in the registers of one: no spills on sm_90)
+        pipeline = self.pipelined_pull and not expert_major and x_bytes // 8 <= block_w
+        if pipeline:
+            block_r = max(1, block_r // 2)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
-        schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None)
+        schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
         words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
