@@ -2,6 +2,7 @@
 its rank saw, so the test asserts that every rank raised, and what they named."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -272,6 +273,30 @@ def gpu_out_of_range_expert():
     buffer.combine(recv_x, handle)
     torch.cuda.synchronize()
     return outcome[:2]
+
+
+@contextlib.contextmanager
+def ranks_in_processes(target, world_size: int, args: tuple, join_s: float = 10.0):
+    """``target(rank, world_size, port, *args, results, done)`` in a process of its own per rank (not a
+    WorkerPool: these tests make ranks stall or exit); yields the queue the ranks put results in,
+    then sets ``done`` and stops them all (each given ``join_s`` to end, then killed)."""
+    import torch.multiprocessing as mp
+    from epcomm.testing.launcher import _free_port
+    ctx = mp.get_context("spawn")
+    results, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, results, done), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        yield results
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=join_s)
+            if p.is_alive():
+                p.kill()
 
 
 def _init_gloo(rank: int, world_size: int, port: int) -> None:

@@ -28,25 +28,9 @@ def test_absent_rank_is_named_within_the_timeout(pools, call):
 
 
 def _processes(target, world_size: int, args: tuple, num_results: int) -> list:
-    """``target(rank, world_size, port, *args, results, done)`` in a process of its own per rank (not
-    a WorkerPool: these tests make ranks exit); returns the first ``num_results`` results put."""
-    import torch.multiprocessing as mp
-    from epcomm.testing.launcher import _free_port
-    ctx = mp.get_context("spawn")
-    results, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, results, done), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
+    """The first ``num_results`` results of ``target`` run in a process per rank."""
+    with failure_cases.ranks_in_processes(target, world_size, args) as results:
         return [results.get(timeout=90) for _ in range(num_results)]
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
 
 
 @pytest.mark.parametrize("call", ["dispatch", "combine"])

@@ -5,6 +5,7 @@ or a size of another Buffer is named. The GPU halves: the kernels' side is compi
 test_low_latency_kernels_host.py; Buffer's part of the shared-GPU caps is checked here."""
 import pytest
 
+import failure_cases
 import late_rank_cases
 
 
@@ -73,29 +74,13 @@ def test_the_buffer_caps_every_config_at_the_backends_max_num_sms(pools):
 
 
 def _processes(target, world_size: int, args: tuple, needed) -> dict:
-    """``target(rank, world_size, port, *args, results, done)`` in a process per rank (these ranks
-    stall or exit, which would stop a WorkerPool); returns ``{rank: result}`` once the ``needed``
-    ranks put theirs (the stalled or dead rank is not waited for), then stops them all."""
-    import torch.multiprocessing as mp
-    from epcomm.testing.launcher import _free_port
-    ctx = mp.get_context("spawn")
-    results, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, results, done), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    """``{rank: result}`` of ``target`` run in a process per rank, once the ``needed`` ranks put theirs
+    (the stalled or dead rank is not waited for)."""
     got = {}
-    try:
+    with failure_cases.ranks_in_processes(target, world_size, args, join_s=1.0) as results:
         while not set(needed) <= set(got):
             item = results.get(timeout=60)
             got[item[0]] = item[1:]
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=1)
-            if p.is_alive():
-                p.kill()
     return got
 
 
