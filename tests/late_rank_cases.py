@@ -289,6 +289,22 @@ def elastic_recovery_main(rank: int, world_size: int, port: int, results, done) 
 
 
 # ---------------------------------------------------------------------- GPU (the one-GPU bed)
+def _gpu_round_trip(buffer, seed: int, num_experts: int, hidden: int):
+    """One low-latency round trip of M tokens (top-2, BF16) on ``buffer``, the experts applied on the
+    GPU with no host sync: the combine is queued behind the dispatch's wait, as in a serving loop (a
+    sync between would let the combine itself raise: the dispatch's report). Returns ``(out on the
+    CPU, xs, topks, weights)`` of the routing."""
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E = num_experts
+    xs, topks, ws = make_routing(seed, "uniform", R, E, 2, M, hidden, fixed_tokens=M)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
+    scale = ((rank * (E // R) + torch.arange(E // R, device=dev)).float() + 1) / 8  # (expert_fn)
+    out = buffer.low_latency_combine((recv.float() * scale[:, None, None]).to(torch.bfloat16), topk, w, handle)[0]
+    return out.cpu(), xs, topks, ws
+
+
 def gpu_late_rank_without_shrink(hidden: int = 512, timeout: float = 3.0):
     """A low-latency Buffer without ``enable_shrink`` on a GPU backend; after a round that compiles
     every kernel, the last rank comes ``timeout + 2`` s late to a round trip. The others' combine
@@ -297,21 +313,13 @@ def gpu_late_rank_without_shrink(hidden: int = 512, timeout: float = 3.0):
     its peers' combine give up (they no longer signal it), and its next call raises too. Returns
     ``(rows check, next call's outcome)``."""
     R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device())
     E = 2 * R
     late = R - 1
     size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, E)
     buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, timeout=timeout)
 
     def round_trip(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, E, 2, M, hidden, fixed_tokens=M)
-        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
-        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
-        # the experts on the GPU, no host sync: the combine is queued behind the dispatch's wait, as
-        # in a serving loop (a sync here would let the combine itself raise: the dispatch's report)
-        scale = ((rank * (E // R) + torch.arange(E // R, device=dev)).float() + 1) / 8  # (expert_fn)
-        out = buffer.low_latency_combine((recv.float() * scale[:, None, None]).to(torch.bfloat16), topk, w,
-                                         handle)[0].cpu()
+        out, xs, topks, ws = _gpu_round_trip(buffer, seed, E, hidden)
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=False)
         return out, want, topks[rank]
 
@@ -354,12 +362,7 @@ def gpu_elastic_recovery(hidden: int = 512, timeout: float = 2.0):
                            timeout=timeout)
 
     def round_trip(seed, dropped=()):
-        xs, topks, ws = make_routing(seed, "uniform", R, E, 2, M, hidden, fixed_tokens=M)
-        x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
-        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
-        scale = ((rank * (E // R) + torch.arange(E // R, device=dev)).float() + 1) / 8  # (expert_fn)
-        out = buffer.low_latency_combine((recv.float() * scale[:, None, None]).to(torch.bfloat16), topk, w,
-                                         handle)[0].cpu()
+        out, xs, topks, ws = _gpu_round_trip(buffer, seed, E, hidden)
         kept = topks[rank].clone()
         for r in dropped:
             kept[(kept // (E // R)) == r] = -1

@@ -69,3 +69,21 @@ def test_every_peer_order_deals_a_skewed_routing_evenly_over_the_programs(walks)
     sizes = [len(program) for program in walk["items"]]
     assert max(sizes) - min(sizes) <= 1
     assert all(any(source == 3 for source, _, _ in program) for program in walk["items"])
+
+
+def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
+    """NormalMode.every_peer / trace / pipelined_pull are compiled into the plans of a shape: setting
+    one drops the plans (so the next call binds the kernels anew) and keeps the trace address the
+    launches pass; the calls themselves look nothing up per diagnostic."""
+    import torch
+    from epcomm.backends.gpu.normal.one_node.mode import NormalMode
+    mode = NormalMode.__new__(NormalMode)  # (no GPU here: only the diagnostics' bookkeeping)
+    mode.bases, mode._dispatch_plans, mode._combine_plans = 4096, {"shape": "plan"}, {"shape": "plan"}
+    mode._every_peer, mode._trace, mode._pipelined_pull = True, None, False
+    mode.every_peer = False
+    assert mode._dispatch_plans == {} and mode._combine_plans == {} and not mode.every_peer
+    trace = torch.zeros(8, dtype=torch.int64)
+    mode.trace = trace
+    assert mode.trace_address == trace.data_ptr()
+    mode.trace = None
+    assert mode.trace_address == 4096

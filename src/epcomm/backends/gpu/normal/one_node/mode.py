@@ -105,22 +105,46 @@ class NormalMode:
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants), set
-        # before a call (the plans of a shape are made with them): the rank-order walk instead of
-        # every peer at once (schedule.py), and an int64 trace buffer the pull and push record into.
-        self.every_peer = True
-        self.trace: Optional[torch.Tensor] = None
-        # An experiment for a multi-GPU lease (epcomm bench normal --variants pipelined-pull): the
-        # pull stores an item's rows after the next item's loads are issued (dispatch.py, PIPELINE).
-        self.pipelined_pull = False
+        # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
+        # properties below: setting one drops the plans, which are made with them (nothing per call).
+        self._every_peer, self._trace, self._pipelined_pull = True, None, False
+        self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
-    def _diagnostics(self) -> tuple:
-        """The diagnostics a plan is made with (part of its key)."""
-        return self.every_peer, self.trace is not None, self.pipelined_pull
+    def _diagnostic_changed(self) -> None:
+        self._dispatch_plans.clear()
+        self._combine_plans.clear()
+        self.trace_address = self.bases if self._trace is None else self._trace.data_ptr()
 
-    def _trace_address(self) -> int:
-        """The trace buffer's address for the pull and push (any valid address when not tracing)."""
-        return self.bases if self.trace is None else self.trace.data_ptr()
+    @property
+    def every_peer(self) -> bool:
+        """The pull and push take every peer at once (schedule.py); False: the rank-order walk."""
+        return self._every_peer
+
+    @every_peer.setter
+    def every_peer(self, value: bool) -> None:
+        self._every_peer = bool(value)
+        self._diagnostic_changed()
+
+    @property
+    def trace(self) -> Optional[torch.Tensor]:
+        """An int64 trace buffer the pull and push record each item into (schedule.py), or None."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, buffer: Optional[torch.Tensor]) -> None:
+        self._trace = buffer
+        self._diagnostic_changed()
+
+    @property
+    def pipelined_pull(self) -> bool:
+        """An experiment for a multi-GPU lease (bench --variants pipelined-pull): the pull stores an
+        item's rows after the next item's loads are issued (dispatch.py, PIPELINE)."""
+        return self._pipelined_pull
+
+    @pipelined_pull.setter
+    def pipelined_pull(self, value: bool) -> None:
+        self._pipelined_pull = bool(value)
+        self._diagnostic_changed()
 
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -174,9 +198,9 @@ class NormalMode:
             handle.expert_major.dest.shape[1]
         key = (hidden * x.element_size(), hidden // 128 if args.x.__class__ is tuple else 0, num_topk,
                expert_major_topk)
-        plan = self._dispatch_plans.get(key + self._diagnostics())
+        plan = self._dispatch_plans.get(key)
         if plan is None:
-            plan = self._dispatch_plans[key + self._diagnostics()] = self._dispatch_plan(*key)
+            plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
         return plan
 
     def check_dispatch(self, args: DispatchArgs) -> None:
@@ -292,7 +316,7 @@ class NormalMode:
                 ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
                 b.mailbox.address, b.timeout_ns,  # host
                 self.fingerprints, fp0, fp1, board, tag,  # identity
-                self._trace_address())
+                self.trace_address)
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
@@ -362,9 +386,9 @@ class NormalMode:
         mapping = handle.expert_major
         key = (x.shape[1], 0 if topk_weights is None else topk_weights.shape[1], len(bias),
                0 if mapping is None else mapping.dest.shape[1])
-        plan = self._combine_plans.get(key + self._diagnostics())
+        plan = self._combine_plans.get(key)
         if plan is None:
-            plan = self._combine_plans[key + self._diagnostics()] = self._combine_plan(*key)
+            plan = self._combine_plans[key] = self._combine_plan(*key)
         return plan
 
     def check_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -416,7 +440,7 @@ class NormalMode:
                         rank, R, self.bases, self.bases, self.state,  # workspace
                         half_bytes, plan.slots_x, plan.slots_w,
                         self.fingerprints, fp0, fp1, board, tag,  # identity
-                        self._trace_address())
+                        self.trace_address)
             if combined is None:  # after the first push is launched: the GPU pushes while the host allocates
                 combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
                 combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
