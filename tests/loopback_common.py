@@ -17,7 +17,7 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
               timeout_s: float = 20.0, device: Optional[torch.device] = None,
               warm: Optional[Callable[[NvshmemBackend], None]] = None, num_ll_bytes: int = 0,
               ll_ranks_per_node: Optional[int] = None, send_parts: int = 1, p2p: bool = False,
-              buffers: int = 1) -> List[object]:
+              buffers: int = 1, shrink: bool = False) -> List[object]:
     """``fn(rank, backend)`` for every rank, each in its own thread and CUDA stream, over one
     :class:`LoopbackWorld`; returns the results by rank, or raises the first rank's exception.
     ``warm(backend)`` runs first, in this thread: compile the kernels ``fn`` will launch there,
@@ -26,7 +26,8 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
     (channel, node) of a dispatch's send; ``p2p``: rows for another node stored straight into its
     workspace (NvshmemBackend; every loopback workspace is mapped, so False keeps the puts that
     ranks on other hosts take). ``buffers`` > 1: that many backends per rank, as Buffers of one
-    group (their own workspaces, one call board per rank); ``fn`` then gets the list."""
+    group (their own workspaces, one call board per rank); ``fn`` then gets the list. ``shrink``: the
+    Buffer's ``enable_shrink`` (a late rank masked in low-latency mode; without it, reported)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     worlds = [LoopbackWorld(num_ranks, device,
                             NvshmemBackend.allocation_bytes(num_bytes, num_ll_bytes, num_ranks, ranks_per_node))
@@ -35,7 +36,7 @@ def run_ranks(num_ranks: int, ranks_per_node: int, fn: Callable[[int, NvshmemBac
         world.call_boards = worlds[0].call_boards  # one group: the ranks' boards are shared
     per_rank = [[NvshmemBackend(None, device, num_bytes, ranks_per_node, timeout_s, world.transport(rank),
                                 num_ll_bytes=num_ll_bytes, ll_ranks_per_node=ll_ranks_per_node,
-                                send_parts=send_parts, p2p=p2p) for world in worlds]
+                                send_parts=send_parts, p2p=p2p, shrink=shrink) for world in worlds]
                 for rank in range(num_ranks)]
     backends = [mine[0] if buffers == 1 else mine for mine in per_rank]
     if warm is not None:

@@ -98,8 +98,13 @@ def bad_counts_cases(num_ranks: int, ranks_per_node: int):
 
 
 def dead_rank_cases(num_ranks: int, ranks_per_node: int):
-    """The masking case for one topology (:func:`low_latency_dead_rank_case`): once."""
+    """The fault cases that run once per topology."""
     return [(0, "uniform", {})]
+
+
+def dead_rank_shrink_cases(num_ranks: int, ranks_per_node: int):
+    """The dead-rank case with and without enable_shrink (masked, or NaN rows)."""
+    return [(0, "uniform", dict(shrink=True)), (0, "uniform", dict(shrink=False))]
 
 
 def loopback_environment(environ) -> dict:
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     failed = 0
     suites = [(layout_case, layout_cases), (send_layout_case, send_layout_cases), (normal_case, cases),
               (bad_counts_case, bad_counts_cases)] if args.mode != "low_latency" else []
-    suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_cases),
+    suites += [(low_latency_case, low_latency_cases), (low_latency_dead_rank_case, dead_rank_shrink_cases),
                (mixed_modes_case, dead_rank_cases), (recovery_case, dead_rank_cases),
                (disagreement_case, dead_rank_cases),
                (ll_other_call_case, dead_rank_cases),
