@@ -3,7 +3,7 @@ sets the pace), T tokens of H, ``Config(num_sms)`` programs; each kernel's mean 
 torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispatch, combine).
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
-                                                    [--pipelined-pull]
+                                                    [--pipelined-pull] [--serial-combine]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -26,6 +26,8 @@ def main() -> int:
     parser.add_argument("--label", default="this tree")
     parser.add_argument("--pipelined-pull", action="store_true",
                         help="the pull's experiment (NormalMode.pipelined_pull: next loads before these stores)")
+    parser.add_argument("--serial-combine", action="store_true",
+                        help="the combine's push and reduce in turn (NormalMode.overlapped_combine False)")
     args = parser.parse_args()
     import epcomm
     from torch.profiler import ProfilerActivity, profile
@@ -39,6 +41,8 @@ def main() -> int:
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
     if args.pipelined_pull:
         buffer._backend.normal.pipelined_pull = True
+    if args.serial_combine:
+        buffer._backend.normal.overlapped_combine = False
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices
@@ -54,6 +58,8 @@ def main() -> int:
     assert torch.equal(recv[0], x), "one rank: the received rows are the tokens themselves"
     phases = {"full dispatch": full, "cached dispatch": lambda: buffer.dispatch(x, handle=recv[4], config=config),
               "combine": lambda: buffer.combine(recv[0], recv[4], config=config)}
+    combined = phases["combine"]()[0]
+    assert torch.equal(combined, x), "one rank: each token's combine is its one row"
     for phase, call in phases.items():
         for _ in range(3):
             call()

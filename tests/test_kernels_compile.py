@@ -40,6 +40,9 @@ def _cases():
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
                                EXPERT_MAJOR=em, EVERY_PEER=not (weights and al), TRACE=weights and al), 16
         yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=al), 16
+        yield N.PUSH_REDUCE, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
+                                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=weights and al, NUM_BIAS=num_bias,
+                                  BLOCK_C=2048, OUT_ALIGNED=not al), 16
     for (fp8, round_scale, ue8m0), al in itertools.product(
             [(True, False, False), (True, True, False), (True, True, True), (False, False, False)], [False, True]):
         for send, receive, msgs in ((True, True, 8), (True, False, 4), (False, True, 8)):
@@ -253,7 +256,7 @@ def test_kernel_names_say_which_call_they_belong_to():
     from epcomm.backends.gpu.normal.two_level import step as MS
     calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
                           MS.STEPS["dispatch"], EM.EXPAND],
-             "combine": [L.COMBINE, N.PUSH, N.REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
+             "combine": [L.COMBINE, N.PUSH, N.REDUCE, N.PUSH_REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
     for call, specs in calls.items():
         other = "combine" if call == "dispatch" else "dispatch"
         for spec in specs:

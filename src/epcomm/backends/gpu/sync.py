@@ -90,7 +90,9 @@ ARRIVE = 8  # arrival counters, one per kernel kind (below)
 ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
 COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsistent (agreement.py)
 SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
-NUM_STATE_WORDS = 16
+ARRIVE_REDUCE = 16  # arrival counter of the overlapped combine's reduce programs (one_node/combine.py)
+GAVE_UP = 17  # the epoch of an overlapped combine whose reduce gave up a wait (its other programs stop waiting)
+NUM_STATE_WORDS = 18
 
 
 
@@ -125,6 +127,21 @@ def publish(addresses, values, live, spare_address):
     tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
                               [tl.where(live, addresses, spare_address), values], dtype=tl.int32, is_pure=False,
                               pack=1)
+
+
+@triton.jit
+def publish_from_one_thread(address, value):
+    """Step 3 for one word, by one thread: thread 0 runs ``fence.acq_rel.sys`` and stores ``value``
+    (int64) at byte ``address`` with ``st.relaxed.sys``. The CTA barrier first carries every
+    thread's earlier stores to thread 0 (causality order is transitive across scopes), so the
+    release covers the whole program's stores, and only one warp waits for the fence — where
+    :func:`publish` fences in every thread (a once-per-kernel signal can afford that, a
+    per-block one cannot)."""
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0; "
+        "@first fence.acq_rel.sys; @first st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,l", [address, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -5,6 +5,9 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
 
     flags       int64 [NUM_FLAG_SETS][R]         word [s][i] is written by rank i (sync.py)
     fingerprints int64 [NUM_FP_SETS][2][R][4]   row [s][h][i] is written by rank i (agreement.py)
+    block flags int64 [R][block_flag_cap]       combine: word [i][b] = the epoch of the last push whose
+                                                 block b of this rank's rows rank i has stored (normal
+                                                 mode only; epoch-tagged, never reset: one_node/combine.py)
     normal      two halves (barrier epoch % 2), each:
                   counts   int32 [R][row_cap]    notify: row i written by rank i
                   lists    int32 [R][list_cap]   dispatch: ascending tokens this rank sends to j
@@ -47,6 +50,7 @@ FINGERPRINTS_OFFSET = 32 * 1024
 SPARE_WORD = FINGERPRINTS_OFFSET - 64  # a scratch int64 of symmetric memory (masked-off signals to far peers)
 FP_ROW_BYTES = 32
 FLAGS_BYTES = 64 * 1024  # flags and fingerprints
+BLOCK_FLAGS_BYTES = 1 << 20  # the combine's per-block flags (normal mode)
 NOTIFY_BYTES = 256 * 1024
 LISTS_BYTES = 4 << 20
 LL_MAX_TOPK = 32  # the size hint reserves combine slots for up to this many experts per token
@@ -128,8 +132,12 @@ class Workspace:
         # normal-mode halves
         self.row_cap = NOTIFY_BYTES // (4 * R)
         self.list_cap = LISTS_BYTES // (4 * R)
+        # The combine's per-block flags: [R pushers][block_flag_cap] int64 (no halves: epoch-tagged)
+        self.block_flags_offset = FLAGS_BYTES
+        self.block_flag_cap = BLOCK_FLAGS_BYTES // (8 * R) if normal else 0
         # Offsets are from the workspace base, for half 0; half h adds h * normal_half_bytes.
-        self.normal_offset = FLAGS_BYTES
+        self.normal_offset = FLAGS_BYTES + (BLOCK_FLAGS_BYTES if normal else 0)
+        self.signal_bytes = self.normal_offset  # flags, fingerprints, block flags: zero before any signal
         self.counts_offset = self.normal_offset
         self.lists_offset = self.normal_offset + NOTIFY_BYTES
         self.payload_offset = self.normal_offset + NOTIFY_BYTES + LISTS_BYTES
@@ -155,7 +163,7 @@ class Workspace:
         if self.buffer.device.type == "cuda":
             torch.cuda.synchronize(self.buffer.device)
         barrier()
-        self.buffer[:FLAGS_BYTES].zero_()
+        self.buffer[:self.signal_bytes].zero_()
         if self.ll_half:
             self.buffer[self.ll_offset:].zero_()
         if self.buffer.device.type == "cuda":
@@ -167,7 +175,7 @@ class Workspace:
         """Bytes of the allocation a workspace of these sizes carves (what ``memory`` must hold)."""
         normal_half = NOTIFY_BYTES + LISTS_BYTES + align(max(num_nvl_bytes, 0) // 2) if normal else 0
         ll_half = (max(num_ll_bytes, 0) // 2 - ALIGN) // ALIGN * ALIGN if num_ll_bytes >= 4 * ALIGN else 0
-        return FLAGS_BYTES + 2 * normal_half + 2 * ll_half
+        return FLAGS_BYTES + (BLOCK_FLAGS_BYTES if normal else 0) + 2 * normal_half + 2 * ll_half
 
     def fingerprint_set(self, fp_set: int) -> int:
         """Bytes from a workspace base to fingerprint set ``fp_set`` (its half 0, row 0)."""
@@ -225,7 +233,7 @@ class Workspace:
 
     def zero_signals(self) -> None:
         """Zero every flag, fingerprint row and low-latency count word (no kernel may run on any rank)."""
-        self.buffer[:FLAGS_BYTES].zero_()
+        self.buffer[:self.signal_bytes].zero_()
         self.reset_low_latency()
 
     def reset_low_latency(self) -> None:

@@ -5,7 +5,8 @@ Launches per call (one cross-rank barrier per launch pair, halves alternate by b
     get_dispatch_layout   ep_dispatch_layout                          1 launch
     dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
     dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
-    combine               ep_combine_push ; ep_combine_reduce         2 launches
+    combine               ep_combine (push and reduce overlapped)     1 launch
+                          ep_combine_push ; ep_combine_reduce         2 launches: several rounds, expert-major
     (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
 
 Dispatch is "stage and pull": each rank copies its tokens (x, scales, top-k) into its own
@@ -23,9 +24,9 @@ acquire-wait. The host never synchronises the stream: the one host wait of a ful
 the mailbox word the notify kernel publishes.
 """
 from ..layout_kernel import LAYOUT
-from .combine import PUSH, REDUCE
+from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import PULL, STAGE
 from .mode import NormalMode
 from .notify import NOTIFY
 
-__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "PUSH", "REDUCE"]
+__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]

@@ -65,7 +65,9 @@ def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_l
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
-#   list programs j<R:  (WRITE_LISTS) half.lists[j] = ascending tokens with is_token_in_rank[t, j]
+#   list programs j<R:  (WRITE_LISTS) half.lists[j] = ascending tokens with is_token_in_rank[t, j];
+#                       list_index[t, j] = t's index in that list (kept with the handle: the
+#                       overlapped combine's reduce finds by it which of j's pushed blocks holds t)
 #                       count check: len(list j) != num_tokens_per_rank[j], or (HAS_TOPK) j's experts'
 #                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
 #   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
@@ -80,6 +82,7 @@ def ep_dispatch_stage(
         scales_ptr: "*fp32",  # [T, S] float32, any strides (FP8)
         topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
         in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
+        list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
         per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
         # sizes and strides: this round's tokens [token_lo, token_hi) of num_tokens
         num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
@@ -125,6 +128,7 @@ def ep_dispatch_stage(
                                  other=0) != 0
                 position = running + tl.cumsum(member.to(tl.int32), axis=0) - 1
                 tl.store(lists + position, tokens, mask=member)
+                tl.store(list_index_ptr + tokens.to(tl.int64) * num_ranks + pid, position, mask=member)
                 running += tl.sum(member.to(tl.int32), axis=0)
                 if HAS_TOPK:  # the layout kernel's count: every valid entry of one of j's experts
                     k = tl.arange(0, K_P2)

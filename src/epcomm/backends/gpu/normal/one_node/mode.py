@@ -15,7 +15,7 @@ from ... import agreement
 from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
-from .combine import PUSH, REDUCE
+from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
 from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BOUND
@@ -26,6 +26,9 @@ from .notify import NOTIFY_BOUND
 # would set their speed.
 EXPERT_MAJOR_SM_FACTOR = 6
 EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
+# The combine in turn reduces on 4 x num_sms programs; in one launch, the push's num_sms programs
+# and this many times num_sms reduce programs (the grid caps of shared_grids.py count 4 x num_sms).
+REDUCE_PROGRAMS_PER_SM = 3
 
 
 # ====================================================================== host side
@@ -38,8 +41,11 @@ class PullState:
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
     expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify_dispatch)
+    list_index: Optional[torch.Tensor] = None  # [T, R] int32: each token's index in the list of each rank it went to
     # Addresses of the handle's tensors the kernels read, in this order: rank_prefix_matrix,
-    # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank.
+    # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank,
+    # list index ([T, R] int32: each token's index in the list of each rank it went to; the
+    # overlapped combine's reduce finds by it which pushed block holds a token's row).
     # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each tensor.
     addresses: tuple = ()
 
@@ -77,6 +83,7 @@ class CombinePlan:
     expert_major: bool  # x in the expert-major layout: the push folds it first
     push: Specialisations  # ALIGNED (expert outputs aligned) -> push
     reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
+    overlapped: Optional[Specialisations]  # (ALIGNED, OUT_ALIGNED) -> push and reduce in one launch (plain layout)
     fingerprint: Tuple[int, int]  # agreement.py: the call's words (handle added)
 
 
@@ -107,7 +114,7 @@ class NormalMode:
         self._combine_plans = {}
         # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
         # properties below: setting one drops the plans, which are made with them (nothing per call).
-        self._every_peer, self._trace, self._pipelined_pull = True, None, False
+        self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -144,6 +151,18 @@ class NormalMode:
     @pipelined_pull.setter
     def pipelined_pull(self, value: bool) -> None:
         self._pipelined_pull = bool(value)
+        self._diagnostic_changed()
+
+    @property
+    def overlapped_combine(self) -> bool:
+        """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
+        (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
+        serial-combine). Every rank of the group must set the same."""
+        return self._overlapped_combine
+
+    @overlapped_combine.setter
+    def overlapped_combine(self, value: bool) -> None:
+        self._overlapped_combine = bool(value)
         self._diagnostic_changed()
 
     # ------------------------------------------------------------------ layout
@@ -249,6 +268,7 @@ class NormalMode:
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             recv_info = torch.empty(2, dtype=torch.int32, device=dev)
             table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
+            list_index = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
             mailbox = b.mailbox
             sequence = mailbox.next_sequence()
             fp0, fp1 = plan.fingerprint_full
@@ -262,7 +282,8 @@ class NormalMode:
                 mailbox.address, sequence, b.timeout_ns,  # host
                 self.fingerprints, fp0, fp1, board, tag)  # identity
             # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag)
+            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
+                        list_index.data_ptr())
             if args.num_worst_tokens == 0:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
@@ -270,7 +291,7 @@ class NormalMode:
                 num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
             src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
             src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
-            state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None)
+            state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None, list_index)
             if expert_major:
                 mapping = ExpertMajor(torch.empty((num_rows, num_topk), dtype=torch.int32, device=dev),
                                       torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
@@ -278,7 +299,7 @@ class NormalMode:
                                       sum(counts_list), counts_list)
             state.addresses = (prefix.data_ptr(), recv_info.data_ptr(), src_rank.data_ptr(), src_idx.data_ptr(),
                                table.data_ptr(), (mapping.dest if expert_major else prefix).data_ptr(),
-                               args.is_token_in_rank.data_ptr())
+                               args.is_token_in_rank.data_ptr(), list_index.data_ptr())
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
         out_rows = mapping.num_rows if expert_major else num_rows
@@ -291,7 +312,7 @@ class NormalMode:
             recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
         else:
             recv_topk = recv_weights = recv_x
-        prefix_address, _, src_rank_address, src_idx_address, table_address, dest_address, _ = state.addresses
+        prefix_address, _, src_rank_address, src_idx_address, table_address, dest_address, _, _ = state.addresses
         recv_x_address = recv_x.data_ptr()
         outputs = (recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
                    recv_topk.data_ptr() if num_topk else recv_x_address,
@@ -327,7 +348,9 @@ class NormalMode:
                               handle)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
-               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int) -> None:
+               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0) -> None:
+        """Launch the stage of tokens [lo, hi); ``write_lists``: a full dispatch's round 0, which also
+        writes the token lists and ``list_index`` (the address of the handle's [T, R] int32)."""
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
@@ -353,7 +376,7 @@ class NormalMode:
                 else args.is_token_in_rank.data_ptr()
         kernel.launch(
             programs, 1, stream,
-            x_address, scales_address, topk, weights, in_rank, per_rank, per_expert,  # tensors
+            x_address, scales_address, topk, weights, in_rank, list_index or x_address, per_rank, per_expert,  # tensors
             num_tokens, lo, hi, plan.x_words, plan.num_scales,  # sizes and strides
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_position_programs,
@@ -376,8 +399,12 @@ class NormalMode:
                                TRACE=self.trace is not None)
         reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
                                  HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
+        overlapped = None if expert_major_topk else Specialisations(
+            PUSH_REDUCE, ["ALIGNED", "OUT_ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
+            BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2, EXPERT_MAJOR=False, EVERY_PEER=self.every_peer,
+            TRACE=self.trace is not None, NUM_BIAS=num_bias, BLOCK_C=block_c)
         return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
-                           expert_major_topk > 0, push, reduce,
+                           expert_major_topk > 0, push, reduce, overlapped,
                            agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
                                           expert_major=int(expert_major_topk > 0)))
 
@@ -416,9 +443,16 @@ class NormalMode:
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
         stream = current_stream(self.dev_index)
         # addresses, not tensors (PullState.addresses says why)
-        prefix_address, _, _, src_idx_address, _, dest_address, in_rank_address = state.addresses
+        prefix_address, _, _, src_idx_address, _, dest_address, in_rank_address, list_index_address = state.addresses
         dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
+        # In one launch where it can (one round; a home's rows at a pusher, at most max_tokens, in
+        # blocks the flag area holds): the same on every rank, since max_tokens is the group's.
+        if self.overlapped_combine and num_rounds == 1 and plan.overlapped is not None and \
+                cdiv(max_tokens, plan.block_r) <= self.ws.block_flag_cap:
+            return self._combine_overlapped(x, state, topk_weights, bias, config, plan, num_tokens, num_rows,
+                                            num_topk, prefix_address, src_idx_address, in_rank_address,
+                                            list_index_address)
         if mapping is not None:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
@@ -455,4 +489,38 @@ class NormalMode:
                           half_bytes, plan.slots_x, plan.slots_w,
                           b.mailbox.address, b.timeout_ns,  # host
                           self.fingerprints, fp0, fp1, board, tag)  # identity
+        return combined, combined_w
+
+    def _combine_overlapped(self, x: torch.Tensor, state: PullState, topk_weights: Optional[torch.Tensor],
+                            bias: Tuple[torch.Tensor, ...], config, plan: CombinePlan, num_tokens: int, num_rows: int,
+                            num_topk: int, prefix_address: int, src_idx_address: int, in_rank_address: int,
+                            list_index_address: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The combine in one launch (combine.py, ep_combine): ``num_sms`` push programs, then
+        reduce programs that sum each chunk of tokens as its blocks land. Together at most
+        ``(1 + REDUCE_PROGRAMS_PER_SM) * num_sms`` programs, as many as the push and the reduce in
+        turn wait in (shared_grids.py counts them)."""
+        dev, hidden = self.device, x.shape[1]
+        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev) if num_topk else None
+        combined_address = combined.data_ptr()
+        x, x_aligned = for_word_copies(x)
+        x_address = x.data_ptr()
+        fp0, fp1 = plan.fingerprint
+        fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
+        num_push = max(1, min(config.num_sms, cdiv(num_rows, plan.block_r)))
+        num_reduce = max(1, min(REDUCE_PROGRAMS_PER_SM * config.num_sms, cdiv(num_tokens, plan.block_r)))
+        kernel = plan.overlapped[plan.rows_aligned and x_aligned, plan.rows_aligned and is_aligned(*bias)]
+        kernel.launch(
+            num_push + num_reduce, 1, current_stream(self.dev_index),
+            x_address, topk_weights.data_ptr() if num_topk else x_address, prefix_address, src_idx_address,
+            src_idx_address, in_rank_address, list_index_address, combined_address,  # tensors
+            combined_w.data_ptr() if num_topk else combined_address,
+            bias[0].data_ptr() if len(bias) >= 1 else combined_address,
+            bias[1].data_ptr() if len(bias) >= 2 else combined_address,
+            num_rows, num_tokens, hidden // 4, hidden, num_topk, num_push,  # sizes
+            self.rank, self.R, self.bases, self.bases, self.state,  # workspace
+            self.ws.normal_half_bytes, plan.slots_x, plan.slots_w, self.ws.block_flags_offset, self.ws.block_flag_cap,
+            self.b.mailbox.address, self.b.timeout_ns,  # host
+            self.fingerprints, fp0, fp1, self.seat.bases_address, self.seat.tag(),  # identity
+            self.trace_address)
         return combined, combined_w
