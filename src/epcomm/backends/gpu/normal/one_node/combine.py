@@ -269,8 +269,9 @@ def ep_combine(
         out_ptr: "*bf16",  # [T, H] bf16
         out_w_ptr: "*fp32",  # [T, K] float32 (HAS_WEIGHTS)
         bias0_ptr: "*bf16", bias1_ptr: "*bf16",  # [T, H] bf16 (NUM_BIAS of them)
-        # sizes: one round, tokens [0, num_tokens)
-        num_rows: "i32", num_tokens: "i32", x_words: "i32", hidden: "i32", num_topk: "i32", num_push: "i32",
+        # sizes: one round: the homes' tokens are below round_tokens, this rank's are [0, num_tokens)
+        num_rows: "i32", round_tokens: "i32", num_tokens: "i32", x_words: "i32", hidden: "i32", num_topk: "i32",
+        num_push: "i32",
         # this rank and the workspaces (offsets are from a workspace half; block flags from a workspace)
         rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
         half_bytes: "i64", slots_x_offset: "i64", slots_w_offset: "i64", block_flags_offset: "i64",
@@ -292,7 +293,7 @@ def ep_combine(
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_push:
         _push(pid, num_push, epoch,
-              x_ptr, weights_ptr, prefix_ptr, src_idx_ptr, dest_ptr, num_rows, 0, num_tokens, x_words, num_topk,
+              x_ptr, weights_ptr, prefix_ptr, src_idx_ptr, dest_ptr, num_rows, 0, round_tokens, x_words, num_topk,
               rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, slots_x_offset,
               slots_w_offset, block_flags_offset, block_flag_cap, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
               trace_ptr, HAS_WEIGHTS, BLOCK_R, BLOCK_W, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,

@@ -517,7 +517,7 @@ class NormalMode:
             combined_w.data_ptr() if num_topk else combined_address,
             bias[0].data_ptr() if len(bias) >= 1 else combined_address,
             bias[1].data_ptr() if len(bias) >= 2 else combined_address,
-            num_rows, num_tokens, hidden // 4, hidden, num_topk, num_push,  # sizes
+            num_rows, plan.round_tokens, num_tokens, hidden // 4, hidden, num_topk, num_push,  # sizes
             self.rank, self.R, self.bases, self.bases, self.state,  # workspace
             self.ws.normal_half_bytes, plan.slots_x, plan.slots_w, self.ws.block_flags_offset, self.ws.block_flag_cap,
             self.b.mailbox.address, self.b.timeout_ns,  # host
