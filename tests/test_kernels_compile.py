@@ -26,7 +26,7 @@ def _cases():
     for word_bytes in (8, 4):
         yield EM.EXPAND, dict(WORD_BYTES=word_bytes, BLOCK_R=2, BLOCK_W=1024), 8
     yield EM.FOLD, dict(BLOCK_R=4, K_P2=8), 4
-    yield A.ABORT, dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=0), 4
+    yield A.ABORT, dict(R_P2=8, BLOCK_L=128, REMOTE=0), 4
     yield A.POST_RESYNC, dict(R_P2=8, REMOTE=0), 1
     copy = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
@@ -119,7 +119,7 @@ def test_low_latency_kernels_with_far_peers_compile(remote):
                                           BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=remote), 8, target=target,
                                      **options)
         assert ("nvshmemx_signal_op" in compiled.asm["ptx"]) == (remote == 1 and send)
-    abort = A.ABORT.compile(dict(NUM_ROWS=6, NUM_FLAG_SETS=2, R_P2=8, BLOCK_L=128, REMOTE=remote), 4, target=target,
+    abort = A.ABORT.compile(dict(R_P2=8, BLOCK_L=128, REMOTE=remote), 4, target=target,
                             **options)
     assert ("nvshmem_quiet" in abort.asm["ptx"]) == (remote == 1)
     # a resyncing rank's RESYNC on every peer's call board: signals, completed before the kernel ends

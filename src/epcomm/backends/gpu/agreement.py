@@ -21,9 +21,12 @@ anyway, and is checked where they are received:
   counts a caller passed do not summarise the routing (``num_tokens_per_rank`` against
   ``is_token_in_rank``, ``num_tokens_per_expert`` against ``topk_idx``; checked on device in the
   staging kernel). A rank whose host validation rejects its input does not make the call; it
-  launches :func:`ep_abort` instead: abort words into every peer's areas and, into every flag and
+  launches :func:`ep_abort` instead: abort words into the peers' rows and, into every flag and
   count word it owns on its peers, an epoch no wait can be ahead of — so the peers' waits end at
-  once and they raise for that argument too.
+  once and they raise for that argument too. In low-latency mode that epoch is a *stamp* that
+  keeps the epoch the word carried before, so the abort fails only the calls this rank never
+  signalled: a peer still in the call this rank finished just before is not failed (the block
+  comment above :func:`ep_abort`).
 
 After such an error the ranks' signals are out of step: every rank that raised resynchronises
 at its next call (the backends' ``resync``: a bounded host rendezvous, then every flag, epoch,
@@ -44,8 +47,9 @@ import triton.language as tl
 from ...errors import EPInputError
 from . import call_board, sync
 from .launch import KernelSpec
-from .reach.modes import FAR_LIBRARY, far_complete, post_call_any, release_words, same_node, set_row
-from .sync import fingerprint_half, post_fingerprint
+from .reach.modes import FAR_LIBRARY, far_complete, post_call_any, release_words, same_node, set_row_epoch_first
+from .sync import FP_ROW, fingerprint_half
+from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL
 
 # The fields of the two words, low bits first: (name, bits). Names are the arguments they describe.
 FIELDS = (
@@ -183,59 +187,251 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
 
 
 # ---------------------------------------------------------------------- a rank that rejected its input
-# sync.ABORT_EPOCH as a low-latency count word: (epoch << 32) | 0 messages.
-ABORT_COUNT_WORD = tl.constexpr(1 << 62)
+# What an abort must leave alone (issue 50). A peer can still be in the last call of a kind this
+# rank made — it checks this rank's row of that call after its acquire — while this rank has
+# finished that call and rejects its next one. An abort that overwrote that row, or whose signal
+# said "aborted" to every call alike, turned the finished call into a failed one on that peer (NaN
+# rows: seen on the one-GPU bed, ll_one_bad). Nor can the abort post to "the half of my next call"
+# only (tried in 7aa8827, reverted): a peer whose calls are two ahead of this rank's (its host
+# queued them before the GPU reported the first one), or one call apart (a rank that skipped a
+# call), waits on the other half, and such a wait then ends only at this rank's resync or the
+# timeout (the call board leaves an abort on the waiter's own Buffer to that Buffer's signals) — or
+# passes on the flag and finds no abort row at all.
+#
+# So, in low-latency mode, every signal word the abort releases carries the boundary itself, per
+# word — the abort's *stamp*: ABORT_EPOCH + the epoch that word last carried (the epoch field: the
+# whole word of a combine flag, bits 32.. of a dispatch count word, whose message count stays). Only
+# this rank writes these words, so it reads them back (near peers) and stamps what it finds. A
+# receiver in the call of epoch E reads "sent for calls up to X, aborted after": its call is aborted
+# iff E > X (abort_covers) — exactly the calls this rank never signalled, whichever call the
+# receiver is in, behind, ahead or one call off. A receiver still in call X gets X's real count and
+# X's data (the stamp's release covers them too). The rows only name the argument: the abort row
+# (the abort's words, the stamp as epoch) goes into the half of each set that does *not* hold this
+# rank's last row (which a peer behind may still be checking), and a receiver that a stamp covers
+# finds it in either half (check_rows). Far peers (gpu/reach: no loads across nodes) get stamps
+# made from this rank's own epochs, and no stamp on the count words of the half of its last
+# dispatch (a receiver behind may still read that count): a wait two calls ahead there ends at this
+# rank's resync (the board's RESYNC) instead — as does a wait on the count words of an expert count
+# this rank never used (they are not known here; the row's stamp is not sync's ABORT_EPOCH, which
+# the wait also looks for, unless this rank made no dispatch before).
+#
+# Normal mode's kernels take an abort from rows of epoch ABORT_EPOCH (sync.check_fingerprints,
+# outside this module): its flags and both halves of its rows get that, as before — a normal call
+# that a peer finished at once before rejecting its next call can still be taken for a failed one
+# (the same race; the fix there needs the stamp read in sync.acquire_and_agree).
+ABORT_EPOCH = sync.ABORT_EPOCH
+SET_NORMAL = tl.constexpr(FP_NORMAL)  # (kernels read module globals only as constexprs)
+SET_LL_DISPATCH = tl.constexpr(FP_LL_DISPATCH)
+SET_LL_COMBINE = tl.constexpr(FP_LL_COMBINE)
+FLAG_SET_NORMAL = tl.constexpr(FLAGS_NORMAL)
+FLAG_SET_LL_COMBINE = tl.constexpr(FLAGS_LL_COMBINE)
+# What a receiver records for a stamp without an abort row in either half (a count word of another
+# rank that the stamps for another expert count reached: the shapes' words overlap): "an argument".
+ANY_ABORT0, ANY_ABORT1 = (tl.constexpr(word) for word in abort_words("an argument"))
+
+
+@triton.jit
+def stamp(epochs):
+    """The abort's stamp on signal words whose epoch field is ``epochs``: ABORT_EPOCH + that epoch.
+    A word already stamped keeps its stamp (a second abort before the resync changes nothing)."""
+    return tl.where(epochs >= ABORT_EPOCH, epochs, epochs + ABORT_EPOCH)
+
+
+@triton.jit
+def stamp_word(words, SHIFT: tl.constexpr):
+    """Signal ``words`` with their epoch field (``word >> SHIFT``) stamped and the bits below it kept
+    (a count word's messages: a receiver still in the call the word carried reads its count)."""
+    return (stamp(words >> SHIFT) << SHIFT) | (words & ((1 << SHIFT) - 1))
+
+
+@triton.jit
+def abort_covers(epochs, epoch):
+    """Lanes whose signal word, of epoch field ``epochs``, is an abort's stamp that covers the call
+    of ``epoch``: the sender's last real signal through that word was for an earlier call (a stamp
+    of ABORT_EPOCH itself — nothing sent before — covers every call). A stamp over this call's own
+    epoch does not: the call was sent, and the stamp's release covers its data too."""
+    return (epochs >= ABORT_EPOCH) & (epoch > epochs - ABORT_EPOCH)
+
+
+@triton.jit
+def row_verdict(own0, own1, own_epoch, other0, other1, other_epoch, stamped, fp0, fp1, epoch):
+    """A receiver's verdict on a sender's rows (no loads: tests run it in Triton's interpreter).
+    ``own*``: the sender's row in this call's half (words, epoch field); ``other*``: its row in the
+    other half; ``stamped``: the sender's signal word for this call was an abort's stamp covering
+    it. Returns ``(differ, words0, words1)``: this call moves nothing from the sender — its row
+    holds this epoch with other words, or an abort covers the call (by the signal's stamp, or by an
+    abort row in this half) — and the words to record: the abort row's, from whichever half holds
+    it. A row of another epoch is not compared (older: a sender that timed out; an abort row whose
+    stamp does not cover this call: a peer that ran ahead by a hook's receive, say)."""
+    own_abort = own_epoch >= ABORT_EPOCH
+    aborted = stamped | abort_covers(own_epoch, epoch)
+    mismatch = (own_epoch == epoch) & ((own0 != fp0) | (own1 != fp1))
+    from_other = aborted & (own_abort == 0) & (other_epoch >= ABORT_EPOCH)
+    missing = aborted & (own_abort == 0) & (other_epoch < ABORT_EPOCH)
+    words0 = tl.where(from_other, other0, tl.where(missing, ANY_ABORT0, own0))
+    words1 = tl.where(from_other, other1, tl.where(missing, ANY_ABORT1, own1))
+    return aborted | mismatch, words0, words1
+
+
+@triton.jit
+def check_rows(set_address, half, senders, live, settled, stamped, fp0, fp1, epoch, agreement_ptr, num_ranks):
+    """sync.check_fingerprints for the low-latency calls, which also take an abort from their
+    signal words: ``stamped`` lanes are senders whose count word or flag for this call was an
+    abort's stamp covering it (:func:`abort_covers`). ``set_address``: this rank's fingerprint
+    set (both halves; ``half``: this call's). Compares the live senders' rows not already
+    ``settled`` (sync.fingerprints_settled) — and every stamped one — by :func:`row_verdict`,
+    records the differing ones in the mailbox as sync.check_fingerprints does, and returns them."""
+    tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
+    half_bytes = (num_ranks * FP_ROW).to(tl.int64)
+    own = (set_address + half * half_bytes).to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
+    other = (set_address + (1 - half) * half_bytes).to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
+    look = live & ((settled == 0) | stamped)
+    own0 = tl.load(own, mask=look, other=0)
+    own1 = tl.load(own + 1, mask=look, other=0)
+    own_epoch = tl.load(own + 2, mask=look, other=0)
+    aborts = look & (stamped | (own_epoch >= ABORT_EPOCH))  # (only after an abort: the other half)
+    other0 = tl.load(other, mask=aborts, other=0)
+    other1 = tl.load(other + 1, mask=aborts, other=0)
+    other_epoch = tl.load(other + 2, mask=aborts, other=0)
+    differ, words0, words1 = row_verdict(own0, own1, own_epoch, other0, other1, other_epoch, stamped, fp0, fp1,
+                                         epoch)
+    differ &= look
+    # A second look where this call's own row seemed to hold other words: the loads above are not
+    # ordered among themselves, and an abort may be writing that half (a receiver that runs a
+    # hook's receive a call late reads the half of the sender's next call). The abort stores a
+    # row's epoch field before its words, with a release between (ep_abort); these loads ACQUIRE
+    # the words first, so words of the abort come with its epoch field, and the verdict is taken
+    # again on what they show. (Never on the path of a call that agrees.)
+    suspect = differ & (stamped == 0) & (own_epoch == epoch)
+    if tl.max(suspect.to(tl.int32), axis=0) != 0:
+        address = tl.where(suspect, own.to(tl.int64), set_address)
+        again0 = sync.load_acquire_sys(address)
+        again1 = sync.load_acquire_sys(address + 8)
+        again_epoch = sync.load_acquire_sys(address + 16)
+        still, again0, again1 = row_verdict(again0, again1, again_epoch, other0, other1, other_epoch, stamped,
+                                            fp0, fp1, epoch)
+        differ = tl.where(suspect, still, differ)
+        words0 = tl.where(suspect, again0, words0)
+        words1 = tl.where(suspect, again1, words1)
+    tl.store(agreement_ptr + senders * 2, words0, mask=differ)
+    tl.store(agreement_ptr + senders * 2 + 1, words1, mask=differ)
+    zeros = tl.zeros_like(senders)
+    tl.store(agreement_ptr + num_ranks * 2 + zeros, zeros.to(tl.int64) + fp0, mask=differ)
+    tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
+    tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
+    return differ
+
+
+@triton.jit
+def _post_abort_row(bases_ptr, bases, my_base, rows_offset, peers, near, far, fp0, fp1, epoch_field, spare, rank,
+                    spare_word, R_P2: tl.constexpr, REMOTE: tl.constexpr):
+    """Row ``rank`` at ``rows_offset`` (bytes from a workspace) on every ``near`` and ``far`` peer
+    (``bases``: the near peers' workspaces) := the abort's words, with ``epoch_field``. The epoch
+    field first, then a release fence and the words (strong stores): a receiver that ACQUIRES the
+    abort's words reads this epoch field too (check_rows' second look). The release of the signal
+    words afterwards covers the whole row."""
+    rows = bases + rows_offset + rank * FP_ROW
+    zeros = tl.zeros([R_P2], tl.int64)
+    tl.store((rows + 16).to(tl.pointer_type(tl.int64)), zeros + epoch_field, mask=near)
+    tl.debug_barrier()  # every thread's epoch-field stores precede the fences below
+    sync.publish(rows, zeros + fp0, near, spare)  # fence.acq_rel.sys, then st.relaxed.sys
+    sync.publish(rows + 8, zeros + fp1, near, spare)
+    if REMOTE:  # far peers: SET by signals, the epoch field completed first
+        set_row_epoch_first(my_base + rows_offset, peers, far, fp0, fp1, epoch_field, bases_ptr, rank, spare_word,
+                            R_P2, REMOTE)
+
+
+@triton.jit
+def _stamp_words(bases_ptr, offsets, receivers, lanes, far_epochs, spare, rank, ranks_per_node, spare_word,
+                 SHIFT: tl.constexpr, REMOTE: tl.constexpr):
+    """RELEASE the abort's stamp (:func:`stamp`) into the int64 signal words at byte ``offsets`` of
+    each receiver's workspace (where ``lanes``). A near receiver's word is read back first — only
+    this rank writes it, and its earlier kernels have finished (stream order) — and stamped in its
+    epoch field (``word >> SHIFT``), the bits below kept (a count word's messages). A far receiver
+    (no loads across nodes) gets ``stamp(far_epochs) << SHIFT``."""
+    near = same_node(receivers, rank, ranks_per_node, REMOTE)
+    addresses = tl.load(bases_ptr + receivers, mask=lanes & near, other=0) + offsets
+    old = sync.load_acquire_sys(tl.where(lanes & near, addresses, spare))
+    far_stamp = stamp(tl.zeros_like(old) + far_epochs) << SHIFT
+    release_words(bases_ptr, offsets, receivers, tl.where(near, stamp_word(old, SHIFT), far_stamp), lanes, spare,
+                  rank, ranks_per_node, spare_word, REMOTE)
 
 
 @triton.jit
 def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
-             state_ptr: "*i64",  # [16] int64 local (a spare word for masked-off lanes)
+             state_ptr: "*i64",  # [16] int64 local: this rank's epochs (sync.py), a spare word for masked-off lanes
              fingerprints_offset: "i64",  # bytes from a workspace to its fingerprint area
              ll_counts_ptr: "*i64",  # [num_shapes, 3] int64: (counts offset of half 0, of half 1, experts per rank)
              num_shapes: "i32", fp0: "i64", fp1: "i64", rank: "i32", num_ranks: "i32",
              ranks_per_node: "i32", spare_word: "i64",  # (REMOTE only: gpu/reach/)
              board_bases_ptr: "*i64",  # [R] int64: each rank's call board (gpu/call_board.py)
              call_tag: "i64",  # the aborted call's number and Buffer (0: not posted)
-             NUM_ROWS: tl.constexpr, NUM_FLAG_SETS: tl.constexpr, R_P2: tl.constexpr, BLOCK_L: tl.constexpr,
-             REMOTE: tl.constexpr):
-    # On every peer (self included): the abort words into each fingerprint row this rank owns (all
-    # sets, both halves), then RELEASE ABORT_EPOCH into each flag word and low-latency count word
-    # this rank owns. Every wait for this rank then ends at once, and the check after it finds the
-    # abort words (the release covers them) and names the argument. Peers of other nodes
-    # (REMOTE) get the same words by signals (gpu/reach), the rows completed before the epochs. The
-    # abort is posted on the call board too: peers waiting in another Buffer's call of the same
-    # number (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it.
+             R_P2: tl.constexpr, BLOCK_L: tl.constexpr, REMOTE: tl.constexpr):
+    # On every peer (self included), after every earlier kernel of this rank (stream order):
+    #   1. the abort on the call board: peers waiting in another Buffer's call of the same number
+    #      (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it;
+    #   2. the abort rows (plain and strong stores): normal mode's both halves with ABORT_EPOCH;
+    #      each low-latency set's half that does not hold this rank's last row, with the stamp of
+    #      this rank's last epoch of that kind (far peers: SET, completed before step 3);
+    #   3. RELEASE ABORT_EPOCH into this rank's normal-mode flag word, and its stamp (the block
+    #      comment above) into its low-latency combine flag and every dispatch count word of the
+    #      expert counts used so far. The release is cumulative: it covers the rows of step 2, and
+    #      the data of every call this rank made (earlier kernels). The receivers ACQUIRE these
+    #      words in their waits, which then end at once for a call the abort covers; the row check
+    #      after the wait finds the abort words and names the argument.
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     far = live & (same_node(peers, rank, ranks_per_node, REMOTE) == 0)
-    base = tl.load(bases_ptr + peers, mask=live & (far == 0), other=0)
+    near = live & (far == 0)
+    bases = tl.load(bases_ptr + peers, mask=near, other=0)
     my_base = tl.load(bases_ptr + rank)
     spare = (state_ptr + sync.SPARE).to(tl.int64)
-    epoch = tl.zeros([R_P2], tl.int64) + sync.ABORT_EPOCH
     post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
-    for row in range(0, NUM_ROWS):  # (set, half) pairs
-        rows_offset = fingerprint_half(fingerprints_offset, row, num_ranks)
-        post_fingerprint(base + rows_offset, rank, live & (far == 0), fp0, fp1, epoch)
-        if REMOTE:
-            set_row(my_base + rows_offset, peers, far, fp0, fp1, sync.ABORT_EPOCH, bases_ptr, rank, spare_word, R_P2,
-                    REMOTE)
+    for half in range(0, 2):  # normal mode: both halves (sync.check_fingerprints reads ABORT_EPOCH)
+        _post_abort_row(bases_ptr, bases, my_base,
+                        fingerprint_half(fingerprints_offset, SET_NORMAL * 2 + half, num_ranks),
+                        peers, near, far, fp0, fp1, ABORT_EPOCH, spare, rank, spare_word, R_P2, REMOTE)
+    # Low latency: the epoch each half was last sent with (the kernels store it with the release),
+    # so the half of this rank's last row is the one with the larger (graph replays included).
+    sent_d0 = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH)
+    sent_d1 = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + 1)
+    sent_c0 = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH)
+    sent_c1 = tl.load(state_ptr + sync.LL_COMBINE_HALF_EPOCH + 1)
+    last_d = tl.load(state_ptr + sync.EPOCH_LL_DISPATCH)
+    last_c = tl.load(state_ptr + sync.EPOCH_LL_COMBINE)
+    _post_abort_row(bases_ptr, bases, my_base,
+                    fingerprint_half(fingerprints_offset, SET_LL_DISPATCH * 2 + (sent_d1 < sent_d0).to(tl.int32),
+                                     num_ranks),
+                    peers, near, far, fp0, fp1, stamp(last_d), spare, rank, spare_word, R_P2, REMOTE)
+    _post_abort_row(bases_ptr, bases, my_base,
+                    fingerprint_half(fingerprints_offset, SET_LL_COMBINE * 2 + (sent_c1 < sent_c0).to(tl.int32),
+                                     num_ranks),
+                    peers, near, far, fp0, fp1, stamp(last_c), spare, rank, spare_word, R_P2, REMOTE)
     if REMOTE:
-        far_complete(REMOTE)  # the rows land before the epochs
-    for flag_set in range(0, NUM_FLAG_SETS):
-        release_words(bases_ptr, ((flag_set * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64), peers,
-                      epoch, live, spare, rank, ranks_per_node, spare_word, REMOTE)
+        far_complete(REMOTE)  # the rows land before the signal words
+    tl.debug_barrier()  # every thread's row stores precede the releases (each thread fences there)
+    release_words(bases_ptr, ((FLAG_SET_NORMAL * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64),
+                  peers, tl.zeros([R_P2], tl.int64) + ABORT_EPOCH, live, spare, rank, ranks_per_node, spare_word,
+                  REMOTE)
+    _stamp_words(bases_ptr, ((FLAG_SET_LL_COMBINE * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64),
+                 peers, live, last_c, spare, rank, ranks_per_node, spare_word, 0, REMOTE)
     experts = tl.arange(0, BLOCK_L)
     receivers = peers[:, None] + tl.zeros([R_P2, BLOCK_L], tl.int32)
-    for shape in range(0, num_shapes * 2):
-        counts_offset = tl.load(ll_counts_ptr + (shape // 2) * 3 + shape % 2)
+    last_sent = tl.maximum(sent_d0, sent_d1)
+    for shape in range(0, num_shapes * 2):  # (expert count, half) pairs
+        half = shape % 2
+        sent = tl.where(half == 0, sent_d0, sent_d1)
+        # far receivers: not the half of this rank's last dispatch (its count may be still unread)
+        far_too = (sent < last_sent) | (sent == 0)
+        counts_offset = tl.load(ll_counts_ptr + (shape // 2) * 3 + half)
         num_local = tl.load(ll_counts_ptr + (shape // 2) * 3 + 2)
         for first in range(0, num_local, BLOCK_L):
             local = first + experts
             offsets = counts_offset + ((rank * num_local + local) * 8).to(tl.int64)[None, :] + \
                 tl.zeros([R_P2, BLOCK_L], tl.int64)
-            lanes = live[:, None] & (local < num_local)[None, :]
-            release_words(bases_ptr, offsets, receivers, tl.zeros([R_P2, BLOCK_L], tl.int64) + ABORT_COUNT_WORD,
-                          lanes, spare, rank, ranks_per_node, spare_word, REMOTE)
+            lanes = live[:, None] & (local < num_local)[None, :] & ((far[:, None] == 0) | far_too)
+            _stamp_words(bases_ptr, offsets, receivers, lanes, sent, spare, rank, ranks_per_node, spare_word, 32,
+                         REMOTE)
     if REMOTE:
         far_complete(REMOTE)  # every SET has landed when the kernel ends: none can land after a resync zeroed
 
@@ -245,18 +441,17 @@ ABORT = KernelSpec(ep_abort, **FAR_LIBRARY)
 
 def bind_abort(num_ranks: int, remote: int = 0):
     """The abort kernel's launcher for ``num_ranks`` ranks (compiled on first use)."""
-    from .workspace import NUM_FP_SETS
-    return ABORT.bind(num_warps=4, NUM_ROWS=2 * NUM_FP_SETS, NUM_FLAG_SETS=sync.NUM_FLAG_SETS,
-                      R_P2=1 << (num_ranks - 1).bit_length(), BLOCK_L=128, REMOTE=remote)
+    return ABORT.bind(num_warps=4, R_P2=1 << (num_ranks - 1).bit_length(), BLOCK_L=128, REMOTE=remote)
 
 
 def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0,
                  board: Tuple[int, int] = (0, 0)) -> None:
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
-    rejected ``argument``: every fingerprint row, flag word and low-latency count word (of the
-    expert counts ``experts_seen`` used so far) this rank owns, on every peer. ``remote`` and
-    ``ranks_per_node``: how far peers are reached (gpu/reach/); ``board``: the call board's bases
-    address and the aborted call's tag (call_board.py)."""
+    rejected ``argument``: the abort rows, the normal-mode flag word, and the stamps of the
+    low-latency combine flag and count words (of the expert counts ``experts_seen`` used so far)
+    this rank owns, on every peer; ``state``: this rank's epochs (read on device, after the calls
+    before). ``remote`` and ``ranks_per_node``: how far peers are reached (gpu/reach/); ``board``:
+    the call board's bases address and the aborted call's tag (call_board.py)."""
     import torch
 
     from .launch import current_stream

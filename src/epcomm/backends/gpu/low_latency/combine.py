@@ -7,11 +7,12 @@ import triton
 import triton.language as tl
 
 from .. import sync
+from ..agreement import abort_covers, check_rows
 from ..copy import multiple, ptr_at, word_ptr
 from ..launch import KernelSpec
 from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_any, post_fingerprint_any,
                           release_words, same_node)
-from ..sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
+from ..sync import (arrive, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     poll_epochs_or_other_call, record_elsewhere, report_late)
 
 
@@ -99,8 +100,9 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
 #   RECEIVE  (a hook's launch: the epoch its half was pushed with)
 #          ACQUIRE every live peer's flag == epoch — a peer the board shows in another call is
 #          recorded, a silent one is masked at the timeout (without shrink also reported: the host
-#          raises EPTimeoutError at the next call); fingerprints compared (recorded: the
-#          reduction reads only this rank's own slots, in bounds whatever a peer pushed)
+#          raises EPTimeoutError at the next call); fingerprints compared, and a flag an abort
+#          stamped covering this call taken as a difference (recorded: the reduction reads only
+#          this rank's own slots, in bounds whatever a peer pushed)
 #          for each token t of this program:                                     (_reduce_tokens)
 #              out[t] = bf16( Σ_k w[t, k] · float32(slots[t, k]) )  over valid, unmasked entries;
 #              NaN where an entry's rank is in another call or differs, or (no shrink) was late
@@ -173,16 +175,20 @@ def ep_ll_combine(
         board_address = tl.load(board_bases_ptr + rank)
         my_flags = my_flags_address.to(tl.pointer_type(tl.int64))
         # ACQUIRE; a peer the call board shows in another call (a skipped call) is recorded
-        _, waited, late, elsewhere = poll_epochs_or_other_call(my_flags + peers, live, epoch, timeout_ns, my_flags,
-                                                               fp0, 0, board_address, call_tag, EPOCH_SHIFT=0,
-                                                               CHECK_ROWS=False, CHECK_BOARD=True)
+        flags, waited, late, elsewhere = poll_epochs_or_other_call(my_flags + peers, live, epoch, timeout_ns,
+                                                                   my_flags, fp0, 0, board_address, call_tag,
+                                                                   EPOCH_SHIFT=0, CHECK_ROWS=False, CHECK_BOARD=True)
         report_late(late, peers, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
         if shrink == 0:  # no enable_shrink: a late rank is an error (the host raises), its rows NaN here
             report_late(late, peers, mask_ptr, timeouts, MASK_ON_TIMEOUT=False)
         record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
         # Recorded: the reduction reads this rank's own slots, in bounds whatever a differing peer
         # pushed, and the host raises; the rows of those peers' entries are NaN (they did not land).
-        differ = check_fingerprints(my_rows, peers, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+        # A flag an abort stamped (agreement.ep_abort) counts as a difference only for a call the
+        # peer never pushed: a peer that pushed this call and then aborted its next one delivered
+        # this one (its row of this call is left alone too), so a receiver behind it is not failed.
+        differ = check_rows(tl.load(bases_ptr + rank) + fp_offset, half, peers, live, settled,
+                            live & abort_covers(flags, epoch), fp0, fp1, epoch, agreement, num_ranks)
         gone = elsewhere | differ
         tl.debug_barrier()  # this program's mask stores (report_late) precede its reduce's loads
         if HAS_WAIT_STATS:

@@ -7,12 +7,13 @@ import triton
 import triton.language as tl
 
 from .. import sync
+from ..agreement import abort_covers, check_rows
 from ..copy import multiple, word_ptr
 from ..launch import KernelSpec
 from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_any, post_fingerprint_any,
                           release_words, same_node)
-from ..sync import (FP_ROW, arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
-                    poll_epochs_or_other_call, record_elsewhere, report_dropped, report_late)
+from ..sync import (FP_ROW, arrive, fingerprint_half, fingerprints_settled, mailbox_words, poll_epochs_or_other_call,
+                    record_elsewhere, report_dropped, report_late)
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
@@ -138,7 +139,7 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
 def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, slot_info_ptr, layout_ptr,
                    recv_count_ptr, stats_ptr, wait_stats_ptr, bases_ptr, mailbox_address, half_offset, counts_offset,
                    recv_offset, num_local, num_ranks, rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words,
-                   timeout_ns, shrink, fp_rows, fp0, fp1, board_address, call_tag,
+                   timeout_ns, shrink, fp_offset, half, fp0, fp1, board_address, call_tag,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr):
     """ACQUIRE the count words of local expert l from every live source (a word carrying this
@@ -146,13 +147,16 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     expert l — BLOCK_M at a time — into rows [offset, offset + n) of expert l, offset = messages
     of lower sources. A source that stays silent past the timeout is masked (its rows are left
     out); without ``shrink`` (the Buffer's enable_shrink) it is also reported, and the host raises
-    EPTimeoutError naming it at the next call. One whose call differs (its fingerprint), or that
-    the call board shows in another call, sends nothing here, and the host raises (agreement.py)."""
+    EPTimeoutError naming it at the next call. One whose call differs (its fingerprint), that the
+    call board shows in another call, or whose count word is an abort's stamp covering this call
+    (it rejected its input: agreement.ep_abort), sends nothing here, and the host raises
+    (agreement.py)."""
     sources = tl.arange(0, R_P2)
     live = (sources < num_ranks) & (tl.load(mask_ptr + sources, mask=sources < num_ranks, other=1) == 0)
     my_base = tl.load(bases_ptr + rank)
     my_half = my_base + half_offset
     count_words = (my_half + counts_offset).to(tl.pointer_type(tl.int64)) + sources * num_local + l
+    fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     settled = fingerprints_settled(my_base + fp_rows, sources, live, fp0, fp1, epoch)
     # ACQUIRE; a source in another call ends its wait by its fingerprint row (another expert
     # count: its count words lie elsewhere) or by the call board (another Buffer's call, or a
@@ -170,8 +174,12 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     if HAS_WAIT_STATS:
         if l == 0:
             tl.atomic_add(wait_stats_ptr + s, tl.sum(tl.where(sources == s, waited, 0), axis=0), sem="relaxed")
-    # Late sources too: one whose call differs may have sent its counts elsewhere (another E).
-    differ = check_fingerprints(my_base + fp_rows, sources, live, settled, fp0, fp1, epoch, agreement, num_ranks)
+    # Late sources too: one whose call differs may have sent its counts elsewhere (another E). A
+    # source's count word that an abort stamped (the ACQUIRE above read it) covers this call only
+    # if the source never sent it: one that sent it and aborted its next call delivered this one.
+    stamped = live & abort_covers(words >> 32, epoch)
+    differ = check_rows(my_base + fp_offset, half, sources, live, settled, stamped, fp0, fp1, epoch, agreement,
+                        num_ranks)
     differ |= elsewhere
     record_elsewhere(board_address, sources, elsewhere, call_tag, fp0, agreement, num_ranks)
     # At most M per source: duplicate experts in a token's top-k share the last slot (_send_messages).
@@ -229,7 +237,8 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
 #          for each (local expert l, source s):                                  (_pack_received)
 #              ACQUIRE every live source's count word for l carrying epoch — or its fingerprint row
 #              or board word shows another call (recorded, nothing packed), or the timeout (masked;
-#              without shrink also reported: the host raises EPTimeoutError at the next call)
+#              without shrink also reported: the host raises EPTimeoutError at the next call); a
+#              word an abort stamped covering this call counts as a differing call (agreement.py)
 #              recv_x[l, offset(s) + i] <- message i of s for l, i < count(s);  offset(s) = Σ_{s'<s} count
 #              layout[l, s] = (offset << 32) | count;  recv_count[l] = Σ_s count   (by the last s)
 @triton.jit
@@ -306,8 +315,8 @@ def ep_ll_dispatch(
             _pack_received(item // num_ranks, item % num_ranks, epoch, mask_ptr, out_x_ptr, out_scales_ptr,
                            src_info_ptr, slot_info_ptr, layout_ptr, recv_count_ptr, stats_ptr, wait_stats_ptr,
                            bases_ptr, mailbox_address, half_offset, counts_offset, recv_offset, num_local, num_ranks,
-                           rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, shrink, fp_rows,
-                           fp0, fp1,
+                           rank, max_tokens, num_topk, msg_bytes, x_bytes, scale_words, timeout_ns, shrink, fp_offset,
+                           half, fp0, fp1,
                            tl.load(board_bases_ptr + rank), call_tag, HAS_STATS, HAS_WAIT_STATS, BLOCK_X, BLOCK_S,
                            BLOCK_M, R_P2)
 

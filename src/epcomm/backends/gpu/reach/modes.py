@@ -101,6 +101,20 @@ def set_row(rows_address, peers, far, fp0, fp1, epoch, bases_ptr, rank, spare_wo
     set_words(row + 16, zeros + epoch, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
 
 
+@triton.jit
+def set_row_epoch_first(rows_address, peers, far, fp0, fp1, epoch, bases_ptr, rank, spare_word, LANES: tl.constexpr,
+                        REMOTE: tl.constexpr):
+    """:func:`set_row` the other way round: the epoch field, then (after a completion: ordered) the
+    words — a reader that acquires the words reads the epoch field they came with (an abort's row,
+    which may land in a half a reader a call late is still checking: agreement.check_rows)."""
+    row = tl.zeros([LANES], tl.int64) + rows_address + rank * FP_ROW
+    zeros = tl.zeros([LANES], tl.int64)
+    set_words(row + 16, zeros + epoch, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+    complete_sends(REMOTE == LOOPBACK_MODE)
+    set_words(row, zeros + fp0, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+    set_words(row + 8, zeros + fp1, peers, far, spare_word, bases_ptr, rank, REMOTE == LOOPBACK_MODE)
+
+
 # ---------------------------------------------------------------- far peers (REMOTE != PEERS_BY_STORES)
 @triton.jit
 def far_deliver(dst, src, nbytes, signal_word, value, pe, peer_bases_ptr, rank, REMOTE: tl.constexpr):
@@ -123,4 +137,5 @@ def far_complete(REMOTE: tl.constexpr):
 
 
 __all__ = ["PEERS_BY_STORES", "FAR_BY_NVSHMEM", "FAR_BY_LOOPBACK", "LOOPBACK_MODE", "FAR_LIBRARY", "same_node", "release_words",
-           "post_fingerprint_any", "post_call_any", "set_row", "far_deliver", "far_send_bytes", "far_complete"]
+           "post_fingerprint_any", "post_call_any", "set_row", "set_row_epoch_first", "far_deliver", "far_send_bytes",
+           "far_complete"]
