@@ -1,0 +1,91 @@
+"""The one-node combine's host side (gpu/normal/one_node/mode.py) picks its launches: the push and
+reduce in one launch (ep_combine) where the call fits one round in the plain layout, in turn
+otherwise — checked with recording stand-ins for the kernels, no GPU. Skipped without Triton."""
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from epcomm.backends.gpu.normal.one_node import mode as M  # noqa: E402
+
+R, RANK, HIDDEN, NUM_SMS, BLOCK_R, ROUND_TOKENS = 4, 1, 64, 6, 8, 100
+
+
+class _Kernel:
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def launch(self, grid, *args):
+        self.launches.append((self.name, grid, args))
+
+
+def _plan(launches, expert_major=False):
+    def kernels(name):
+        return defaultdict(lambda: _Kernel(launches, name))
+    return M.CombinePlan(slots_x=0, slots_w=0, round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
+                         expert_major=expert_major, push=kernels("push"), reduce=kernels("reduce"),
+                         overlapped=None if expert_major else kernels("overlapped"), fingerprint=(0, 0))
+
+
+def _mode(monkeypatch, launches, expert_major=False):
+    monkeypatch.setattr(M, "current_stream", lambda index: 0)
+    mode = object.__new__(M.NormalMode)
+    mode.b = types.SimpleNamespace(mailbox=types.SimpleNamespace(address=0), timeout_ns=1)
+    mode.R, mode.rank, mode.device, mode.dev_index = R, RANK, torch.device("cpu"), 0
+    mode.expert_major_programs = 132
+    mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0)
+    mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
+    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
+    mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
+    plan = _plan(launches, expert_major)
+    mode._combine_plan_of = lambda *args: plan
+    return mode
+
+
+def _handle(num_tokens, max_tokens, expert_major=False):
+    state = M.PullState(torch.zeros(0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), max_tokens, 3)
+    state.addresses = tuple(range(1, 9))
+    mapping = types.SimpleNamespace(dest=torch.zeros(0, 2, dtype=torch.int32), row_weights=torch.zeros(0)) \
+        if expert_major else None
+    return types.SimpleNamespace(backend_state=state, is_token_in_rank=torch.zeros(num_tokens, R, dtype=torch.bool),
+                                 num_recv_rows=40, expert_major=mapping)
+
+
+def _combine(mode, handle):
+    x = torch.zeros(handle.num_recv_rows, HIDDEN, dtype=torch.bfloat16)
+    return mode.combine(x, handle, None, (), types.SimpleNamespace(num_sms=NUM_SMS))
+
+
+def test_a_one_round_combine_is_one_launch_whose_push_takes_every_home_token(monkeypatch):
+    """One launch of push + reduce programs within the 4 x num_sms the grid caps count; the push's
+    token bound is the round's, not this rank's own batch (a home may send more tokens than this
+    rank has: the bed's fuzz caught rows dropped that way)."""
+    launches = []
+    mode = _mode(monkeypatch, launches)
+    combined, _ = _combine(mode, _handle(num_tokens=30, max_tokens=90))
+    assert [name for name, _, _ in launches] == ["overlapped"]
+    _, grid, args = launches[0]
+    num_push = -(-40 // BLOCK_R)  # min(num_sms, row blocks)
+    num_reduce = -(-30 // BLOCK_R)  # min(3 x num_sms, token chunks)
+    assert grid == num_push + num_reduce <= 4 * NUM_SMS
+    sizes = args[13:20]  # after the stream and the 11 tensors: num_rows, round_tokens, num_tokens, ...
+    assert sizes == (40, ROUND_TOKENS, 30, HIDDEN // 4, HIDDEN, 0, num_push)
+    assert combined.shape == (30, HIDDEN)
+
+
+@pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])
+def test_other_combines_push_and_reduce_in_turn(monkeypatch, case):
+    launches = []
+    mode = _mode(monkeypatch, launches, expert_major=case == "expert-major")
+    if case == "in turn asked":
+        mode._overlapped_combine = False
+    if case == "flags too few":
+        mode.ws.block_flag_cap = 2
+    handle = _handle(num_tokens=30, max_tokens=250 if case == "several rounds" else 90,
+                     expert_major=case == "expert-major")
+    _combine(mode, handle)
+    rounds = 3 if case == "several rounds" else 1
+    assert [name for name, _, _ in launches] == ["push", "reduce"] * rounds
