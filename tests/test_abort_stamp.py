@@ -7,7 +7,8 @@ here by Triton's interpreter on the CPU (tests/abort_stamp_cases.py) over a mode
 signals: a receiver behind the aborter, in the aborted call, or ahead of it by one or two calls on
 either half (as a receiver is after the aborter skipped a call: "the half of the aborter's next
 call" is then the wrong one, which broke the narrowed abort of 7aa8827), or a call late through a
-hook. Skipped where Triton is not installed."""
+hook; and the same for normal mode (one node: the flag word, halves by the epoch's parity, and the
+overlapped combine's wait on blocks the abort does not stamp). Skipped where Triton is not installed."""
 import json
 import os
 import subprocess
@@ -149,3 +150,78 @@ def test_a_receiver_the_sender_never_reached_is_covered():
     out = _run([dict(words=[], shift=32, fp=list(FP), rows=[[*FP, 2, *FP, 1, stamped, 4]])])[0]["verdicts"]
     differ, word0, word1 = out[0]
     assert differ == 1 and unpack((word0, word1))["call"] == 15 and unpack((word0, word1))["abort"] == 255
+
+
+# ---------------------------------------------------------------------- normal mode (one node)
+def _normal_sender(last):
+    """One sender's normal-mode signals to one receiver after its normal signals 1..last (a notify,
+    a stage, a push: one epoch each, ``sync.EPOCH_NORMAL`` after them), then its abort: ``(rows by
+    half, flag word)`` before the stamp. The signal of epoch c posts its row in half ``c % 2`` (the
+    kernels' half is the epoch's parity); the abort row goes into half ``(last + 1) % 2`` (ep_abort),
+    stamped with ``last``, and the flag word carried ``last``."""
+    rows = [[0, 0, 0], [0, 0, 0]]
+    for c in range(1, last + 1):
+        rows[c % 2] = [*FP, c]
+    rows[(last + 1) % 2] = [*ABORT_FP, ABORT + last]
+    return rows, last
+
+
+@pytest.fixture(scope="module")
+def normal_results():
+    """Receivers of every normal call around the abort (a hook a call late, the call the sender
+    finished, the aborted call, one and two calls ahead), for senders that made 0..5 signals: the
+    flag's stamp, the verdict (acquire_and_agree, the notify: check_rows with the flag's stamp) and
+    whether the rows end a wait on blocks the abort never stamps (the overlapped combine's reduce:
+    sync.row_ends_wait over this call's half and the other)."""
+    cases = []
+    for last in range(0, 6):
+        rows, flag = _normal_sender(last)
+        for epoch in range(max(1, last - 1), last + 4):
+            cases.append(dict(last=last, epoch=epoch, own=rows[epoch % 2], other=rows[1 - epoch % 2], flag=flag))
+    flags = sorted({case["flag"] for case in cases})
+    stamped = dict(zip(flags, _run([dict(words=flags, shift=0, fp=list(FP), rows=[])])[0]["stamped_words"]))
+    spec = dict(words=[], shift=0, fp=list(FP),
+                rows=[[*c["own"], *c["other"], stamped[c["flag"]], c["epoch"]] for c in cases],
+                waits=[[*c["own"], c["other"][2], c["epoch"]] for c in cases])
+    done = _run([spec])[0]
+    return cases, stamped, done["verdicts"], done["ends"]
+
+
+def test_normal_flag_stamps_keep_the_last_epoch(normal_results):
+    _, stamped, _, _ = normal_results
+    assert all(word == ABORT + flag for flag, word in stamped.items())
+
+
+def test_normal_abort_covers_exactly_the_calls_the_sender_never_signalled(normal_results):
+    """The flag's stamp ends every wait (it is above every epoch); the verdict fails the call iff
+    the sender never signalled it, naming the argument; a wait on the overlapped combine's blocks
+    ends by the rows iff the call is aborted (never earlier: a sender that signalled the call is
+    still pushing its blocks, and the verdict would pass)."""
+    cases, stamped, verdicts, ends = normal_results
+    for case, (differ, word0, word1), end in zip(cases, verdicts, ends):
+        aborted = case["epoch"] > case["last"]
+        assert stamped[case["flag"]] >= case["epoch"], case
+        assert bool(differ) == aborted, case
+        assert bool(end) == aborted, case
+        if aborted:
+            assert unpack((word0, word1))["abort"] == unpack(ABORT_FP)["abort"], case
+
+
+def test_normal_peer_behind_in_and_ahead_of_the_aborted_call():
+    """A sender whose last normal signal was epoch 4 (a combine's push) aborts its next call. A peer
+    still checking epoch 4 (its reduce, behind): agreed — the old abort (ABORT_EPOCH into the flag
+    and both halves' rows) failed it, the race of issue 50 in normal mode. A peer in the aborted
+    call (epoch 5, the abort row in its half) and one a call ahead (epoch 6: its half still holds
+    the sender's row of epoch 4, the abort row is in the other one): failed."""
+    rows, flag = _normal_sender(4)
+    stamp = ABORT + flag
+    behind = [*rows[0], *rows[1], stamp, 4]
+    old_behind = [*ABORT_FP, ABORT, *ABORT_FP, ABORT, ABORT, 4]
+    in_call = [*rows[1], *rows[0], stamp, 5]
+    ahead = [*rows[0], *rows[1], stamp, 6]
+    waits = [[*rows[0], rows[1][2], 4], [*rows[1], rows[0][2], 5], [*rows[0], rows[1][2], 6]]
+    done = _run([dict(words=[], shift=0, fp=list(FP), rows=[behind, old_behind, in_call, ahead], waits=waits)])[0]
+    assert [v[0] for v in done["verdicts"]] == [0, 1, 1, 1]
+    assert done["ends"] == [0, 1, 1]
+    for v in done["verdicts"][2:]:
+        assert unpack((v[1], v[2]))["abort"] == unpack(ABORT_FP)["abort"]

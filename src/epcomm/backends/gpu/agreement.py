@@ -23,7 +23,7 @@ anyway, and is checked where they are received:
   staging kernel). A rank whose host validation rejects its input does not make the call; it
   launches :func:`ep_abort` instead: abort words into the peers' rows and, into every flag and
   count word it owns on its peers, an epoch no wait can be ahead of — so the peers' waits end at
-  once and they raise for that argument too. In low-latency mode that epoch is a *stamp* that
+  once and they raise for that argument too. That epoch is a *stamp* (two-level mode aside) that
   keeps the epoch the word carried before, so the abort fails only the calls this rank never
   signalled: a peer still in the call this rank finished just before is not failed (the block
   comment above :func:`ep_abort`).
@@ -215,10 +215,16 @@ def raise_disagreement(posted: Dict[int, Tuple[int, int]], own: Tuple[int, int],
 # this rank never used (they are not known here; the row's stamp is not sync's ABORT_EPOCH, which
 # the wait also looks for, unless this rank made no dispatch before).
 #
-# Normal mode's kernels take an abort from rows of epoch ABORT_EPOCH (sync.check_fingerprints,
-# outside this module): its flags and both halves of its rows get that, as before — a normal call
-# that a peer finished at once before rejecting its next call can still be taken for a failed one
-# (the same race; the fix there needs the stamp read in sync.acquire_and_agree).
+# Normal mode (one node) the same way: the flag word each normal kernel releases (notify, stage,
+# push: sync.FLAGS_NORMAL, word = the epoch, which the state word EPOCH_NORMAL holds after the
+# kernel) gets the stamp of EPOCH_NORMAL, and the abort row goes into the half (EPOCH_NORMAL + 1) % 2
+# (a normal call's half is its epoch's parity, graph replays included). Receivers acquire the flags
+# (sync.wait_peers: a stamp is above every epoch, so it ends the wait) and check with check_rows,
+# stamped = abort_covers(flag, epoch) (acquire_and_agree, the notify). The overlapped combine's
+# reduce waits on per-block flags, which the abort leaves alone: its row check ends such a wait for
+# an abort row covering the call in either half (sync.poll_epochs_or_other_call), and its last
+# program's acquire_and_agree gives the verdict. Two-level mode (normal/two_level/step.py) has rows
+# and signals of its own (ml_abort, ABORT_EPOCH): not stamped.
 ABORT_EPOCH = sync.ABORT_EPOCH
 SET_NORMAL = tl.constexpr(FP_NORMAL)  # (kernels read module globals only as constexprs)
 SET_LL_DISPATCH = tl.constexpr(FP_LL_DISPATCH)
@@ -244,13 +250,9 @@ def stamp_word(words, SHIFT: tl.constexpr):
     return (stamp(words >> SHIFT) << SHIFT) | (words & ((1 << SHIFT) - 1))
 
 
-@triton.jit
-def abort_covers(epochs, epoch):
-    """Lanes whose signal word, of epoch field ``epochs``, is an abort's stamp that covers the call
-    of ``epoch``: the sender's last real signal through that word was for an earlier call (a stamp
-    of ABORT_EPOCH itself — nothing sent before — covers every call). A stamp over this call's own
-    epoch does not: the call was sent, and the stamp's release covers its data too."""
-    return (epochs >= ABORT_EPOCH) & (epoch > epochs - ABORT_EPOCH)
+# abort_covers(epochs, epoch): lanes whose signal word, of epoch field ``epochs``, is a stamp that
+# covers the call of ``epoch`` (E > X). It lives in sync.py (its waits' row check reads it too).
+abort_covers = sync.abort_covers
 
 
 @triton.jit
@@ -275,10 +277,10 @@ def row_verdict(own0, own1, own_epoch, other0, other1, other_epoch, stamped, fp0
 
 @triton.jit
 def check_rows(set_address, half, senders, live, settled, stamped, fp0, fp1, epoch, agreement_ptr, num_ranks):
-    """sync.check_fingerprints for the low-latency calls, which also take an abort from their
-    signal words: ``stamped`` lanes are senders whose count word or flag for this call was an
-    abort's stamp covering it (:func:`abort_covers`). ``set_address``: this rank's fingerprint
-    set (both halves; ``half``: this call's). Compares the live senders' rows not already
+    """sync.check_fingerprints for the low-latency and one-node normal calls, which also take an
+    abort from their signal words: ``stamped`` lanes are senders whose count word or flag for this
+    call was an abort's stamp covering it (:func:`abort_covers`). ``set_address``: this rank's
+    fingerprint set (both halves; ``half``: this call's). Compares the live senders' rows not already
     ``settled`` (sync.fingerprints_settled) — and every stamped one — by :func:`row_verdict`,
     records the differing ones in the mailbox as sync.check_fingerprints does, and returns them."""
     tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
@@ -320,6 +322,33 @@ def check_rows(set_address, half, senders, live, settled, stamped, fp0, fp1, epo
     tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
     tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
     return differ
+
+
+@triton.jit
+def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns, fp_offset,
+                      fp0, fp1, num_items, board_address, call_tag, R_P2: tl.constexpr):
+    """Step 4 for the normal mode's receivers: ACQUIRE every rank's signal of ``epoch`` (a timeout is
+    flagged in the mailbox; a rank the call board shows in another call is recorded), then check
+    the fingerprints they carried (:func:`check_rows`: a flag an abort stamped covering this call
+    is a difference; one stamped over this call's epoch is not — the rank signalled this call
+    before it aborted its next, and the stamp's release covers the call's data as the signal's
+    did). Returns ``num_items``, or 0 when a rank's wait gave up or its call differs: the caller
+    then moves nothing (and marks its outputs missing), and the host raises at the next call
+    (the mailbox's timeout words, the agreement words decoded above)."""
+    my_base = tl.load(flag_bases_ptr + rank)
+    my_flags = (my_base + FLAG_SET_NORMAL * num_ranks * 8).to(tl.pointer_type(tl.int64))
+    timeouts, _, agreement, _ = sync.mailbox_words(mailbox_address, num_ranks)
+    peers = tl.arange(0, R_P2)
+    live = peers < num_ranks
+    half = epoch % 2
+    settled = sync.fingerprints_settled(my_base + fingerprint_half(fp_offset, half, num_ranks), peers, live, fp0, fp1,
+                                        epoch)
+    flags, _, late, elsewhere = sync.wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns,
+                                                board_address, call_tag, fp0, agreement, HAS_MASK=False,
+                                                MASK_ON_TIMEOUT=False, CHECK_BOARD=True, R_P2=R_P2)  # ACQUIRE
+    differ = check_rows(my_base + fp_offset, half, peers, live, settled, live & abort_covers(flags, epoch), fp0, fp1,
+                        epoch, agreement, num_ranks)
+    return tl.where(tl.max((differ | late | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
 
 
 @triton.jit
@@ -370,15 +399,15 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     # On every peer (self included), after every earlier kernel of this rank (stream order):
     #   1. the abort on the call board: peers waiting in another Buffer's call of the same number
     #      (this rank skipped theirs: a rejected layout's stand-in) stop waiting for it;
-    #   2. the abort rows (plain and strong stores): normal mode's both halves with ABORT_EPOCH;
-    #      each low-latency set's half that does not hold this rank's last row, with the stamp of
-    #      this rank's last epoch of that kind (far peers: SET, completed before step 3);
-    #   3. RELEASE ABORT_EPOCH into this rank's normal-mode flag word, and its stamp (the block
-    #      comment above) into its low-latency combine flag and every dispatch count word of the
-    #      expert counts used so far. The release is cumulative: it covers the rows of step 2, and
-    #      the data of every call this rank made (earlier kernels). The receivers ACQUIRE these
-    #      words in their waits, which then end at once for a call the abort covers; the row check
-    #      after the wait finds the abort words and names the argument.
+    #   2. the abort rows (plain and strong stores): each set's half that does not hold this rank's
+    #      last row, with the stamp of this rank's last epoch of that kind (far peers: SET,
+    #      completed before step 3);
+    #   3. RELEASE the stamp (the block comment above) into this rank's normal-mode flag word, its
+    #      low-latency combine flag and every dispatch count word of the expert counts used so
+    #      far. The release is cumulative: it covers the rows of step 2, and the data of every
+    #      call this rank made (earlier kernels). The receivers ACQUIRE these words in their
+    #      waits, which then end at once for a call the abort covers; the row check after the
+    #      wait finds the abort words and names the argument.
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     far = live & (same_node(peers, rank, ranks_per_node, REMOTE) == 0)
@@ -387,10 +416,11 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     my_base = tl.load(bases_ptr + rank)
     spare = (state_ptr + sync.SPARE).to(tl.int64)
     post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, ranks_per_node, R_P2, REMOTE)
-    for half in range(0, 2):  # normal mode: both halves (sync.check_fingerprints reads ABORT_EPOCH)
-        _post_abort_row(bases_ptr, bases, my_base,
-                        fingerprint_half(fingerprints_offset, SET_NORMAL * 2 + half, num_ranks),
-                        peers, near, far, fp0, fp1, ABORT_EPOCH, spare, rank, spare_word, R_P2, REMOTE)
+    # Normal mode: the last call's half is its epoch's parity (the kernels' half = epoch % 2).
+    last_n = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    _post_abort_row(bases_ptr, bases, my_base,
+                    fingerprint_half(fingerprints_offset, SET_NORMAL * 2 + (last_n + 1) % 2, num_ranks),
+                    peers, near, far, fp0, fp1, stamp(last_n), spare, rank, spare_word, R_P2, REMOTE)
     # Low latency: the epoch each half was last sent with (the kernels store it with the release),
     # so the half of this rank's last row is the one with the larger (graph replays included).
     sent_d0 = tl.load(state_ptr + sync.LL_DISPATCH_HALF_EPOCH)
@@ -410,9 +440,8 @@ def ep_abort(bases_ptr: "*i64",  # [R] int64: each rank's workspace
     if REMOTE:
         far_complete(REMOTE)  # the rows land before the signal words
     tl.debug_barrier()  # every thread's row stores precede the releases (each thread fences there)
-    release_words(bases_ptr, ((FLAG_SET_NORMAL * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64),
-                  peers, tl.zeros([R_P2], tl.int64) + ABORT_EPOCH, live, spare, rank, ranks_per_node, spare_word,
-                  REMOTE)
+    _stamp_words(bases_ptr, ((FLAG_SET_NORMAL * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64),
+                 peers, live, last_n, spare, rank, ranks_per_node, spare_word, 0, REMOTE)
     _stamp_words(bases_ptr, ((FLAG_SET_LL_COMBINE * num_ranks + rank) * 8 + tl.zeros([R_P2], tl.int32)).to(tl.int64),
                  peers, live, last_c, spare, rank, ranks_per_node, spare_word, 0, REMOTE)
     experts = tl.arange(0, BLOCK_L)
@@ -447,7 +476,7 @@ def bind_abort(num_ranks: int, remote: int = 0):
 def launch_abort(ws, state, experts_seen, argument: str, device, remote: int = 0, ranks_per_node: int = 0,
                  board: Tuple[int, int] = (0, 0)) -> None:
     """Launch :func:`ep_abort` on the current stream over workspace ``ws`` (workspace.py) for a
-    rejected ``argument``: the abort rows, the normal-mode flag word, and the stamps of the
+    rejected ``argument``: the abort rows, and the stamps of the normal-mode flag word, the
     low-latency combine flag and count words (of the expert counts ``experts_seen`` used so far)
     this rank owns, on every peer; ``state``: this rank's epochs (read on device, after the calls
     before). ``remote`` and ``ranks_per_node``: how far peers are reached (gpu/reach/); ``board``:

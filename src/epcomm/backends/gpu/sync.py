@@ -42,8 +42,9 @@ reads of barrier ``e`` finished (stream order)::
 Fingerprints. Every release also covers the two fingerprint words of the call that sends it
 (:func:`post_fingerprint_to_peers`, plain stores by program 0 at the kernel's start, carried to the
 releasing program by the arrivals), and every acquire is followed by a comparison of the senders'
-words with the receiver's own (:func:`check_fingerprints`): ranks in different calls, or with
-different arguments, move no data and raise instead (agreement.py).
+words with the receiver's own (:func:`check_fingerprints`; agreement.check_rows where an abort's
+stamp may cover the call): ranks in different calls, or with different arguments, move no data
+and raise instead (agreement.py).
 
 Host mailbox. Kernels report to the host through pinned, device-mapped host memory (under unified
 addressing a ``cudaHostAlloc`` pointer is valid on the device too): the notify kernel writes the
@@ -97,6 +98,16 @@ NUM_STATE_WORDS = 18
 
 
 # ---------------------------------------------------------------------- device helpers
+@triton.jit
+def abort_covers(epochs, epoch):
+    """Lanes whose signal word, of epoch field ``epochs``, is an abort's stamp that covers the call
+    of ``epoch``: the sender's last real signal through that word was for an earlier call (a stamp
+    of ABORT_EPOCH itself — nothing sent before — covers every call). A stamp over this call's own
+    epoch does not: the call was sent, and the stamp's release covers its data too. (The stamp and
+    why: agreement.py, above ep_abort; re-exported there.)"""
+    return (epochs >= ABORT_EPOCH) & (epoch > epochs - ABORT_EPOCH)
+
+
 @triton.jit
 def call_failed(failed_ptr, epoch):
     """Two-level normal mode: True when the step barrier of the call of ``epoch`` failed (``failed_ptr``: the
@@ -221,11 +232,13 @@ def fingerprints_settled(my_half_address, senders, live, fp0, fp1, epoch):
 @triton.jit
 def check_fingerprints(my_half_address, senders, live, settled, fp0, fp1, epoch, agreement_ptr, num_ranks):
     """After the ACQUIRE: compare the rows the live ``senders`` posted for ``epoch`` (or an
-    abort) with this call's words (``my_half_address``: this rank's rows of the set's half), except
-    lanes already ``settled`` (:func:`fingerprints_settled`; usually all, so no load waits here).
-    A row of an older epoch is not compared (a sender that timed out). Returns the mismatching
-    lanes; any mismatch is recorded in the mailbox (:func:`mailbox_words`): the senders' words,
-    this rank's own, and the pending word. The caller then moves no data from those senders.
+    abort of ABORT_EPOCH: two-level's step rows, ml_abort; the one-node and low-latency kernels
+    use agreement.check_rows, which reads an abort's stamp) with this call's words
+    (``my_half_address``: this rank's rows of the set's half), except lanes already ``settled``
+    (:func:`fingerprints_settled`; usually all, so no load waits here). A row of an older epoch
+    is not compared (a sender that timed out). Returns the mismatching lanes; any mismatch is
+    recorded in the mailbox (:func:`mailbox_words`): the senders' words, this rank's own, and the
+    pending word. The caller then moves no data from those senders.
     (Lane-wise, without a reduction or branch: this sits on the receivers' critical path.)"""
     tl.debug_barrier()  # the acquiring threads' polls precede the other threads' loads
     rows = my_half_address.to(tl.pointer_type(tl.int64)) + senders * (FP_ROW // 8)
@@ -275,20 +288,26 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
     in every live lane, or the deadline passes. Returns ``(words, waited_ns, late)``. Every lane's
     address must be mapped memory (dead lanes are read too, and ignored): callers index their own
     workspace, whose flag and count areas are larger than the lanes they use."""
-    words, waited, late, _ = poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, word_ptrs, 0, 0, 0, 0,
-                                                       EPOCH_SHIFT=EPOCH_SHIFT, CHECK_ROWS=False, CHECK_BOARD=False)
+    words, waited, late, _ = poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, word_ptrs, word_ptrs, 0, 0,
+                                                       0, 0, EPOCH_SHIFT=EPOCH_SHIFT, CHECK_ROWS=False,
+                                                       CHECK_BOARD=False)
     return words, waited, late
 
 
 @triton.jit
-def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0, fp1, board_address, call_tag,
-                              EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_BOARD: tl.constexpr):
+def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, other_rows, fp0, fp1, board_address,
+                              call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                              CHECK_BOARD: tl.constexpr):
     """:func:`poll_epochs`, where a lane may also stop waiting because its sender is in another call:
 
-    - ``CHECK_ROWS``: its sender's fingerprint row (``row_ptrs``: int64 pointer to each lane's row)
-      holds this epoch (or an abort's) with other words than ``(fp0, fp1)`` — a call of this
+    - ``CHECK_ROWS``: its sender's fingerprint row (``row_ptrs``: int64 pointer to each lane's row
+      in this call's half) holds this epoch with other words than ``(fp0, fp1)`` — a call of this
       Buffer whose signals may go elsewhere (a low-latency dispatch with another expert count
-      writes other count words); :func:`check_fingerprints` records the mismatch afterwards.
+      writes other count words) — or that row or the sender's row in the set's other half
+      (``other_rows``; ``row_ptrs`` again where only this half is looked at) is an abort's row
+      whose stamp covers this call (:func:`abort_covers`: the sender rejected a call at or before
+      this one, and goes into the half without its last row: agreement.ep_abort). The caller's
+      row check afterwards (agreement.check_rows) records the mismatch or the abort.
     - ``CHECK_BOARD``: its sender's word on this rank's call board (``board_address``: byte address
       of word 0; gpu/call_board.py) says the sender's call of this call's number is another one —
       on another Buffer of the group, or another kind (a rank that skipped a call). Such lanes
@@ -319,8 +338,12 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0,
             if look:
                 rows = row_ptrs.to(tl.int64)
                 posted_epoch = load_acquire_sys(rows + 16)  # this call's, or a peer's abort (agreement.py)
-                other = (ready == 0) & ((posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)) & \
-                    ((load_acquire_sys(rows) != fp0) | (load_acquire_sys(rows + 8) != fp1))
+                other_epoch = load_acquire_sys(other_rows.to(tl.int64) + 16)
+                # (an abort's epoch field alone ends the wait: the abort stores it before the row's
+                # words, which may still be landing; normal mode's verdict reads them only after
+                # acquiring the stamped flag word, whose release covers the row: acquire_and_agree)
+                other = (ready == 0) & row_ends_wait(load_acquire_sys(rows), load_acquire_sys(rows + 8), posted_epoch,
+                                                     other_epoch, fp0, fp1, epoch)
                 waited = tl.where(other, now - start, waited)
                 ready |= other
         if CHECK_BOARD:
@@ -333,6 +356,17 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, fp0,
         check_at = tl.where(look, now + ROW_CHECK_NS, check_at)
     late = ready == 0
     return words, tl.where(late, now - start, waited), late, elsewhere
+
+
+@triton.jit
+def row_ends_wait(own0, own1, own_epoch, other_epoch, fp0, fp1, epoch):
+    """The row check of :func:`poll_epochs_or_other_call` (no loads: tests run it in Triton's
+    interpreter): the sender's row in this call's half (``own*``: words, epoch field) holds this
+    epoch with other words than ``(fp0, fp1)``, or it or the row in the other half (epoch field
+    ``other_epoch``) is an abort's whose stamp covers this call. An abort row that does not cover
+    it (the sender signalled this call, then aborted a later one) leaves the wait to the signal."""
+    return abort_covers(own_epoch, epoch) | abort_covers(other_epoch, epoch) | \
+        ((own_epoch == epoch) & ((own0 != fp0) | (own1 != fp1)))
 
 
 # ---------------------------------------------------------------------- the call board (gpu/call_board.py)
@@ -413,19 +447,22 @@ def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_n
     flagged in the host mailbox (``timeouts_ptr[p]``; the next call raises EPTimeoutError). With
     ``CHECK_BOARD``, a peer whose call board word says it is in another call stops the wait for it
     and is recorded (``agreement_ptr``: the mailbox's agreement words; the host raises naming the
-    calls). Returns ``(waited, late, elsewhere)``: each peer's wait in ns ([R_P2] int64), the peers
-    whose wait gave up, and the peers found in another call."""
+    calls). Returns ``(words, waited, late, elsewhere)``: the flag words acquired (an abort's stamp,
+    agreement.py, ends the wait too: it is above every epoch; the caller reads from it which calls
+    it covers), each peer's wait in ns ([R_P2] int64), the peers whose wait gave up, and the peers
+    found in another call."""
     peers = tl.arange(0, R_P2)
     live = peers < num_ranks
     if HAS_MASK:
         live &= tl.load(mask_ptr + peers, mask=live, other=1) == 0
-    _, waited, late, elsewhere = poll_epochs_or_other_call(my_flags_ptr + peers, live, epoch, timeout_ns,
-                                                           my_flags_ptr, fp0, 0, board_address, call_tag,
-                                                           EPOCH_SHIFT=0, CHECK_ROWS=False, CHECK_BOARD=CHECK_BOARD)
+    words, waited, late, elsewhere = poll_epochs_or_other_call(my_flags_ptr + peers, live, epoch, timeout_ns,
+                                                               my_flags_ptr, my_flags_ptr, fp0, 0, board_address,
+                                                               call_tag, EPOCH_SHIFT=0, CHECK_ROWS=False,
+                                                               CHECK_BOARD=CHECK_BOARD)
     report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT)
     if CHECK_BOARD:
         record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement_ptr, num_ranks)
-    return waited, late, elsewhere
+    return words, waited, late, elsewhere
 
 
 @triton.jit
@@ -437,27 +474,6 @@ def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constex
         else:
             tl.store(timeouts_ptr + peers, tl.zeros_like(peers).to(tl.int64) + 1, mask=late)
             tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
-
-
-@triton.jit
-def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns, fp_offset,
-                       fp0, fp1, num_items, board_address, call_tag, R_P2: tl.constexpr):
-    """Step 4 for the normal mode's receivers: ACQUIRE every rank's signal of ``epoch`` (a timeout is
-    flagged in the mailbox; a rank the call board shows in another call is recorded), then check
-    the fingerprints they carried. Returns ``num_items``, or 0 when a rank's wait gave up or its call
-    differs: the caller then moves nothing (and marks its outputs missing), and the host raises at
-    the next call (agreement.py, the mailbox's timeout words)."""
-    my_base = tl.load(flag_bases_ptr + rank)
-    my_flags = (my_base + NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64))
-    timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
-    peers = tl.arange(0, R_P2)
-    fp_rows = my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)
-    settled = fingerprints_settled(fp_rows, peers, peers < num_ranks, fp0, fp1, epoch)
-    _, late, elsewhere = wait_peers(my_flags, num_ranks, epoch, state_ptr, timeouts, timeout_ns, board_address,
-                                    call_tag, fp0, agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False, CHECK_BOARD=True,
-                                    R_P2=R_P2)
-    differ = check_fingerprints(fp_rows, peers, peers < num_ranks, settled, fp0, fp1, epoch, agreement, num_ranks)
-    return tl.where(tl.max((differ | late | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
 
 
 def device_state(device: torch.device) -> torch.Tensor:

@@ -176,8 +176,9 @@ def ep_ll_combine(
         my_flags = my_flags_address.to(tl.pointer_type(tl.int64))
         # ACQUIRE; a peer the call board shows in another call (a skipped call) is recorded
         flags, waited, late, elsewhere = poll_epochs_or_other_call(my_flags + peers, live, epoch, timeout_ns,
-                                                                   my_flags, fp0, 0, board_address, call_tag,
-                                                                   EPOCH_SHIFT=0, CHECK_ROWS=False, CHECK_BOARD=True)
+                                                                   my_flags, my_flags, fp0, 0, board_address,
+                                                                   call_tag, EPOCH_SHIFT=0, CHECK_ROWS=False,
+                                                                   CHECK_BOARD=True)
         report_late(late, peers, mask_ptr, mask_ptr, MASK_ON_TIMEOUT=True)
         if shrink == 0:  # no enable_shrink: a late rank is an error (the host raises), its rows NaN here
             report_late(late, peers, mask_ptr, timeouts, MASK_ON_TIMEOUT=False)

@@ -163,8 +163,8 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
     # call this rank skipped) instead of the timeout
     sender_rows = (my_base + fp_rows).to(tl.pointer_type(tl.int64)) + sources * (FP_ROW // 8)
     words, waited, late, elsewhere = poll_epochs_or_other_call(count_words, live, epoch, timeout_ns, sender_rows,
-                                                               fp0, fp1, board_address, call_tag, EPOCH_SHIFT=32,
-                                                               CHECK_ROWS=True, CHECK_BOARD=True)
+                                                               sender_rows, fp0, fp1, board_address, call_tag,
+                                                               EPOCH_SHIFT=32, CHECK_ROWS=True, CHECK_BOARD=True)
     timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     # Masked either way, so this call's combine neither pushes to nor waits for it (without shrink
     # its home then times out too, and its combine rows for this rank's experts are NaN there).

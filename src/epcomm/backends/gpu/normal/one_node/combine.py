@@ -17,10 +17,11 @@ import triton
 import triton.language as tl
 
 from ... import sync
+from ...agreement import acquire_and_agree
 from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (acquire_and_agree, arrive, fingerprint_half, mailbox_words, now_ns, poll_epochs,
+from ...sync import (arrive, fingerprint_half, mailbox_words, now_ns, poll_epochs,
                      poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -311,9 +312,13 @@ def ep_combine(
         board_address = tl.load(board_bases_ptr + rank)
         peers = tl.arange(0, R_P2)
         # A pusher that aborted, or is in a combine of other arguments, never stores the blocks
-        # awaited: its fingerprint row (the abort's, or other words) ends the wait for it, and the
+        # awaited: its fingerprint row ends the wait for it — other words in this call's half, or
+        # an abort row covering this call in either half (the abort leaves the half of its last
+        # call alone, and stamps the flags, not these blocks: agreement.ep_abort) — and the
         # verdict at the end NaNs the output; one in another call: the call board (elsewhere).
         sender_rows = (my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64)) + \
+            peers * (sync.FP_ROW // 8)
+        other_rows = (my_base + fingerprint_half(fp_offset, 1 - epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64)) + \
             peers * (sync.FP_ROW // 8)
         chunk = tl.arange(0, BLOCK_R)
         gave_up = 0
@@ -333,7 +338,7 @@ def ep_combine(
                     b = tl.where(needed, first_block if which == 0 else last_block, 0)
                     words = my_block_flags + peers * block_flag_cap + tl.minimum(b, block_flag_cap - 1)
                     _words, _waited, late, elsewhere = poll_epochs_or_other_call(  # ACQUIRE: the blocks' rows
-                        words, needed, epoch, timeout_ns, sender_rows, fp0, fp1, board_address, call_tag,
+                        words, needed, epoch, timeout_ns, sender_rows, other_rows, fp0, fp1, board_address, call_tag,
                         EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
                     report_late(late, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
                     record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)

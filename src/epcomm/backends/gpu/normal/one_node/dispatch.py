@@ -10,9 +10,9 @@ import triton.language as tl
 from ... import agreement, sync
 from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, copy_rows_to_each, fill_nan, fill_rows, multiple,
                      word_ptr)
+from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (acquire_and_agree, arrive, fingerprint_half, now_ns, post_call_to_peers,
-                     post_fingerprint_to_peers, signal_peers)
+from ...sync import arrive, fingerprint_half, now_ns, post_call_to_peers, post_fingerprint_to_peers, signal_peers
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
 POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)

@@ -7,10 +7,11 @@ import triton
 import triton.language as tl
 
 from ... import sync
+from ...agreement import abort_covers, check_rows
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
-from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_settled, mailbox_words,
-                    post_call_to_peers, post_fingerprint, store_release_sys, wait_peers)
+from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_words, post_call_to_peers,
+                    post_fingerprint, store_release_sys, wait_peers)
 
 
 # ====================================================================== notify (count exchange)
@@ -21,7 +22,8 @@ from ...sync import (arrive, check_fingerprints, fingerprint_half, fingerprints_
 #               p.fingerprints[rank] <- this call's fingerprint;  post the board word on p
 #               RELEASE p.flags[rank] = epoch                     (the row and fingerprint first)
 #               ACQUIRE my.flags[p] == epoch (a timeout, or p elsewhere on the board -> mailbox),
-#               then compare p's fingerprint with this call's  (a difference -> mailbox)
+#               then compare p's fingerprint with this call's  (a difference, or p's flag an
+#               abort stamped covering this call: agreement.ep_abort -> mailbox)
 #   last to arrive (owns the whole count matrix):
 #               rank_prefix_matrix = cumsum over sources;  recv_info = [rows received, most tokens]
 #               mailbox: receive sizes, per-expert counts (padded to expert_alignment);
@@ -80,10 +82,14 @@ def ep_notify_dispatch(
     settled = fingerprints_settled(my_base + fp_rows, peers, one_peer, fp0, fp1, epoch)
     # (a peer the call board shows in another call is recorded: the host's count wait raises)
     post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, one_peer, R_P2)
-    wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
-               tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=False, MASK_ON_TIMEOUT=False,
-               CHECK_BOARD=True, R_P2=R_P2)
-    check_fingerprints(my_base + fp_rows, peers, one_peer, settled, fp0, fp1, epoch, agreement, num_ranks)
+    flags, _, _, _ = wait_peers(my_flags, num_ranks, tl.where(one_peer, epoch, 0), state_ptr, timeouts, timeout_ns,
+                                tl.load(board_bases_ptr + rank), call_tag, fp0, agreement, HAS_MASK=False,
+                                MASK_ON_TIMEOUT=False, CHECK_BOARD=True, R_P2=R_P2)
+    # p's flag stamped by an abort (p rejected its input) fails this call only if p never signalled
+    # it: p that signalled it and then aborted its next call delivered this one (the stamp's
+    # release covers its row and counts as the signal's did)
+    check_rows(my_base + fp_offset, epoch % 2, peers, one_peer, settled, one_peer & abort_covers(flags, epoch), fp0,
+               fp1, epoch, agreement, num_ranks)
     # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
         tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)

@@ -82,8 +82,8 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (where gpu
     timeouts, _, agreement, _ = mailbox_words(mailbox_address, num_ranks)
     board = tl.load(board_bases_ptr + rank)
     row_words = (rows + lanes * 32 + 16).to(tl.pointer_type(tl.int64))
-    _, _, late, elsewhere = poll_epochs_or_other_call(row_words, sender, epoch, timeout_ns, row_words, fp0, 0, board,
-                                                      call_tag, EPOCH_SHIFT=0, CHECK_ROWS=False,
+    _, _, late, elsewhere = poll_epochs_or_other_call(row_words, sender, epoch, timeout_ns, row_words, row_words, fp0,
+                                                      0, board, call_tag, EPOCH_SHIFT=0, CHECK_ROWS=False,
                                                       CHECK_BOARD=True)  # ACQUIRE: rank p's row
     report_late(late, lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
     record_elsewhere(board, lanes, elsewhere, call_tag, fp0, agreement, num_ranks)
