@@ -315,12 +315,7 @@ def check_rows(set_address, half, senders, live, settled, stamped, fp0, fp1, epo
         differ = tl.where(suspect, still, differ)
         words0 = tl.where(suspect, again0, words0)
         words1 = tl.where(suspect, again1, words1)
-    tl.store(agreement_ptr + senders * 2, words0, mask=differ)
-    tl.store(agreement_ptr + senders * 2 + 1, words1, mask=differ)
-    zeros = tl.zeros_like(senders)
-    tl.store(agreement_ptr + num_ranks * 2 + zeros, zeros.to(tl.int64) + fp0, mask=differ)
-    tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
-    tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
+    sync.record_disagreement(agreement_ptr, senders, differ, words0, words1, fp0, fp1, num_ranks)
     return differ
 
 

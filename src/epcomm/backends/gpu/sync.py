@@ -248,13 +248,20 @@ def check_fingerprints(my_half_address, senders, live, settled, fp0, fp1, epoch,
     posted_epoch = tl.load(rows + 2, mask=live, other=0)
     current = (posted_epoch == epoch) | (posted_epoch == ABORT_EPOCH)
     differ = live & current & ((posted0 != fp0) | (posted1 != fp1))
-    tl.store(agreement_ptr + senders * 2, posted0, mask=differ)
-    tl.store(agreement_ptr + senders * 2 + 1, posted1, mask=differ)
+    record_disagreement(agreement_ptr, senders, differ, posted0, posted1, fp0, fp1, num_ranks)
+    return differ
+
+
+@triton.jit
+def record_disagreement(agreement_ptr, senders, differ, words0, words1, fp0, fp1, num_ranks):
+    """Record in the mailbox the lanes that ``differ``: the senders' words, this rank's own, and
+    the pending word (the host raises naming the fields: agreement.py)."""
+    tl.store(agreement_ptr + senders * 2, words0, mask=differ)
+    tl.store(agreement_ptr + senders * 2 + 1, words1, mask=differ)
     zeros = tl.zeros_like(senders)
     tl.store(agreement_ptr + num_ranks * 2 + zeros, zeros.to(tl.int64) + fp0, mask=differ)
     tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
     tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
-    return differ
 
 
 @triton.jit
