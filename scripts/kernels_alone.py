@@ -3,11 +3,13 @@ sets the pace), T tokens of H, ``Config(num_sms)`` programs; each kernel's mean 
 torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispatch, combine).
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
-                                                    [--pipelined-pull] [--serial-combine]
+                                                    [--pipelined-pull] [--serial-combine] [--serial-dispatch]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
-twice in one device call with PYTHONPATH on the two trees. Prints ``label phase kernel µs`` lines.
+twice in one device call with PYTHONPATH on the two trees. Prints ``label phase kernel µs`` lines,
+and per phase the µs per call of ``--calls`` calls issued back to back between two CUDA events
+(the kernels, the gaps between them and, in a full dispatch, the host's wait for the counts).
 """
 import argparse
 import socket
@@ -28,6 +30,8 @@ def main() -> int:
                         help="the pull's experiment (NormalMode.pipelined_pull: next loads before these stores)")
     parser.add_argument("--serial-combine", action="store_true",
                         help="the combine's push and reduce in turn (NormalMode.overlapped_combine False)")
+    parser.add_argument("--serial-dispatch", action="store_true",
+                        help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
     args = parser.parse_args()
     import epcomm
     from torch.profiler import ProfilerActivity, profile
@@ -43,6 +47,8 @@ def main() -> int:
         buffer._backend.normal.pipelined_pull = True
     if args.serial_combine:
         buffer._backend.normal.overlapped_combine = False
+    if args.serial_dispatch:
+        buffer._backend.normal.overlapped_dispatch = False
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices
@@ -58,6 +64,7 @@ def main() -> int:
     assert torch.equal(recv[0], x), "one rank: the received rows are the tokens themselves"
     phases = {"full dispatch": full, "cached dispatch": lambda: buffer.dispatch(x, handle=recv[4], config=config),
               "combine": lambda: buffer.combine(recv[0], recv[4], config=config)}
+    assert torch.equal(phases["cached dispatch"]()[0], x), "one rank: a cached dispatch receives the tokens too"
     combined = phases["combine"]()[0]
     assert torch.equal(combined, x), "one rank: each token's combine is its one row"
     for phase, call in phases.items():
@@ -68,6 +75,14 @@ def main() -> int:
             for _ in range(args.calls):
                 call()
             torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{args.label} | {phase} | per call, back to back | {start.elapsed_time(end) * 1e3 / args.calls:.1f} us",
+              flush=True)
         for event in prof.key_averages():
             device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
             if event.key.startswith("ep_") and event.count:

@@ -35,6 +35,11 @@ def _cases():
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, **copy), 16
+    for (index, fp8, topk), al in itertools.product([(True, False, True), (True, True, True), (True, False, False),
+                                                    (False, False, False), (False, True, False)], [False, True]):
+        yield N.STAGE_PULL, dict(INDEX=index, WRITE_LISTS=index, HAS_SCALES=fp8, HAS_TOPK=topk, LIST_BLOCK=1024,
+                                 L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
+                                 TRACE=al and not fp8, **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
@@ -254,7 +259,7 @@ def test_kernel_names_say_which_call_they_belong_to():
     from epcomm.backends.gpu.normal.two_level import combine as MC
     from epcomm.backends.gpu.normal.two_level import dispatch as MN
     from epcomm.backends.gpu.normal.two_level import step as MS
-    calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
+    calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, N.STAGE_PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
                           MS.STEPS["dispatch"], EM.EXPAND],
              "combine": [L.COMBINE, N.PUSH, N.REDUCE, N.PUSH_REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
     for call, specs in calls.items():

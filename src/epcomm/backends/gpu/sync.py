@@ -91,8 +91,9 @@ ARRIVE = 8  # arrival counters, one per kernel kind (below)
 ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE_LAYOUT = range(ARRIVE, ARRIVE + 6)
 COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsistent (agreement.py)
 SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
-ARRIVE_REDUCE = 16  # arrival counter of the overlapped combine's reduce programs (one_node/combine.py)
-GAVE_UP = 17  # the epoch of an overlapped combine whose reduce gave up a wait (its other programs stop waiting)
+ARRIVE_RECEIVE = 16  # arrival counter of the receiving programs of one launch: the overlapped combine's
+# reduce, the overlapped dispatch's pull (one_node/combine.py, dispatch.py; never both at once: stream order)
+GAVE_UP = 17  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop waiting)
 NUM_STATE_WORDS = 18
 
 
@@ -153,6 +154,22 @@ def publish_from_one_thread(address, value):
         "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0; "
         "@first fence.acq_rel.sys; @first st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
         "=r,l,l", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def publish_to_peers_from_one_thread(bases_ptr, word_offset, num_ranks, value):
+    """:func:`publish_from_one_thread` into the same word of every rank's workspace (``bases_ptr``:
+    [R] int64 byte address of each rank's workspace; ``word_offset``: bytes from it): one CTA
+    barrier and one ``fence.acq_rel.sys`` by thread 0, then its ``st.relaxed.sys`` to each rank."""
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0; "
+        "@first fence.acq_rel.sys; mov.u32 $0, 0; }", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    for peer in range(0, num_ranks):  # (thread 0's stores follow its fence in program order)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0; "
+            "@first st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l", [tl.load(bases_ptr + peer) + word_offset, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -305,7 +322,17 @@ def poll_epochs(word_ptrs, live, epoch, timeout_ns, EPOCH_SHIFT: tl.constexpr):
 def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, other_rows, fp0, fp1, board_address,
                               call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr,
                               CHECK_BOARD: tl.constexpr):
-    """:func:`poll_epochs`, where a lane may also stop waiting because its sender is in another call:
+    """:func:`poll_from_senders` where lane ``i`` is sender ``i`` (one word per peer)."""
+    return poll_from_senders(word_ptrs, live, tl.arange(0, word_ptrs.shape[0]), epoch, timeout_ns, row_ptrs,
+                             other_rows, fp0, fp1, board_address, call_tag, EPOCH_SHIFT, CHECK_ROWS, CHECK_BOARD)
+
+
+@triton.jit
+def poll_from_senders(word_ptrs, live, senders, epoch, timeout_ns, row_ptrs, other_rows, fp0, fp1, board_address,
+                      call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_BOARD: tl.constexpr):
+    """:func:`poll_epochs`, where a lane (written by rank ``senders[lane]``; several lanes may share a
+    sender, as the overlapped dispatch's rows of one source do) may also stop waiting because its
+    sender is in another call:
 
     - ``CHECK_ROWS``: its sender's fingerprint row (``row_ptrs``: int64 pointer to each lane's row
       in this call's half) holds this epoch with other words than ``(fp0, fp1)`` — a call of this
@@ -355,8 +382,7 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, othe
                 ready |= other
         if CHECK_BOARD:
             if look & (call_tag != 0):
-                lanes = tl.arange(0, ready.shape[0])
-                other = (ready == 0) & posted_elsewhere(board_address, lanes, call_tag, fp0)
+                other = (ready == 0) & posted_elsewhere(board_address, senders, call_tag, fp0)
                 waited = tl.where(other, now - start, waited)
                 elsewhere |= other
                 ready |= other

@@ -3,8 +3,10 @@
 Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
 
     get_dispatch_layout   ep_dispatch_layout                          1 launch
-    dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
-    dispatch (cached)     ep_dispatch_stage ; ep_dispatch_pull        2 launches
+    dispatch (full)       ep_notify_dispatch ; [host polls the mailbox] ; ep_dispatch (stage and pull overlapped)
+                          ep_notify_dispatch ; ep_dispatch_stage ; [host polls] ; ep_dispatch_pull: in turn
+    dispatch (cached)     ep_dispatch (stage and pull overlapped)     1 launch
+                          ep_dispatch_stage ; ep_dispatch_pull        2 launches: several rounds, expert-major
     combine               ep_combine (push and reduce overlapped)     1 launch
                           ep_combine_push ; ep_combine_reduce         2 launches: several rounds, expert-major
     (a batch larger than one half of the payload area repeats stage/pull or push/reduce per round)
@@ -25,8 +27,8 @@ the mailbox word the notify kernel publishes.
 """
 from ..layout_kernel import LAYOUT
 from .combine import PUSH, PUSH_REDUCE, REDUCE
-from .dispatch import PULL, STAGE
+from .dispatch import PULL, STAGE, STAGE_PULL
 from .mode import NormalMode
 from .notify import NOTIFY
 
-__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]
+__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "STAGE_PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]

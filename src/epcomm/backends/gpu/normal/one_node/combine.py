@@ -97,7 +97,7 @@ def _push(pid, num_programs, epoch,
             publish_from_one_thread(home_base + block_flags_offset + (rank.to(tl.int64) * block_flag_cap + block) * 8,
                                     epoch)
         if TRACE:
-            trace_item(trace_ptr, home, end - first, started)
+            trace_item(trace_ptr, pid, home, end - first, started)
     # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_PUSH, num_programs):
         if not OVERLAP:  # (overlapped: the reduce's last program stores it, once every program has read it)
@@ -354,7 +354,7 @@ def ep_combine(
                     _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, slots_x, slots_w, 0,
                                   hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2)
         # -- the last reduce program: the call's verdict, and the epoch
-        if arrive(state_ptr + sync.ARRIVE_REDUCE, num_reduce):
+        if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_reduce):
             failed = tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch
             if failed:  # (no second timeout: wait only for this rank's own push, which reads the epoch)
                 poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,

@@ -1,65 +1,35 @@
-"""Dispatch, "stage and pull": ``ep_dispatch_stage`` copies this rank's tokens (x, scales, top-k,
-expert-major positions) into its own workspace half and lists, per destination, the tokens it
-sends; ``ep_dispatch_pull`` has every receiver acquire the sources' releases and pull its rows
-straight into ``recv_x`` at rank-prefix offsets (package docstring: the order)."""
+"""Dispatch, "stage and pull": the stage copies this rank's tokens (x, scales, top-k, expert-major
+positions) into its own workspace half and lists, per destination, the tokens it sends; the pull
+has every receiver acquire the sources' releases and pull its rows straight into ``recv_x`` at
+rank-prefix offsets (package docstring: the order).
+
+Two ways to run them (the host picks, mode.py):
+
+- **overlapped** (``ep_dispatch``, one launch; a one-round dispatch in the plain layout): the stage
+  programs release each list and each block of staged rows on its own, and the pull programs of
+  the same launch start on a source's rows as soon as their blocks are staged — instead of after
+  a barrier (issue "every link busy");
+- **in turn** (``ep_dispatch_stage`` ; ``ep_dispatch_pull``): a barrier between them; for several
+  rounds, the expert-major layout, and side-by-side measurements.
+"""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from ... import agreement, sync
-from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, copy_rows_to_each, fill_nan, fill_rows, multiple,
-                     word_ptr)
+from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import arrive, fingerprint_half, now_ns, post_call_to_peers, post_fingerprint_to_peers, signal_peers
+from ...sync import (arrive, fingerprint_half, mailbox_words, now_ns, poll_epochs, poll_from_senders,
+                     post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
+                     publish_to_peers_from_one_thread, record_elsewhere, report_late, signal_peers)
+from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
+                                expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
-
-POSITION_TOKENS = 32  # tokens per program of the expert-major positions (_expert_positions)
-POSITION_HIST_ENTRIES = tl.constexpr(4096)  # top-k entries per histogram step of _expert_positions
-POSITION_ELEMENTS = 16384  # the positions' [SUB, K, E] one-hot tile: SUB = this // (K * E), at least 1
 
 
 # ====================================================================== dispatch: stage
-@triton.jit
-def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_lo, num_topk, num_experts,
-                      HIST_T: tl.constexpr, SUB: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
-    """For the entries (t, k) of tokens [first, last): the number of entries with the same expert
-    before it in (token, k) order over this rank's batch — its place among the rows this rank sends
-    that expert (the receiver adds the rows of lower ranks and the groups before: expert-major
-    layout). Stored as int32 ``[K]`` at ``pos_address + (t - token_lo) * pos_row_bytes``.
-
-        running[e] = entries of e in tokens [0, first)            (histograms, HIST_T tokens a step)
-        for each SUB tokens:  hit[t, k, e] = (id[t, k] == e)
-            before[t, e] = running[e] + entries of e in earlier tokens of the step   (cumsum over t)
-            pos[t, k]    = before[t, id[t, k]] + #{k' < k : id[t, k'] == id[t, k]}
-    """
-    ks = tl.arange(0, K_P2)
-    experts = tl.arange(0, E_P2)
-    running = tl.zeros([E_P2], tl.int32)
-    for start in range(0, first, HIST_T):
-        t = start + tl.arange(0, HIST_T)
-        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :],
-                      mask=(t < first)[:, None] & (ks < num_topk)[None, :], other=-1)
-        valid = (ids >= 0) & (ids < num_experts)
-        running += tl.histogram(tl.reshape(tl.where(valid, ids, 0).to(tl.int32), [HIST_T * K_P2]), E_P2,
-                                mask=tl.reshape(valid, [HIST_T * K_P2]))
-    for start in range(first, last, SUB):
-        t = start + tl.arange(0, SUB)
-        live = (t < last)[:, None] & (ks < num_topk)[None, :]
-        ids = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_topk + ks[None, :], mask=live, other=-1)
-        ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
-        hit = ids[:, :, None] == experts[None, None, :]  # [SUB, K_P2, E_P2]
-        per_token = tl.sum(hit.to(tl.int32), axis=1)  # [SUB, E_P2]
-        before = running[None, :] + tl.cumsum(per_token, axis=0) - per_token
-        pos = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)  # [SUB, K_P2]
-        same = (ids[:, :, None] == ids[:, None, :]) & (ks[None, None, :] < ks[None, :, None])
-        pos += tl.sum(same.to(tl.int32), axis=2)
-        running += tl.sum(per_token, axis=0)
-        rows = pos_address + (t - token_lo).to(tl.int64) * pos_row_bytes
-        tl.store(rows.to(tl.pointer_type(tl.int32))[:, None] + ks[None, :], pos, mask=live & (ids >= 0))
-
-
 # ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
 # [position programs] + copy programs (at most num_sms in all).
 #
@@ -72,48 +42,37 @@ def _expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_l
 #                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
 #   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
 #   copy programs:      for t in [token_lo, token_hi): half.x[t], half.scales[t], half.topk[t] = ...
-#   last to arrive:     EPOCH_NORMAL = epoch; COUNT_ERROR set -> fingerprint again with the abort field
+#   OVERLAP:            after list j: RELEASE j.block_flags[rank][last] = epoch; after each block b
+#                       of staged rows: RELEASE p.block_flags[rank][b] = epoch on every rank p (one
+#                       thread, after a CTA barrier: the program's stores of the list or block)
+#   last to arrive:     (in turn) EPOCH_NORMAL = epoch; COUNT_ERROR set -> fingerprint again with the abort field
 #                       RELEASE epoch to every peer's flag: who acquires it (ep_dispatch_pull) sees
 #                       the staged rows, the lists and the fingerprint
 @triton.jit
-def ep_dispatch_stage(
-        # the call's tensors
-        x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
-        scales_ptr: "*fp32",  # [T, S] float32, any strides (FP8)
-        topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
-        in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
-        list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
-        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
-        # sizes and strides: this round's tokens [token_lo, token_hi) of num_tokens
-        num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
-        scale_stride_t: "i64", scale_stride_c: "i64", num_topk: "i32", num_local: "i32",
-        num_position_programs: "i32",
-        # this rank and the workspaces (offsets are from a workspace half)
-        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
-        topk_offset: "i64", topk_row_bytes: "i64",
-        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
-        fp_offset: "i64", fp0: "i64", fp1: "i64",
-        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
-        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted)
-        # meta-parameters
-        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-        EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-        E_P2: tl.constexpr):
+def _stage(pid, num_programs, epoch,
+           x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
+           num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local,
+           num_position_programs,
+           rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap, x_offset,
+           scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
+           fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+           R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+           EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+           E_P2: tl.constexpr, OVERLAP: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
-    pid = tl.program_id(0)
+    # OVERLAP (ep_dispatch): each list and each block of staged rows is released on its own, to the
+    # receivers' block flags, so their pull programs of the same launch start on it at once.
     x_words = multiple(x_words, 2, ALIGNED)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half = tl.load(normal_bases_ptr + rank) + (epoch % 2) * half_bytes
     fp_rows = fingerprint_half(fp_offset, epoch % 2, num_ranks)
     if pid == 0:
         post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1, epoch, HAS_MASK=False,
                                   R_P2=R_P2)
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
+    my_flag_row = block_flags_offset + rank.to(tl.int64) * block_flag_cap * 8  # (OVERLAP) this rank's row at a peer
     # -- list programs: token lists per destination, and the caller's counts checked against them
     first_copy = 0
     if WRITE_LISTS:
@@ -145,13 +104,15 @@ def ep_dispatch_stage(
                 given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
                 if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
                     tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+            if OVERLAP:  # RELEASE: the list for rank pid -> its pull programs (word LIST_FLAG of this row)
+                publish_from_one_thread(tl.load(flag_bases_ptr + pid) + my_flag_row + (block_flag_cap - 1) * 8, epoch)
     # -- position programs: expert-major places of the top-k entries
     if EXPERT_MAJOR:
         first_position = first_copy
         first_copy += num_position_programs
         if (pid >= first_position) & (pid < first_copy):
             first = token_lo + (pid - first_position) * POSITION_TOKENS
-            _expert_positions(topk_ptr, half + topk_offset + num_topk * 12, topk_row_bytes, first,
+            expert_positions(topk_ptr, half + topk_offset + num_topk * 12, topk_row_bytes, first,
                               tl.minimum(first + POSITION_TOKENS, tl.minimum(token_hi, num_tokens)), token_lo,
                               num_topk, num_local * num_ranks, POSITION_HIST_ENTRIES // K_P2, POSITION_SUB, K_P2, E_P2)
     # -- copy programs: the rows of [token_lo, token_hi) into the staging half
@@ -178,9 +139,12 @@ def ep_dispatch_stage(
                 row = half + topk_offset + rows.to(tl.int64) * topk_row_bytes
                 tl.store(row.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], ids, mask=m)
                 tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
+            if OVERLAP:  # RELEASE: this block's rows -> every receiver's pull programs (word `block` of this row)
+                publish_to_peers_from_one_thread(flag_bases_ptr, my_flag_row + block * 8, num_ranks, epoch)
     # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
-        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        if not OVERLAP:  # (overlapped: the pull's last program stores it, once every program has read it)
+            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
             count_error = tl.load(state_ptr + sync.COUNT_ERROR)
             if count_error != 0:
@@ -190,6 +154,44 @@ def ep_dispatch_stage(
         signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
                      (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
                      R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
+
+
+@triton.jit
+def ep_dispatch_stage(
+        # the call's tensors
+        x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+        scales_ptr: "*fp32",  # [T, S] float32, any strides (FP8)
+        topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
+        in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
+        list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
+        # sizes and strides: this round's tokens [token_lo, token_hi) of num_tokens
+        num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
+        scale_stride_t: "i64", scale_stride_c: "i64", num_topk: "i32", num_local: "i32",
+        num_position_programs: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted)
+        # meta-parameters
+        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+        EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+        E_P2: tl.constexpr):
+    # The stage alone (the dispatch in turn, and every dispatch but a one-round plain one).
+    _stage(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
+           x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
+           num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local,
+           num_position_programs, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
+           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
+           fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+           HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
+           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False)
 
 
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
@@ -212,54 +214,47 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
 #   rows past the received total (num_worst_tokens padding): src_rank, src_idx -1, top-k -1
 @triton.jit
-def ep_dispatch_pull(
-        # the call's tensors: the notify's results in, the received rows out
-        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
-        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
-        recv_x_ptr: "*i8",  # [N, x_bytes] bytes
-        recv_scales_ptr: "*fp32",  # [N, S] float32
-        recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32 (expert-major: [M])
-        table_ptr: "*i32",  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
-        dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
-        # sizes: this round's tokens [token_lo, token_hi) of the sources, num_rows rows here
-        num_rows: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32", num_topk: "i32",
-        expert_lo: "i32", num_local: "i32", num_em_rows: "i32", zero_padding: "i32",
-        # this rank and the workspaces (offsets are from a workspace half)
-        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
-        topk_offset: "i64", topk_row_bytes: "i64",
-        # the host: its mailbox (sync.py), the timeout of a wait
-        mailbox_address: "i64", timeout_ns: "i64",
-        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
-        fp_offset: "i64", fp0: "i64", fp1: "i64",
-        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
-        call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
-        trace_ptr: "*i64",  # TRACE: the schedule's trace buffer (schedule.py)
-        # meta-parameters
-        INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr, PIPELINE: tl.constexpr):
+def _pull(pid, num_programs, epoch,
+          prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+          table_ptr, dest_ptr,
+          num_rows, token_lo, token_hi, x_words, num_scales, num_topk, expert_lo, num_local, num_em_rows,
+          zero_padding,
+          rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap, x_offset,
+          scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
+          mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
+          INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+          R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
+          TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr):
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x
     # rows are stored only after the next item's loads are issued, so a program has a remote load in
     # flight while it stores (the plan halves BLOCK_R to keep two tiles in the same registers).
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
-    pid = tl.program_id(0)
+    # OVERLAP (ep_dispatch, plain layout): no barrier first; each item waits for the blocks its rows
+    # were staged in (and, INDEX, for its source's list), and the last program gives the verdict.
     x_words = multiple(x_words, 2, ALIGNED)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     half_offset = (epoch % 2) * half_bytes
     expected = num_rows
-    num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
-                                  fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
-                                  R_P2)  # ACQUIRE: staged rows and lists
-    if num_rows < expected:  # the wait gave up, or a source is in another call: no row arrived
-        if EXPERT_MAJOR:
-            expected = num_em_rows
-        _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
-                      HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
+    peers = tl.arange(0, R_P2)
+    if OVERLAP:  # what the waits for blocks need: this rank's block flags, the senders' fingerprint rows
+        my_base = tl.load(flag_bases_ptr + rank)
+        my_flags = (my_base + block_flags_offset).to(tl.pointer_type(tl.int64))
+        rows_here = (my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64))
+        rows_other = (my_base + fingerprint_half(fp_offset, 1 - epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64))
+        board_address = tl.load(board_bases_ptr + rank)
+        lists_seen = peers < 0  # sources whose list for this rank was acquired
+        gave_up = 0
+    else:
+        num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
+                                      fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
+                                      R_P2)  # ACQUIRE: staged rows and lists
+        if num_rows < expected:  # the wait gave up, or a source is in another call: no row arrived
+            if EXPERT_MAJOR:
+                expected = num_em_rows
+            _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk, pid,
+                          num_programs, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
     # -- each program takes its blocks: one source's rows each, every source at once (schedule.py)
     starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
     num_items = tl.where(num_rows > 0, tl.sum(blocks, axis=0), 0)  # (0: the agreement failed)
@@ -280,6 +275,16 @@ def ep_dispatch_pull(
         rows = first + tl.arange(0, BLOCK_R)
         in_out = rows < end
         staged = tl.load(normal_bases_ptr + src) + half_offset
+        if OVERLAP:
+            if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
+                gave_up = (tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch).to(tl.int32)
+            if INDEX:
+                if (gave_up == 0) & (tl.max(((peers == src) & lists_seen).to(tl.int32), axis=0) == 0):
+                    gave_up = _wait_blocks(my_flags + peers * block_flag_cap + block_flag_cap - 1, peers == src, peers,
+                                           epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
+                                           call_tag, state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the list
+                    lists_seen |= peers == src
+                    tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the list
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
             token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
@@ -289,10 +294,18 @@ def ep_dispatch_pull(
             token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
         move = in_out & (token >= token_lo) & (token < token_hi)
         srow = (token - token_lo).to(tl.int64)
+        if OVERLAP:  # the source's blocks that hold these rows (its tokens ascend: one or two blocks)
+            if gave_up == 0:
+                block = tl.minimum(tl.where(move, srow // BLOCK_R, 0), block_flag_cap - 2)
+                gave_up = _wait_blocks(my_flags + src * block_flag_cap + block, move, tl.zeros([BLOCK_R], tl.int32) + src,
+                                       epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
+                                       state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
+            move &= gave_up == 0
+            tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the rows
         rows64 = rows.to(tl.int64)
         sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
         if EXPERT_MAJOR:
-            _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, recv_topk_ptr,
+            pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, recv_topk_ptr,
                                recv_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset,
                                topk_offset, topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES, HAS_TOPK,
                                BLOCK_W, S_P2, K_P2)
@@ -325,7 +338,7 @@ def ep_dispatch_pull(
                 tl.store(recv_topk_ptr + out, tl.where(mine, local, -1), mask=m)
                 tl.store(recv_weights_ptr + out, tl.where(mine, weights, 0.0), mask=m)
         if TRACE:
-            trace_item(trace_ptr, src, end - first, started)
+            trace_item(trace_ptr, pid, src, end - first, started)
     if PIPELINE:  # the last item's rows
         tl.store(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + held_rows[:, None] * x_words + cols[None, :],
                  held, mask=held_live[:, None] & (cols < x_words)[None, :])
@@ -346,86 +359,193 @@ def ep_dispatch_pull(
                     tl.store(recv_weights_ptr + out, tl.zeros([BLOCK_R, K_P2], tl.float32), mask=m)
     if EXPERT_MAJOR:
         if zero_padding != 0:
-            _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
+            zero_padding_rows(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
                           num_em_rows, x_words, num_scales, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2)
+    # -- OVERLAP: the last program to arrive gives the call's verdict, and stores the epoch
+    if OVERLAP:
+        if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):
+            failed = tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch
+            if failed:  # (no second timeout: wait only for this rank's own stage, which reads the epoch)
+                poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,
+                            peers == rank, epoch, timeout_ns, EPOCH_SHIFT=0)
+            else:
+                # ACQUIRE every source's end of stage and compare fingerprints: the half-reuse chain of
+                # sync.py needs every source's signal (not only the blocks with rows here), and the
+                # check is the call's verdict: rows are already written, so a failure NaNs them all
+                failed = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks,
+                                           timeout_ns, fp_offset, fp0, fp1, 1, board_address, call_tag, R_P2) == 0
+            if failed:
+                _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
+                              0, 1, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
+            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
 
 
 @triton.jit
-def _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales, num_topk,
-                  HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
+def _wait_blocks(words, live, senders, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
+                 state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr):
+    """The overlapped pull's ACQUIRE of block flags (int64 pointers ``words``, lanes where ``live``,
+    written by rank ``senders[lane]``) >= ``epoch``. A sender that aborted, or is in another call of
+    this Buffer, ends its lanes' wait through its fingerprint row (``rows_here`` / ``rows_other``:
+    this rank's rows of this call's half and the other one; the verdict then NaNs the output); one
+    the call board shows in another call, or a timeout, is recorded in the mailbox, and GAVE_UP =
+    ``epoch`` stops the launch's other programs. Returns 1 when this wait gave up, else 0."""
+    row_words = sync.FP_ROW // 8
+    _words, _waited, late, elsewhere = poll_from_senders(
+        words, live, senders, epoch, timeout_ns, rows_here + senders * row_words, rows_other + senders * row_words,
+        fp0, fp1, board_address, call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
+    peers = tl.arange(0, R_P2)
+    of_peer = senders[:, None] == peers[None, :]  # [lanes, R_P2]
+    late_peers = tl.max((late[:, None] & of_peer).to(tl.int32), axis=0) != 0
+    elsewhere_peers = tl.max((elsewhere[:, None] & of_peer).to(tl.int32), axis=0) != 0
+    timeouts, _dropped, agreement_ptr, _notify = mailbox_words(mailbox_address, num_ranks)
+    report_late(late_peers, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
+    record_elsewhere(board_address, peers, elsewhere_peers, call_tag, fp0, agreement_ptr, num_ranks)
+    failed = tl.max((late | elsewhere).to(tl.int32), axis=0)
+    if failed != 0:
+        tl.store(state_ptr + sync.GAVE_UP, epoch)
+    return failed
+
+
+@triton.jit
+def ep_dispatch_pull(
+        # the call's tensors: the notify's results in, the received rows out
+        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
+        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+        recv_x_ptr: "*i8",  # [N, x_bytes] bytes
+        recv_scales_ptr: "*fp32",  # [N, S] float32
+        recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32 (expert-major: [M])
+        table_ptr: "*i32",  # [R + 2, L] int32 (EXPERT_MAJOR): the notify's group table (ep_notify_dispatch)
+        dest_ptr: "*i32",  # [N, K] int32 (EXPERT_MAJOR): each entry's expert-major row, written with HAS_TOPK
+        # sizes: this round's tokens [token_lo, token_hi) of the sources, num_rows rows here
+        num_rows: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32", num_topk: "i32",
+        expert_lo: "i32", num_local: "i32", num_em_rows: "i32", zero_padding: "i32",
+        # this rank and the workspaces (offsets are from a workspace half)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64",
+        # the host: its mailbox (sync.py), the timeout of a wait
+        mailbox_address: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
+        trace_ptr: "*i64",  # TRACE: the schedule's trace buffer (schedule.py)
+        # meta-parameters
+        INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
+        TRACE: tl.constexpr, PIPELINE: tl.constexpr):
+    # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
+    _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
+          prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+          table_ptr, dest_ptr, num_rows, token_lo, token_hi, x_words, num_scales, num_topk, expert_lo, num_local,
+          num_em_rows, zero_padding, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
+          lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
+          mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
+          INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
+          PIPELINE, OVERLAP=False)
+
+
+
+# ====================================================================== dispatch: overlapped
+# ep_dispatch: stage and pull in one launch; grid = num_stage stage programs (the lowest program ids:
+# the hardware starts them first, so waiting pull programs never hold the SMs they need), then pull
+# programs. Block flags: this rank's row at a receiver, word b = the epoch whose block b of staged
+# rows (tokens [b * BLOCK_R, (b + 1) * BLOCK_R)) is there; its last word = the list for that receiver.
+#
+#   epoch = EPOCH_NORMAL + 1 (read by every program before the pull's last one stores it)
+#   stage programs:  the stage above, with a RELEASE per list (to its receiver) and per block of
+#                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
+#   pull program q, for each of its items (source s, one block of s's rows here):
+#       INDEX, s's first item: ACQUIRE block_flags[s][last] >= epoch (s's list for this rank)
+#       ACQUIRE block_flags[s][b] >= epoch for the blocks b its tokens were staged in (ascending:
+#           one or two; a timeout, or s on the call board in another call: reported, GAVE_UP =
+#           epoch, every program stops waiting)
+#       the rows, as the pull above
+#   last pull program to arrive:
+#       ACQUIRE every rank's end-of-stage epoch and compare fingerprints (acquire_and_agree): the
+#           half-reuse chain of sync.py needs every source's signal, not only the blocks with rows
+#           here, and the check is the call's verdict: a difference, or a wait that gave up, NaNs
+#           every received row (rows are already written)
+#       EPOCH_NORMAL = epoch
+# (The block flags are epoch-tagged and never reset; the combine's blocks share them: a word a
+# rank writes with epoch e' >= e is written after its whole launch of e, stream order, so either
+# meaning tells a waiter of e that what it waits for is there.)
+@triton.jit
+def ep_dispatch(
+        # the call's tensors: in (the stage's), the notify's results, out (the pull's)
+        x_ptr: "*i8",  # [T, x_bytes] bytes of x (bf16 or e4m3), rows 8-byte aligned
+        scales_ptr: "*fp32",  # [T, S] float32, any strides (FP8)
+        topk_ptr: "*i64", weights_ptr: "*fp32",  # [T, K] int64 / float32 (full dispatch with top-k)
+        in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
+        list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
+        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
+        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+        recv_x_ptr: "*i8",  # [N, x_bytes] bytes
+        recv_scales_ptr: "*fp32",  # [N, S] float32
+        recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32
+        # sizes: one round, this rank's tokens [0, num_tokens), num_rows rows here
+        num_tokens: "i32", x_words: "i32", num_scales: "i32", scale_stride_t: "i64", scale_stride_c: "i64",
+        num_topk: "i32", num_local: "i32", num_rows: "i32", num_stage: "i32",
+        # this rank and the workspaces (offsets are from a workspace half; block flags from a workspace)
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64", block_flags_offset: "i64", block_flag_cap: "i64",
+        # the host: its mailbox (sync.py), the timeout of a wait
+        mailbox_address: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        trace_ptr: "*i64",  # TRACE: the schedule's trace buffer (schedule.py)
+        # meta-parameters
+        INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+        OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr):
+    # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
+    # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
+    pid = tl.program_id(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
+    if pid < num_stage:
+        _stage(pid, num_stage, epoch,
+               x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
+               num_tokens, 0, num_tokens, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local, 0,
+               rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap,
+               x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
+               fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+               HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
+               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True)
+    else:
+        # (a source's tokens are below the group's most tokens; the host keeps that within one round)
+        _pull(pid - num_stage, tl.num_programs(0) - num_stage, epoch,
+              prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+              prefix_ptr, prefix_ptr, num_rows, 0, 1 << 30, x_words, num_scales, num_topk, rank * num_local,
+              num_local, 0, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
+              lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset,
+              block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
+              INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
+              EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True)
+
+
+STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})
+
+
+@triton.jit
+def _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales, num_topk, program,
+                  num_programs, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """A pull whose wait gave up returns no plausible rows (DESIGN section 5): every output row NaN —
     x (bf16, or e4m3 with scales), its scales and its weights (float32); the host raises the error
-    at the next call. ``num_rows``: the outputs' rows (expert-major: its rows, one weight each)."""
-    program, num_programs = tl.program_id(0), tl.num_programs(0)
+    at the next call. ``num_rows``: the outputs' rows (expert-major: its rows, one weight each);
+    ``program`` of ``num_programs`` fills its share."""
     fill_rows(recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), num_rows, x_words,
               NAN_E4M3_WORD if HAS_SCALES else NAN_BF16_WORD, program, num_programs, BLOCK_R, BLOCK_W)
     if HAS_SCALES:
         fill_nan(recv_scales_ptr, num_rows * num_scales, program, num_programs, 1024)
     if HAS_TOPK:
         fill_nan(recv_weights_ptr, num_rows if EXPERT_MAJOR else num_rows * num_topk, program, num_programs, 1024)
-
-
-@triton.jit
-def _pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, row_experts_ptr,
-                       row_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset, topk_offset,
-                       topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES: tl.constexpr,
-                       HAS_TOPK: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr):
-    """ep_dispatch_pull's rows in the expert-major layout: each row read once from its source and
-    stored to the row of each of its local entries."""
-    if HAS_TOPK:  # this dispatch's rows: the source's position plus this rank's group table
-        k = tl.arange(0, K_P2)
-        entries = move[:, None] & (k < num_topk)[None, :]
-        trow = staged + topk_offset + srow * topk_row_bytes
-        ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=entries, other=-1)
-        weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=entries,
-                          other=0.0)
-        position = tl.load((trow + num_topk * 12).to(tl.pointer_type(tl.int32))[:, None] + k[None, :], mask=entries,
-                           other=0)
-        local = ids - expert_lo
-        mine = entries & (ids >= 0) & (local >= 0) & (local < num_local)
-        dest = tl.load(table_ptr + src * num_local + local, mask=mine, other=0) + position
-        mine = mine & (dest >= 0) & (dest < num_em_rows)  # (the counts behind the table were checked on device)
-        tl.store(dest_ptr + rows64[:, None] * num_topk + k[None, :], tl.where(mine, dest, -1), mask=entries)
-        tl.store(row_experts_ptr + dest, local.to(tl.int64), mask=mine)
-        tl.store(row_weights_ptr + dest, weights, mask=mine)
-        tl.debug_barrier()  # the copies below read these rows back (CTA-wide visibility)
-    # (a cached dispatch: the rows its handle's dispatch computed)
-    dest_rows = dest_ptr + rows64 * num_topk
-    copy_rows_to_each(sx, recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True), dest_rows, move, num_topk, x_words,
-                      BLOCK_W)
-    if HAS_SCALES:
-        ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
-        copy_rows_to_each(ss, recv_scales_ptr, dest_rows, move, num_topk, num_scales, S_P2)
-
-
-@triton.jit
-def _zero_padding(table_ptr, recv_x_ptr, recv_scales_ptr, row_experts_ptr, row_weights_ptr, num_ranks, num_local,
-                  num_em_rows, x_words, num_scales, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr):
-    """Zero the padding rows of the expert-major groups this program owns (expert e: rows
-    table[R][e] .. table[R + 1][e]); with HAS_TOPK their expert is -1 and weight 0."""
-    pid = tl.program_id(0)
-    x_rows = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    cols = tl.arange(0, BLOCK_W)
-    for expert in range(pid, num_local, tl.num_programs(0)):
-        first = tl.maximum(tl.load(table_ptr + num_ranks * num_local + expert), 0)
-        end = tl.minimum(tl.load(table_ptr + (num_ranks + 1) * num_local + expert), num_em_rows)
-        for block in range(first, end, BLOCK_R):
-            rows = block + tl.arange(0, BLOCK_R)
-            live = rows < end
-            rows64 = rows.to(tl.int64)
-            for start in range(0, x_words, BLOCK_W):
-                c = start + cols
-                tl.store(x_rows + rows64[:, None] * x_words + c[None, :], tl.zeros([BLOCK_R, BLOCK_W], tl.int64),
-                         mask=live[:, None] & (c < x_words)[None, :])
-            if HAS_SCALES:
-                s = tl.arange(0, S_P2)
-                tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
-                         tl.zeros([BLOCK_R, S_P2], tl.float32), mask=live[:, None] & (s < num_scales)[None, :])
-            if HAS_TOPK:
-                tl.store(row_experts_ptr + rows64, tl.full([BLOCK_R], -1, tl.int64), mask=live)
-                tl.store(row_weights_ptr + rows64, tl.zeros([BLOCK_R], tl.float32), mask=live)
 
 
 PULL = KernelSpec(ep_dispatch_pull, aligned_if={"ALIGNED": ["recv_x_ptr"]})

@@ -16,7 +16,7 @@ from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
 from .combine import PUSH, PUSH_REDUCE, REDUCE
-from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE
+from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE, STAGE_PULL
 from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BOUND
 
@@ -69,6 +69,9 @@ class DispatchPlan:
     stage: Specialisations  # (ALIGNED, E_P2, POSITION_SUB) -> stage
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
+    # stage and pull in one launch (dispatch.py, ep_dispatch; one round, plain layout), or None:
+    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2) -> a full dispatch's (lists written and read)
+    overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
 
@@ -115,6 +118,7 @@ class NormalMode:
         # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
         # properties below: setting one drops the plans, which are made with them (nothing per call).
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
+        self._overlapped_dispatch = True
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -165,6 +169,18 @@ class NormalMode:
         self._overlapped_combine = bool(value)
         self._diagnostic_changed()
 
+    @property
+    def overlapped_dispatch(self) -> bool:
+        """The dispatch's stage and pull in one launch, the pull starting on each block of rows as it
+        is staged (dispatch.py, ep_dispatch); False: in turn, a barrier between them (bench
+        --variants serial-dispatch). Every rank of the group must set the same."""
+        return self._overlapped_dispatch
+
+    @overlapped_dispatch.setter
+    def overlapped_dispatch(self, value: bool) -> None:
+        self._overlapped_dispatch = bool(value)
+        self._diagnostic_changed()
+
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         return self.layout(topk_idx, num_experts)
@@ -191,6 +207,7 @@ class NormalMode:
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline)
+        overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
         words = dict(hidden=x_bytes if num_scales else x_bytes // 2, x=2 if num_scales else 1, num_topk=num_topk,
@@ -205,6 +222,12 @@ class NormalMode:
                                       **meta, **schedule),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
                                       EXPERT_MAJOR=expert_major, **meta, **schedule),
+                            None if expert_major or pipeline else Specialisations(
+                                STAGE_PULL, ["ALIGNED", "L_P2"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
+                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
+                            None if expert_major or pipeline else Specialisations(
+                                STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
+                                L_P2=1, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
                             agreement.pack(call=agreement.CALL_DISPATCH, **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
@@ -260,9 +283,11 @@ class NormalMode:
             counts_list = None
             fp0, fp1 = plan.fingerprint_cached
             fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-            # Round 0 is staged before the outputs are allocated: the GPU copies while the host
-            # allocates (in a synced call the kernels start that much sooner).
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1, tag)
+            overlapped = self._one_launch(plan, max_tokens)
+            if not overlapped:
+                # Round 0 is staged before the outputs are allocated: the GPU copies while the host
+                # allocates (in a synced call the kernels start that much sooner).
+                self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1, tag)
         else:
             num_experts = num_local * R
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
@@ -281,14 +306,22 @@ class NormalMode:
                 rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
                 mailbox.address, sequence, b.timeout_ns,  # host
                 self.fingerprints, fp0, fp1, board, tag)  # identity
-            # Round 0 is staged before the host waits for the counts: the copy overlaps the wait.
-            self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
-                        list_index.data_ptr())
+            # In turn, round 0 is staged before the host waits for the counts: the copy overlaps the
+            # wait. In one launch (known only after the wait: it needs the group's most tokens) the
+            # stage and the pull overlap each other instead.
+            may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
+            if not may_overlap:
+                self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
+                            list_index.data_ptr())
             if args.num_worst_tokens == 0:
                 num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
                 counts_list = per_expert[:num_local].tolist()
             else:
                 num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
+            overlapped = may_overlap and self._one_launch(plan, max_tokens)
+            if may_overlap and not overlapped:
+                self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
+                            list_index.data_ptr())
             src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
             src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
             state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None, list_index)
@@ -322,6 +355,10 @@ class NormalMode:
         if expert_major:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        if overlapped:
+            self._dispatch_overlapped(plan, args, x, x_aligned, scales, num_rows, cached, state, outputs, stream, fp0,
+                                      fp1, tag, pull_programs)
+            num_rounds = 0
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:  # (round 0 was staged above, in both kinds of dispatch)
@@ -346,6 +383,52 @@ class NormalMode:
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
         return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
                               handle)
+
+    def _one_launch(self, plan: DispatchPlan, max_tokens: int) -> bool:
+        """Whether a dispatch runs as one launch (ep_dispatch): overlapped, one round (``max_tokens``,
+        the group's most tokens, or -1: a num_worst_tokens dispatch, whose batches fit one round),
+        and each source's blocks of staged rows within the block flags (the last word of a source's
+        row is its list's). The same on every rank: max_tokens is the group's."""
+        if not self.overlapped_dispatch or plan.overlapped_cached is None:
+            return False
+        bound = plan.round_tokens if max_tokens < 0 else max_tokens
+        return bound <= plan.round_tokens and cdiv(bound, plan.block_r) <= self.ws.block_flag_cap - 1
+
+    def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, num_rows: int,
+                             cached: bool, state: PullState, outputs: tuple, stream: int, fp0: int, fp1: int, tag: int,
+                             pull_programs: int) -> None:
+        """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (R list
+        programs in a full dispatch, then up to ``num_sms`` copy programs), then ``pull_programs``
+        pull programs that start on each block of rows as it is staged. Together at most
+        ``2 * num_sms + R`` programs, of which only the pull's wait (shared_grids.py counts 4 x num_sms)."""
+        num_tokens = x.shape[0]
+        x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
+        aligned = plan.rows_aligned and x_aligned
+        num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
+        num_stage = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
+        prefix, _, src_rank, src_idx, _, _, in_rank, list_index = state.addresses
+        if cached:
+            kernel = plan.overlapped_cached[aligned]
+            per_rank = per_expert = in_rank
+        else:
+            kernel = plan.overlapped_full[aligned, p2(num_local)]
+            per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
+            num_stage += self.R
+        topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
+            (x_address, x_address)
+        ws = self.ws
+        kernel.launch(
+            num_stage + pull_programs, 1, stream,
+            x_address, scales.data_ptr() if plan.num_scales else x_address, topk, weights, in_rank, list_index,
+            per_rank, per_expert, prefix, src_rank, src_idx, *outputs,  # tensors
+            num_tokens, plan.x_words, plan.num_scales,  # sizes
+            scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
+            plan.num_topk, num_local, num_rows, num_stage,
+            self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
+            ws.lists_offset, ws.list_cap, *plan.offsets, plan.topk_row_bytes, ws.block_flags_offset, ws.block_flag_cap,
+            self.b.mailbox.address, self.b.timeout_ns,  # host
+            self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
+            self.trace_address)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
                write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0) -> None:
@@ -449,7 +532,7 @@ class NormalMode:
         # In one launch where it can (one round; a home's rows at a pusher, at most max_tokens, in
         # blocks the flag area holds): the same on every rank, since max_tokens is the group's.
         if self.overlapped_combine and num_rounds == 1 and plan.overlapped is not None and \
-                cdiv(max_tokens, plan.block_r) <= self.ws.block_flag_cap:
+                cdiv(max_tokens, plan.block_r) <= self.ws.block_flag_cap - 1:  # (the last word: a dispatch list's)
             return self._combine_overlapped(x, state, topk_weights, bias, config, plan, num_tokens, num_rows,
                                             num_topk, prefix_address, src_idx_address, in_rank_address,
                                             list_index_address)

@@ -89,14 +89,15 @@ def item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, bloc
 
 
 @triton.jit
-def trace_item(trace_ptr, source, rows, started):
-    """Record one item: (program << 32 | source), rows, start and end ``%globaltimer`` (ns). Items
-    past the buffer's capacity are counted, not stored."""
+def trace_item(trace_ptr, program, source, rows, started):
+    """Record one item: (program << 32 | source), rows, start and end ``%globaltimer`` (ns); ``program``:
+    the program's index among the kernel's (or, in one launch, its phase's) programs. Items past the
+    buffer's capacity are counted, not stored."""
     tl.debug_barrier()  # every thread's loads of the item are done: the end time follows them
     slot = tl.atomic_add(trace_ptr, 1)
     if slot < tl.load(trace_ptr + 1):
         record = trace_ptr + TRACE_HEADER_WORDS + slot.to(tl.int64) * TRACE_RECORD_WORDS
-        tl.store(record, (tl.program_id(0).to(tl.int64) << 32) | source.to(tl.int64))
+        tl.store(record, (program.to(tl.int64) << 32) | source.to(tl.int64))
         tl.store(record + 1, rows.to(tl.int64))
         tl.store(record + 2, started)
         tl.store(record + 3, now_ns())
