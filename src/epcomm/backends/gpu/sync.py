@@ -323,16 +323,19 @@ def poll_epochs_or_other_call(word_ptrs, live, epoch, timeout_ns, row_ptrs, othe
                               call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr,
                               CHECK_BOARD: tl.constexpr):
     """:func:`poll_from_senders` where lane ``i`` is sender ``i`` (one word per peer)."""
-    return poll_from_senders(word_ptrs, live, tl.arange(0, word_ptrs.shape[0]), epoch, timeout_ns, row_ptrs,
+    return poll_from_senders(word_ptrs, live, tl.arange(0, word_ptrs.shape[0]), epoch, epoch, timeout_ns, row_ptrs,
                              other_rows, fp0, fp1, board_address, call_tag, EPOCH_SHIFT, CHECK_ROWS, CHECK_BOARD)
 
 
 @triton.jit
-def poll_from_senders(word_ptrs, live, senders, epoch, timeout_ns, row_ptrs, other_rows, fp0, fp1, board_address,
-                      call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_BOARD: tl.constexpr):
+def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_ptrs, other_rows, fp0, fp1,
+                      board_address, call_tag, EPOCH_SHIFT: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                      CHECK_BOARD: tl.constexpr):
     """:func:`poll_epochs`, where a lane (written by rank ``senders[lane]``; several lanes may share a
-    sender, as the overlapped dispatch's rows of one source do) may also stop waiting because its
-    sender is in another call:
+    sender, as the overlapped dispatch's rows of one source do) waits until ``word >> EPOCH_SHIFT >=
+    targets`` (the call's ``epoch``, or a count tagged with it: ``(epoch << 32) | count``, words that
+    only grow), and may also stop waiting because its sender is in another call (``epoch``: the
+    call's, for these checks):
 
     - ``CHECK_ROWS``: its sender's fingerprint row (``row_ptrs``: int64 pointer to each lane's row
       in this call's half) holds this epoch with other words than ``(fp0, fp1)`` — a call of this
@@ -355,7 +358,7 @@ def poll_from_senders(word_ptrs, live, senders, epoch, timeout_ns, row_ptrs, oth
     deadline = start + timeout_ns
     addresses = word_ptrs.to(tl.int64)
     words = load_acquire_sys(addresses)
-    ready = ((words >> EPOCH_SHIFT) >= epoch) | (live == 0)
+    ready = ((words >> EPOCH_SHIFT) >= targets) | (live == 0)
     waited = tl.zeros_like(words)
     elsewhere = ready & (ready == 0)
     now = start
@@ -363,7 +366,7 @@ def poll_from_senders(word_ptrs, live, senders, epoch, timeout_ns, row_ptrs, oth
     while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
         fresh = load_acquire_sys(addresses)
         now = now_ns()
-        arrived = ((fresh >> EPOCH_SHIFT) >= epoch) & (ready == 0)
+        arrived = ((fresh >> EPOCH_SHIFT) >= targets) & (ready == 0)
         words = tl.where(arrived, fresh, words)
         waited = tl.where(arrived, now - start, waited)
         ready |= arrived

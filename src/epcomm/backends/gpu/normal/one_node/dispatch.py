@@ -42,9 +42,10 @@ from .schedule import advance_round, item_block, source_blocks, trace_item
 #                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
 #   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
 #   copy programs:      for t in [token_lo, token_hi): half.x[t], half.scales[t], half.topk[t] = ...
-#   OVERLAP:            after list j: RELEASE j.block_flags[rank][last] = epoch; after each block b
-#                       of staged rows: RELEASE p.block_flags[rank][b] = epoch on every rank p (one
-#                       thread, after a CTA barrier: the program's stores of the list or block)
+#   OVERLAP:            after each LIST_BLOCK tokens of list j: RELEASE j.block_flags[rank][last] =
+#                       (epoch << 32) | entries listed so far; after each block b of staged rows:
+#                       RELEASE p.block_flags[rank][b] = epoch on every rank p (one thread, after a
+#                       CTA barrier: the program's stores of the list or the block)
 #   last to arrive:     (in turn) EPOCH_NORMAL = epoch; COUNT_ERROR set -> fingerprint again with the abort field
 #                       RELEASE epoch to every peer's flag: who acquires it (ep_dispatch_pull) sees
 #                       the staged rows, the lists and the fingerprint
@@ -89,6 +90,9 @@ def _stage(pid, num_programs, epoch,
                 tl.store(lists + position, tokens, mask=member)
                 tl.store(list_index_ptr + tokens.to(tl.int64) * num_ranks + pid, position, mask=member)
                 running += tl.sum(member.to(tl.int32), axis=0)
+                if OVERLAP:  # RELEASE: the list's first `running` entries -> rank pid's pull programs
+                    publish_from_one_thread(tl.load(flag_bases_ptr + pid) + my_flag_row + (block_flag_cap - 1) * 8,
+                                            (epoch.to(tl.int64) << 32) | running)
                 if HAS_TOPK:  # the layout kernel's count: every valid entry of one of j's experts
                     k = tl.arange(0, K_P2)
                     ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
@@ -104,8 +108,6 @@ def _stage(pid, num_programs, epoch,
                 given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
                 if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
                     tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
-            if OVERLAP:  # RELEASE: the list for rank pid -> its pull programs (word LIST_FLAG of this row)
-                publish_from_one_thread(tl.load(flag_bases_ptr + pid) + my_flag_row + (block_flag_cap - 1) * 8, epoch)
     # -- position programs: expert-major places of the top-k entries
     if EXPERT_MAJOR:
         first_position = first_copy
@@ -244,7 +246,7 @@ def _pull(pid, num_programs, epoch,
         rows_here = (my_base + fingerprint_half(fp_offset, epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64))
         rows_other = (my_base + fingerprint_half(fp_offset, 1 - epoch % 2, num_ranks)).to(tl.pointer_type(tl.int64))
         board_address = tl.load(board_bases_ptr + rank)
-        lists_seen = peers < 0  # sources whose list for this rank was acquired
+        lists_seen = tl.zeros([R_P2], tl.int64)  # per source: the list word acquired ((epoch << 32) | entries)
         gave_up = 0
     else:
         num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
@@ -278,12 +280,13 @@ def _pull(pid, num_programs, epoch,
         if OVERLAP:
             if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
                 gave_up = (tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch).to(tl.int32)
-            if INDEX:
-                if (gave_up == 0) & (tl.max(((peers == src) & lists_seen).to(tl.int32), axis=0) == 0):
+            if INDEX:  # the source's list, up to this item's entries (it grows as the source writes it)
+                listed = (epoch.to(tl.int64) << 32) | (end - src_start)
+                if (gave_up == 0) & (tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed):
                     gave_up = _wait_blocks(my_flags + peers * block_flag_cap + block_flag_cap - 1, peers == src, peers,
-                                           epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
+                                           listed, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
                                            call_tag, state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the list
-                    lists_seen |= peers == src
+                    lists_seen = tl.where(peers == src, listed, lists_seen)
                     tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the list
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
@@ -298,7 +301,7 @@ def _pull(pid, num_programs, epoch,
             if gave_up == 0:
                 block = tl.minimum(tl.where(move, srow // BLOCK_R, 0), block_flag_cap - 2)
                 gave_up = _wait_blocks(my_flags + src * block_flag_cap + block, move, tl.zeros([BLOCK_R], tl.int32) + src,
-                                       epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
+                                       epoch, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
                                        state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
             move &= gave_up == 0
             tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the rows
@@ -381,17 +384,17 @@ def _pull(pid, num_programs, epoch,
 
 
 @triton.jit
-def _wait_blocks(words, live, senders, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
-                 state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr):
+def _wait_blocks(words, live, senders, targets, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
+                 call_tag, state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr):
     """The overlapped pull's ACQUIRE of block flags (int64 pointers ``words``, lanes where ``live``,
-    written by rank ``senders[lane]``) >= ``epoch``. A sender that aborted, or is in another call of
+    written by rank ``senders[lane]``) >= ``targets`` (``epoch``, or a list's tagged count). A sender that aborted, or is in another call of
     this Buffer, ends its lanes' wait through its fingerprint row (``rows_here`` / ``rows_other``:
     this rank's rows of this call's half and the other one; the verdict then NaNs the output); one
     the call board shows in another call, or a timeout, is recorded in the mailbox, and GAVE_UP =
     ``epoch`` stops the launch's other programs. Returns 1 when this wait gave up, else 0."""
     row_words = sync.FP_ROW // 8
     _words, _waited, late, elsewhere = poll_from_senders(
-        words, live, senders, epoch, timeout_ns, rows_here + senders * row_words, rows_other + senders * row_words,
+        words, live, senders, targets, epoch, timeout_ns, rows_here + senders * row_words, rows_other + senders * row_words,
         fp0, fp1, board_address, call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
     peers = tl.arange(0, R_P2)
     of_peer = senders[:, None] == peers[None, :]  # [lanes, R_P2]
@@ -451,13 +454,15 @@ def ep_dispatch_pull(
 # ep_dispatch: stage and pull in one launch; grid = num_stage stage programs (the lowest program ids:
 # the hardware starts them first, so waiting pull programs never hold the SMs they need), then pull
 # programs. Block flags: this rank's row at a receiver, word b = the epoch whose block b of staged
-# rows (tokens [b * BLOCK_R, (b + 1) * BLOCK_R)) is there; its last word = the list for that receiver.
+# rows (tokens [b * BLOCK_R, (b + 1) * BLOCK_R)) is there; its last word = (epoch << 32) | how many
+# entries of the list for that receiver are written.
 #
 #   epoch = EPOCH_NORMAL + 1 (read by every program before the pull's last one stores it)
 #   stage programs:  the stage above, with a RELEASE per list (to its receiver) and per block of
 #                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
 #   pull program q, for each of its items (source s, one block of s's rows here):
-#       INDEX, s's first item: ACQUIRE block_flags[s][last] >= epoch (s's list for this rank)
+#       INDEX: ACQUIRE block_flags[s][last] >= (epoch << 32) | the item's last entry + 1 (s's list
+#           for this rank, as far as this item's rows)
 #       ACQUIRE block_flags[s][b] >= epoch for the blocks b its tokens were staged in (ascending:
 #           one or two; a timeout, or s on the call board in another call: reported, GAVE_UP =
 #           epoch, every program stops waiting)
