@@ -14,6 +14,7 @@ from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_
                           release_words, same_node)
 from ..sync import (arrive, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     poll_epochs_or_other_call, record_elsewhere, report_late)
+from .dispatch import peer_after
 
 
 # ====================================================================== combine
@@ -152,7 +153,7 @@ def ep_ll_combine(
         # items (local expert, home) with the homes rotated per rank: with fewer programs than ranks
         # the ranks still write to different homes at once (DESIGN's scale rule)
         for item in range(pid, num_local * num_ranks, num_programs):
-            _push_rows(item // num_ranks, (item + rank + 1) % num_ranks, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
+            _push_rows(item // num_ranks, peer_after(item, rank, num_ranks), x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr,
                        num_ranks, rank, max_tokens, multiple(x_words, 2, True), half_offset, combine_offset,
                        stage_offset, ranks_per_node, BLOCK_W, REMOTE)
         if REMOTE:

@@ -21,6 +21,23 @@ LL_PULL_MESSAGES = 4
 
 # ====================================================================== dispatch
 @triton.jit
+def peer_after(i, me, n):
+    """The ``i``-th of ``n`` ranks in a walk that starts on the one after ``me``: ``(me + 1 + i) % n``
+    (DESIGN's scale rule; gpu/normal/two_level/channels.py walks its hops the same way). A
+    bijection of ``0..n-1`` for each ``me``, and at each ``i`` the ranks are all on different
+    peers: a rank-order walk would have put every rank on peer ``i`` at once."""
+    return (me + 1 + i) % n
+
+
+@triton.jit
+def expert_after(walk, rank, num_local, num_ranks):
+    """The expert at place ``walk`` of ``rank``'s walk over all experts: the experts of the rank
+    after it first (:func:`peer_after`), each rank's in ascending order. A bijection of the
+    experts, so a loop over ``walk`` still takes each expert once."""
+    return peer_after(walk // num_local, rank, num_ranks) * num_local + walk % num_local
+
+
+@triton.jit
 def _pack_words(values, N: tl.constexpr, PER_WORD: tl.constexpr):
     """[N] int8 (PER_WORD=8) or int16 (PER_WORD=4) → [N / PER_WORD] int64, little-endian: peer
     addresses come from a table, so byte-wide remote stores would cost 8x the instructions."""
@@ -117,12 +134,16 @@ def _publish_counts(epoch, counter_ptr, mask_ptr, bases_ptr, state_ptr, num_expe
                     counts_offset, half, ranks_per_node, spare_word, BLOCK_E: tl.constexpr, REMOTE: tl.constexpr):
     """Run by the program arriving last, so every message of this call, and the fingerprint, has
     been stored (acquired through the arrivals; puts completed before each arrival): RELEASE each
-    expert's count, tagged with the epoch, to the expert's rank; reset the counters."""
+    expert's count, tagged with the epoch, to the expert's rank; reset the counters. Experts go
+    BLOCK_E at a time, from the first expert of the rank after this one (:func:`expert_after`): with
+    more experts than BLOCK_E the ranks' last arrivers release to different ranks first, instead of
+    all to rank 0 (whose receivers would start while rank R - 1's still wait)."""
     tl.store(state_ptr + sync.EPOCH_LL_DISPATCH, epoch)
     tl.store(state_ptr + sync.LL_DISPATCH_HALF_EPOCH + half, epoch)
     for start in range(0, num_experts, BLOCK_E):
-        e = start + tl.arange(0, BLOCK_E)
-        in_e = e < num_experts
+        walk = start + tl.arange(0, BLOCK_E)  # place in this rank's walk; e: the expert there
+        in_e = walk < num_experts
+        e = expert_after(walk, rank, num_local, num_experts // num_local)
         n = tl.load(counter_ptr + e, mask=in_e, other=0)
         # Small E leaves each element replicated over several threads: all of them must have
         # read the count before any resets it.

@@ -25,14 +25,30 @@ def channel_range(prefix_row, c):
 
 
 @triton.jit
+def peer_after(i, me, n):
+    """The ``i``-th of ``n`` peers in a walk that starts on the one after ``me``: ``(me + 1 + i) % n``
+    (DESIGN's scale rule). For each ``me`` it is a bijection of ``0..n-1``, and at each ``i`` the
+    ``n`` values of ``me`` give ``n`` different peers: where every rank took peer ``i`` at step ``i``
+    (a rank-order walk), all of them loaded one GPU's links at once while the others idled."""
+    return (me + 1 + i) % n
+
+
+@triton.jit
 def hop2_program(peer_bases_ptr, rank, ranks_per_node):
-    """Program (s, c) of a hop-2 kernel at d = (node, j): ``(s, c, j, m, base)`` — source s on node
-    m, and the NVLink base of s's forwarder on d's node, f = (node, local(s))."""
-    s = tl.program_id(0)
+    """Program (x, c) of a hop-2 kernel at d = (node, j): ``(s, c, j, m, base)`` — source s on node
+    m, and the NVLink base of s's forwarder on d's node, f = (node, local(s)). Programs take the
+    sources node by node (m = x // k) and, within a node, the forwarders from the one after d
+    (local(s) = :func:`peer_after` (x % k, j, k)): at every moment the node's k ranks read from (the
+    dispatch) or store into (the combine) k different forwarders, instead of all of them
+    forwarder (node, 0) first. Only which program takes a source changes: each (s, c) is still
+    taken by exactly one program, and writes the same rows."""
+    x = tl.program_id(0)
     c = tl.program_id(1)
     node = rank // ranks_per_node
-    forwarder = node * ranks_per_node + s % ranks_per_node
-    return s, c, rank % ranks_per_node, s // ranks_per_node, tl.load(peer_bases_ptr + forwarder)
+    j = rank % ranks_per_node
+    local = peer_after(x % ranks_per_node, j, ranks_per_node)
+    s = x - x % ranks_per_node + local
+    return s, c, j, s // ranks_per_node, tl.load(peer_bases_ptr + node * ranks_per_node + local)
 
 
 @triton.jit

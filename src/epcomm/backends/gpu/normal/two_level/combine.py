@@ -42,7 +42,8 @@ from ...copy import copy_rows, fill_nan, word_ptr
 from ...launch import KernelSpec
 from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ...reach.modes import FAR_LIBRARY
-from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
+from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
+                       peer_reach)
 
 
 # ====================================================================== at each receiving rank
@@ -52,7 +53,9 @@ from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, 
 # [rank_prefix_matrix[s - 1][d] + gbl_prefix[s][d][c - 1], ... + gbl_prefix[s][d][c]) of y.
 # Each goes to slot (area row, j) of forwarder f = (node, l) with plain NVLink stores; after a
 # CTA barrier the program RELEASEs f's flag [m][c][j] (st.release.sys: the stores are seen by
-# whoever acquires the flag). Every (s, c) program releases, with rows or without.
+# whoever acquires the flag). Every (s, c) program releases, with rows or without. Which program
+# takes which s (channels.hop2_program): the node's ranks store into k different forwarders at
+# once, each starting on the forwarder after itself.
 @triton.jit
 def ml_combine_push(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                     y_ptr: "*i64",  # [num_recv, H] bf16 expert outputs, dispatch order (8-byte aligned rows)
@@ -101,6 +104,10 @@ PUSH = KernelSpec(ml_combine_push)
 # go to rows [lo, hi) of block `node` of s's home area; put_signal SETs s's signal
 # [node][c] to epoch after them. When s is this rank (m == node), local stores and a RELEASE.
 # With several programs per (m, c), each takes a slice of the rows (channels.hand_off).
+# Programs (y * parts + part, c) take the home nodes from the one after this rank's,
+# m = peer_after(y, node, N): the forwarders of a rail deliver to N different homes at once
+# instead of all to node 0's first. The slots this program sums lie in this rank's own memory
+# (pushed there by the node's ranks), so their loads, and their sum's order, stay as they were.
 @triton.jit
 def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                        # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
@@ -123,10 +130,10 @@ def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/
                        K_P2: tl.constexpr, LOCAL_P2: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    m = tl.program_id(0) // parts
+    node = rank // ranks_per_node
+    m = peer_after(tl.program_id(0) // parts, node, num_ranks // ranks_per_node)  # the home's node
     part = tl.program_id(0) % parts
     c = tl.program_id(1)
-    node = rank // ranks_per_node
     local = rank % ranks_per_node
     s = m * ranks_per_node + local
     lanes = tl.arange(0, LOCAL_P2)

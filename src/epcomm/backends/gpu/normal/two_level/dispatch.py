@@ -23,7 +23,8 @@ from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from ...reach.modes import FAR_LIBRARY, far_deliver
-from .channels import SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_reach
+from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
+                       peer_reach)
 from .areas import MAX_CHANNELS
 
 # abort codes of a count row (gpu/agreement.py's numbering: raise_disagreement names the argument)
@@ -137,14 +138,16 @@ SEND_LAYOUT = KernelSpec(ml_dispatch_send_layout)
 # ====================================================================== count exchange
 # ml_notify_dispatch, protocol:
 #
-# Program p: put this rank's count row into row `rank` of rank p's table and SET p's signal
-# [rank] to epoch after it (put_signal: seeing the signal means seeing the row); ACQUIRE this
-# rank's signal [p] (bounded; a timeout is flagged for p in the mailbox). The program arriving
-# last owns the whole table: rank_prefix_matrix, then the receive counts into the host
-# mailbox and, last, the sequence number with a release — the host polls that word. A row
-# whose abort word is set (ml_dispatch_send_layout: its caller's counts did not match its routing) is
-# recorded in the mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank
-# sees every row, so every rank's host raises EPInputError naming the argument.
+# Program i, for rank p = peer_after(i, rank, R) (the walk starts on the rank after this one, so
+# the ranks' first puts go to R different ranks, not all to rank 0): put this rank's count row
+# into row `rank` of rank p's table and SET p's signal [rank] to epoch after it (put_signal:
+# seeing the signal means seeing the row); ACQUIRE this rank's signal [p] (bounded; a timeout
+# is flagged for p in the mailbox). The program arriving last owns the whole table:
+# rank_prefix_matrix, then the receive counts into the host mailbox and, last, the sequence
+# number with a release — the host polls that word. A row whose abort word is set
+# (ml_dispatch_send_layout: its caller's counts did not match its routing) is recorded in the
+# mailbox like a disagreement (gpu/sync.py check_fingerprints): every rank sees every row, so
+# every rank's host raises EPInputError naming the argument.
 @triton.jit
 def ml_notify_dispatch(
         # this call's state word, and the workspaces (gpu/reach maps them)
@@ -165,7 +168,7 @@ def ml_notify_dispatch(
         REMOTE: tl.constexpr, R_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
-    p = tl.program_id(0)
+    p = peer_after(tl.program_id(0), rank, num_ranks)  # every rank once, from the one after this one
     far_deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
                     signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE)
     peers = tl.arange(0, R_P2)
@@ -212,18 +215,20 @@ NOTIFY = KernelSpec(ml_notify_dispatch, **FAR_LIBRARY)
 # ====================================================================== hop 1: send
 # ml_dispatch_send, protocol:
 #
-# Program (c * parts + part, n): slice `part` of the rows of channel c for node n (rows
-# [lo, hi) of this rank's block there), packed (x, scales, top-k, source index, in-node mask)
-# and delivered to the forwarder (n, local). Another node: packed into this rank's send area,
-# then put — one far_deliver when the channel is one program (the rows land before
-# it SETs the forwarder's signal [this node][c] to epoch); with several, each program puts its
-# slice and completes it (quiet) before it arrives, and the last to arrive SETs the signal, so
-# the signal still follows every byte. The forwarder's node peers ACQUIRE that word before
-# reading the rows (ml_dispatch_forward). This node: this rank is the forwarder; the rows go
-# straight into its receive area and the program (the last to arrive) RELEASEs the signal
-# itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the same hand-off). A
-# forwarder on another node whose workspace is mapped here (p2p: NVLink) is written the same
-# way, through the mapping: no staging copy, no put.
+# Program (c * parts + part, y): slice `part` of the rows of channel c for node
+# n = peer_after(y, node, N) (rows [lo, hi) of this rank's block there; the nodes in turn from
+# the one after this rank's, so the ranks of a rail start on N different forwarders instead of
+# all on node 0's, and this node's own block, a local copy, comes last), packed (x, scales,
+# top-k, source index, in-node mask) and delivered to the forwarder (n, local). Another node:
+# packed into this rank's send area, then put — one far_deliver when the channel is one program
+# (the rows land before it SETs the forwarder's signal [this node][c] to epoch); with several,
+# each program puts its slice and completes it (quiet) before it arrives, and the last to arrive
+# SETs the signal, so the signal still follows every byte. The forwarder's node peers ACQUIRE
+# that word before reading the rows (ml_dispatch_forward). This node: this rank is the
+# forwarder; the rows go straight into its receive area and the program (the last to arrive)
+# RELEASEs the signal itself (st.release.sys after a CTA barrier / the arrival's acq_rel: the
+# same hand-off). A forwarder on another node whose workspace is mapped here (p2p: NVLink) is
+# written the same way, through the mapping: no staging copy, no put.
 @triton.jit
 def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                      # [R] int64: each rank's workspace mapped here (0: not mapped, another host)
@@ -258,9 +263,9 @@ def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sy
     pid = tl.program_id(0)
     c = pid // parts
     part = pid % parts
-    n = tl.program_id(1)
     node = rank // ranks_per_node
     local = rank % ranks_per_node
+    n = peer_after(tl.program_id(1), node, num_ranks // ranks_per_node)  # destination node
     lo, hi = channel_range(meta_ptr + rank * meta_len + rdma_prefix_at + n * num_channels, c)
     slice_lo, slice_hi = part_rows(lo, hi, part, parts)
     block_start = node_block_start(meta_ptr, meta_len, per_node_at, node, n, local, ranks_per_node)
@@ -314,7 +319,9 @@ SEND = KernelSpec(ml_dispatch_send, **FAR_LIBRARY)
 # timeout those rows are NaN instead: no plausible data):
 # exactly the one-level dispatch's order (hierarchy.py). For the combine (combine.py) each
 # received row keeps its row in the forwarder's area, and the forwarder (j == l) keeps the
-# in-node mask of each row of its own area.
+# in-node mask of each row of its own area. Which program takes which s (channels.hop2_program):
+# node by node, and within a node the forwarders from the one after d, so the node's ranks load
+# from k different forwarders at once; the rows each (s, c) writes do not depend on it.
 @triton.jit
 def ml_dispatch_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sync.py call_failed)
                         peer_bases_ptr: "*i64",  # [R] int64: each rank's symmetric base over NVLink (this node's ranks)

@@ -38,7 +38,7 @@ from ...launch import KernelSpec
 from ...sync import (ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere,
                      report_late)
 from ...reach.modes import FAR_LIBRARY, far_complete, far_deliver, post_call_any
-from .channels import SIGNAL_STRIDE
+from .channels import SIGNAL_STRIDE, peer_after
 
 
 @triton.jit
@@ -64,15 +64,17 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (where gpu
                   board_bases_ptr,  # [R] int64: each rank's call board (gpu/call_board.py)
                   call_tag,  # this call's number and Buffer on the board (0: not posted, not checked)
                   REMOTE: tl.constexpr, R_P2: tl.constexpr):
-    # Program p: deliver (fp0, fp1, epoch) to row `rank` of p's step rows (the epoch word is the
-    # put's signal: seeing it means seeing the words), then ACQUIRE row p of this rank's step rows
-    # (bounded: a late rank is flagged in the mailbox) and compare its words with this call's
-    # (a mismatch is recorded in the mailbox; the host raises). The kernel ends when every rank
+    # Program i, for rank p = peer_after(i, rank, R) (from the rank after this one: the ranks'
+    # first puts go to R different ranks, not all to rank 0): deliver (fp0, fp1, epoch) to row
+    # `rank` of p's step rows (the epoch word is the put's signal: seeing it means seeing the
+    # words), then ACQUIRE row p of this rank's step rows (bounded: a late rank is flagged in the
+    # mailbox) and compare its words with this call's (a mismatch is recorded in the mailbox; the
+    # host raises). The kernel ends when every rank
     # has posted step `epoch` — after its kernels of the previous call. Program 0 also posts the
     # call on every rank's call board; a rank p the board shows in another call (another Buffer's,
     # or a call this rank skipped) ends the wait for it and fails the call like a mismatch.
-    p = tl.program_id(0)
-    if p == 0:
+    p = peer_after(tl.program_id(0), rank, num_ranks)
+    if tl.program_id(0) == 0:
         post_call_any(board_bases_ptr, rank, num_ranks, call_tag, fp0, 1, R_P2, REMOTE)
     _post_step_row(workspace, step_rows_offset, fingerprint_offset, peer_bases_ptr, fp0, fp1, epoch, rank, p,
                    REMOTE)
