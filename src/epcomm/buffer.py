@@ -156,6 +156,8 @@ class Buffer(RankMasking, LowLatencyCalls):
                                        self.low_latency_mode, self.timeout, ranks_per_node,
                                        allow_nvlink_for_low_latency_mode, self.enable_shrink, self.tuning)
         self._capped_configs = {}  # Config -> the same with num_sms capped (ranks sharing a GPU)
+        # argument shapes that passed their checks (checks.ShapeCache): a call of a known shape skips them
+        self._checked_dispatches, self._checked_layouts = checks.ShapeCache(), checks.ShapeCache()
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -372,11 +374,24 @@ class Buffer(RankMasking, LowLatencyCalls):
         """
         self._check_alive()
         try:
-            checks.check_num_experts(num_experts, self.group_size)
-            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
+            key = checks.layout_key(topk_idx, num_experts)
+            try:
+                checked = key in self._checked_layouts  # the shape checks in full once per shape (checks.ShapeCache)
+            except TypeError:
+                checked = False
+            if not checked:
+                checks.check_num_experts(num_experts, self.group_size)
+                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, check_values=self._check_values)
+                self._checked_layouts.remember(key)
+            elif self._check_values:
+                checks.check_topk_values("topk_idx", topk_idx, num_experts)
         except EPInputError as err:
             self._rejected_layout = err  # the next collective call stands in for the skipped one
             raise
+        if previous_event is None and not async_finish:  # on the caller's stream: no scope to enter (events.py)
+            per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts,
+                                                                                         self.ranks_per_node)
+            return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(None)
         with self._stream_scope(previous_event, async_finish, (topk_idx,)) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts,
                                                                                          self.ranks_per_node)
@@ -426,61 +441,41 @@ class Buffer(RankMasking, LowLatencyCalls):
         """
         self._start_call("dispatch")
         try:
-            R = self.group_size
-            # FP8 scales of any 4-byte dtype, width and strides, as float32 words the backends copy
-            num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
+            # Shape checks run in full once per distinct argument shape (checks.ShapeCache); the
+            # handle's checks and the value checks run on every call.
+            payload = None
+            if isinstance(x, (tuple, list)):  # FP8 scales of any 4-byte dtype, width and strides, as float32 words
+                num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
+            key = checks.dispatch_key(handle is not None, x if payload is None else ("fp8", num_tokens),
+                                      num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+            try:
+                checked = key in self._checked_dispatches
+            except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
+                checked = False
+            if payload is None:
+                if checked:  # a bf16 tensor: the payload is x itself
+                    num_tokens, hidden = x.shape
+                    is_fp8 = False
+                else:
+                    num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
             config = self._resolve_config(config, Buffer.get_dispatch_config)
-            checks.check_int("expert_alignment", expert_alignment, minimum=1)
-            checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+            if not checked:  # (with the value checks in their place: the first failing check names the argument)
+                self._check_dispatch_arguments(num_tokens, handle is None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                               is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                               expert_alignment, num_worst_tokens)
+                self._checked_dispatches.remember(key)
+            elif handle is None and self._check_values:
+                self._check_dispatch_values(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                            num_tokens_per_expert, topk_idx)
             if handle is not None:
-                checks.check_dispatch_handle(handle, R)
-                if not (num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
-                        and num_tokens_per_expert is None and topk_idx is None and topk_weights is None):
-                    for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
-                                        ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
-                                        ("is_token_in_rank", is_token_in_rank),
-                                        ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                                        ("topk_weights", topk_weights)):
-                        if value is not None:
-                            raise EPInputError(name, "must be None in cached mode (a handle was given)")
-                if expert_major and handle.expert_major is None:
-                    raise EPInputError("expert_major", "this handle comes from a plain dispatch; a cached dispatch "
-                                                       "returns the layout of the dispatch that made the handle")
-                if handle.is_token_in_rank.shape[0] != num_tokens:
-                    raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
-            else:
-                for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                    ("num_tokens_per_expert", num_tokens_per_expert)):
-                    if value is None:
-                        raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
-                checks.check_rows(num_tokens, "x", topk_idx=topk_idx, topk_weights=topk_weights,
-                                  is_token_in_rank=is_token_in_rank)
-                checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
-                checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=self.device)
-                checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
-                if num_tokens_per_rdma_rank is not None:
-                    checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
-                                        shape=(self.num_nodes,), device=self.device)
-                num_experts = num_tokens_per_expert.numel()
-                if num_experts == 0 or num_experts % R:
-                    raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
-                if (topk_idx is None) != (topk_weights is None):
-                    raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
-                                       "topk_idx and topk_weights must be given together")
-                if topk_idx is not None:
-                    checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
-                                          check_values=self._check_values)
-                    checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
-                if self._check_values:
-                    checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R,
-                                                num_tokens_per_rdma_rank, self.ranks_per_node)
-                if expert_major and (topk_idx is None or num_worst_tokens):
-                    raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
-            args = DispatchArgs(x=payload.x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
-                                is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
-                                topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
-                                num_worst_tokens=num_worst_tokens, config=config,
-                                expert_major=expert_major or (handle is not None and handle.expert_major is not None))
+                self._check_cached_dispatch(handle, num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_major)
+            elif expert_major and (topk_idx is None or num_worst_tokens):
+                raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
+            args = DispatchArgs(x if payload is None else payload.x, handle, num_tokens_per_rank, is_token_in_rank,
+                                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                expert_major or (handle is not None and handle.expert_major is not None))
             self._backend.check_dispatch(args)
         except EPInputError as err:
             self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
@@ -489,25 +484,103 @@ class Buffer(RankMasking, LowLatencyCalls):
             self._backend.agree("dispatch", (("x", "fp8" if is_fp8 else "bf16"), ("hidden", hidden),
                                              ("handle", handle is not None), ("topk_idx", topk_idx is not None),
                                              ("num_topk", None if topk_idx is None else topk_idx.shape[1]),
-                                             ("num_tokens_per_expert", None if handle is not None else num_experts),
+                                             ("num_tokens_per_expert",
+                                              None if handle is not None else num_tokens_per_expert.numel()),
                                              ("num_worst_tokens", num_worst_tokens > 0)))
-        inputs = payload.tensors + (topk_idx, topk_weights, is_token_in_rank)
-        with self._stream_scope(previous_event, async_finish, inputs) as scope:
-            result = self._backend.dispatch(args)
-            recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
+        if previous_event is None and not async_finish:  # on the caller's stream: no scope to enter (events.py)
+            return self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, config) + \
+                (EventOverlap(None),)
+        with self._stream_scope(previous_event, async_finish, ((x,) if payload is None else payload.tensors) +
+                                (topk_idx, topk_weights, is_token_in_rank)) as scope:
+            outputs = self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, config)
+            scope.keep(*outputs[:3])
+        return outputs + (scope.event_overlap(),)
+
+    def _dispatch_outputs(self, result, payload, handle: Optional[DispatchHandle], expert_major, config: Config) -> tuple:
+        """The backend's DispatchResult as :meth:`dispatch` returns it, less the event: FP8 scales in
+        the caller's format, the handle laid out as DeepEP's, the expert-major rows where the backend
+        does not build them."""
+        recv_x, recv_topk_idx, recv_topk_weights = result.recv_x, result.recv_topk_idx, result.recv_topk_weights
+        if payload is not None:
             recv_x = payload.restore(recv_x)  # the caller's scale dtype and width, row-major
-            counts = result.num_recv_tokens_per_expert_list
-            out_handle = result.handle.laid_out(self.rank, self.ranks_per_node, config.num_sms // 2)  # DeepEP's fields
-            if not self._backend.native_expert_major:  # re-laid here from the plain rows
-                if expert_major:
-                    mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)
-                    recv_x = self._backend.expand_expert_major(recv_x, mapping)
-                    recv_topk_idx, recv_topk_weights = mapping.row_experts, mapping.row_weights
-                    out_handle = out_handle._replace(expert_major=mapping)
-                elif handle is not None and handle.expert_major is not None:
-                    recv_x = self._backend.expand_expert_major(recv_x, handle.expert_major)
-            scope.keep(recv_x, recv_topk_idx, recv_topk_weights)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, out_handle, scope.event_overlap()
+        counts = result.num_recv_tokens_per_expert_list
+        out_handle = result.handle.laid_out(self.rank, self.ranks_per_node, config.num_sms // 2)  # DeepEP's fields
+        if not self._backend.native_expert_major:  # re-laid here from the plain rows
+            if expert_major:
+                mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)
+                recv_x = self._backend.expand_expert_major(recv_x, mapping)
+                recv_topk_idx, recv_topk_weights = mapping.row_experts, mapping.row_weights
+                out_handle = out_handle._replace(expert_major=mapping)
+            elif handle is not None and handle.expert_major is not None:
+                recv_x = self._backend.expand_expert_major(recv_x, handle.expert_major)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, out_handle
+
+    def _check_dispatch_arguments(self, num_tokens: int, full: bool, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                  is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                  num_worst_tokens) -> None:
+        """:meth:`dispatch`'s argument checks in full, in the order that decides which argument an
+        invalid call names (``x`` is checked already; a cached dispatch's handle apart): the shape
+        checks, which a key of the arguments' metadata covers (checks.dispatch_key), and with
+        ``check_values`` the value checks in their place."""
+        checks.check_int("expert_alignment", expert_alignment, minimum=1)
+        checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if not full:
+            return
+        R = self.group_size
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert)):
+            if value is None:
+                raise EPInputError(name, "is required unless a handle is given (use get_dispatch_layout)")
+        checks.check_rows(num_tokens, "x", topk_idx=topk_idx, topk_weights=topk_weights,
+                          is_token_in_rank=is_token_in_rank)
+        checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=self.device)
+        checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R),
+                            device=self.device)
+        checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=self.device)
+        if num_tokens_per_rdma_rank is not None:
+            checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
+                                shape=(self.num_nodes,), device=self.device)
+        num_experts = num_tokens_per_expert.numel()
+        if num_experts == 0 or num_experts % R:
+            raise EPInputError("num_tokens_per_expert", f"length {num_experts} is not a positive multiple of the group size {R}")
+        if (topk_idx is None) != (topk_weights is None):
+            raise EPInputError("topk_weights" if topk_weights is None else "topk_idx",
+                               "topk_idx and topk_weights must be given together")
+        if topk_idx is not None:
+            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                  check_values=self._check_values)
+            checks.check_topk_weights("topk_weights", topk_weights, (num_tokens, topk_idx.shape[1]), self.device)
+        if self._check_values:
+            checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, R,
+                                        num_tokens_per_rdma_rank, self.ranks_per_node)
+
+    def _check_dispatch_values(self, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert, topk_idx) -> None:
+        """``check_values``: the value checks of a full dispatch whose shapes passed before (they read
+        the tensors: a host synchronisation on CUDA)."""
+        if topk_idx is not None:
+            checks.check_topk_values("topk_idx", topk_idx, num_tokens_per_expert.shape[0])
+        checks.check_routing_counts(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                    self.group_size, num_tokens_per_rdma_rank, self.ranks_per_node)
+
+    def _check_cached_dispatch(self, handle, num_tokens: int, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                               is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_major) -> None:
+        """A cached dispatch's checks of its handle (on every call: they read the handle)."""
+        checks.check_dispatch_handle(handle, self.group_size)
+        if not (num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
+                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None):
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                                ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
+                                ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                if value is not None:
+                    raise EPInputError(name, "must be None in cached mode (a handle was given)")
+        if expert_major and handle.expert_major is None:
+            raise EPInputError("expert_major", "this handle comes from a plain dispatch; a cached dispatch "
+                                               "returns the layout of the dispatch that made the handle")
+        if handle.is_token_in_rank.shape[0] != num_tokens:
+            raise EPInputError("x", f"has {num_tokens} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

@@ -92,11 +92,83 @@ def check_topk_idx(name: str, topk_idx: torch.Tensor, num_experts: int, device: 
     check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
     if check_values is None:
         check_values = value_checks_enabled(topk_idx.device)
-    if check_values and topk_idx.numel():
+    if check_values:
+        check_topk_values(name, topk_idx, num_experts)
+    return topk_idx
+
+
+def check_topk_values(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """The range part of :func:`check_topk_idx` alone (reads the values: a host sync on CUDA)."""
+    if topk_idx.numel():
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             raise EPInputError(name, f"values must lie in [-1, {num_experts}), got range [{low}, {high}]")
-    return topk_idx
+
+
+# ---------------------------------------------------------------------- checks once per shape
+# A call's shape checks depend only on each argument's metadata (class, dtype, shape, device,
+# contiguity) and on its plain int arguments. Buffer keeps the keys of the argument sets that passed
+# (ShapeCache) and runs the checks in full only for a key it has not seen; value checks, and checks
+# of objects a key does not describe (a handle), run on every call.
+SHAPE_CACHE_SIZE = 64  # distinct argument shapes remembered per Buffer and call (then it starts again)
+
+
+class ShapeCache(set):
+    """Keys (:func:`dispatch_key`, :func:`layout_key`) of argument sets whose shape checks passed.
+    A lookup is ``key in cache`` (a plain set; None, no key, is never added), in a ``try`` where a
+    key may not hash (an argument of the wrong kind: it never passed the checks)."""
+
+    __slots__ = ()
+
+    def remember(self, key) -> None:
+        if key is None:
+            return
+        if len(self) >= SHAPE_CACHE_SIZE:
+            self.clear()
+        try:
+            self.add(key)
+        except TypeError:
+            pass
+
+
+def dispatch_key(cached: bool, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> Optional[tuple]:
+    """What Buffer.dispatch's shape checks of these arguments depend on: whether a handle was given
+    (``cached``: the checks differ), each tensor's class, dtype, shape, device and contiguity (None
+    for None), and the two ints with their types. ``x``: the bf16 tensor, or a tuple standing for an
+    FP8 pair (DispatchPayload checks the pair on every call). None where an argument has no such
+    attributes (the checks then run, and raise)."""
+    try:
+        return (cached, x if x.__class__ is tuple else (x.__class__, x.dtype, x.shape, x.device, x.is_contiguous()),
+                expert_alignment.__class__, expert_alignment, num_worst_tokens.__class__, num_worst_tokens,
+                None if num_tokens_per_rank is None else (
+                    num_tokens_per_rank.__class__, num_tokens_per_rank.dtype, num_tokens_per_rank.shape,
+                    num_tokens_per_rank.device, num_tokens_per_rank.is_contiguous()),
+                None if num_tokens_per_rdma_rank is None else (
+                    num_tokens_per_rdma_rank.__class__, num_tokens_per_rdma_rank.dtype, num_tokens_per_rdma_rank.shape,
+                    num_tokens_per_rdma_rank.device, num_tokens_per_rdma_rank.is_contiguous()),
+                None if is_token_in_rank is None else (
+                    is_token_in_rank.__class__, is_token_in_rank.dtype, is_token_in_rank.shape, is_token_in_rank.device,
+                    is_token_in_rank.is_contiguous()),
+                None if num_tokens_per_expert is None else (
+                    num_tokens_per_expert.__class__, num_tokens_per_expert.dtype, num_tokens_per_expert.shape,
+                    num_tokens_per_expert.device, num_tokens_per_expert.is_contiguous()),
+                None if topk_idx is None else (
+                    topk_idx.__class__, topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous()),
+                None if topk_weights is None else (
+                    topk_weights.__class__, topk_weights.dtype, topk_weights.shape, topk_weights.device,
+                    topk_weights.is_contiguous()))
+    except (AttributeError, TypeError):
+        return None
+
+
+def layout_key(topk_idx, num_experts) -> Optional[tuple]:
+    """What get_dispatch_layout's shape checks depend on (:func:`dispatch_key`'s rules)."""
+    try:
+        return (topk_idx.__class__, topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(),
+                num_experts.__class__, num_experts)
+    except (AttributeError, TypeError):
+        return None
 
 
 def check_routing_counts(num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
@@ -208,10 +280,10 @@ def check_dispatch_handle(handle, num_ranks: int):
     another Buffer would otherwise reach the exchange with the wrong split sizes."""
     if not isinstance(handle, DispatchHandle):
         raise EPInputError("handle", f"must be a DispatchHandle from a normal-mode dispatch, got {type(handle).__name__}")
-    prefix, in_rank = handle.rank_prefix_matrix, handle.is_token_in_rank
-    if tuple(prefix.shape) != (num_ranks, num_ranks) or in_rank.dim() != 2 or in_rank.shape[1] != num_ranks:
-        raise EPInputError("handle", f"was made by a Buffer of {prefix.shape[0]} ranks (rank_prefix_matrix "
-                                     f"{list(prefix.shape)}); this Buffer's group has {num_ranks}")
+    prefix, in_rank = handle.rank_prefix_matrix.shape, handle.is_token_in_rank.shape
+    if prefix != (num_ranks, num_ranks) or len(in_rank) != 2 or in_rank[1] != num_ranks:
+        raise EPInputError("handle", f"was made by a Buffer of {prefix[0]} ranks (rank_prefix_matrix "
+                                     f"{list(prefix)}); this Buffer's group has {num_ranks}")
     return handle
 
 

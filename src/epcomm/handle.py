@@ -115,7 +115,7 @@ class DispatchHandle(Sequence):
         self.rank = rank
         self.ranks_per_node = ranks_per_node
         self.num_channels = num_channels
-        self._derived = {}
+        self._derived = None  # DeepEP fields computed on first read (_field)
 
     def laid_out(self, rank: int, ranks_per_node: int, num_channels: int) -> "DispatchHandle":
         """Record where this handle was made (Buffer calls it on every dispatch's handle): it is
@@ -161,6 +161,8 @@ class DispatchHandle(Sequence):
     def _field(self, name: str):
         if name in self._fields:
             return getattr(self, name)
+        if self._derived is None:
+            self._derived = {}
         if name not in self._derived:
             self._derived[name] = self._derive(name)
         return self._derived[name]

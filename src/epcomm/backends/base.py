@@ -19,7 +19,7 @@ from ..types import Payload
 
 
 
-@dataclass
+@dataclass(slots=True)  # (built on every dispatch: Buffer passes the fields by position, which costs less)
 class DispatchArgs:
     """A validated normal-mode dispatch. In cached mode ``handle`` is set and the routing fields are None."""
 
@@ -37,7 +37,7 @@ class DispatchArgs:
     plan: object = None  # what the backend's check_dispatch worked out for this call (its own type)
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchResult:
     recv_x: Payload
     recv_topk_idx: Optional[torch.Tensor]

@@ -1,0 +1,77 @@
+"""Test bodies for the argument checks kept per shape (checks.ShapeCache), run on every rank of a
+WorkerPool: after a valid call, a call of the same shapes with a bad argument is still rejected."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm.testing.sweeps import make_routing, world
+
+NUM_EXPERTS = 8
+
+
+def _inputs(R: int, rank: int):
+    xs, topks, weights = make_routing(3, "uniform", R, NUM_EXPERTS, 2, 6, 256, fixed_tokens=6)
+    return xs[rank], topks[rank], weights[rank]
+
+
+def _full(buffer, default_x, topk, w, **override):
+    """A valid full dispatch with some arguments replaced by ``override``."""
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, NUM_EXPERTS)
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk, topk_weights=w)
+    kwargs.update(override)
+    return buffer.dispatch(kwargs.pop("x", default_x), **kwargs)
+
+
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values and shape, column-major (not contiguous)."""
+    return t.t().contiguous().t()
+
+
+# rule: (argument the error must name, the bad call (buffer, x, topk, w, handle)), each made after valid
+# calls of the same shapes (full, cached and layout)
+RULES = {
+    "dispatch_weights_not_contiguous": ("topk_weights", lambda b, x, t, w, h: _full(b, x, t, w, topk_weights=_non_contiguous(w))),
+    "dispatch_topk_not_contiguous": ("topk_idx", lambda b, x, t, w, h: _full(b, x, t, w, topk_idx=_non_contiguous(t))),
+    "dispatch_per_rank_dtype": ("num_tokens_per_rank", lambda b, x, t, w, h: _full(
+        b, x, t, w, num_tokens_per_rank=b.get_dispatch_layout(t, NUM_EXPERTS)[0].long())),
+    "dispatch_per_rank_list": ("num_tokens_per_rank", lambda b, x, t, w, h: _full(
+        b, x, t, w, num_tokens_per_rank=b.get_dispatch_layout(t, NUM_EXPERTS)[0].tolist())),
+    "dispatch_x_other_device": ("x", lambda b, x, t, w, h: _full(b, x, t, w, x=x.to("meta"))),
+    "dispatch_x_dtype": ("x", lambda b, x, t, w, h: _full(b, x, t, w, x=x.half())),
+    "dispatch_topk_values": ("topk_idx", lambda b, x, t, w, h: _full(b, x, t, w, topk_idx=t * 0 + 99)),
+    "dispatch_counts_values": ("num_tokens_per_expert", lambda b, x, t, w, h: _full(
+        b, x, t, w, num_tokens_per_expert=b.get_dispatch_layout(t, NUM_EXPERTS)[2] + 1)),
+    "dispatch_alignment_zero": ("expert_alignment", lambda b, x, t, w, h: _full(b, x, t, w, expert_alignment=0)),
+    "dispatch_alignment_bool": ("expert_alignment", lambda b, x, t, w, h: _full(b, x, t, w, expert_alignment=True)),
+    "dispatch_worst_tokens_float": ("num_worst_tokens", lambda b, x, t, w, h: _full(b, x, t, w, num_worst_tokens=0.0)),
+    "dispatch_without_layout_after_cached": ("num_tokens_per_rank", lambda b, x, t, w, h: b.dispatch(x)),
+    "dispatch_cached_with_topk": ("topk_idx", lambda b, x, t, w, h: b.dispatch(x, handle=h, topk_idx=t)),
+    "dispatch_cached_other_handle_kind": ("handle", lambda b, x, t, w, h: b.dispatch(x, handle=tuple(h))),
+    "layout_topk_values": ("topk_idx", lambda b, x, t, w, h: b.get_dispatch_layout(t + NUM_EXPERTS, NUM_EXPERTS)),
+    "layout_topk_not_contiguous": ("topk_idx", lambda b, x, t, w, h: b.get_dispatch_layout(_non_contiguous(t),
+                                                                                           NUM_EXPERTS)),
+    "layout_num_experts_float": ("num_experts", lambda b, x, t, w, h: b.get_dispatch_layout(t, float(NUM_EXPERTS))),
+}
+
+
+def rejected_after_valid_calls(rule: str):
+    """Valid full, cached and layout calls, then ``rule``'s bad call of the same shapes; returns the
+    argument its EPInputError named (None: it was accepted), after a valid call that still works."""
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    x, topk, w = _inputs(R, rank)
+    handle = _full(buffer, x, topk, w)[4]
+    buffer.dispatch(x, handle=handle)
+    buffer.get_dispatch_layout(topk, NUM_EXPERTS)
+    _, call = RULES[rule]
+    named = None
+    try:
+        call(buffer, x, topk, w, handle)
+    except epcomm.EPInputError as err:
+        named = err.argument
+    out = _full(buffer, x, topk, w)  # still usable
+    buffer.combine(out[0], out[4])
+    return named

@@ -1,0 +1,54 @@
+"""Argument checks kept per shape (checks.ShapeCache in Buffer.dispatch and get_dispatch_layout): a
+bad argument is still rejected after a valid call of the same shapes, naming the argument."""
+import pytest
+import torch
+
+import shape_cache_cases
+from epcomm import checks
+
+
+@pytest.mark.parametrize("rule", sorted(shape_cache_cases.RULES))
+def test_rejected_after_a_valid_call(pools, rule):
+    expected, _ = shape_cache_cases.RULES[rule]
+    assert pools.get(2).run(shape_cache_cases.rejected_after_valid_calls, rule) == [expected, expected]
+
+
+def _key(**override):
+    x, per_rank, in_rank = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), \
+        torch.zeros(4, 2, dtype=torch.bool)
+    args = dict(cached=False, x=x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=None,
+                is_token_in_rank=in_rank, num_tokens_per_expert=torch.zeros(8, dtype=torch.int32),
+                topk_idx=torch.zeros(4, 2, dtype=torch.int64), topk_weights=torch.zeros(4, 2),
+                expert_alignment=1, num_worst_tokens=0)
+    args.update(override)
+    return checks.dispatch_key(**args)
+
+
+def test_dispatch_key_tells_apart_what_the_checks_read():
+    base = _key()
+    assert base == _key() and hash(base) == hash(_key())
+    others = [_key(cached=True), _key(x=torch.zeros(4, 8, dtype=torch.float16)), _key(x=torch.zeros(5, 8, dtype=torch.bfloat16)),
+              _key(x=torch.zeros(8, 4, dtype=torch.bfloat16).t()), _key(x=torch.zeros(4, 8, dtype=torch.bfloat16, device="meta")),
+              _key(x=torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)),
+              _key(topk_idx=None, topk_weights=None), _key(num_tokens_per_rdma_rank=torch.zeros(1, dtype=torch.int32)),
+              _key(expert_alignment=True), _key(expert_alignment=2), _key(num_worst_tokens=0.0)]
+    assert all(other is not None and other != base for other in others)
+    # the weights where the ids were (and none there) is another key, not a shifted copy of one
+    assert _key(topk_idx=None) != _key(topk_weights=None)
+
+
+def test_dispatch_key_of_arguments_without_metadata_is_none():
+    assert _key(num_tokens_per_rank=[1, 2]) is None and _key(x=3) is None
+    assert checks.layout_key([[0, 1]], 8) is None
+
+
+def test_shape_cache_is_bounded_and_takes_no_none():
+    cache = checks.ShapeCache()
+    cache.remember(None)
+    assert len(cache) == 0
+    for i in range(checks.SHAPE_CACHE_SIZE + 5):
+        cache.remember(("key", i))
+    assert 0 < len(cache) <= checks.SHAPE_CACHE_SIZE and ("key", checks.SHAPE_CACHE_SIZE + 4) in cache
+    cache.remember(("unhashable", []))  # (never a key of a valid call: ignored)
+    with pytest.raises(TypeError):
+        ("unhashable", []) in cache
