@@ -1,12 +1,19 @@
 """Where the host time of each call goes (rank 0): primitive costs, then each call split into its
-front end (Buffer), the backend's glue and its kernel launches.
+front end (Buffer), the backend's glue and its kernel launches; the full dispatch (top-k, BF16)
+split by timestamps into front end, glue, launches and the host's wait for the count exchange, and
+its host time over a cached dispatch's of the same shape.
 
-Run on a GPU machine: ``python3 scripts/profile_host.py [tokens]``. Host cost is the risk of a
-Python design (docs/PERFORMANCE.md); this shows which Python lines a call spends it on.
+Run on a GPU machine: ``python3 scripts/profile_host.py [tokens]`` (``--full-only``: only the full
+dispatch's part, seconds). ``--cpu-front``: no GPU, the Buffer front end alone on the CPU (a stub
+backend that returns ready results), for changes to buffer.py / checks.py. Host cost is the risk
+of a Python design (docs/PERFORMANCE.md); this shows which Python lines a call spends it on.
 """
+import argparse
 import os
+import statistics
 import sys
 import time
+import timeit
 
 import torch
 import torch.distributed as dist
@@ -95,7 +102,117 @@ def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
     return {name: min(t) for name, t in times.items()}, tensors
 
 
-def profile_rank(tokens: int):
+SPLIT = ("total", "front", "pre", "launch", "glue<", "wait", "glue>", "handle")
+
+
+def _full_dispatch_split(buf, call, calls: int, synced: bool, burst: int = 40):
+    """One full dispatch (``call``) split by timestamps (perf_counter_ns) into ``SPLIT``, median µs per
+    call over ``calls`` calls: total = Buffer.dispatch; front = what runs before and after the
+    backend's ``normal.dispatch`` (Buffer's checks, the backend's check_dispatch, the handle laid
+    out); pre = the backend's code before its first launch (the notify's outputs); launch = every
+    kernel launch (their number: the launches column); glue< = the rest before the wait for the
+    count exchange (the stage's arguments); wait = inside HostMailbox.wait_notify (the host polling
+    pinned memory for the notify's counts); glue> = the rest after it (the outputs, the pull's
+    arguments); handle = PullState, DispatchHandle and DispatchResult built. Wrappers patched at
+    this level, not in the library; each costs ~0.2 µs, which lands in its neighbours' columns.
+    ``synced``: the GPU drained before each call (not timed); else bursts of ``burst`` back to back."""
+    from epcomm.backends.gpu.launch import BoundKernel
+    clock = time.perf_counter_ns
+    backend = buf._backend
+    normal, mailbox = backend.normal, backend.mailbox
+    module = sys.modules[type(normal).__module__]
+    events = []  # (kind, start ns, end ns) of the call being timed
+
+    def timed(kind, fn):
+        def wrapper(*args, **kwargs):
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                events.append((kind, start, clock()))
+        return wrapper
+    originals = {"launch": BoundKernel.launch, "launch_resident": BoundKernel.launch_resident}
+    built = [name for name in ("PullState", "DispatchHandle", "DispatchResult") if hasattr(module, name)]
+    saved = {name: getattr(module, name) for name in built}
+    BoundKernel.launch = timed("launch", originals["launch"])
+    BoundKernel.launch_resident = timed("launch", originals["launch_resident"])
+    normal.dispatch = timed("backend", normal.dispatch)  # (an instance attribute: the class keeps its own)
+    mailbox.wait_notify = timed("wait", mailbox.wait_notify)
+    for name in built:
+        setattr(module, name, timed("handle", saved[name]))
+    rows, launches = [], 0
+    try:
+        for i in range(calls + burst):
+            if synced or i % burst == 0:
+                torch.cuda.synchronize()
+            events.clear()
+            start = clock()
+            call()
+            end = clock()
+            if i < burst:  # warm-up
+                continue
+            (_, b_start, b_end), = [e for e in events if e[0] == "backend"]
+            spans = {kind: [(s, e) for k, s, e in events if k == kind] for kind in ("launch", "wait", "handle")}
+            launch = sum(e - s for s, e in spans["launch"])
+            wait = sum(e - s for s, e in spans["wait"])
+            wait_start = spans["wait"][0][0] if spans["wait"] else b_end
+            pre = (spans["launch"][0][0] if spans["launch"] else b_end) - b_start
+            before = wait_start - b_start - pre - sum(e - s for s, e in spans["launch"] if s < wait_start)
+            handle = sum(e - s for s, e in spans["handle"])
+            after = (b_end - b_start) - pre - launch - wait - before - handle
+            rows.append((end - start, (b_start - start) + (end - b_end), pre, launch, before, wait, after, handle))
+            launches = len(spans["launch"])
+    finally:
+        BoundKernel.launch, BoundKernel.launch_resident = originals["launch"], originals["launch_resident"]
+        del normal.dispatch, mailbox.wait_notify
+        for name in built:
+            setattr(module, name, saved[name])
+    torch.cuda.synchronize()
+    return [statistics.median(column) / 1e3 for column in zip(*rows)], launches
+
+
+def _plain_us(fns: dict, rounds: int = 12, burst: int = 40, synced_calls: int = 200):
+    """µs per call of each of ``fns``, uninstrumented: back to back (least over bursts of ``burst``,
+    the calls' bursts interleaved: a shared host drifts) and after a sync (median of single calls)."""
+    b2b = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(burst):
+                fn()
+            b2b[name].append((time.perf_counter() - started) / burst * 1e6)
+    synced = {name: [] for name in fns}
+    for _ in range(synced_calls):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            synced[name].append((time.perf_counter() - started) * 1e6)
+    torch.cuda.synchronize()
+    return {name: (min(b2b[name]), statistics.median(synced[name])) for name in fns}
+
+
+def _full_dispatch_report(buf, full, cached, calls: int):
+    """The full dispatch's split (both regimes) and its host time over a cached dispatch's."""
+    full(), cached()
+    plain = _plain_us({"full": full, "cached": cached})
+    report = [f"\nfull dispatch (top-k, BF16), µs per call, median; {type(buf._backend.normal).__name__}; "
+              f"columns: _full_dispatch_split's docstring",
+              f"  {'regime':<13}" + "".join(f"{name:>8}" for name in SPLIT) + "  launches  plain"]
+    for regime, synced in (("back to back", False), ("after a sync", True)):
+        split, launches = _full_dispatch_split(buf, full, calls, synced)
+        plain_us = plain["full"][1 if synced else 0]
+        report.append(f"  {regime:<13}" + "".join(f"{v:8.1f}" for v in split) + f"  {launches:8d}  {plain_us:5.1f}")
+    (full_b2b, full_synced), (cached_b2b, cached_synced) = plain["full"], plain["cached"]
+    report.append(f"  uninstrumented: full {full_b2b:.1f} / {full_synced:.1f}, cached {cached_b2b:.1f} / "
+                  f"{cached_synced:.1f} (back to back, least of bursts / after a sync, median); "
+                  f"full - cached {full_b2b - cached_b2b:.1f} / {full_synced - cached_synced:.1f} "
+                  f"(DeepEP V1, issue: ~40-42)")
+    return report
+
+
+def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400):
     import epcomm
     from epcomm import checks
     from epcomm.backends.gpu import mailbox
@@ -111,8 +228,16 @@ def profile_rank(tokens: int):
     buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 30)
     cfg = epcomm.Config(24, 8, 256)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg)
+
+    def full():
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                            topk_idx=topk, topk_weights=w, config=cfg)
+    recv, _, _, _, handle, _ = full()
+    # (before the low-latency Buffer exists: one Buffer on the group, as in `epcomm bench normal`)
+    full_report = _full_dispatch_report(buf, full, lambda: buf.dispatch(x, handle=handle, config=cfg), split_calls)
+    if full_only:
+        buf.destroy()
+        return "\n".join(full_report)
     x8 = per_token_cast_to_fp8(x)
     handle8 = buf.dispatch(x8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg)[4]
@@ -177,6 +302,7 @@ def profile_rank(tokens: int):
             continue
         report.append(f"  {name:<22} {full:6.1f} {full - backend:6.1f} {backend:8.1f} {backend - launches:6.1f} "
                       f"{launches:9.1f} {count:2d}")
+    report += full_report
     report.append("\nthe same launches, arguments as given / tensors as int addresses, interleaved (µs per call):")
     for name, (times, tensors) in paths.items():
         report.append(f"  {name:<22} tensor arguments per launch {tensors}: " +
@@ -186,7 +312,93 @@ def profile_rank(tokens: int):
     return "\n".join(report)
 
 
-if __name__ == "__main__":
+def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
+    """The Buffer front end alone on the CPU: a one-rank gloo group, a stub backend that returns
+    ready results (its own cost shown apart), value checks off as on the GPU fast path. µs per call,
+    the least of ``rounds`` timeit runs of ``number`` calls."""
+    import epcomm
+    from epcomm.backends.base import DispatchArgs, DispatchResult
+    from epcomm.fp8 import per_token_cast_to_fp8
+    from epcomm.handle import DispatchHandle
+    T, H, K, E = tokens, 7168, 8, 256
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    buf = epcomm.Buffer(dist.group.WORLD, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    topk = (torch.randn(T, E, generator=g).abs() + 1).topk(K, dim=-1).indices
+    w = torch.rand(T, K, generator=g)
+    x8 = per_token_cast_to_fp8(x)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    prefix, src_idx = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
+    recv_topk, recv_w = torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
+
+    class Stub:  # what Buffer reads of a backend; dispatch builds a handle and a result as the GPU's does
+        needs_resync, resync_generation, agrees, native_expert_major, max_num_sms = False, 0, False, True, 0
+
+        def raise_pending(self):
+            pass
+
+        def agree(self, *args):
+            pass
+
+        def check_dispatch(self, args):
+            pass
+
+        def dispatch(self, args):
+            full = args.handle is None
+            handle = DispatchHandle(prefix, src_idx, in_rank, T, T, None, None)
+            return DispatchResult(args.x, recv_topk if full else None, recv_w if full else None, [T] if full else None,
+                                  handle)
+
+        def dispatch_layout(self, topk_idx, num_experts, ranks_per_node):
+            return per_rank, None, per_expert, in_rank
+    stub = buf._backend = Stub()
+    buf._check_values = False
+    cfg = epcomm.Config(24, 8, 256)
+    handle = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w, config=cfg)[4]
+    args = DispatchArgs(x=x, handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, expert_alignment=1,
+                        num_worst_tokens=0, config=cfg)
+    rows = {
+        "dispatch, full (top-k)": lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                       topk_weights=w, config=cfg),
+        "dispatch, full (top-k), FP8": lambda: buf.dispatch(x8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                            num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                            topk_weights=w, config=cfg),
+        "dispatch, cached": lambda: buf.dispatch(x, handle=handle, config=cfg),
+        "get_dispatch_layout": lambda: buf.get_dispatch_layout(topk, E),
+        "  stub dispatch (in the rows above)": lambda: stub.dispatch(args),
+        "  DispatchArgs(...)": lambda: DispatchArgs(x=x, handle=None, num_tokens_per_rank=per_rank,
+                                                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                   topk_idx=topk, topk_weights=w, expert_alignment=1,
+                                                   num_worst_tokens=0, config=cfg),
+        "  check_tensor": lambda: epcomm.checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(T, None),
+                                                            device=buf.device),
+    }
+    report = [f"Buffer front end on the CPU (stub backend, T={T}), µs per call:"]
+    for name, fn in rows.items():
+        fn()
+        report.append(f"  {name:<36} {min(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6:6.2f}")
+    dist.destroy_process_group()
+    return "\n".join(report)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tokens", nargs="?", type=int, default=512, help="tokens per rank (default 512)")
+    parser.add_argument("--full-only", action="store_true", help="only the full dispatch's split and full - cached")
+    parser.add_argument("--split-calls", type=int, default=400, help="timed calls per regime of the full split")
+    parser.add_argument("--cpu-front", action="store_true", help="no GPU: the Buffer front end with a stub backend")
+    options = parser.parse_args(argv)
+    if options.cpu_front:
+        print(_cpu_front(options.tokens))
+        return
     from epcomm.testing import run_distributed
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 512
-    print(run_distributed(profile_rank, torch.cuda.device_count(), tokens, backend="nccl", timeout_s=600)[0])
+    print(run_distributed(profile_rank, torch.cuda.device_count(), options.tokens, options.full_only,
+                          options.split_calls, backend="nccl", timeout_s=600)[0])
+
+
+if __name__ == "__main__":
+    main()
