@@ -93,7 +93,7 @@ COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsiste
 SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
 ARRIVE_RECEIVE = 16  # arrival counter of the receiving programs of one launch: the overlapped combine's
 # reduce, the overlapped dispatch's pull (one_node/combine.py, dispatch.py; never both at once: stream order)
-GAVE_UP = 17  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop waiting)
+GAVE_UP = tl.constexpr(17)  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop)
 NUM_STATE_WORDS = 18
 
 
@@ -121,6 +121,22 @@ def call_failed(failed_ptr, epoch):
 def now_ns():
     """%globaltimer: a nanosecond clock shared by all SMs (used only to bound waits)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def uniform_now(lanes):
+    """:func:`now_ns` as one value in every thread of the program: the latest of the threads'
+    readings, through a reduction over ``lanes`` (any tensor of the caller's lane shape)."""
+    return tl.max(tl.zeros_like(lanes).to(tl.int64) + now_ns(), axis=0)
+
+
+@triton.jit
+def gave_up_here(state_ptr, epoch, lanes):
+    """1 when a program of this launch gave up a wait of the call of ``epoch`` (state word GAVE_UP),
+    else 0 — one value in every thread (read through ``lanes``, then reduced: a scalar load per
+    thread could see the word change between threads and split the program's control flow)."""
+    seen = tl.load(state_ptr + GAVE_UP + tl.zeros_like(lanes).to(tl.int32), volatile=True)
+    return tl.max((seen == epoch).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -353,10 +369,15 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     Waiting for such a sender would last the whole timeout. The rows and the board are looked at
     only after ``ROW_CHECK_NS`` of waiting, and then every ``ROW_CHECK_NS``: a wait that ends in
     time costs nothing more. Returns ``(words, waited_ns, late, elsewhere)``; neither kind of
-    lane is late."""
-    start = now_ns()
-    deadline = start + timeout_ns
+    lane is late.
+
+    The clock is read as one value for the whole program (:func:`uniform_now`): each thread reads
+    its own ``%globaltimer``, and where the lanes are spread over the warps (the overlapped
+    dispatch waits on a block of rows) threads that disagree about the deadline would leave the
+    loop at different turns, and the loop's cross-warp reductions would then pair up wrongly."""
     addresses = word_ptrs.to(tl.int64)
+    start = uniform_now(addresses)
+    deadline = start + timeout_ns
     words = load_acquire_sys(addresses)
     ready = ((words >> EPOCH_SHIFT) >= targets) | (live == 0)
     waited = tl.zeros_like(words)
@@ -365,7 +386,7 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     check_at = start + ROW_CHECK_NS
     while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
         fresh = load_acquire_sys(addresses)
-        now = now_ns()
+        now = uniform_now(addresses)
         arrived = ((fresh >> EPOCH_SHIFT) >= targets) & (ready == 0)
         words = tl.where(arrived, fresh, words)
         waited = tl.where(arrived, now - start, waited)

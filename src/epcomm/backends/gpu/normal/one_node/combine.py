@@ -21,7 +21,7 @@ from ...agreement import acquire_and_agree
 from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (arrive, fingerprint_half, mailbox_words, now_ns, poll_epochs,
+from ...sync import (arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs,
                      poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -332,7 +332,7 @@ def ep_combine(
             last_block = tl.max(tl.where(present, block, -1), axis=0)
             needed = last_block >= 0
             if gave_up == 0:
-                gave_up = (tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch).to(tl.int32)
+                gave_up = gave_up_here(state_ptr, epoch, tokens)
             for which in tl.static_range(2):
                 if gave_up == 0:
                     b = tl.where(needed, first_block if which == 0 else last_block, 0)

@@ -21,7 +21,7 @@ from ... import agreement, sync
 from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (arrive, fingerprint_half, mailbox_words, now_ns, poll_epochs, poll_from_senders,
+from ...sync import (arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs, poll_from_senders,
                      post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
                      publish_to_peers_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
@@ -279,7 +279,7 @@ def _pull(pid, num_programs, epoch,
         staged = tl.load(normal_bases_ptr + src) + half_offset
         if OVERLAP:
             if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
-                gave_up = (tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch).to(tl.int32)
+                gave_up = gave_up_here(state_ptr, epoch, rows)
             if INDEX:  # the source's list, up to this item's entries (it grows as the source writes it)
                 listed = (epoch.to(tl.int64) << 32) | (end - src_start)
                 if (gave_up == 0) & (tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed):
