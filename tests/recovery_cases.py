@@ -89,3 +89,38 @@ def gpu_recovery(case: str, timeout: float = 10.0):
         payload = epcomm.per_token_cast_to_fp8(x)
     first = _outcome(lambda: buffer.dispatch(payload, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E)))
     return first[:2], [normal_step(61), normal_step(62)]
+
+
+def gpu_host_stall_before_the_doorbell(timeout: float = 0.5):
+    """A full dispatch whose host thread stalls between its count wait and the doorbell longer than
+    the launch waits for it (2 x timeout; mailbox.py, ring): the call raises EPTimeoutError saying
+    so (its outputs were never written), and the next call matches the reference. Returns ``(what
+    the stalled call raised, the next call matched)``."""
+    import time
+
+    from epcomm.testing import reference_dispatch
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, K, T, H = 4 * R, 2, 64, 256
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, backend="nvlink", timeout=timeout)
+    xs, topks, ws = make_routing(3, "uniform", R, E, K, T, H, fixed_tokens=T)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+    mailbox = buffer._backend.mailbox
+    ring = mailbox.ring
+
+    def stalled_ring(sequence, *args):
+        time.sleep(3 * timeout)
+        return ring(sequence, *args)
+    mailbox.ring = stalled_ring
+    try:
+        buffer.dispatch(x, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E))
+        torch.cuda.synchronize()
+        first = "no error"
+    except epcomm.EPTimeoutError as err:
+        first = "EPTimeoutError" if "allocate its outputs" in str(err) else str(err)
+    finally:
+        del mailbox.ring  # (the instance attribute: the class's ring again)
+    recv_x = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E))[0]
+    matched = torch.equal(recv_x.cpu(), reference_dispatch(xs, topks, ws, E)[rank]["recv_x"])
+    buffer.destroy()
+    return first, matched

@@ -275,6 +275,13 @@ def test_kernel_names_and_default_device(gpu_pool):
             assert mine in allowed and other == 0, rows
 
 
+def test_a_host_stalled_before_the_doorbell_raises_and_the_next_call_matches(gpu_pool):
+    """A full dispatch launched before its count wait waits for the host's doorbell at most 2 x the
+    timeout: a host that rings go later raises (no unwritten rows returned), and the Buffer goes on."""
+    results = gpu_pool.run(recovery_cases.gpu_host_stall_before_the_doorbell)
+    assert results == [("EPTimeoutError", True)] * gpu_pool.world_size, results
+
+
 @needs_peers
 @pytest.mark.parametrize("case", recovery_cases.GPU_RECOVERY_CASES)
 def test_a_call_that_raised_everywhere_leaves_the_buffer_usable(gpu_pool, case):

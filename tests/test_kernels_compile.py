@@ -37,9 +37,10 @@ def _cases():
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, **copy), 16
     for (index, fp8, topk), al in itertools.product([(True, False, True), (True, True, True), (True, False, False),
                                                     (False, False, False), (False, True, False)], [False, True]):
+        # (DOORBELL: a full dispatch launched before the count wait; without, a num_worst_tokens one)
         yield N.STAGE_PULL, dict(INDEX=index, WRITE_LISTS=index, HAS_SCALES=fp8, HAS_TOPK=topk, LIST_BLOCK=1024,
                                  L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
-                                 TRACE=al and not fp8, **copy), 16
+                                 TRACE=al and not fp8, DOORBELL=index and (al or not topk), **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,

@@ -46,8 +46,8 @@ def _mode(monkeypatch, launches, expert_major=False):
 
 
 def _handle(num_tokens, max_tokens, expert_major=False):
-    state = M.PullState(torch.zeros(0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), max_tokens, 3)
-    state.addresses = tuple(range(1, 9))
+    state = M.PullState(torch.zeros(2, dtype=torch.int32), max_tokens, 3)
+    state.addresses = tuple(range(1, 8))
     mapping = types.SimpleNamespace(dest=torch.zeros(0, 2, dtype=torch.int32), row_weights=torch.zeros(0)) \
         if expert_major else None
     return types.SimpleNamespace(backend_state=state, is_token_in_rank=torch.zeros(num_tokens, R, dtype=torch.bool),

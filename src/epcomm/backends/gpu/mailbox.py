@@ -13,7 +13,7 @@ import triton.language as tl
 from ...errors import EPError, EPInputError, EPTimeoutError
 from . import agreement
 from .launch import KernelSpec
-from .sync import store_release_sys
+from .sync import DOORBELL_WORDS, store_release_sys
 
 SPIN_S = 200e-6  # host polls of the mailbox spin this long before they yield the GIL (wait_notify)
 
@@ -30,19 +30,24 @@ class HostMailbox:
         3R + 4            notify sequence number (written last, with a release)
         3R + 5, 3R + 6    notify: rows this rank receives, most tokens any rank sends
         3R + 7 ..         notify: per-local-expert receive counts (aligned)
+        D = 3R + 7 + L    the doorbell (written by the host, read by an overlapped full dispatch;
+                          :meth:`ring`): D the tag, D + 1 .. D + 6 the rows received and the
+                          outputs' addresses, D + 7 written by the device (a launch that stopped waiting)
     """
 
     def __init__(self, num_ranks: int, max_local_experts: int, pinned: bool = True):
         self.num_ranks = R = num_ranks
         self.max_local_experts = max_local_experts
         # pinned=False only for tests of the host logic on machines without CUDA
-        self.words = torch.zeros(3 * R + 7 + max_local_experts, dtype=torch.int64, device="cpu",
+        self._doorbell = 3 * R + 7 + max_local_experts
+        self.words = torch.zeros(self._doorbell + DOORBELL_WORDS, dtype=torch.int64, device="cpu",
                                  pin_memory=pinned)  # host memory whatever the default device
         self.view = self.words.numpy()
         self.address = self.words.data_ptr()
         self._agreement = R + 2
         self._notify = 3 * R + 4
         self.notify_address = self.address + 8 * self._notify
+        self.doorbell_address = self.address + 8 * self._doorbell
         self.sequence = 0  # notify sequence numbers handed out
         # Set when this rank raised EPInputError for a disagreement or aborted a call: the ranks'
         # signals are out of step until the backend's resync (collective), at the next call.
@@ -111,6 +116,25 @@ class HostMailbox:
                                              f"(the GPU may be stuck on earlier work)", [])
         self.raise_pending(rank, timeout_s)
         return int(view[index + 1]), int(view[index + 2]), view[index + 3:]
+
+    def ring(self, sequence: int, rank: int, timeout_s: float, num_rows: int = 0, addresses: tuple = ()) -> None:
+        """Ring the doorbell of the full dispatch of ``sequence``, whose launch is already waiting
+        (one_node/dispatch.py, ep_dispatch with DOORBELL): with ``addresses`` (recv_x, recv_scales,
+        recv_topk, recv_weights, recv_src_idx: int byte addresses) its pull programs go on and pull
+        ``num_rows`` rows into them; without, they stand down (the host pulls in turn, or raises).
+        The words first, then the tag (x86 keeps stores in order; the device's read of the tag is an
+        acquire). Then the device's word: a launch that stopped waiting before the tag landed wrote
+        ``sequence`` there first, so a go it missed raises here instead of returning rows nobody
+        wrote. (Python cannot fence between the tag's store and that load; the window is the store
+        buffer's drain, nanoseconds after a stall of 2 x ``timeout_s``.)"""
+        view, index = self.view, self._doorbell
+        if addresses:
+            view[index + 1:index + 2 + len(addresses)] = (num_rows,) + addresses
+        view[index] = 2 * sequence + (1 if addresses else 0)
+        if addresses and view[index + DOORBELL_WORDS - 1] == sequence:
+            raise EPTimeoutError(f"rank {rank}: the dispatch waited more than {2 * timeout_s:g} s for this process "
+                                 f"to allocate its outputs (the host thread stalled, e.g. in the caching "
+                                 f"allocator freeing memory); its outputs were not written")
 
 
 def check_host_mapping(mailbox: HostMailbox, device: torch.device) -> None:

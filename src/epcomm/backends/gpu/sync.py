@@ -94,7 +94,16 @@ SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
 ARRIVE_RECEIVE = 16  # arrival counter of the receiving programs of one launch: the overlapped combine's
 # reduce, the overlapped dispatch's pull (one_node/combine.py, dispatch.py; never both at once: stream order)
 GAVE_UP = tl.constexpr(17)  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop)
-NUM_STATE_WORDS = 18
+DOORBELL = tl.constexpr(18)  # (epoch << 2) | the answer to an overlapped dispatch's doorbell (await_doorbell),
+# then the doorbell's words 1 .. DOORBELL_WORDS - 2 (the outputs' addresses), copied from the host
+NUM_STATE_WORDS = 25
+
+# The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses
+# follow in words 1..DOORBELL_WORDS - 2) or 2 * sequence (cancel); the last word is the device's:
+# the sequence of a launch that stopped waiting. The answers a launch's pull programs agree on:
+RING_GO = tl.constexpr(1)
+RING_CANCEL = tl.constexpr(2)  # the host rang cancel, or (the host told: HostMailbox.ring) stopped waiting
+DOORBELL_WORDS = tl.constexpr(8)
 
 
 
@@ -312,6 +321,64 @@ def mailbox_words(mailbox_address, num_ranks):
     (layout: mailbox.py :class:`HostMailbox`)."""
     words = mailbox_address.to(tl.pointer_type(tl.int64))
     return words + 1, words + num_ranks + 1, words + num_ranks + 2, words + 3 * num_ranks + 4
+
+
+@triton.jit
+def await_doorbell(doorbell_address, sequence, epoch, state_ptr, timeout_ns, answers, mailbox_address, rank):
+    """A pull program of a full dispatch launched before the host's count wait (one_node/dispatch.py,
+    ep_dispatch with DOORBELL) waits for the host to ring the doorbell of ``sequence`` (host memory
+    at byte ``doorbell_address``; layout above, HostMailbox.ring). Returns ``(answer, words)``:
+    RING_GO or RING_CANCEL, the same in every program of the launch, and the doorbell's words
+    ([DOORBELL_WORDS] int64, lane i = word i), read after the ACQUIRE.
+
+    - One program answers for the launch (``answers``: the first pull program; the others start
+      after it): it polls the tag over PCIe, copies the words into the state words after DOORBELL
+      and RELEASEs ``(epoch << 2) | answer`` into DOORBELL (gpu scope); the others ACQUIRE that
+      word (L2, not PCIe). Programs that answered on their own could split the launch between
+      pulling and standing down.
+    - It gives up after ``timeout_ns`` (the host thread stalled; in practice the caching allocator
+      synchronising the device to free memory, which waits for this very launch): it writes
+      ``sequence`` into the doorbell's last word, runs ``fence.sc.sys`` and reads the tag once more.
+      The host writes the tag, then reads that word (HostMailbox.ring), so at least one side sees
+      the other's store: a host that rang go after the launch stood down raises.
+    - Another program's wait (3 x ``timeout_ns``) ends only if the answering program never ran: it
+      stands down, GAVE_UP = ``epoch`` (the verdict NaNs the rows others pulled), and the mailbox
+      gets a timeout for this rank (``mailbox_address``, ``rank``: the host raises at its next call)."""
+    lanes = tl.arange(0, DOORBELL_WORDS)
+    if answers:
+        host_words = doorbell_address.to(tl.pointer_type(tl.int64)) + lanes
+        target = sequence * 2
+        start = uniform_now(lanes)
+        # (every warp reads the tag; the reduction gives every thread the same value)
+        tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
+        now = start
+        while (tag < target) & (now - start < timeout_ns):
+            tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
+            now = uniform_now(lanes)
+        if tag < target:  # give up: say so where the host looks after ringing, and look once more
+            publish_from_one_thread(doorbell_address + (DOORBELL_WORDS - 1) * 8, sequence)
+            tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+            tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
+        answer = tl.where(tag == target + 1, RING_GO, RING_CANCEL).to(tl.int64)
+        # ACQUIRE: the tag's relaxed read, then a fence: the words the host wrote before it
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        words = tl.load(host_words, volatile=True)
+        tl.store(state_ptr + DOORBELL + lanes, words, mask=(lanes > 0) & (lanes < DOORBELL_WORDS - 1))
+        tl.debug_barrier()  # every thread's stores of the words precede the release
+        tl.atomic_xchg(state_ptr + DOORBELL, (epoch.to(tl.int64) << 2) | answer, sem="release", scope="gpu")
+    else:
+        seen, _waited, late = poll_epochs(state_ptr + DOORBELL + lanes * 0, lanes == 0, epoch, 3 * timeout_ns,
+                                          EPOCH_SHIFT=2)  # ACQUIRE: the answer and the words
+        tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the words
+        late_here = tl.max(late.to(tl.int32), axis=0) != 0
+        answer = tl.where(late_here, RING_CANCEL, tl.max(tl.where(lanes == 0, seen, 0), axis=0) & 3)
+        if late_here:  # (the answering program never ran): the host raises at its next call
+            tl.store(state_ptr + GAVE_UP, epoch)
+            timeouts = mailbox_address.to(tl.pointer_type(tl.int64)) + 1  # (mailbox_words' layout)
+            tl.store(timeouts + rank, 1)
+            tl.store(timeouts - 1, 1)  # the mailbox's "pending" word
+        words = tl.load(state_ptr + DOORBELL + lanes, volatile=True)
+    return answer, words
 
 
 @triton.jit

@@ -18,12 +18,13 @@ import triton
 import triton.language as tl
 
 from ... import agreement, sync
-from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, word_ptr
+from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs, poll_from_senders,
-                     post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
-                     publish_to_peers_from_one_thread, record_elsewhere, report_late, signal_peers)
+from ...sync import (DOORBELL_WORDS, RING_GO, arrive, await_doorbell, gave_up_here, fingerprint_half, mailbox_words,
+                     now_ns, poll_epochs, poll_from_senders, post_call_to_peers, post_fingerprint_to_peers,
+                     publish_from_one_thread, publish_to_peers_from_one_thread, record_elsewhere, report_late,
+                     signal_peers)
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -208,16 +209,16 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #   received rows are grouped by source in rank order (rank_prefix_matrix's column), source token
 #   order within; they are taken in blocks of one source, every source at once (schedule.py):
 #   for each block (src, rows [first, end)) of this program:
-#       INDEX:  token = src.lists[rank][r - start of src]  -> src_rank[r], src_idx[r]
+#       INDEX:  token = src.lists[rank][r - start of src]  -> src_idx[r]
 #               (a cached dispatch reads src_idx back instead)
 #       if token in [token_lo, token_hi):                 (this round's part of the source's batch)
 #           recv_x[r], recv_scales[r] <- src.half.x[token], src.half.scales[token]
 #           recv_topk[r] <- local expert id or -1 (weight 0 for other ranks' experts)
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
-#   rows past the received total (num_worst_tokens padding): src_rank, src_idx -1, top-k -1
+#   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
 @triton.jit
 def _pull(pid, num_programs, epoch,
-          prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+          prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
           table_ptr, dest_ptr,
           num_rows, token_lo, token_hi, x_words, num_scales, num_topk, expert_lo, num_local, num_em_rows,
           zero_padding,
@@ -291,7 +292,6 @@ def _pull(pid, num_programs, epoch,
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
             token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
-            tl.store(src_rank_ptr + rows, tl.zeros([BLOCK_R], tl.int32) + src, mask=in_out)
             tl.store(src_idx_ptr + rows, token, mask=in_out)
         else:
             token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
@@ -351,7 +351,6 @@ def _pull(pid, num_programs, epoch,
         for block in range(pid, tl.cdiv(num_rows - num_recv, BLOCK_R), num_programs):
             rows = num_recv + block * BLOCK_R + tl.arange(0, BLOCK_R)
             pad = rows < num_rows
-            tl.store(src_rank_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=pad)
             tl.store(src_idx_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=pad)
             if HAS_TOPK:
                 if not EXPERT_MAJOR:
@@ -413,7 +412,7 @@ def _wait_blocks(words, live, senders, targets, epoch, timeout_ns, rows_here, ro
 def ep_dispatch_pull(
         # the call's tensors: the notify's results in, the received rows out
         prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
-        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+        src_idx_ptr: "*i32",  # [N] int32 recv_src_idx: written with INDEX, read otherwise
         recv_x_ptr: "*i8",  # [N, x_bytes] bytes
         recv_scales_ptr: "*fp32",  # [N, S] float32
         recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32 (expert-major: [M])
@@ -440,7 +439,7 @@ def ep_dispatch_pull(
         TRACE: tl.constexpr, PIPELINE: tl.constexpr):
     # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
-          prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+          prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
           table_ptr, dest_ptr, num_rows, token_lo, token_hi, x_words, num_scales, num_topk, expert_lo, num_local,
           num_em_rows, zero_padding, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
@@ -460,6 +459,13 @@ def ep_dispatch_pull(
 #   epoch = EPOCH_NORMAL + 1 (read by every program before the pull's last one stores it)
 #   stage programs:  the stage above, with a RELEASE per list (to its receiver) and per block of
 #                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
+#   DOORBELL (a full dispatch launched before the host's count wait; the outputs do not exist yet):
+#       the first pull program polls the mailbox's doorbell (sync.await_doorbell; ACQUIRE) and
+#       hands the answer and the outputs' addresses to the others (RELEASE / ACQUIRE, state words)
+#       go:     num_rows and the outputs from the doorbell; the pull below
+#       cancel: (the group needs more rounds, or the host raised) the pull below with no rows:
+#               its last program still gives the verdict and stores the epoch, and the host pulls
+#               in turn after it (ep_dispatch_pull reads the epoch as its stage's)
 #   pull program q, for each of its items (source s, one block of s's rows here):
 #       INDEX: ACQUIRE block_flags[s][last] >= (epoch << 32) | the item's last entry + 1 (s's list
 #           for this rank, as far as this item's rows)
@@ -486,7 +492,7 @@ def ep_dispatch(
         list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
         per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
         prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
-        src_rank_ptr: "*i32", src_idx_ptr: "*i32",  # [N] int32: written with INDEX, read otherwise
+        src_idx_ptr: "*i32",  # [N] int32 recv_src_idx: written with INDEX, read otherwise
         recv_x_ptr: "*i8",  # [N, x_bytes] bytes
         recv_scales_ptr: "*fp32",  # [N, S] float32
         recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32
@@ -497,8 +503,9 @@ def ep_dispatch(
         rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
         half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
         topk_offset: "i64", topk_row_bytes: "i64", block_flags_offset: "i64", block_flag_cap: "i64",
-        # the host: its mailbox (sync.py), the timeout of a wait
-        mailbox_address: "i64", timeout_ns: "i64",
+        # the host: its mailbox (sync.py), the timeout of a wait; DOORBELL: the doorbell's address in
+        # the mailbox and the full dispatch's notify sequence number, which its tag carries
+        mailbox_address: "i64", timeout_ns: "i64", doorbell_address: "i64", sequence: "i64",
         # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
         fp_offset: "i64", fp0: "i64", fp1: "i64",
         board_bases_ptr: "*i64",  # [R] int64: each rank's call board
@@ -508,9 +515,10 @@ def ep_dispatch(
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-        OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr):
+        OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr, DOORBELL: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
+    # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_stage:
@@ -523,9 +531,20 @@ def ep_dispatch(
                HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
                EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True)
     else:
+        if DOORBELL:  # the rows and the outputs the host allocated after its count wait (none: cancel)
+            answer, words = await_doorbell(doorbell_address, sequence, epoch, state_ptr, 2 * timeout_ns,
+                                           pid == num_stage, mailbox_address, rank)
+            word = tl.arange(0, DOORBELL_WORDS)
+            go = answer == RING_GO
+            num_rows = tl.where(go, tl.sum(tl.where(word == 1, words, 0), axis=0), 0).to(tl.int32)
+            recv_x_ptr = ptr_at(tl.sum(tl.where(word == 2, words, 0), axis=0), tl.int8, OUT_ALIGNED)
+            recv_scales_ptr = ptr_at(tl.sum(tl.where(word == 3, words, 0), axis=0), tl.float32, False)
+            recv_topk_ptr = ptr_at(tl.sum(tl.where(word == 4, words, 0), axis=0), tl.int64, False)
+            recv_weights_ptr = ptr_at(tl.sum(tl.where(word == 5, words, 0), axis=0), tl.float32, False)
+            src_idx_ptr = ptr_at(tl.sum(tl.where(word == 6, words, 0), axis=0), tl.int32, False)
         # (a source's tokens are below the group's most tokens; the host keeps that within one round)
         _pull(pid - num_stage, tl.num_programs(0) - num_stage, epoch,
-              prefix_ptr, src_rank_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+              prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
               prefix_ptr, prefix_ptr, num_rows, 0, 1 << 30, x_words, num_scales, num_topk, rank * num_local,
               num_local, 0, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
               lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset,
@@ -535,6 +554,7 @@ def ep_dispatch(
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})
+# (DOORBELL: recv_x_ptr is a placeholder, the host passes an aligned one; the kernel marks the real one)
 
 
 @triton.jit

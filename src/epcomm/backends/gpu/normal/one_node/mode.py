@@ -36,16 +36,15 @@ REDUCE_PROGRAMS_PER_SM = 3
 class PullState:
     """What the one-node backend keeps in ``DispatchHandle.backend_state``."""
 
-    recv_src_rank: torch.Tensor  # [N] int32 source (home) rank of each received row, -1 = padding
-    recv_info: torch.Tensor  # [2] int32 device: rows received, most tokens any rank sends
+    # [T * R + 2] int32 device: the list index ([T, R]: each token's index in the list of each rank
+    # it went to; the overlapped combine's reduce finds by it which pushed block holds a token's
+    # row), then recv_info ([2]: rows received, most tokens any rank sends)
+    index_info: torch.Tensor
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
     expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify_dispatch)
-    list_index: Optional[torch.Tensor] = None  # [T, R] int32: each token's index in the list of each rank it went to
-    # Addresses of the handle's tensors the kernels read, in this order: rank_prefix_matrix,
-    # recv_info, recv_src_rank, recv_src_idx, expert table, expert-major dest, is_token_in_rank,
-    # list index ([T, R] int32: each token's index in the list of each rank it went to; the
-    # overlapped combine's reduce finds by it which pushed block holds a token's row).
+    # Addresses of what the kernels read, in this order: rank_prefix_matrix, recv_info,
+    # recv_src_idx, expert table, expert-major dest, is_token_in_rank, list index.
     # Launch arguments are addresses, not tensors: Triton's launcher asks the driver about each tensor.
     addresses: tuple = ()
 
@@ -70,7 +69,7 @@ class DispatchPlan:
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
     # stage and pull in one launch (dispatch.py, ep_dispatch; one round, plain layout), or None:
-    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2) -> a full dispatch's (lists written and read)
+    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2, DOORBELL) -> a full dispatch's (lists written, read)
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
@@ -223,11 +222,11 @@ class NormalMode:
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
                                       EXPERT_MAJOR=expert_major, **meta, **schedule),
                             None if expert_major or pipeline else Specialisations(
-                                STAGE_PULL, ["ALIGNED", "L_P2"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
+                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
                                 LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped),
                             agreement.pack(call=agreement.CALL_DISPATCH, **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
@@ -267,7 +266,7 @@ class NormalMode:
         is_fp8 = x.__class__ is tuple
         x, scales = x if is_fp8 else (x, x)
         x, x_aligned = for_word_copies(x)
-        num_tokens, hidden = x.shape
+        num_tokens = x.shape[0]
         plan = args.plan if args.plan is not None else self._dispatch_plan_of(args)
         num_topk = plan.num_topk
         mapping = handle.expert_major if cached else None
@@ -276,6 +275,10 @@ class NormalMode:
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
         board, tag = self.seat.bases_address, self.seat.tag()  # this call on the group's call board
         expert_major = plan.expert_major
+        num_sms = args.config.num_sms
+        if expert_major:
+            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
+        received = None  # the outputs, where the doorbell needed them before the launches below
 
         if cached:
             state: PullState = handle.backend_state
@@ -291,9 +294,12 @@ class NormalMode:
         else:
             num_experts = num_local * R
             prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
-            recv_info = torch.empty(2, dtype=torch.int32, device=dev)
+            # list_index ([T, R]) and recv_info ([2]) in one allocation: the kernels take addresses
+            index_info = torch.empty(num_tokens * R + 2, dtype=torch.int32, device=dev)
+            list_index = index_info.data_ptr()
+            recv_info = list_index + 4 * num_tokens * R
             table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
-            list_index = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
+            prefix_address, in_rank = prefix.data_ptr(), args.is_token_in_rank.data_ptr()
             mailbox = b.mailbox
             sequence = mailbox.next_sequence()
             fp0, fp1 = plan.fingerprint_full
@@ -301,64 +307,67 @@ class NormalMode:
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
             NOTIFY_BOUND[self.R_P2].launch(
                 R, 1, stream,
-                args.num_tokens_per_rank, args.num_tokens_per_expert, prefix, recv_info, table,  # counts
+                args.num_tokens_per_rank, args.num_tokens_per_expert, prefix_address, recv_info,
+                table.data_ptr(),  # counts
                 num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
                 rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
                 mailbox.address, sequence, b.timeout_ns,  # host
                 self.fingerprints, fp0, fp1, board, tag)  # identity
-            # In turn, round 0 is staged before the host waits for the counts: the copy overlaps the
-            # wait. In one launch (known only after the wait: it needs the group's most tokens) the
-            # stage and the pull overlap each other instead.
+            # Round 0 is staged during the host's count wait. In one launch with the pull where this
+            # rank's batch allows (the group's is known only after the wait): the launch goes now, and
+            # its pull programs wait for the doorbell the host rings after the wait with the outputs'
+            # addresses — or with a cancel, when the group needs rounds (mailbox.py, ring).
+            # num_worst_tokens: every size is known now, so no wait and no doorbell.
+            worst = args.num_worst_tokens > 0
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
-            if not may_overlap:
+            overlapped = worst and may_overlap and self._one_launch(plan, -1)
+            doorbell = not worst and may_overlap and self._one_launch(plan, num_tokens)
+            if doorbell:
+                self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
+                                          (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
+            elif not overlapped:
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
-                            list_index.data_ptr())
-            if args.num_worst_tokens == 0:
-                num_rows, max_tokens, per_expert = mailbox.wait_notify(sequence, rank, b.timeout_s)
-                counts_list = per_expert[:num_local].tolist()
-            else:
-                num_rows, max_tokens, counts_list = args.num_worst_tokens, -1, []
-            overlapped = may_overlap and self._one_launch(plan, max_tokens)
-            if may_overlap and not overlapped:
-                self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
-                            list_index.data_ptr())
-            src_rank = torch.empty(num_rows, dtype=torch.int32, device=dev)
-            src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
-            state = PullState(src_rank, recv_info, max_tokens, sequence, table if expert_major else None, list_index)
+                            list_index)
+            rung = not doorbell
+            try:
+                if worst:
+                    num_rows, max_tokens, counts = args.num_worst_tokens, -1, None
+                else:
+                    num_rows, max_tokens, counts = mailbox.wait_notify(sequence, rank, b.timeout_s)
+                src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
+                if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
+                    received = self._outputs(plan, x, is_fp8, num_rows, None)
+                    mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
+                    rung = overlapped = True
+            finally:
+                if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
+                    mailbox.ring(sequence, rank, b.timeout_s)
+            counts_list = [] if counts is None else counts[:num_local].tolist()
+            state = PullState(index_info, max_tokens, sequence, table if expert_major else None)
             if expert_major:
                 mapping = ExpertMajor(torch.empty((num_rows, num_topk), dtype=torch.int32, device=dev),
                                       torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
                                       torch.empty(sum(counts_list), dtype=torch.float32, device=dev),
                                       sum(counts_list), counts_list)
-            state.addresses = (prefix.data_ptr(), recv_info.data_ptr(), src_rank.data_ptr(), src_idx.data_ptr(),
-                               table.data_ptr(), (mapping.dest if expert_major else prefix).data_ptr(),
-                               args.is_token_in_rank.data_ptr(), list_index.data_ptr())
+            state.addresses = (prefix_address, recv_info, src_idx.data_ptr(), table.data_ptr(),
+                               (mapping.dest if expert_major else prefix).data_ptr(), in_rank, list_index)
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
-        out_rows = mapping.num_rows if expert_major else num_rows
-        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
-        recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else recv_x
-        if expert_major:
-            recv_topk, recv_weights = mapping.row_experts, mapping.row_weights
-        elif num_topk:
-            recv_topk = torch.empty((num_rows, num_topk), dtype=torch.int64, device=dev)
-            recv_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=dev)
-        else:
-            recv_topk = recv_weights = recv_x
-        prefix_address, _, src_rank_address, src_idx_address, table_address, dest_address, _, _ = state.addresses
-        recv_x_address = recv_x.data_ptr()
-        outputs = (recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
-                   recv_topk.data_ptr() if num_topk else recv_x_address,
-                   recv_weights.data_ptr() if num_topk else recv_x_address)
-        num_local_rows = len(mapping.group_sizes) if expert_major else num_local
-        num_sms = args.config.num_sms
-        if expert_major:
-            num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
-        pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        if received is None:
+            received = self._outputs(plan, x, is_fp8, num_rows, mapping)
+            if overlapped:  # (rung above: the doorbell's launch is already pulling)
+                prefix_address, _, src_idx_address, _, _, in_rank, list_index = state.addresses
+                self._dispatch_overlapped(plan, args, x, x_aligned, scales,
+                                          (prefix_address, src_idx_address, in_rank, list_index), received[4],
+                                          num_rows, stream, fp0, fp1, tag,
+                                          max(1, min(num_sms, cdiv(num_rows, plan.block_r))))
+        recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
-            self._dispatch_overlapped(plan, args, x, x_aligned, scales, num_rows, cached, state, outputs, stream, fp0,
-                                      fp1, tag, pull_programs)
             num_rounds = 0
+        prefix_address, _, src_idx_address, table_address, dest_address, _, _ = state.addresses
+        out_rows = recv_x.shape[0]
+        num_local_rows = len(mapping.group_sizes) if expert_major else num_local
+        pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:  # (round 0 was staged above, in both kinds of dispatch)
@@ -366,7 +375,7 @@ class NormalMode:
             # Launched even with no rows: its wait is what makes the next call's writes safe (sync.py).
             (plan.pull_index if not cached and round_idx == 0 else plan.pull).launch(
                 pull_programs, 1, stream,
-                prefix_address, src_rank_address, src_idx_address, *outputs,  # tensors
+                prefix_address, src_idx_address, *outputs,  # tensors
                 table_address, dest_address,
                 num_rows, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,  # sizes
                 rank * num_local, num_local_rows, out_rows, int(round_idx == 0),
@@ -379,10 +388,32 @@ class NormalMode:
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
             return DispatchResult(recv, None, None, None, handle)
-        num_recv_tokens = num_rows if max_tokens >= 0 else state.recv_info[0]
+        num_recv_tokens = num_rows if max_tokens >= 0 else index_info[num_tokens * R]
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
-        return DispatchResult(recv, recv_topk if num_topk else None, recv_weights if num_topk else None, counts_list,
-                              handle)
+        return DispatchResult(recv, recv_topk, recv_weights, counts_list, handle)
+
+    def _outputs(self, plan: DispatchPlan, x: torch.Tensor, is_fp8: bool, num_rows: int, mapping):
+        """A dispatch's outputs: ``(recv_x, recv_scales, recv_topk, recv_weights, addresses)`` —
+        [M, H] like x, [M, S] float32 (FP8, else None), [N, K] int64 / float32 (a full dispatch with
+        top-k; expert-major: the mapping's [M] per-row expert and weight; else None), and the
+        addresses the pull writes them at (recv_x's for those it does not write). M: the rows,
+        ``num_rows`` or the expert-major mapping's."""
+        dev = self.device
+        out_rows = mapping.num_rows if mapping is not None else num_rows
+        recv_x = torch.empty((out_rows, x.shape[1]), dtype=x.dtype, device=dev)
+        recv_x_address = recv_x.data_ptr()
+        recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else None
+        if mapping is not None:
+            recv_topk, recv_weights = mapping.row_experts, mapping.row_weights
+        elif plan.num_topk:
+            recv_topk = torch.empty((num_rows, plan.num_topk), dtype=torch.int64, device=dev)
+            recv_weights = torch.empty((num_rows, plan.num_topk), dtype=torch.float32, device=dev)
+        else:
+            recv_topk = recv_weights = None
+        return recv_x, recv_scales, recv_topk, recv_weights, (
+            recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
+            recv_topk.data_ptr() if plan.num_topk else recv_x_address,
+            recv_weights.data_ptr() if plan.num_topk else recv_x_address)
 
     def _one_launch(self, plan: DispatchPlan, max_tokens: int) -> bool:
         """Whether a dispatch runs as one launch (ep_dispatch): overlapped, one round (``max_tokens``,
@@ -394,39 +425,44 @@ class NormalMode:
         bound = plan.round_tokens if max_tokens < 0 else max_tokens
         return bound <= plan.round_tokens and cdiv(bound, plan.block_r) <= self.ws.block_flag_cap - 1
 
-    def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, num_rows: int,
-                             cached: bool, state: PullState, outputs: tuple, stream: int, fp0: int, fp1: int, tag: int,
-                             pull_programs: int) -> None:
+    def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
+                             outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
+                             pull_programs: int, sequence: int = 0) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (R list
         programs in a full dispatch, then up to ``num_sms`` copy programs), then ``pull_programs``
         pull programs that start on each block of rows as it is staged. Together at most
-        ``2 * num_sms + R`` programs, of which only the pull's wait (shared_grids.py counts 4 x num_sms)."""
+        ``2 * num_sms + R`` programs, of which only the pull's wait (shared_grids.py counts 4 x num_sms).
+        ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
+        index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
+        dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
+        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring)."""
         num_tokens = x.shape[0]
         x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
         aligned = plan.rows_aligned and x_aligned
+        cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
         num_stage = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
-        prefix, _, src_rank, src_idx, _, _, in_rank, list_index = state.addresses
+        prefix, src_idx, in_rank, list_index = handle
         if cached:
             kernel = plan.overlapped_cached[aligned]
             per_rank = per_expert = in_rank
         else:
-            kernel = plan.overlapped_full[aligned, p2(num_local)]
+            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
             num_stage += self.R
         topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
             (x_address, x_address)
-        ws = self.ws
+        ws, mailbox = self.ws, self.b.mailbox
         kernel.launch(
             num_stage + pull_programs, 1, stream,
             x_address, scales.data_ptr() if plan.num_scales else x_address, topk, weights, in_rank, list_index,
-            per_rank, per_expert, prefix, src_rank, src_idx, *outputs,  # tensors
+            per_rank, per_expert, prefix, src_idx or prefix, *outputs,  # tensors
             num_tokens, plan.x_words, plan.num_scales,  # sizes
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_rows, num_stage,
             self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
             ws.lists_offset, ws.list_cap, *plan.offsets, plan.topk_row_bytes, ws.block_flags_offset, ws.block_flag_cap,
-            self.b.mailbox.address, self.b.timeout_ns,  # host
+            mailbox.address, self.b.timeout_ns, mailbox.doorbell_address, sequence,  # host
             self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
             self.trace_address)
 
@@ -455,7 +491,7 @@ class NormalMode:
                 args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
         else:
             kernel = plan.stage[aligned, e_p2, sub]
-            in_rank = per_rank = per_expert = args.handle.backend_state.addresses[6] if args.handle is not None \
+            in_rank = per_rank = per_expert = args.handle.backend_state.addresses[5] if args.handle is not None \
                 else args.is_token_in_rank.data_ptr()
         kernel.launch(
             programs, 1, stream,
@@ -526,7 +562,7 @@ class NormalMode:
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
         stream = current_stream(self.dev_index)
         # addresses, not tensors (PullState.addresses says why)
-        prefix_address, _, _, src_idx_address, _, dest_address, in_rank_address, list_index_address = state.addresses
+        prefix_address, _, src_idx_address, _, dest_address, in_rank_address, list_index_address = state.addresses
         dest = src_idx_address if mapping is None else dest_address
         num_sms = config.num_sms
         # In one launch where it can (one round; a home's rows at a pusher, at most max_tokens, in

@@ -1,0 +1,170 @@
+"""The one-node full dispatch's host side (gpu/normal/one_node/mode.py) and the doorbell
+(mailbox.py, HostMailbox.ring): where this rank's batch fits one launch, ep_dispatch goes before
+the host's count wait and its pull waits for the doorbell; the host rings go with the outputs'
+addresses when the group fits one launch too, and cancel otherwise (then pulls in turn) or when
+anything raises between the launch and the ring. Checked with recording stand-ins for the kernels
+and a real HostMailbox in unpinned memory, no GPU. Skipped without Triton."""
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from epcomm.backends.gpu.mailbox import HostMailbox  # noqa: E402
+from epcomm.backends.gpu.normal.one_node import mode as M  # noqa: E402
+from epcomm.backends.gpu.sync import DOORBELL_WORDS  # noqa: E402
+from epcomm.errors import EPTimeoutError  # noqa: E402
+
+R, RANK, HIDDEN, K, E, NUM_SMS, BLOCK_R, ROUND_TOKENS = 4, 1, 64, 2, 8, 6, 8, 100
+
+
+class _Kernel:
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def launch(self, grid, *args):
+        self.launches.append((self.name, grid, args))
+
+
+class _Mailbox(HostMailbox):
+    """A HostMailbox whose count wait answers at once with ``counts`` (rows here, most tokens any
+    rank sends), or raises ``fail``; it records every ring as (tag, words)."""
+
+    def __init__(self, counts, fail=None):
+        super().__init__(R, E // R, pinned=False)
+        self.counts, self.fail, self.rings = counts, fail, []
+
+    def wait_notify(self, sequence, rank, timeout_s):
+        if self.fail is not None:
+            raise self.fail
+        num_rows, max_tokens = self.counts
+        return num_rows, max_tokens, torch.zeros(E // R, dtype=torch.int64).numpy()
+
+    def ring(self, sequence, rank, timeout_s, num_rows=0, addresses=()):
+        super().ring(sequence, rank, timeout_s, num_rows, addresses)
+        index = self._doorbell
+        self.rings.append((int(self.view[index]), self.view[index + 1:index + DOORBELL_WORDS - 1].tolist()))
+
+
+def _mode(monkeypatch, launches, mailbox):
+    monkeypatch.setattr(M, "current_stream", lambda index: 0)
+    monkeypatch.setattr(M, "NOTIFY_BOUND", defaultdict(lambda: _Kernel(launches, "notify")))
+    mode = object.__new__(M.NormalMode)
+    mode.b = types.SimpleNamespace(mailbox=mailbox, timeout_ns=1, timeout_s=1.0)
+    mode.R, mode.R_P2, mode.rank, mode.device, mode.dev_index = R, R, RANK, torch.device("cpu"), 0
+    mode.expert_major_programs = 132
+    mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0, lists_offset=0,
+                                    list_cap=0, counts_offset=0)
+    mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
+    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
+    mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
+    mode._overlapped_dispatch = True
+
+    def kernels(name):
+        return defaultdict(lambda: _Kernel(launches, name))
+    plan = M.DispatchPlan(x_words=HIDDEN // 4, num_scales=0, num_topk=K, entry_topk=K, topk_row_bytes=32,
+                          offsets=(0, 0, 0), round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
+                          expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
+                          pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
+                          overlapped_full=kernels("ep_dispatch"), overlapped_cached=kernels("ep_dispatch"),
+                          fingerprint_full=(0, 0), fingerprint_cached=(0, 0))
+    mode._dispatch_plan_of = lambda args: plan
+    return mode
+
+
+def _args(num_tokens, num_worst_tokens=0):
+    return types.SimpleNamespace(
+        x=torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16), handle=None, plan=None,
+        num_tokens_per_rank=torch.zeros(R, dtype=torch.int32), num_tokens_per_expert=torch.zeros(E, dtype=torch.int32),
+        is_token_in_rank=torch.zeros(num_tokens, R, dtype=torch.bool), topk_idx=torch.zeros(num_tokens, K, dtype=torch.int64),
+        topk_weights=torch.zeros(num_tokens, K), expert_alignment=1, num_worst_tokens=num_worst_tokens,
+        config=types.SimpleNamespace(num_sms=NUM_SMS), expert_major=False)
+
+
+def _doorbell_arg(args):
+    """ep_dispatch's sequence argument (0: no doorbell): after the 5 identity words and the trace address."""
+    return args[-7]
+
+
+def test_a_full_dispatch_that_fits_one_launch_goes_before_the_wait_and_rings_go_with_its_outputs(monkeypatch):
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox)
+    result = mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]  # nothing after the wait
+    _, grid, args = launches[1]
+    assert grid == R + min(NUM_SMS, -(-50 // BLOCK_R)) + NUM_SMS  # list, copy, then num_sms pull programs
+    assert _doorbell_arg(args) == 1  # the notify's sequence number
+    (tag, words), = mailbox.rings
+    recv_x, recv_topk, recv_weights, handle = result.recv_x, result.recv_topk_idx, result.recv_topk_weights, \
+        result.handle
+    assert tag == 2 * 1 + 1  # go
+    assert words == [40, recv_x.data_ptr(), recv_x.data_ptr(), recv_topk.data_ptr(), recv_weights.data_ptr(),
+                     handle.recv_src_idx.data_ptr()]
+    assert recv_x.shape == (40, HIDDEN) and recv_topk.shape == (40, K) and handle.num_recv_rows == 40
+
+
+def test_a_group_that_needs_rounds_cancels_the_doorbell_and_pulls_in_turn(monkeypatch):
+    """This rank's 50 tokens fit one round; another rank's 250 do not: the launch's pull stands
+    down, round 0 (already staged by it) is pulled in turn, rounds 1 and 2 are staged and pulled."""
+    launches = []
+    mailbox = _Mailbox(counts=(40, 250))
+    mode = _mode(monkeypatch, launches, mailbox)
+    mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "pull", "stage", "pull", "stage", "pull"]
+    (tag, _), = mailbox.rings
+    assert tag == 2 * 1  # cancel
+
+
+def test_a_batch_too_large_for_one_launch_stages_in_turn_without_a_doorbell(monkeypatch):
+    launches = []
+    mailbox = _Mailbox(counts=(40, 150))
+    mode = _mode(monkeypatch, launches, mailbox)
+    mode.dispatch(_args(150))
+    assert [name for name, _, _ in launches] == ["notify", "stage", "pull", "stage", "pull"]
+    assert mailbox.rings == []
+
+
+@pytest.mark.parametrize("where", ["the count wait", "an allocation"])
+def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, where):
+    """The launch is already waiting for the doorbell: an error between it and the ring (a peer late
+    in the count exchange, a failed allocation) must stand its pull down, or it would wait out its
+    timeout and the next call's launches would queue behind it."""
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60), fail=EPTimeoutError("late", [2]) if where == "the count wait" else None)
+    mode = _mode(monkeypatch, launches, mailbox)
+    if where == "an allocation":
+        def no_memory(*args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("no memory")
+        monkeypatch.setattr(mode, "_outputs", no_memory)
+    with pytest.raises((EPTimeoutError, torch.cuda.OutOfMemoryError)):
+        mode.dispatch(_args(50))
+    (tag, _), = mailbox.rings
+    assert tag == 2 * 1  # cancel
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
+
+
+def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monkeypatch):
+    launches = []
+    mailbox = _Mailbox(counts=None, fail=AssertionError("no count wait with num_worst_tokens"))
+    mode = _mode(monkeypatch, launches, mailbox)
+    result = mode.dispatch(_args(50, num_worst_tokens=80))
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
+    assert _doorbell_arg(launches[1][2]) == 0 and mailbox.rings == []
+    assert result.recv_x.shape == (80, HIDDEN)
+
+
+def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_down_raises():
+    box = HostMailbox(R, 2, pinned=False)
+    index = box._doorbell
+    assert box.doorbell_address == box.address + 8 * index and box.words.numel() == index + DOORBELL_WORDS
+    box.ring(5, RANK, 1.0, 12, (101, 102, 103, 104, 105))
+    assert box.view[index:index + 7].tolist() == [11, 12, 101, 102, 103, 104, 105]
+    box.ring(6, RANK, 1.0)  # cancel: the tag alone
+    assert box.view[index] == 12
+    box.view[index + DOORBELL_WORDS - 1] = 7  # the launch of sequence 7 stopped waiting before the tag
+    with pytest.raises(EPTimeoutError, match="allocate its outputs"):
+        box.ring(7, RANK, 1.0, 12, (101, 102, 103, 104, 105))
+    box.ring(8, RANK, 1.0, 12, (101, 102, 103, 104, 105))  # (a later call's go is not affected)
