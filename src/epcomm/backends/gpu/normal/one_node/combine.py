@@ -21,7 +21,7 @@ from ...agreement import acquire_and_agree
 from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs,
+from ...sync import (all_landed, arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs,
                      poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -331,20 +331,21 @@ def ep_combine(
             first_block = tl.min(tl.where(present, block, 1 << 30), axis=0)
             last_block = tl.max(tl.where(present, block, -1), axis=0)
             needed = last_block >= 0
-            if gave_up == 0:
-                gave_up = gave_up_here(state_ptr, epoch, tokens)
             for which in tl.static_range(2):
                 if gave_up == 0:
                     b = tl.where(needed, first_block if which == 0 else last_block, 0)
                     words = my_block_flags + peers * block_flag_cap + tl.minimum(b, block_flag_cap - 1)
-                    _words, _waited, late, elsewhere = poll_epochs_or_other_call(  # ACQUIRE: the blocks' rows
-                        words, needed, epoch, timeout_ns, sender_rows, other_rows, fp0, fp1, board_address, call_tag,
-                        EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
-                    report_late(late, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
-                    record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
-                    if tl.max((late | elsewhere).to(tl.int32), axis=0) != 0:
-                        gave_up = 1
-                        tl.store(state_ptr + sync.GAVE_UP, epoch)
+                    if all_landed(words, needed, epoch) == 0:  # ACQUIRE: the blocks' rows (or wait for them)
+                        gave_up = gave_up_here(state_ptr, epoch, tokens)  # another program gave up: stop waiting
+                        if gave_up == 0:
+                            _words, _waited, late, elsewhere = poll_epochs_or_other_call(  # ACQUIRE: the blocks' rows
+                                words, needed, epoch, timeout_ns, sender_rows, other_rows, fp0, fp1, board_address,
+                                call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
+                            report_late(late, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
+                            record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
+                            if tl.max((late | elsewhere).to(tl.int32), axis=0) != 0:
+                                gave_up = 1
+                                tl.store(state_ptr + sync.GAVE_UP, epoch)
             tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the slots
             chunk_end = tl.minimum(t0 + BLOCK_R, num_tokens)
             if gave_up != 0:  # a contribution is missing: no plausible data

@@ -21,7 +21,7 @@ from ... import agreement, sync
 from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (DOORBELL_WORDS, RING_GO, arrive, await_doorbell, gave_up_here, fingerprint_half, mailbox_words,
+from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, gave_up_here, fingerprint_half, mailbox_words,
                      now_ns, poll_epochs, poll_from_senders, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, publish_to_peers_from_one_thread, record_elsewhere, report_late,
                      signal_peers)
@@ -279,14 +279,16 @@ def _pull(pid, num_programs, epoch,
         in_out = rows < end
         staged = tl.load(normal_bases_ptr + src) + half_offset
         if OVERLAP:
-            if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
-                gave_up = gave_up_here(state_ptr, epoch, rows)
             if INDEX:  # the source's list, up to this item's entries (it grows as the source writes it)
                 listed = (epoch.to(tl.int64) << 32) | (end - src_start)
-                if (gave_up == 0) & (tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed):
-                    gave_up = _wait_blocks(my_flags + peers * block_flag_cap + block_flag_cap - 1, peers == src, peers,
-                                           listed, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
-                                           call_tag, state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the list
+                if tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed:
+                    if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
+                        gave_up = gave_up_here(state_ptr, epoch, rows)
+                    if gave_up == 0:
+                        gave_up = _wait_blocks(my_flags + peers * block_flag_cap + block_flag_cap - 1, peers == src,
+                                               peers, listed, epoch, timeout_ns, rows_here, rows_other, fp0, fp1,
+                                               board_address, call_tag, state_ptr, mailbox_address, num_ranks,
+                                               R_P2)  # ACQUIRE: the list
                     lists_seen = tl.where(peers == src, listed, lists_seen)
                     tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the list
         if INDEX:
@@ -300,9 +302,13 @@ def _pull(pid, num_programs, epoch,
         if OVERLAP:  # the source's blocks that hold these rows (its tokens ascend: one or two blocks)
             if gave_up == 0:
                 block = tl.minimum(tl.where(move, srow // BLOCK_R, 0), block_flag_cap - 2)
-                gave_up = _wait_blocks(my_flags + src * block_flag_cap + block, move, tl.zeros([BLOCK_R], tl.int32) + src,
-                                       epoch, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
-                                       state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
+                flags = my_flags + src * block_flag_cap + block
+                if all_landed(flags, move, epoch) == 0:  # ACQUIRE: the staged rows (usually there already)
+                    gave_up = gave_up_here(state_ptr, epoch, rows)  # another program gave up: stop waiting
+                    if gave_up == 0:
+                        gave_up = _wait_blocks(flags, move, tl.zeros([BLOCK_R], tl.int32) + src, epoch, epoch,
+                                               timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
+                                               state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
             move &= gave_up == 0
             tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the rows
         rows64 = rows.to(tl.int64)
