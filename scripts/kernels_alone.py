@@ -4,6 +4,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
+                                                    [--doorbell]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -32,6 +33,8 @@ def main() -> int:
                         help="the combine's push and reduce in turn (NormalMode.overlapped_combine False)")
     parser.add_argument("--serial-dispatch", action="store_true",
                         help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
+    parser.add_argument("--doorbell", action="store_true",
+                        help="a full dispatch in one launch before its count wait (NormalMode.doorbell_dispatch)")
     args = parser.parse_args()
     import epcomm
     from torch.profiler import ProfilerActivity, profile
@@ -49,6 +52,8 @@ def main() -> int:
         buffer._backend.normal.overlapped_combine = False
     if args.serial_dispatch:
         buffer._backend.normal.overlapped_dispatch = False
+    if args.doorbell:
+        buffer._backend.normal.doorbell_dispatch = True
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices

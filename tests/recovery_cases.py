@@ -103,6 +103,7 @@ def gpu_host_stall_before_the_doorbell(timeout: float = 0.5):
     dev = torch.device("cuda", torch.cuda.current_device())
     E, K, T, H = 4 * R, 2, 64, 256
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=64 << 20, backend="nvlink", timeout=timeout)
+    buffer._backend.normal.doorbell_dispatch = True  # (off by default: mode.py says why)
     xs, topks, ws = make_routing(3, "uniform", R, E, K, T, H, fixed_tokens=T)
     x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
     mailbox = buffer._backend.mailbox

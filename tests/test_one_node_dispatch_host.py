@@ -1,9 +1,10 @@
 """The one-node full dispatch's host side (gpu/normal/one_node/mode.py) and the doorbell
-(mailbox.py, HostMailbox.ring): where this rank's batch fits one launch, ep_dispatch goes before
-the host's count wait and its pull waits for the doorbell; the host rings go with the outputs'
-addresses when the group fits one launch too, and cancel otherwise (then pulls in turn) or when
-anything raises between the launch and the ring. Checked with recording stand-ins for the kernels
-and a real HostMailbox in unpinned memory, no GPU. Skipped without Triton."""
+(mailbox.py, HostMailbox.ring). By default round 0 is staged before the host's count wait and
+pulled after it (in turn). With NormalMode.doorbell_dispatch, where this rank's batch fits one
+launch, ep_dispatch goes before the wait and its pull waits for the doorbell; the host rings go
+with the outputs' addresses when the group fits one launch too, and cancel otherwise (then pulls
+in turn) or when anything raises between the launch and the ring. Checked with recording
+stand-ins for the kernels and a real HostMailbox in unpinned memory, no GPU. Skipped without Triton."""
 import types
 from collections import defaultdict
 
@@ -48,7 +49,7 @@ class _Mailbox(HostMailbox):
         self.rings.append((int(self.view[index]), self.view[index + 1:index + DOORBELL_WORDS - 1].tolist()))
 
 
-def _mode(monkeypatch, launches, mailbox):
+def _mode(monkeypatch, launches, mailbox, doorbell=True):
     monkeypatch.setattr(M, "current_stream", lambda index: 0)
     monkeypatch.setattr(M, "NOTIFY_BOUND", defaultdict(lambda: _Kernel(launches, "notify")))
     mode = object.__new__(M.NormalMode)
@@ -60,7 +61,7 @@ def _mode(monkeypatch, launches, mailbox):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._overlapped_dispatch = True
+    mode._overlapped_dispatch, mode._doorbell_dispatch = True, doorbell
 
     def kernels(name):
         return defaultdict(lambda: _Kernel(launches, name))
@@ -86,6 +87,15 @@ def _args(num_tokens, num_worst_tokens=0):
 def _doorbell_arg(args):
     """ep_dispatch's sequence argument (0: no doorbell): after the 5 identity words and the trace address."""
     return args[-7]
+
+
+def test_by_default_a_full_dispatch_stages_before_the_wait_and_pulls_after_it(monkeypatch):
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    result = mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "stage", "pull"]
+    assert mailbox.rings == [] and result.recv_x.shape == (40, HIDDEN)
 
 
 def test_a_full_dispatch_that_fits_one_launch_goes_before_the_wait_and_rings_go_with_its_outputs(monkeypatch):

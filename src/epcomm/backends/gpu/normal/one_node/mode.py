@@ -117,7 +117,7 @@ class NormalMode:
         # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
         # properties below: setting one drops the plans, which are made with them (nothing per call).
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
-        self._overlapped_dispatch = True
+        self._overlapped_dispatch, self._doorbell_dispatch = True, False
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -178,6 +178,20 @@ class NormalMode:
     @overlapped_dispatch.setter
     def overlapped_dispatch(self, value: bool) -> None:
         self._overlapped_dispatch = bool(value)
+        self._diagnostic_changed()
+
+    @property
+    def doorbell_dispatch(self) -> bool:
+        """A full dispatch in one launch too, launched before the host's count wait with its pull
+        waiting for the doorbell (bench --variants doorbell-dispatch; mailbox.py, ring). Off by
+        default: on one H100 (T=4096, one rank) its pull ran 7.1 µs per item against 5.3 in turn,
+        and the call 205 µs against 165 in turn (the stage runs during the wait either way; notes:
+        performance-log.md). Every rank of the group must set the same."""
+        return self._doorbell_dispatch
+
+    @doorbell_dispatch.setter
+    def doorbell_dispatch(self, value: bool) -> None:
+        self._doorbell_dispatch = bool(value)
         self._diagnostic_changed()
 
     # ------------------------------------------------------------------ layout
@@ -313,15 +327,16 @@ class NormalMode:
                 rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
                 mailbox.address, sequence, b.timeout_ns,  # host
                 self.fingerprints, fp0, fp1, board, tag)  # identity
-            # Round 0 is staged during the host's count wait. In one launch with the pull where this
-            # rank's batch allows (the group's is known only after the wait): the launch goes now, and
-            # its pull programs wait for the doorbell the host rings after the wait with the outputs'
-            # addresses — or with a cancel, when the group needs rounds (mailbox.py, ring).
-            # num_worst_tokens: every size is known now, so no wait and no doorbell.
+            # Round 0 is staged during the host's count wait: in turn (the pull launched after the
+            # wait), or (doorbell_dispatch, where this rank's batch allows: the group's is known only
+            # after the wait) in one launch with the pull, whose programs wait for the doorbell the
+            # host rings after the wait with the outputs' addresses — or with a cancel, when the
+            # group needs rounds (mailbox.py, ring). num_worst_tokens: every size is known now, so no
+            # wait: one launch after the notify, as a cached dispatch.
             worst = args.num_worst_tokens > 0
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
-            doorbell = not worst and may_overlap and self._one_launch(plan, num_tokens)
+            doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
