@@ -452,7 +452,7 @@ class NormalMode:
         dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
         recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring)."""
         num_tokens = x.shape[0]
-        x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
+        x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
@@ -465,12 +465,10 @@ class NormalMode:
             kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
             num_stage += self.R
-        topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
-            (x_address, x_address)
         ws, mailbox = self.ws, self.b.mailbox
         kernel.launch(
             num_stage + pull_programs, 1, stream,
-            x_address, scales.data_ptr() if plan.num_scales else x_address, topk, weights, in_rank, list_index,
+            x_address, scales_address, topk, weights, in_rank, list_index,
             per_rank, per_expert, prefix, src_idx or prefix, *outputs,  # tensors
             num_tokens, plan.x_words, plan.num_scales,  # sizes
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
@@ -488,10 +486,7 @@ class NormalMode:
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
-        x_address = x.data_ptr()  # addresses, not tensors (PullState.addresses says why)
-        scales_address = scales.data_ptr() if plan.num_scales else x_address
-        topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else \
-            (x_address, x_address)
+        x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         num_local = 0 if args.handle is not None else args.num_tokens_per_expert.shape[0] // self.R
         e_p2, sub, num_position_programs = 1, 1, 0
@@ -658,3 +653,11 @@ class NormalMode:
             self.fingerprints, fp0, fp1, self.seat.bases_address, self.seat.tag(),  # identity
             self.trace_address)
         return combined, combined_w
+
+
+def _input_addresses(plan: DispatchPlan, args: DispatchArgs, x: torch.Tensor, scales) -> Tuple[int, int, int, int]:
+    """The stage's inputs as launch arguments: the addresses of x, its scales, top-k ids and weights
+    (x's where the plan stages none). Addresses, not tensors: PullState.addresses says why."""
+    x_address = x.data_ptr()
+    topk, weights = (args.topk_idx.data_ptr(), args.topk_weights.data_ptr()) if plan.num_topk else (x_address, x_address)
+    return x_address, scales.data_ptr() if plan.num_scales else x_address, topk, weights
