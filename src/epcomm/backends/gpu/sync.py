@@ -385,9 +385,9 @@ def await_doorbell(doorbell_address, sequence, epoch, state_ptr, timeout_ns, ans
         answer = tl.where(late_here, RING_CANCEL, tl.max(tl.where(lanes == 0, seen, 0), axis=0) & 3)
         if late_here:  # (the answering program never ran): the host raises at its next call
             tl.store(state_ptr + GAVE_UP, epoch)
-            timeouts = mailbox_address.to(tl.pointer_type(tl.int64)) + 1  # (mailbox_words' layout)
-            tl.store(timeouts + rank, 1)
-            tl.store(timeouts - 1, 1)  # the mailbox's "pending" word
+            report_late((lanes == 0) & late_here, rank + lanes * 0, state_ptr,
+                        mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
+                        MASK_ON_TIMEOUT=False)
         words = tl.load(state_ptr + DOORBELL + lanes, volatile=True)
     return answer, words
 

@@ -352,8 +352,8 @@ class NormalMode:
                 src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
                 if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
                     received = self._outputs(plan, x, is_fp8, num_rows, None)
+                    rung = overlapped = True  # (ring writes the tag before it may raise: no cancel after it)
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
-                    rung = overlapped = True
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
