@@ -134,18 +134,47 @@ def now_ns():
 
 @triton.jit
 def uniform_now(lanes):
-    """:func:`now_ns` as one value in every thread of the program: the latest of the threads'
-    readings, through a reduction over ``lanes`` (any tensor of the caller's lane shape)."""
+    """:func:`now_ns` as one value for the lanes of a wait: the latest of the threads' readings,
+    through a reduction over ``lanes`` (any tensor of the caller's lane shape). Where those lanes
+    span the warps, one value in the program; where every warp holds them whole (a few lanes), one
+    per warp — which is why a wait's loop holds no barrier and its callers vote on its outcome."""
     return tl.max(tl.zeros_like(lanes).to(tl.int64) + now_ns(), axis=0)
+
+
+# Program-wide votes. A reduction over a small tensor does not make a value the same in every
+# thread: Triton gives a tensor of a few lanes to every warp whole (replicated), so the reduction
+# runs within each warp, over that warp's own loads (seen in the PTX: shuffles only). A value read
+# from memory another GPU or program writes (a flag, GAVE_UP, a clock) can then differ between the
+# warps, and a branch on it splits the program: a warp inside a region whose cross-warp reductions
+# use bar.sync pairs them with another warp's unrelated barrier. Every decision taken on such a
+# value, where the region it guards has barriers, goes through one of these votes.
+@triton.jit
+def cta_any(flag):
+    """1 in every thread of the program when ``flag`` (an int32 per thread) is nonzero in any
+    thread, else 0: ``bar.red.or.pred``, a barrier of the whole program (every thread must reach
+    it) that also orders memory like ``bar.sync`` — each thread's earlier loads (acquires included)
+    precede every thread's later ones."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.red.or.pred %p_out, 0, %p_in; "
+        "selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def cta_all(flag):
+    """1 in every thread of the program when ``flag`` (an int32 per thread) is nonzero in every
+    thread, else 0 (``bar.red.and.pred``; :func:`cta_any` says what the barrier orders)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.red.and.pred %p_out, 0, %p_in; "
+        "selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def gave_up_here(state_ptr, epoch, lanes):
     """1 when a program of this launch gave up a wait of the call of ``epoch`` (state word GAVE_UP),
-    else 0 — one value in every thread (read through ``lanes``, then reduced: a scalar load per
-    thread could see the word change between threads and split the program's control flow)."""
+    else 0 — the same in every thread (a vote: the word may change between the warps' reads).
+    ``lanes``: any tensor of the caller's lane shape."""
     seen = tl.load(state_ptr + GAVE_UP + tl.zeros_like(lanes).to(tl.int32), volatile=True)
-    return tl.max((seen == epoch).to(tl.int32), axis=0)
+    return cta_any(tl.max((seen == epoch).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -325,13 +354,13 @@ def mailbox_words(mailbox_address, num_ranks):
 
 @triton.jit
 def all_landed(word_ptrs, live, targets):
-    """The fast path of a bounded wait: one ``ld.acquire.sys`` of each lane's int64 word; 1 (one
-    value in every thread) when every live lane already holds at least ``targets`` — the ACQUIRE
-    is then done, and the caller skips the wait's clock, its row and board checks and its reports
-    (a reduction each: about 2 µs per item of the overlapped pull, where the rows are usually there
-    already) — else 0, and the caller waits as before. Dead lanes are read too: mapped addresses."""
+    """The fast path of a bounded wait: one ``ld.acquire.sys`` of each lane's int64 word; 1 when
+    every live lane holds at least ``targets`` in every warp's reading — the ACQUIRE is then done,
+    and the vote's barrier (:func:`cta_all`) orders every thread's later loads after it, so the
+    caller skips the wait's clock, its row and board checks and its reports (a reduction each) —
+    else 0 in every thread, and the caller waits. Dead lanes are read too: mapped addresses."""
     words = load_acquire_sys(word_ptrs.to(tl.int64))
-    return tl.min(((words >= targets) | (live == 0)).to(tl.int32), axis=0)
+    return cta_all(tl.min(((words >= targets) | (live == 0)).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -360,17 +389,20 @@ def await_doorbell(doorbell_address, sequence, epoch, state_ptr, timeout_ns, ans
         host_words = doorbell_address.to(tl.pointer_type(tl.int64)) + lanes
         target = sequence * 2
         start = uniform_now(lanes)
-        # (every warp reads the tag; the reduction gives every thread the same value)
+        # (each warp reads the tag on its own: the loop may end at different turns in different
+        # warps, and the decisions after it are votes)
         tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
         now = start
         while (tag < target) & (now - start < timeout_ns):
             tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
             now = uniform_now(lanes)
-        if tag < target:  # give up: say so where the host looks after ringing, and look once more
+        if cta_any(tag < target) != 0:  # give up: say so where the host looks after ringing, and look once more
             publish_from_one_thread(doorbell_address + (DOORBELL_WORDS - 1) * 8, sequence)
             tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
             tag = tl.max(tl.load(host_words, mask=lanes == 0, other=0, volatile=True), axis=0)
-        answer = tl.where(tag == target + 1, RING_GO, RING_CANCEL).to(tl.int64)
+        # go only where every warp read it (a warp that did not stands the launch down; the host,
+        # which rang go before the give-up word it reads, raises)
+        answer = tl.where(cta_all(tag == target + 1) != 0, RING_GO, RING_CANCEL).to(tl.int64)
         # ACQUIRE: the tag's relaxed read, then a fence: the words the host wrote before it
         tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         words = tl.load(host_words, volatile=True)
@@ -380,8 +412,8 @@ def await_doorbell(doorbell_address, sequence, epoch, state_ptr, timeout_ns, ans
     else:
         seen, _waited, late = poll_epochs(state_ptr + DOORBELL + lanes * 0, lanes == 0, epoch, 3 * timeout_ns,
                                           EPOCH_SHIFT=2)  # ACQUIRE: the answer and the words
-        tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the words
-        late_here = tl.max(late.to(tl.int32), axis=0) != 0
+        # (a vote, whose barrier also orders the acquiring threads' polls before every thread's loads)
+        late_here = cta_any(tl.max(late.to(tl.int32), axis=0)) != 0
         answer = tl.where(late_here, RING_CANCEL, tl.max(tl.where(lanes == 0, seen, 0), axis=0) & 3)
         if late_here:  # (the answering program never ran): the host raises at its next call
             tl.store(state_ptr + GAVE_UP, epoch)
@@ -449,10 +481,11 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     time costs nothing more. Returns ``(words, waited_ns, late, elsewhere)``; neither kind of
     lane is late.
 
-    The clock is read as one value for the whole program (:func:`uniform_now`): each thread reads
-    its own ``%globaltimer``, and where the lanes are spread over the warps (the overlapped
-    dispatch waits on a block of rows) threads that disagree about the deadline would leave the
-    loop at different turns, and the loop's cross-warp reductions would then pair up wrongly."""
+    The clock is read through a reduction over the lanes (:func:`uniform_now`), so that the lanes
+    that decide the loop's end agree on the deadline. Where each warp holds the lanes whole, the
+    loop's reductions run within each warp (no barrier) and the warps may leave it at different
+    turns; where the lanes span the warps, the reductions are the program's. Either way, callers
+    vote (:func:`cta_any`) before anything that branches on the outcome."""
     addresses = word_ptrs.to(tl.int64)
     start = uniform_now(addresses)
     deadline = start + timeout_ns

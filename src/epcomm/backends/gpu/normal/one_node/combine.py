@@ -21,8 +21,8 @@ from ...agreement import acquire_and_agree
 from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (all_landed, arrive, gave_up_here, fingerprint_half, mailbox_words, now_ns, poll_epochs,
-                     poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
+from ...sync import (all_landed, arrive, cta_any, fingerprint_half, gave_up_here, mailbox_words, now_ns,
+                     poll_epochs, poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
@@ -343,10 +343,11 @@ def ep_combine(
                                 call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
                             report_late(late, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
                             record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
-                            if tl.max((late | elsewhere).to(tl.int32), axis=0) != 0:
+                            # (a vote: the warps' clocks may disagree; its barrier orders the polls before every
+                            # thread's loads of the slots, as all_landed's does on the fast path)
+                            if cta_any(tl.max((late | elsewhere).to(tl.int32), axis=0)) != 0:
                                 gave_up = 1
                                 tl.store(state_ptr + sync.GAVE_UP, epoch)
-            tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the slots
             chunk_end = tl.minimum(t0 + BLOCK_R, num_tokens)
             if gave_up != 0:  # a contribution is missing: no plausible data
                 _nan_outputs(out_ptr, out_w_ptr, t0, chunk_end - t0, hidden, num_topk, 0, 1, HAS_WEIGHTS, BLOCK_C)

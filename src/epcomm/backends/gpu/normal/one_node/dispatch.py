@@ -21,10 +21,10 @@ from ... import agreement, sync
 from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, gave_up_here, fingerprint_half, mailbox_words,
-                     now_ns, poll_epochs, poll_from_senders, post_call_to_peers, post_fingerprint_to_peers,
-                     publish_from_one_thread, publish_to_peers_from_one_thread, record_elsewhere, report_late,
-                     signal_peers)
+from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, cta_any, fingerprint_half,
+                     gave_up_here, mailbox_words, now_ns, poll_epochs, poll_from_senders, post_call_to_peers,
+                     post_fingerprint_to_peers, publish_from_one_thread, publish_to_peers_from_one_thread,
+                     record_elsewhere, report_late, signal_peers)
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -290,7 +290,7 @@ def _pull(pid, num_programs, epoch,
                                                board_address, call_tag, state_ptr, mailbox_address, num_ranks,
                                                R_P2)  # ACQUIRE: the list
                     lists_seen = tl.where(peers == src, listed, lists_seen)
-                    tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the list
+                    # (the wait's vote, a barrier: the acquiring threads' polls precede every thread's loads)
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
             token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
@@ -309,8 +309,8 @@ def _pull(pid, num_programs, epoch,
                         gave_up = _wait_blocks(flags, move, tl.zeros([BLOCK_R], tl.int32) + src, epoch, epoch,
                                                timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
                                                state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
-            move &= gave_up == 0
-            tl.debug_barrier()  # the acquiring threads' polls precede every thread's loads of the rows
+            move &= gave_up == 0  # (the waits end in votes, barriers: the acquiring threads' polls precede every
+            # thread's loads of the rows)
         rows64 = rows.to(tl.int64)
         sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
         if EXPERT_MAJOR:
@@ -396,7 +396,9 @@ def _wait_blocks(words, live, senders, targets, epoch, timeout_ns, rows_here, ro
     this Buffer, ends its lanes' wait through its fingerprint row (``rows_here`` / ``rows_other``:
     this rank's rows of this call's half and the other one; the verdict then NaNs the output); one
     the call board shows in another call, or a timeout, is recorded in the mailbox, and GAVE_UP =
-    ``epoch`` stops the launch's other programs. Returns 1 when this wait gave up, else 0."""
+    ``epoch`` stops the launch's other programs. Returns 1 when this wait gave up, else 0: the same
+    in every thread (a vote, whose barrier also orders the acquiring threads' polls before every
+    thread's later loads)."""
     row_words = sync.FP_ROW // 8
     _words, _waited, late, elsewhere = poll_from_senders(
         words, live, senders, targets, epoch, timeout_ns, rows_here + senders * row_words, rows_other + senders * row_words,
@@ -408,7 +410,7 @@ def _wait_blocks(words, live, senders, targets, epoch, timeout_ns, rows_here, ro
     timeouts, _dropped, agreement_ptr, _notify = mailbox_words(mailbox_address, num_ranks)
     report_late(late_peers, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
     record_elsewhere(board_address, peers, elsewhere_peers, call_tag, fp0, agreement_ptr, num_ranks)
-    failed = tl.max((late | elsewhere).to(tl.int32), axis=0)
+    failed = cta_any(tl.max((late | elsewhere).to(tl.int32), axis=0))  # (the warps' clocks may disagree)
     if failed != 0:
         tl.store(state_ptr + sync.GAVE_UP, epoch)
     return failed

@@ -1,0 +1,62 @@
+"""The overlapped calls' waits decide by program-wide votes (sync.cta_any / cta_all), compiled for
+sm_90 without a GPU (Triton installed; PTX only).
+
+Why: a reduction over a tensor of a few lanes runs within each warp — Triton gives every warp the
+whole tensor — so a value read from memory that changes while the program reads it (a block flag
+a peer is releasing, GAVE_UP, the clock) can differ between the warps of one program. The
+overlapped pull and the combine's reduce branched on such values into waits whose cross-warp
+reductions use bar.sync: one warp in the wait, another past it, and the barriers pair up wrongly
+(garbage reports, a false timeout, or a hang). The first test pins the premise, the second that
+the kernels vote where it matters."""
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from epcomm.backends.gpu.launch import KernelSpec  # noqa: E402
+from epcomm.backends.gpu.normal import one_node as N  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+COPY = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
+
+
+@triton.jit
+def _min_of_eight(words_ptr, out_ptr):
+    lanes = tl.arange(0, 8)
+    tl.store(out_ptr, tl.min(tl.load(words_ptr + lanes, volatile=True), axis=0))
+
+
+def test_a_reduction_over_a_few_lanes_stays_within_each_warp():
+    """The premise of the votes: with 16 warps, the minimum of 8 loaded lanes is shuffles only, no
+    barrier — each warp reduces its own reading (so it cannot be trusted to be the program's)."""
+    ptx = KernelSpec(_min_of_eight, ["*i64", "*i64"]).compile({}, 16, target=SM90).asm["ptx"]
+    assert "shfl.sync" in ptx
+    assert "bar.sync" not in ptx and "bar.red" not in ptx
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full dispatch", "cached dispatch"])
+def test_the_overlapped_pull_votes_on_its_flags_and_on_giving_up(full):
+    compiled = N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=False, HAS_TOPK=full,
+                                         LIST_BLOCK=1024, L_P2=128 if full else 1, ALIGNED=True, OUT_ALIGNED=True,
+                                         EVERY_PEER=True, TRACE=False, DOORBELL=False, **COPY), 16, target=SM90)
+    ptx = compiled.asm["ptx"]
+    assert "bar.red.and.pred" in ptx  # all_landed: every warp's reading of the blocks' flags
+    assert "bar.red.or.pred" in ptx  # gave_up_here and the wait's outcome
+
+
+def test_the_overlapped_combine_votes_on_its_flags_and_on_giving_up():
+    compiled = N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=True,
+                                          EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=0, BLOCK_C=2048,
+                                          OUT_ALIGNED=True), 16, target=SM90)
+    ptx = compiled.asm["ptx"]
+    assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx
+
+
+def test_the_doorbell_answer_is_a_vote():
+    """The answering program's go / cancel, and the others' stand-down, are votes: a warp that did
+    not read go must not pull while another does."""
+    compiled = N.STAGE_PULL.compile(dict(INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
+                                         LIST_BLOCK=1024, L_P2=128, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
+                                         TRACE=False, DOORBELL=True, **COPY), 16, target=SM90)
+    assert compiled.asm["ptx"].count("bar.red.and.pred") >= 2  # all_landed, and the doorbell's go
