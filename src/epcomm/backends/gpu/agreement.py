@@ -327,7 +327,8 @@ def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, n
     the fingerprints they carried (:func:`check_rows`: a flag an abort stamped covering this call
     is a difference; one stamped over this call's epoch is not — the rank signalled this call
     before it aborted its next, and the stamp's release covers the call's data as the signal's
-    did). Returns ``num_items``, or 0 when a rank's wait gave up or its call differs: the caller
+    did). Returns ``num_items``, or 0 when a rank's wait gave up or its call differs (the same in
+    every thread of the program: a vote, which every thread must reach): the caller
     then moves nothing (and marks its outputs missing), and the host raises at the next call
     (the mailbox's timeout words, the agreement words decoded above)."""
     my_base = tl.load(flag_bases_ptr + rank)
@@ -343,7 +344,9 @@ def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, n
                                                 MASK_ON_TIMEOUT=False, CHECK_BOARD=True, R_P2=R_P2)  # ACQUIRE
     differ = check_rows(my_base + fp_offset, half, peers, live, settled, live & abort_covers(flags, epoch), fp0, fp1,
                         epoch, agreement, num_ranks)
-    return tl.where(tl.max((differ | late | elsewhere).to(tl.int32), axis=0) == 0, num_items, 0)
+    # (a vote: at a deadline the warps' readings may differ, and the callers branch on the result)
+    failed = sync.cta_any(tl.max((differ | late | elsewhere).to(tl.int32), axis=0))
+    return tl.where(failed == 0, num_items, 0)
 
 
 @triton.jit

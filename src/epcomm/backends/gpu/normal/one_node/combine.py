@@ -357,7 +357,7 @@ def ep_combine(
                                   hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2)
         # -- the last reduce program: the call's verdict, and the epoch
         if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_reduce):
-            failed = tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch
+            failed = cta_any(tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch) != 0  # (one reading for all)
             if failed:  # (no second timeout: wait only for this rank's own push, which reads the epoch)
                 poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,
                             peers == rank, epoch, timeout_ns, EPOCH_SHIFT=0)

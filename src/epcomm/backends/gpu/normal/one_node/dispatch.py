@@ -372,7 +372,7 @@ def _pull(pid, num_programs, epoch,
     # -- OVERLAP: the last program to arrive gives the call's verdict, and stores the epoch
     if OVERLAP:
         if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):
-            failed = tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch
+            failed = cta_any(tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch) != 0  # (one reading for all)
             if failed:  # (no second timeout: wait only for this rank's own stage, which reads the epoch)
                 poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,
                             peers == rank, epoch, timeout_ns, EPOCH_SHIFT=0)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ...copy import copy_rows, fill_nan, word_ptr
 from ...launch import KernelSpec
-from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
+from ...sync import call_failed, cta_any, mailbox_words, poll_epochs, report_late, store_release_sys
 from ...reach.modes import FAR_LIBRARY
 from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
                        peer_reach)
@@ -141,7 +141,7 @@ def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/
     flag_words = flags + ((m * SIGNAL_STRIDE + c) * ranks_per_node + lanes).to(tl.int64) * 8
     _, _, late = poll_epochs(flag_words, lanes < ranks_per_node, epoch, timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE
     report_late(late, node * ranks_per_node + lanes, timeouts, timeouts, MASK_ON_TIMEOUT=False)
-    if tl.max(late.to(tl.int32), axis=0) == 0:
+    if cta_any(tl.max(late.to(tl.int32), axis=0)) == 0:  # (a vote: at the deadline the warps may disagree)
         lo, hi = channel_range(meta_ptr + s * meta_len + rdma_prefix_at + node * num_channels, c)
         block_start = node_block_start(meta_ptr, meta_len, per_node_at, m, node, local, ranks_per_node)
         direct, shift = peer_reach(s, rank, p2p, peer_bases_ptr)
@@ -224,7 +224,7 @@ def ml_combine_reduce(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/s
     _, _, late = poll_epochs(words, lanes < num_nodes * num_channels, epoch, timeout_ns,
                              EPOCH_SHIFT=0)  # ACQUIRE: the partial rows of every node
     report_late(late, (lanes // num_channels) * ranks_per_node + local, timeouts, timeouts, MASK_ON_TIMEOUT=False)
-    if tl.max(late.to(tl.int32), axis=0) != 0:  # a partial is missing: no token's sum is known (NaN, DESIGN 5)
+    if cta_any(tl.max(late.to(tl.int32), axis=0)) != 0:  # a partial is missing (a vote): no sum is known (NaN)
         fill_nan(out_ptr, num_tokens * hidden, pid, tl.num_programs(0), BLOCK_C)
         if HAS_WEIGHTS:
             fill_nan(out_weights_ptr, num_tokens * num_topk, pid, tl.num_programs(0), BLOCK_C)
