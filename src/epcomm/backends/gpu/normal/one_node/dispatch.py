@@ -21,10 +21,10 @@ from ... import agreement, sync
 from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, cta_any, fingerprint_half,
-                     gave_up_here, mailbox_words, now_ns, poll_epochs, poll_from_senders, post_call_to_peers,
-                     post_fingerprint_to_peers, publish_from_one_thread, publish_to_peers_from_one_thread,
-                     record_elsewhere, report_late, signal_peers)
+from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, cta_all, cta_any, fingerprint_half,
+                     gave_up_here, load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders,
+                     post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
+                     publish_to_peers_from_one_thread, record_elsewhere, report_late, signal_peers)
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -216,6 +216,10 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #           recv_topk[r] <- local expert id or -1 (weight 0 for other ranks' experts)
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
 #   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
+# The overlapped pull looks at every source's end of stage once every this many items it waited for.
+STAGE_END_EVERY = tl.constexpr(4)
+
+
 @triton.jit
 def _pull(pid, num_programs, epoch,
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
@@ -249,6 +253,8 @@ def _pull(pid, num_programs, epoch,
         board_address = tl.load(board_bases_ptr + rank)
         lists_seen = tl.zeros([R_P2], tl.int64)  # per source: the list word acquired ((epoch << 32) | entries)
         gave_up = 0
+        staged_all = 0  # 1 once a vote found every source's stage ended: the later items wait for nothing
+        waited_items = 0
     else:
         num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
                                       fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
@@ -281,6 +287,8 @@ def _pull(pid, num_programs, epoch,
         if OVERLAP:
             if INDEX:  # the source's list, up to this item's entries (it grows as the source writes it)
                 listed = (epoch.to(tl.int64) << 32) | (end - src_start)
+                # (waited for even after every stage ended: a source in another call may have signalled
+                # this epoch, and only the list's own word says its entries are this call's tokens)
                 if tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed:
                     if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
                         gave_up = gave_up_here(state_ptr, epoch, rows)
@@ -300,7 +308,7 @@ def _pull(pid, num_programs, epoch,
         move = in_out & (token >= token_lo) & (token < token_hi)
         srow = (token - token_lo).to(tl.int64)
         if OVERLAP:  # the source's blocks that hold these rows (its tokens ascend: one or two blocks)
-            if gave_up == 0:
+            if (gave_up == 0) & (staged_all == 0):
                 block = tl.minimum(tl.where(move, srow // BLOCK_R, 0), block_flag_cap - 2)
                 flags = my_flags + src * block_flag_cap + block
                 if all_landed(flags, move, epoch) == 0:  # ACQUIRE: the staged rows (usually there already)
@@ -309,6 +317,18 @@ def _pull(pid, num_programs, epoch,
                         gave_up = _wait_blocks(flags, move, tl.zeros([BLOCK_R], tl.int32) + src, epoch, epoch,
                                                timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
                                                state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
+                # Every few items: has every source's stage ended? ACQUIRE the ends, then a vote (a
+                # barrier): this item's loads and every later one follow them, so the later items
+                # skip their waits and votes — a barrier less per item once the stage is behind the
+                # pull. (An abort's stamp, >= ABORT_EPOCH, is not taken for an end: the waits above
+                # handle a source that aborted.)
+                waited_items += 1
+                if (gave_up == 0) & (waited_items % STAGE_END_EVERY == 0):
+                    # each source's end of stage here (signal_peers: its last stage program's RELEASE,
+                    # after every one of its programs arrived, covers all its staged rows and lists)
+                    ended = load_acquire_sys(my_base + (sync.NORMAL_FLAG_SET * num_ranks + peers) * 8)
+                    staged_all = cta_all(tl.min((((ended >= epoch) & (ended < sync.ABORT_EPOCH)) |
+                                                 (peers >= num_ranks)).to(tl.int32), axis=0))
             move &= gave_up == 0  # (the waits end in votes, barriers: the acquiring threads' polls precede every
             # thread's loads of the rows)
         rows64 = rows.to(tl.int64)
