@@ -499,7 +499,9 @@ def ep_dispatch_pull(
 #           for this rank, as far as this item's rows)
 #       ACQUIRE block_flags[s][b] >= epoch for the blocks b its tokens were staged in (ascending:
 #           one or two; a timeout, or s on the call board in another call: reported, GAVE_UP =
-#           epoch, every program stops waiting)
+#           epoch, every program stops waiting) — each warp reads them, then a vote (sync.cta_all)
+#       every STAGE_END_EVERY items waited for: ACQUIRE every source's end of stage, a vote; once
+#           all have ended, the later items skip the block waits (the list waits stay)
 #       the rows, as the pull above
 #   last pull program to arrive:
 #       ACQUIRE every rank's end-of-stage epoch and compare fingerprints (acquire_and_agree): the
