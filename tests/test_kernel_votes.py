@@ -35,6 +35,22 @@ def test_a_reduction_over_a_few_lanes_stays_within_each_warp():
     assert "bar.sync" not in ptx and "bar.red" not in ptx
 
 
+@triton.jit
+def _store_eight(out_ptr, value):
+    lanes = tl.arange(0, 8)
+    tl.store(out_ptr + lanes, lanes + value)
+
+
+def test_a_store_of_a_few_lanes_is_issued_by_the_first_warp_only():
+    """Why a wait cannot be left to each warp on its own (and so why a vote per item): Triton
+    stores an element that every warp holds from one thread only, of the first warp — a branch
+    that only other warps took would store nothing."""
+    ptx = KernelSpec(_store_eight, ["*i32", "i32"]).compile({}, 16, target=SM90).asm["ptx"]
+    assert "and.b32" in ptx and "%tid.x" in ptx
+    stores = [line for line in ptx.splitlines() if "st.global" in line]
+    assert len(stores) == 1 and stores[0].strip().startswith("@%p")  # predicated: not every thread
+
+
 @pytest.mark.parametrize("full", [True, False], ids=["full dispatch", "cached dispatch"])
 def test_the_overlapped_pull_votes_on_its_flags_and_on_giving_up(full):
     compiled = N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=False, HAS_TOPK=full,

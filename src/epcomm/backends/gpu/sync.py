@@ -146,8 +146,10 @@ def uniform_now(lanes):
 # runs within each warp, over that warp's own loads (seen in the PTX: shuffles only). A value read
 # from memory another GPU or program writes (a flag, GAVE_UP, a clock) can then differ between the
 # warps, and a branch on it splits the program: a warp inside a region whose cross-warp reductions
-# use bar.sync pairs them with another warp's unrelated barrier. Every decision taken on such a
-# value, where the region it guards has barriers, goes through one of these votes.
+# use bar.sync pairs them with another warp's unrelated barrier, and Triton issues a store of such
+# a value from the first warp only, so a branch only other warps took stores nothing. Every
+# decision taken on such a value, where the region it guards has barriers or stores, goes through
+# one of these votes (tests/test_kernel_votes.py pins both behaviours).
 @triton.jit
 def cta_any(flag):
     """1 in every thread of the program when ``flag`` (an int32 per thread) is nonzero in any
