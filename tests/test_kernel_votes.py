@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from epcomm.backends.gpu.launch import KernelSpec  # noqa: E402
 from epcomm.backends.gpu.normal import one_node as N  # noqa: E402
+from epcomm.backends.gpu.sync import record_elsewhere, report_late  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 COPY = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
@@ -49,6 +50,23 @@ def test_a_store_of_a_few_lanes_is_issued_by_the_first_warp_only():
     assert "and.b32" in ptx and "%tid.x" in ptx
     stores = [line for line in ptx.splitlines() if "st.global" in line]
     assert len(stores) == 1 and stores[0].strip().startswith("@%p")  # predicated: not every thread
+
+
+@triton.jit
+def _report(mask_ptr, timeouts_ptr, agreement_ptr, flags_ptr, call_tag, fp0, MASK: tl.constexpr):
+    peers = tl.arange(0, 8)
+    late = tl.load(flags_ptr + peers, volatile=True) != 0
+    report_late(late, peers, mask_ptr, timeouts_ptr, MASK)
+    record_elsewhere(timeouts_ptr.to(tl.int64), peers, late, call_tag, fp0, agreement_ptr, 8)
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["mailbox", "mask"])
+def test_reports_of_a_wait_are_stored_from_every_warp(mask):
+    """A wait's late and elsewhere peers are each warp's reading: their reports must not be left
+    to the first warp (which may have read the peer in time), or the host would not raise."""
+    ptx = KernelSpec(_report, ["*i32", "*i64", "*i64", "*i32", "i64", "i64"]).compile({"MASK": mask}, 16, target=SM90).asm["ptx"]
+    stores = [line for line in ptx.splitlines() if "st.global" in line]
+    assert stores and all("%p_live" in line for line in stores), stores
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["full dispatch", "cached dispatch"])

@@ -593,13 +593,17 @@ def record_elsewhere(board_address, senders, elsewhere, call_tag, fp0, agreement
     if tl.max(elsewhere.to(tl.int32), axis=0) != 0:
         posted = tl.load(board_address.to(tl.pointer_type(tl.int64)) + senders * BOARD_RING + board_slot(call_tag),
                          mask=elsewhere, other=0)
-        tl.store(agreement_ptr + senders * 2, _board_fingerprint(posted), mask=elsewhere)
-        tl.store(agreement_ptr + senders * 2 + 1, tl.zeros_like(posted), mask=elsewhere)
+        # (from every warp: each reports what it read, report_late says why)
+        store_from_every_warp((agreement_ptr + senders * 2).to(tl.int64), _board_fingerprint(posted), elsewhere,
+                              WIDE=True)
+        store_from_every_warp((agreement_ptr + senders * 2 + 1).to(tl.int64), tl.zeros_like(posted), elsewhere,
+                              WIDE=True)
         zeros = tl.zeros_like(senders)
         own = _board_fingerprint(tl.zeros_like(posted) + board_word(call_tag, fp0))
-        tl.store(agreement_ptr + num_ranks * 2 + zeros, own, mask=elsewhere)
-        tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64), mask=elsewhere)
-        tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=elsewhere)  # "pending"
+        store_from_every_warp((agreement_ptr + num_ranks * 2 + zeros).to(tl.int64), own, elsewhere, WIDE=True)
+        store_from_every_warp((agreement_ptr + num_ranks * 2 + 1 + zeros).to(tl.int64), zeros, elsewhere, WIDE=True)
+        store_one_from_every_warp((agreement_ptr - (num_ranks + 2) + zeros).to(tl.int64), elsewhere,
+                                  WIDE=True)  # "pending"
 
 
 @triton.jit
@@ -637,13 +641,38 @@ def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_n
 
 @triton.jit
 def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constexpr):
-    """Mask the late peers (low-latency mode) or flag them in the host mailbox (normal mode)."""
+    """Mask the late peers (low-latency mode) or flag them in the host mailbox (normal mode). Each
+    warp reports what it read (a wait's lanes may end differently in different warps at the
+    deadline), so the stores come from every warp (:func:`store_one_from_every_warp`)."""
     if tl.max(late.to(tl.int32), axis=0) != 0:
         if MASK_ON_TIMEOUT:
-            tl.store(mask_ptr + peers, tl.zeros_like(peers) + 1, mask=late)
+            store_one_from_every_warp((mask_ptr + peers).to(tl.int64), late, WIDE=False)
         else:
-            tl.store(timeouts_ptr + peers, tl.zeros_like(peers).to(tl.int64) + 1, mask=late)
-            tl.store(timeouts_ptr - 1, 1)  # the mailbox's "pending" word
+            store_one_from_every_warp((timeouts_ptr + peers).to(tl.int64), late, WIDE=True)
+            store_one_from_every_warp((timeouts_ptr - 1 + tl.zeros_like(peers)).to(tl.int64), late,
+                                      WIDE=True)  # the mailbox's "pending" word
+
+
+@triton.jit
+def store_one_from_every_warp(addresses, live, WIDE: tl.constexpr):
+    """:func:`store_from_every_warp` of 1 (int64 with WIDE, else int32)."""
+    store_from_every_warp(addresses, tl.zeros_like(addresses) + 1, live, WIDE)
+
+
+@triton.jit
+def store_from_every_warp(addresses, values, live, WIDE: tl.constexpr):
+    """Store ``values`` (int64 with WIDE, else int32) at each ``live`` lane's byte address, from
+    every thread that holds the lane. tl.store issues a lane that every warp holds from the first
+    warp only (tests/test_kernel_votes.py), so under a branch that other warps took alone it would
+    store nothing. For reports whose every writer writes the same value."""
+    if WIDE:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p_live; setp.ne.s32 %p_live, $3, 0; @%p_live st.global.b64 [$1], $2; } mov.u32 $0, 0;",
+            "=r,l,l,r", [addresses, values.to(tl.int64), live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p_live; setp.ne.s32 %p_live, $3, 0; @%p_live st.global.b32 [$1], $2; } mov.u32 $0, 0;",
+            "=r,l,r,r", [addresses, values.to(tl.int32), live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def device_state(device: torch.device) -> torch.Tensor:
