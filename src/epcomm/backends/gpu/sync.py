@@ -24,6 +24,12 @@ always the same four steps, and each site in the kernels names its step:
 4. **Acquire**: the consumer polls its own flag word with ``ld.acquire.sys`` until it holds at
    least the expected epoch (bounded by a deadline on ``%globaltimer``), then reads the data.
 
+Warps. A wait's lanes are polled by some threads; every warp holds a small lane tensor whole and
+reduces its own reading. So what a program decides on a polled value (go on, wait, give up) is a
+vote (:func:`cta_any`, :func:`cta_all`: ``bar.red``), whose barrier also orders the polling threads'
+acquires before every thread's loads of the data. What it reports (late peers, another call)
+is stored from every warp (:func:`store_from_every_warp`), since each reported what it read.
+
 Epochs. Every flag set (normal mode, low-latency combine) has a device-side epoch counter: the
 signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program. All
 ranks make the same sequence of calls, so their counters agree; a wait compares ``>=`` because a
