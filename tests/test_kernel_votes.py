@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from epcomm.backends.gpu.launch import KernelSpec  # noqa: E402
 from epcomm.backends.gpu.normal import one_node as N  # noqa: E402
-from epcomm.backends.gpu.sync import record_elsewhere, report_late  # noqa: E402
+from epcomm.backends.gpu.sync import record_disagreement, record_elsewhere, report_late  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 COPY = dict(BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8)
@@ -58,12 +58,13 @@ def _report(mask_ptr, timeouts_ptr, agreement_ptr, flags_ptr, call_tag, fp0, MAS
     late = tl.load(flags_ptr + peers, volatile=True) != 0
     report_late(late, peers, mask_ptr, timeouts_ptr, MASK)
     record_elsewhere(timeouts_ptr.to(tl.int64), peers, late, call_tag, fp0, agreement_ptr, 8)
+    record_disagreement(agreement_ptr, peers, late, peers.to(tl.int64), peers.to(tl.int64), fp0, call_tag, 8)
 
 
 @pytest.mark.parametrize("mask", [False, True], ids=["mailbox", "mask"])
 def test_reports_of_a_wait_are_stored_from_every_warp(mask):
-    """A wait's late and elsewhere peers are each warp's reading: their reports must not be left
-    to the first warp (which may have read the peer in time), or the host would not raise."""
+    """A wait's late, elsewhere and differing peers are each warp's reading: their reports must not
+    be left to the first warp (which may have read the peer in time), or the host would not raise."""
     ptx = KernelSpec(_report, ["*i32", "*i64", "*i64", "*i32", "i64", "i64"]).compile({"MASK": mask}, 16, target=SM90).asm["ptx"]
     stores = [line for line in ptx.splitlines() if "st.global" in line]
     assert stores and all("%p_live" in line for line in stores), stores

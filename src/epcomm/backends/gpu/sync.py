@@ -334,13 +334,16 @@ def check_fingerprints(my_half_address, senders, live, settled, fp0, fp1, epoch,
 @triton.jit
 def record_disagreement(agreement_ptr, senders, differ, words0, words1, fp0, fp1, num_ranks):
     """Record in the mailbox the lanes that ``differ``: the senders' words, this rank's own, and
-    the pending word (the host raises naming the fields: agreement.py)."""
-    tl.store(agreement_ptr + senders * 2, words0, mask=differ)
-    tl.store(agreement_ptr + senders * 2 + 1, words1, mask=differ)
+    the pending word (the host raises naming the fields: agreement.py). From every warp: each
+    records what it read (:func:`report_late`)."""
+    store_from_every_warp((agreement_ptr + senders * 2).to(tl.int64), words0, differ, WIDE=True)
+    store_from_every_warp((agreement_ptr + senders * 2 + 1).to(tl.int64), words1, differ, WIDE=True)
     zeros = tl.zeros_like(senders)
-    tl.store(agreement_ptr + num_ranks * 2 + zeros, zeros.to(tl.int64) + fp0, mask=differ)
-    tl.store(agreement_ptr + num_ranks * 2 + 1 + zeros, zeros.to(tl.int64) + fp1, mask=differ)
-    tl.store(agreement_ptr - (num_ranks + 2) + zeros, zeros.to(tl.int64) + 1, mask=differ)  # "pending"
+    store_from_every_warp((agreement_ptr + num_ranks * 2 + zeros).to(tl.int64), zeros.to(tl.int64) + fp0, differ,
+                          WIDE=True)
+    store_from_every_warp((agreement_ptr + num_ranks * 2 + 1 + zeros).to(tl.int64), zeros.to(tl.int64) + fp1, differ,
+                          WIDE=True)
+    store_one_from_every_warp((agreement_ptr - (num_ranks + 2) + zeros).to(tl.int64), differ, WIDE=True)  # "pending"
 
 
 @triton.jit
