@@ -1,4 +1,4 @@
-"""The overlapped calls' waits decide by program-wide votes (sync.cta_any / cta_all), compiled for
+"""The overlapped calls' waits decide by program-wide votes (warps.py: cta_any / cta_all), compiled for
 sm_90 without a GPU (Triton installed; PTX only).
 
 Why: a reduction over a tensor of a few lanes runs within each warp — Triton gives every warp the

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ...errors import EPInputError
-from . import call_board, sync
+from . import call_board, sync, warps
 from .launch import KernelSpec
 from .reach.modes import FAR_LIBRARY, far_complete, post_call_any, release_words, same_node, set_row_epoch_first
 from .sync import FP_ROW, fingerprint_half
@@ -345,7 +345,7 @@ def acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, n
     differ = check_rows(my_base + fp_offset, half, peers, live, settled, live & abort_covers(flags, epoch), fp0, fp1,
                         epoch, agreement, num_ranks)
     # (a vote: at a deadline the warps' readings may differ, and the callers branch on the result)
-    failed = sync.cta_any(tl.max((differ | late | elsewhere).to(tl.int32), axis=0))
+    failed = warps.cta_any(tl.max((differ | late | elsewhere).to(tl.int32), axis=0))
     return tl.where(failed == 0, num_items, 0)
 
 

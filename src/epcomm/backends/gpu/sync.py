@@ -26,9 +26,9 @@ always the same four steps, and each site in the kernels names its step:
 
 Warps. A wait's lanes are polled by some threads; every warp holds a small lane tensor whole and
 reduces its own reading. So what a program decides on a polled value (go on, wait, give up) is a
-vote (:func:`cta_any`, :func:`cta_all`: ``bar.red``), whose barrier also orders the polling threads'
+vote (warps.py: ``cta_any``, ``cta_all``, ``bar.red``), whose barrier also orders the polling threads'
 acquires before every thread's loads of the data. What it reports (late peers, another call)
-is stored from every warp (:func:`store_from_every_warp`), since each reported what it read.
+is stored from every warp (warps.py: ``store_from_every_warp``), since each reported what it read.
 
 Epochs. Every flag set (normal mode, low-latency combine) has a device-side epoch counter: the
 signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program. All
@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from . import call_board
+from .warps import cta_all, cta_any, store_from_every_warp, store_one_from_every_warp
 from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, NUM_FLAG_SETS  # noqa: F401 (used by the kernels)
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL, FP_ROW_BYTES  # noqa: F401 (used by the kernels)
 
@@ -145,35 +146,6 @@ def uniform_now(lanes):
     span the warps, one value in the program; where every warp holds them whole (a few lanes), one
     per warp — which is why a wait's loop holds no barrier and its callers vote on its outcome."""
     return tl.max(tl.zeros_like(lanes).to(tl.int64) + now_ns(), axis=0)
-
-
-# Program-wide votes. A reduction over a small tensor does not make a value the same in every
-# thread: Triton gives a tensor of a few lanes to every warp whole (replicated), so the reduction
-# runs within each warp, over that warp's own loads (seen in the PTX: shuffles only). A value read
-# from memory another GPU or program writes (a flag, GAVE_UP, a clock) can then differ between the
-# warps, and a branch on it splits the program: a warp inside a region whose cross-warp reductions
-# use bar.sync pairs them with another warp's unrelated barrier, and Triton issues a store of such
-# a value from the first warp only, so a branch only other warps took stores nothing. Every
-# decision taken on such a value, where the region it guards has barriers or stores, goes through
-# one of these votes (tests/test_kernel_votes.py pins both behaviours).
-@triton.jit
-def cta_any(flag):
-    """1 in every thread of the program when ``flag`` (an int32 per thread) is nonzero in any
-    thread, else 0: ``bar.red.or.pred``, a barrier of the whole program (every thread must reach
-    it) that also orders memory like ``bar.sync`` — each thread's earlier loads (acquires included)
-    precede every thread's later ones."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.red.or.pred %p_out, 0, %p_in; "
-        "selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def cta_all(flag):
-    """1 in every thread of the program when ``flag`` (an int32 per thread) is nonzero in every
-    thread, else 0 (``bar.red.and.pred``; :func:`cta_any` says what the barrier orders)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.red.and.pred %p_out, 0, %p_in; "
-        "selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -367,7 +339,7 @@ def mailbox_words(mailbox_address, num_ranks):
 def all_landed(word_ptrs, live, targets):
     """The fast path of a bounded wait: one ``ld.acquire.sys`` of each lane's int64 word; 1 when
     every live lane holds at least ``targets`` in every warp's reading — the ACQUIRE is then done,
-    and the vote's barrier (:func:`cta_all`) orders every thread's later loads after it, so the
+    and the vote's barrier (warps.cta_all) orders every thread's later loads after it, so the
     caller skips the wait's clock, its row and board checks and its reports (a reduction each) —
     else 0 in every thread, and the caller waits. Dead lanes are read too: mapped addresses."""
     words = load_acquire_sys(word_ptrs.to(tl.int64))
@@ -496,7 +468,7 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     that decide the loop's end agree on the deadline. Where each warp holds the lanes whole, the
     loop's reductions run within each warp (no barrier) and the warps may leave it at different
     turns; where the lanes span the warps, the reductions are the program's. Either way, callers
-    vote (:func:`cta_any`) before anything that branches on the outcome."""
+    vote (warps.cta_any) before anything that branches on the outcome."""
     addresses = word_ptrs.to(tl.int64)
     start = uniform_now(addresses)
     deadline = start + timeout_ns
@@ -652,7 +624,7 @@ def wait_peers(my_flags_ptr, num_ranks, epoch, mask_ptr, timeouts_ptr, timeout_n
 def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constexpr):
     """Mask the late peers (low-latency mode) or flag them in the host mailbox (normal mode). Each
     warp reports what it read (a wait's lanes may end differently in different warps at the
-    deadline), so the stores come from every warp (:func:`store_one_from_every_warp`)."""
+    deadline), so the stores come from every warp (warps.py)."""
     if tl.max(late.to(tl.int32), axis=0) != 0:
         if MASK_ON_TIMEOUT:
             store_one_from_every_warp((mask_ptr + peers).to(tl.int64), late, WIDE=False)
@@ -660,28 +632,6 @@ def report_late(late, peers, mask_ptr, timeouts_ptr, MASK_ON_TIMEOUT: tl.constex
             store_one_from_every_warp((timeouts_ptr + peers).to(tl.int64), late, WIDE=True)
             store_one_from_every_warp((timeouts_ptr - 1 + tl.zeros_like(peers)).to(tl.int64), late,
                                       WIDE=True)  # the mailbox's "pending" word
-
-
-@triton.jit
-def store_one_from_every_warp(addresses, live, WIDE: tl.constexpr):
-    """:func:`store_from_every_warp` of 1 (int64 with WIDE, else int32)."""
-    store_from_every_warp(addresses, tl.zeros_like(addresses) + 1, live, WIDE)
-
-
-@triton.jit
-def store_from_every_warp(addresses, values, live, WIDE: tl.constexpr):
-    """Store ``values`` (int64 with WIDE, else int32) at each ``live`` lane's byte address, from
-    every thread that holds the lane. tl.store issues a lane that every warp holds from the first
-    warp only (tests/test_kernel_votes.py), so under a branch that other warps took alone it would
-    store nothing. For reports whose every writer writes the same value."""
-    if WIDE:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p_live; setp.ne.s32 %p_live, $3, 0; @%p_live st.global.b64 [$1], $2; } mov.u32 $0, 0;",
-            "=r,l,l,r", [addresses, values.to(tl.int64), live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p_live; setp.ne.s32 %p_live, $3, 0; @%p_live st.global.b32 [$1], $2; } mov.u32 $0, 0;",
-            "=r,l,r,r", [addresses, values.to(tl.int32), live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def device_state(device: torch.device) -> torch.Tensor:

@@ -21,9 +21,10 @@ from ...agreement import acquire_and_agree
 from ...copy import copy_rows, fill_nan, multiple, ptr_at, word_ptr
 from ...expert_major_kernels import fold_expert_major_rows
 from ...launch import KernelSpec
-from ...sync import (all_landed, arrive, cta_any, fingerprint_half, gave_up_here, mailbox_words, now_ns,
-                     poll_epochs, poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
+from ...sync import (all_landed, arrive, fingerprint_half, gave_up_here, mailbox_words, now_ns, poll_epochs,
+                     poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
+from ...warps import cta_any
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
 

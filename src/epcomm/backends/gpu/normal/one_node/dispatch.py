@@ -21,10 +21,11 @@ from ... import agreement, sync
 from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
-from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, cta_all, cta_any, fingerprint_half,
-                     gave_up_here, load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders,
-                     post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
-                     publish_to_peers_from_one_thread, record_elsewhere, report_late, signal_peers)
+from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, fingerprint_half, gave_up_here,
+                     load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders, post_call_to_peers,
+                     post_fingerprint_to_peers, publish_from_one_thread, publish_to_peers_from_one_thread,
+                     record_elsewhere, report_late, signal_peers)
+from ...warps import cta_all, cta_any
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -499,7 +500,7 @@ def ep_dispatch_pull(
 #           for this rank, as far as this item's rows)
 #       ACQUIRE block_flags[s][b] >= epoch for the blocks b its tokens were staged in (ascending:
 #           one or two; a timeout, or s on the call board in another call: reported, GAVE_UP =
-#           epoch, every program stops waiting) — each warp reads them, then a vote (sync.cta_all)
+#           epoch, every program stops waiting) — each warp reads them, then a vote (warps.cta_all)
 #       every STAGE_END_EVERY items waited for: ACQUIRE every source's end of stage, a vote; once
 #           all have ended, the later items skip the block waits (the list waits stay)
 #       the rows, as the pull above

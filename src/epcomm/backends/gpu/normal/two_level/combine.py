@@ -40,7 +40,8 @@ import triton.language as tl
 
 from ...copy import copy_rows, fill_nan, word_ptr
 from ...launch import KernelSpec
-from ...sync import call_failed, cta_any, mailbox_words, poll_epochs, report_late, store_release_sys
+from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
+from ...warps import cta_any
 from ...reach.modes import FAR_LIBRARY
 from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
                        peer_reach)
