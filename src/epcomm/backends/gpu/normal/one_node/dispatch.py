@@ -201,6 +201,10 @@ def ep_dispatch_stage(
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
+# The overlapped pull looks at every source's end of stage once every this many items it waited for.
+STAGE_END_EVERY = tl.constexpr(4)
+
+
 # ====================================================================== dispatch: pull
 # ep_dispatch_pull: every receiver pulls its rows from the sources' staging halves; grid = num_sms.
 #
@@ -217,10 +221,6 @@ STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 #           recv_topk[r] <- local expert id or -1 (weight 0 for other ranks' experts)
 #       EXPERT_MAJOR: the row goes to table[src][e] + its position, once per local entry (e)
 #   rows past the received total (num_worst_tokens padding): src_idx -1, top-k -1
-# The overlapped pull looks at every source's end of stage once every this many items it waited for.
-STAGE_END_EVERY = tl.constexpr(4)
-
-
 @triton.jit
 def _pull(pid, num_programs, epoch,
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,

@@ -562,7 +562,7 @@ class NormalMode:
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Tuple[torch.Tensor, ...], config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(Buffer called check_combine first.)"""
-        b, R, rank, dev = self.b, self.R, self.rank, self.device
+        b, R, rank = self.b, self.R, self.rank
         state = handle.backend_state
         num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
         num_rows = handle.num_recv_rows
@@ -630,7 +630,7 @@ class NormalMode:
         reduce programs that sum each chunk of tokens as its blocks land. Together at most
         ``(1 + REDUCE_PROGRAMS_PER_SM) * num_sms`` programs, as many as the push and the reduce in
         turn wait in (shared_grids.py counts them)."""
-        dev, hidden = self.device, x.shape[1]
+        hidden = x.shape[1]
         combined = x.new_empty((num_tokens, hidden))  # (x: bf16; new_empty: dispatch says why)
         combined_w = x.new_empty((num_tokens, num_topk), dtype=torch.float32) if num_topk else None
         combined_address = combined.data_ptr()
