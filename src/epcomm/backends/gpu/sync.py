@@ -29,6 +29,8 @@ reduces its own reading. So what a program decides on a polled value (go on, wai
 vote (warps.py: ``cta_any``, ``cta_all``, ``bar.red``), whose barrier also orders the polling threads'
 acquires before every thread's loads of the data. What it reports (late peers, another call)
 is stored from every warp (warps.py: ``store_from_every_warp``), since each reported what it read.
+Where nothing the decision guards meets the other warps, the vote may be the warp's alone
+(``warp_all``, ``warp_any``; ``WARP`` below): the overlapped pull's warps run their items apart.
 
 Epochs. Every flag set (normal mode, low-latency combine) has a device-side epoch counter: the
 signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program. All
@@ -66,7 +68,7 @@ import triton
 import triton.language as tl
 
 from . import call_board
-from .warps import cta_all, cta_any, store_from_every_warp, store_one_from_every_warp
+from .warps import cta_all, cta_any, store_from_every_warp, store_one_from_every_warp, vote_all, vote_any, warp_any
 from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, NUM_FLAG_SETS  # noqa: F401 (used by the kernels)
 from .workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_NORMAL, FP_ROW_BYTES  # noqa: F401 (used by the kernels)
 
@@ -149,12 +151,14 @@ def uniform_now(lanes):
 
 
 @triton.jit
-def gave_up_here(state_ptr, epoch, lanes):
+def gave_up_here(state_ptr, epoch, lanes, WARP: tl.constexpr):
     """1 when a program of this launch gave up a wait of the call of ``epoch`` (state word GAVE_UP),
-    else 0 — the same in every thread (a vote: the word may change between the warps' reads).
+    else 0 — the same in every thread (a vote: the word may change between the warps' reads); with
+    ``WARP``, in every thread of each warp (warps.warp_any: the caller's region needs no more).
     ``lanes``: any tensor of the caller's lane shape."""
-    seen = tl.load(state_ptr + GAVE_UP + tl.zeros_like(lanes).to(tl.int32), volatile=True)
-    return cta_any(tl.max((seen == epoch).to(tl.int32), axis=0))
+    seen = tl.max((tl.load(state_ptr + GAVE_UP + tl.zeros_like(lanes).to(tl.int32), volatile=True) == epoch).to(tl.int32),
+                  axis=0)
+    return vote_any(seen, WARP)
 
 
 @triton.jit
@@ -336,14 +340,16 @@ def mailbox_words(mailbox_address, num_ranks):
 
 
 @triton.jit
-def all_landed(word_ptrs, live, targets):
+def all_landed(word_ptrs, live, targets, WARP: tl.constexpr):
     """The fast path of a bounded wait: one ``ld.acquire.sys`` of each lane's int64 word; 1 when
     every live lane holds at least ``targets`` in every warp's reading — the ACQUIRE is then done,
     and the vote's barrier (warps.cta_all) orders every thread's later loads after it, so the
     caller skips the wait's clock, its row and board checks and its reports (a reduction each) —
-    else 0 in every thread, and the caller waits. Dead lanes are read too: mapped addresses."""
+    else 0 in every thread, and the caller waits. With ``WARP`` the same within each warp
+    (warps.warp_all), for a caller whose region holds no barrier: the warps go on apart. Dead
+    lanes are read too: mapped addresses."""
     words = load_acquire_sys(word_ptrs.to(tl.int64))
-    return cta_all(tl.min(((words >= targets) | (live == 0)).to(tl.int32), axis=0))
+    return vote_all(tl.min(((words >= targets) | (live == 0)).to(tl.int32), axis=0), WARP)
 
 
 @triton.jit
@@ -468,7 +474,8 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     that decide the loop's end agree on the deadline. Where each warp holds the lanes whole, the
     loop's reductions run within each warp (no barrier) and the warps may leave it at different
     turns; where the lanes span the warps, the reductions are the program's. Either way, callers
-    vote (warps.cta_any) before anything that branches on the outcome."""
+    vote (warps.cta_any; warps.warp_any where the region after holds no barrier) before anything
+    that branches on the outcome."""
     addresses = word_ptrs.to(tl.int64)
     start = uniform_now(addresses)
     deadline = start + timeout_ns
@@ -478,7 +485,8 @@ def poll_from_senders(word_ptrs, live, senders, targets, epoch, timeout_ns, row_
     elsewhere = ready & (ready == 0)
     now = start
     check_at = start + ROW_CHECK_NS
-    while (tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline):
+    # (the loop's test is a warp vote: a warp's threads leave it together, whichever lanes they hold)
+    while warp_any((tl.min(ready.to(tl.int32), axis=0) == 0) & (now < deadline)) != 0:
         fresh = load_acquire_sys(addresses)
         now = uniform_now(addresses)
         arrived = ((fresh >> EPOCH_SHIFT) >= targets) & (ready == 0)

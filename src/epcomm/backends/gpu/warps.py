@@ -15,6 +15,13 @@ So every decision taken on such a value, where the region it guards has barriers
 through a vote (:func:`cta_any`, :func:`cta_all`), and what a wait reports is stored from every
 warp (:func:`store_from_every_warp`). tests/test_kernel_votes.py pins both behaviours of Triton
 and checks the kernels that rely on them.
+
+A program-wide vote is a barrier: every warp waits for the slowest, whose loads of the previous
+item must land first. Where the region a decision guards holds no barrier, and every store in it
+that matters comes from every warp, each warp may decide alone instead (:func:`warp_any`,
+:func:`warp_all`: the warp's threads agree, and its acquires order its own later loads) and run
+its items apart from the others — the overlapped pull's item loop does (one_node/dispatch.py),
+where every warp holds an item's lanes whole (a few rows: its reductions are shuffles).
 """
 from __future__ import annotations
 
@@ -40,6 +47,46 @@ def cta_all(flag):
     return tl.inline_asm_elementwise(
         "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.red.and.pred %p_out, 0, %p_in; "
         "selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def warp_any(flag):
+    """1 in every thread of the warp when ``flag`` (an int32 per thread) is nonzero in any of its
+    threads, else 0 (``vote.sync.any``). ``bar.warp.sync`` first orders memory among the warp's
+    threads: each one's earlier loads (a poll's acquires) precede every thread's later ones. No
+    other warp takes part, so all the warp's threads must reach it (a warp-uniform branch)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.warp.sync -1; "
+        "vote.sync.any.pred %p_out, %p_in, -1; selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def warp_all(flag):
+    """1 in every thread of the warp when ``flag`` is nonzero in all of its threads, else 0
+    (``vote.sync.all``; :func:`warp_any` says what it orders)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p_in, %p_out; setp.ne.s32 %p_in, $1, 0; bar.warp.sync -1; "
+        "vote.sync.all.pred %p_out, %p_in, -1; selp.s32 $0, 1, 0, %p_out; }", "=r,r", [flag.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def vote_any(flag, WARP: tl.constexpr):
+    """:func:`warp_any` with ``WARP``, else :func:`cta_any`."""
+    if WARP:
+        return warp_any(flag)
+    else:
+        return cta_any(flag)
+
+
+@triton.jit
+def vote_all(flag, WARP: tl.constexpr):
+    """:func:`warp_all` with ``WARP``, else :func:`cta_all`."""
+    if WARP:
+        return warp_all(flag)
+    else:
+        return cta_all(flag)
 
 
 @triton.jit

@@ -336,8 +336,8 @@ def ep_combine(
                 if gave_up == 0:
                     b = tl.where(needed, first_block if which == 0 else last_block, 0)
                     words = my_block_flags + peers * block_flag_cap + tl.minimum(b, block_flag_cap - 1)
-                    if all_landed(words, needed, epoch) == 0:  # ACQUIRE: the blocks' rows (or wait for them)
-                        gave_up = gave_up_here(state_ptr, epoch, tokens)  # another program gave up: stop waiting
+                    if all_landed(words, needed, epoch, WARP=False) == 0:  # ACQUIRE: the blocks' rows (or wait for them)
+                        gave_up = gave_up_here(state_ptr, epoch, tokens, WARP=False)  # another program gave up: stop
                         if gave_up == 0:
                             _words, _waited, late, elsewhere = poll_epochs_or_other_call(  # ACQUIRE: the blocks' rows
                                 words, needed, epoch, timeout_ns, sender_rows, other_rows, fp0, fp1, board_address,

@@ -25,7 +25,7 @@ from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell
                      load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders, post_call_to_peers,
                      post_fingerprint_to_peers, publish_from_one_thread, publish_to_peers_from_one_thread,
                      record_elsewhere, report_late, signal_peers)
-from ...warps import cta_all, cta_any
+from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -242,6 +242,12 @@ def _pull(pid, num_programs, epoch,
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     # OVERLAP (ep_dispatch, plain layout): no barrier first; each item waits for the blocks its rows
     # were staged in (and, INDEX, for its source's list), and the last program gives the verdict.
+    # Where every warp holds an item's row lanes whole (BLOCK_R <= 32 rows, R_P2 <= 32 peers: every
+    # real hidden size), each warp decides its waits alone (warps.warp_all / warp_any) and the item
+    # loop holds no barrier, so a warp starts its next item's loads while others finish this one's.
+    # With more rows the lanes span the warps, their reductions meet through shared memory, and the
+    # decisions are the program's votes (tests/test_kernel_votes.py compiles both sides).
+    WARP_WAITS: tl.constexpr = (BLOCK_R <= 32) and (R_P2 <= 32)
     x_words = multiple(x_words, 2, ALIGNED)
     half_offset = (epoch % 2) * half_bytes
     expected = num_rows
@@ -292,14 +298,14 @@ def _pull(pid, num_programs, epoch,
                 # this epoch, and only the list's own word says its entries are this call's tokens)
                 if tl.max(tl.where(peers == src, lists_seen, 0), axis=0) < listed:
                     if gave_up == 0:  # another program gave up: the verdict NaNs everything, stop waiting
-                        gave_up = gave_up_here(state_ptr, epoch, rows)
+                        gave_up = gave_up_here(state_ptr, epoch, rows, WARP_WAITS)
                     if gave_up == 0:
                         gave_up = _wait_blocks(my_flags + peers * block_flag_cap + block_flag_cap - 1, peers == src,
-                                               peers, listed, epoch, timeout_ns, rows_here, rows_other, fp0, fp1,
+                                               src, listed, epoch, timeout_ns, rows_here, rows_other, fp0, fp1,
                                                board_address, call_tag, state_ptr, mailbox_address, num_ranks,
-                                               R_P2)  # ACQUIRE: the list
+                                               R_P2, WARP_WAITS)  # ACQUIRE: the list
                     lists_seen = tl.where(peers == src, listed, lists_seen)
-                    # (the wait's vote, a barrier: the acquiring threads' polls precede every thread's loads)
+                    # (the wait ends in a vote: the polling threads' acquires precede the loads that follow)
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
             token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
@@ -312,26 +318,26 @@ def _pull(pid, num_programs, epoch,
             if (gave_up == 0) & (staged_all == 0):
                 block = tl.minimum(tl.where(move, srow // BLOCK_R, 0), block_flag_cap - 2)
                 flags = my_flags + src * block_flag_cap + block
-                if all_landed(flags, move, epoch) == 0:  # ACQUIRE: the staged rows (usually there already)
-                    gave_up = gave_up_here(state_ptr, epoch, rows)  # another program gave up: stop waiting
+                if all_landed(flags, move, epoch, WARP_WAITS) == 0:  # ACQUIRE: the staged rows (usually there)
+                    gave_up = gave_up_here(state_ptr, epoch, rows, WARP_WAITS)  # another program gave up: stop
                     if gave_up == 0:
-                        gave_up = _wait_blocks(flags, move, tl.zeros([BLOCK_R], tl.int32) + src, epoch, epoch,
-                                               timeout_ns, rows_here, rows_other, fp0, fp1, board_address, call_tag,
-                                               state_ptr, mailbox_address, num_ranks, R_P2)  # ACQUIRE: the staged rows
-                # Every few items: has every source's stage ended? ACQUIRE the ends, then a vote (a
-                # barrier): this item's loads and every later one follow them, so the later items
-                # skip their waits and votes — a barrier less per item once the stage is behind the
-                # pull. (An abort's stamp, >= ABORT_EPOCH, is not taken for an end: the waits above
-                # handle a source that aborted.)
+                        gave_up = _wait_blocks(flags, move, src, epoch, epoch, timeout_ns, rows_here, rows_other, fp0,
+                                               fp1, board_address, call_tag, state_ptr, mailbox_address, num_ranks,
+                                               R_P2, WARP_WAITS)  # ACQUIRE: the staged rows
+                # Every few items: has every source's stage ended? ACQUIRE the ends, then a vote: this
+                # item's loads and every later one follow them, so the later items skip their waits —
+                # a flag poll less per item once the stage is behind the pull. (An abort's
+                # stamp, >= ABORT_EPOCH, is not taken for an end: the waits above handle a source
+                # that aborted.)
                 waited_items += 1
                 if (gave_up == 0) & (waited_items % STAGE_END_EVERY == 0):
                     # each source's end of stage here (signal_peers: its last stage program's RELEASE,
                     # after every one of its programs arrived, covers all its staged rows and lists)
                     ended = load_acquire_sys(my_base + (sync.NORMAL_FLAG_SET * num_ranks + peers) * 8)
-                    staged_all = cta_all(tl.min((((ended >= epoch) & (ended < sync.ABORT_EPOCH)) |
-                                                 (peers >= num_ranks)).to(tl.int32), axis=0))
-            move &= gave_up == 0  # (the waits end in votes, barriers: the acquiring threads' polls precede every
-            # thread's loads of the rows)
+                    staged_all = vote_all(tl.min((((ended >= epoch) & (ended < sync.ABORT_EPOCH)) |
+                                                  (peers >= num_ranks)).to(tl.int32), axis=0), WARP_WAITS)
+            move &= gave_up == 0  # (the waits end in votes: the polling threads' acquires precede the loads of
+            # the rows; with WARP_WAITS a warp that gave up skips its share, and the verdict NaNs every row)
         rows64 = rows.to(tl.int64)
         sx = word_ptr(staged + x_offset, ALIGNED) + srow * x_words
         if EXPERT_MAJOR:
@@ -410,30 +416,37 @@ def _pull(pid, num_programs, epoch,
 
 
 @triton.jit
-def _wait_blocks(words, live, senders, targets, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
-                 call_tag, state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr):
+def _wait_blocks(words, live, src, targets, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
+                 call_tag, state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr, WARP: tl.constexpr):
     """The overlapped pull's ACQUIRE of block flags (int64 pointers ``words``, lanes where ``live``,
-    written by rank ``senders[lane]``) >= ``targets`` (``epoch``, or a list's tagged count). A sender that aborted, or is in another call of
-    this Buffer, ends its lanes' wait through its fingerprint row (``rows_here`` / ``rows_other``:
-    this rank's rows of this call's half and the other one; the verdict then NaNs the output); one
-    the call board shows in another call, or a timeout, is recorded in the mailbox, and GAVE_UP =
-    ``epoch`` stops the launch's other programs. Returns 1 when this wait gave up, else 0: the same
-    in every thread (a vote, whose barrier also orders the acquiring threads' polls before every
-    thread's later loads)."""
+    all written by source ``src``) >= ``targets`` (``epoch``, or a list's tagged count). A source
+    that aborted, or is in another call of this Buffer, ends the wait through its fingerprint row
+    (``rows_here`` / ``rows_other``: this rank's rows of this call's half and the other one; the
+    verdict then NaNs the output); one the call board shows in another call, or a timeout, is
+    recorded in the mailbox, and GAVE_UP = ``epoch`` stops the launch's other programs. Returns 1
+    when this wait gave up, else 0.
+
+    The outcome is a vote (warps.vote_any), which also orders the polling threads' acquires before
+    the loads of the rows. With ``WARP`` each warp decides alone and the pull's warps run their
+    items apart: nothing here may meet the other warps — every warp holds the lanes whole (its
+    reductions are shuffles), and the reports and GAVE_UP are stored from every warp (warps.py);
+    tests/test_kernel_votes.py checks that the item loop then holds no barrier."""
     row_words = sync.FP_ROW // 8
+    senders = tl.zeros_like(live.to(tl.int32)) + src
     _words, _waited, late, elsewhere = poll_from_senders(
-        words, live, senders, targets, epoch, timeout_ns, rows_here + senders * row_words, rows_other + senders * row_words,
-        fp0, fp1, board_address, call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
+        words, live, senders, targets, epoch, timeout_ns, rows_here + senders * row_words,
+        rows_other + senders * row_words, fp0, fp1, board_address, call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True,
+        CHECK_BOARD=True)
     peers = tl.arange(0, R_P2)
-    of_peer = senders[:, None] == peers[None, :]  # [lanes, R_P2]
-    late_peers = tl.max((late[:, None] & of_peer).to(tl.int32), axis=0) != 0
-    elsewhere_peers = tl.max((elsewhere[:, None] & of_peer).to(tl.int32), axis=0) != 0
+    late_here = vote_any(tl.max(late.to(tl.int32), axis=0), WARP)  # (the threads' clocks may disagree)
+    elsewhere_here = vote_any(tl.max(elsewhere.to(tl.int32), axis=0), WARP)
     timeouts, _dropped, agreement_ptr, _notify = mailbox_words(mailbox_address, num_ranks)
-    report_late(late_peers, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
-    record_elsewhere(board_address, peers, elsewhere_peers, call_tag, fp0, agreement_ptr, num_ranks)
-    failed = cta_any(tl.max((late | elsewhere).to(tl.int32), axis=0))  # (the warps' clocks may disagree)
-    if failed != 0:
-        tl.store(state_ptr + sync.GAVE_UP, epoch)
+    report_late((peers == src) & (late_here != 0), peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
+    record_elsewhere(board_address, peers, (peers == src) & (elsewhere_here != 0), call_tag, fp0, agreement_ptr,
+                     num_ranks)
+    failed = late_here | elsewhere_here
+    store_from_every_warp((state_ptr + sync.GAVE_UP + peers * 0).to(tl.int64), tl.zeros([R_P2], tl.int64) + epoch,
+                          (peers == 0) & (failed != 0), WIDE=True)
     return failed
 
 
@@ -500,10 +513,12 @@ def ep_dispatch_pull(
 #           for this rank, as far as this item's rows)
 #       ACQUIRE block_flags[s][b] >= epoch for the blocks b its tokens were staged in (ascending:
 #           one or two; a timeout, or s on the call board in another call: reported, GAVE_UP =
-#           epoch, every program stops waiting) — each warp reads them, then a vote (warps.cta_all)
+#           epoch, every program stops waiting) — each warp reads them, then a vote: each warp's
+#           alone (warps.warp_all) where it holds the item's row lanes whole (BLOCK_R <= 32): the
+#           item loop then holds no barrier, so the warps run their items apart; else the program's
 #       every STAGE_END_EVERY items waited for: ACQUIRE every source's end of stage, a vote; once
 #           all have ended, the later items skip the block waits (the list waits stay)
-#       the rows, as the pull above
+#       the rows, as the pull above (a warp that gave up skips its share: the verdict NaNs all rows)
 #   last pull program to arrive:
 #       ACQUIRE every rank's end-of-stage epoch and compare fingerprints (acquire_and_agree): the
 #           half-reuse chain of sync.py needs every source's signal, not only the blocks with rows

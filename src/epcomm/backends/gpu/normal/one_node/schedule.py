@@ -73,10 +73,14 @@ def item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, bloc
     peers = tl.arange(0, R_P2)
     if EVERY_PEER:
         first = (rank + 1 + round_idx) % num_ranks
-        order = (peers - first + num_ranks) % num_ranks  # place in this round's rotation
-        active = blocks > round_idx
-        earlier = tl.sum((active[None, :] & (order[None, :] < order[:, None])).to(tl.int32), axis=1)
-        source = tl.sum(tl.where(active & (earlier == item - round_start), peers, 0), axis=0)
+        active = (blocks > round_idx).to(tl.int32)
+        # earlier[p]: active sources before p in the rotation. From prefix counts over [R_P2] alone (a
+        # [R_P2, R_P2] comparison would go through shared memory and a barrier of the whole program per
+        # item: the overlapped pull's warps run their items apart, schedule.py's callers say why)
+        below = tl.cumsum(active, axis=0) - active  # active sources below p in rank order
+        below_first = tl.sum(tl.where(peers < first, active, 0), axis=0)
+        earlier = tl.where(peers >= first, below - below_first, below + tl.sum(active, axis=0) - below_first)
+        source = tl.sum(tl.where((active != 0) & (earlier == item - round_start), peers, 0), axis=0)
         block = round_idx
     else:  # rank order: source s's blocks are items [sum of blocks before s, ... + blocks[s])
         before = tl.cumsum(blocks, axis=0)  # inclusive
