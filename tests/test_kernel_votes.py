@@ -149,3 +149,24 @@ def test_the_doorbell_answer_is_a_vote():
     ptx = compiled.asm["ptx"]
     assert ptx.count("bar.red.and.pred") >= 1 and ptx.count("bar.red.or.pred") >= 1  # go; the others' stand-down
     assert ptx.count("bar.red") >= 3  # (on top of the verdict's two, which every full dispatch has)
+
+
+def test_the_low_latency_reduce_votes_on_a_rank_gone():
+    """Whether any rank is gone (in another call, or differing) is each warp's reading of its
+    lanes; the reduce then compares every entry's rank with them ([K, R]: a reduction that may meet
+    the other warps), so the branch into that comparison is a program-wide vote."""
+    from epcomm.backends.gpu import low_latency as L
+    from epcomm.backends.gpu.reach.modes import PEERS_BY_STORES
+    compiled = L.COMBINE.compile(dict(SEND=False, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8,
+                                      BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=PEERS_BY_STORES), 8, target=SM90)
+    assert "bar.red.or.pred" in compiled.asm["ptx"]
+
+
+def test_the_step_barrier_votes_before_it_fails_the_call():
+    """The two-level step barrier's failure word is one scalar store, issued by the first warp only;
+    a late or differing rank that only other warps saw at the deadline must still fail the call,
+    or its later kernels would wait for rows that never come."""
+    from epcomm.backends.gpu.normal.two_level import step as S
+    from epcomm.backends.gpu.reach.modes import FAR_BY_LOOPBACK
+    compiled = S.STEP.compile(dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4, target=SM90)
+    assert "bar.red.or.pred" in compiled.asm["ptx"]

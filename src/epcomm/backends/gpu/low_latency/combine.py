@@ -14,6 +14,7 @@ from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_
                           release_words, same_node)
 from ..sync import (arrive, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     poll_epochs_or_other_call, record_elsewhere, report_late)
+from ..warps import cta_any
 from .dispatch import peer_after
 
 
@@ -196,9 +197,10 @@ def ep_ll_combine(
         if HAS_WAIT_STATS:
             if pid == 0:
                 tl.atomic_add(wait_stats_ptr + peers, waited, mask=peers < num_ranks, sem="relaxed")
+        # (a vote: each warp reduced its own readings, and the branch it guards meets the other warps)
+        any_gone = cta_any(tl.max(gone.to(tl.int32), axis=0)) != 0
         _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens,
-                       hidden, num_topk, num_local, num_ranks, shrink, gone, tl.max(gone.to(tl.int32), axis=0) != 0,
-                       K_P2, BLOCK_C)
+                       hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C)
 
 
 COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

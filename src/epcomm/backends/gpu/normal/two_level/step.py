@@ -38,6 +38,7 @@ from ...launch import KernelSpec
 from ...sync import (ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere,
                      report_late)
 from ...reach.modes import FAR_LIBRARY, far_complete, far_deliver, post_call_any
+from ...warps import cta_any
 from .channels import SIGNAL_STRIDE, peer_after
 
 
@@ -91,7 +92,9 @@ def _step_barrier(peer_bases_ptr,  # [R] int64: each rank's workspace (where gpu
     record_elsewhere(board, lanes, elsewhere, call_tag, fp0, agreement, num_ranks)
     differ = check_fingerprints(rows, lanes, sender & (late == 0) & (elsewhere == 0), tl.zeros_like(lanes), fp0, fp1,
                                 epoch, agreement, num_ranks)
-    if tl.max((differ | elsewhere | (late != 0)).to(tl.int32), axis=0) != 0:
+    # (a vote: at the deadline the warps' readings may differ, and the store below is issued by the
+    # first warp only)
+    if cta_any(tl.max((differ | elsewhere | (late != 0)).to(tl.int32), axis=0)) != 0:
         tl.store(failed_ptr, epoch)  # the call's later kernels return at once (call_failed)
 
 
