@@ -54,4 +54,6 @@ def test_overlapping_the_phases_saves_at_most_the_shorter_phase(estimates):
     for R, est in estimates.items():
         for call in ("cached dispatch", "combine"):
             assert est["overlapped"][call] <= est["every peer"][call], (R, call)
+        # the full dispatch is not overlapped (its stage runs in the host's count wait)
+        assert est["overlapped"]["full dispatch"] == est["every peer"]["full dispatch"], R
     assert estimates[8]["overlapped"]["combine"] > 960

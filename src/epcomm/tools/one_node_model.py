@@ -13,7 +13,9 @@ moves rows between GPUs is bound by the slower of its programs and its links::
         max( local / (P * r_local) + remote / (P * r_remote),   the programs: P of them, each at
                                                                 its rate per byte kind
              remote bytes in / link,  remote bytes out / link )  each GPU's links, each way
-    overlapped (not built: the phases through per-chunk flags): max(stage, pull), max(push, reduce)
+    overlapped (the phases through per-block flags, one launch: ep_dispatch for a cached dispatch,
+        ep_combine): max(stage, pull), max(push, reduce); the full dispatch stays in turn (its stage
+        runs during the host's count wait)
     pull, push (rank order, the walk before): each receiver takes source 0, 1, ... in turn, at
         P * r_local from itself, else min(P * r_remote, link / receivers now on that source) — a fluid
         queue (at 2 ranks the two receivers pair up; from 4 on they crowd one GPU's links)
@@ -104,7 +106,8 @@ def _rank_order_us(rows: torch.Tensor, row_bytes: int, programs: int, rates: Rat
 def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, programs: int,
              rates: Rates) -> Dict[str, Dict[str, float]]:
     """µs per call of the busiest rank, ``{schedule: {call: µs}}`` for "every peer", "rank order" and
-    "overlapped" (every peer, with stage and pull, push and reduce overlapped: not built yet)."""
+    "overlapped" (every peer, with stage and pull, push and reduce overlapped: the one-launch cached
+    dispatch and combine; the full dispatch stays in turn, as in "every peer")."""
     rows = rows_between(num_ranks, tokens, experts, topk)
     x_bytes = 2 * hidden  # BF16 rows
     stage_us = tokens * (x_bytes + 12 * topk) * 2 / rates.local_copy / 1e3  # read + write
@@ -116,9 +119,10 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
         cached = rates.fixed_us + stage_us + pull
         out[schedule] = {"cached dispatch": cached, "full dispatch": cached + rates.notify_us,
                          "combine": rates.fixed_us + push + reduce_us}
-        if schedule == "every peer":  # what the phases overlapped through per-chunk flags would give
-            overlapped = rates.fixed_us + max(stage_us, pull)
-            out["overlapped"] = {"cached dispatch": overlapped, "full dispatch": overlapped + rates.notify_us,
+        if schedule == "every peer":  # the phases overlapped through per-block flags (one launch)
+            out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
+                                 "full dispatch": cached + rates.notify_us,  # (in turn: the stage runs in the
+                                 # host's count wait; NormalMode.doorbell_dispatch overlaps it, off by default)
                                  "combine": rates.fixed_us + max(push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / rates.link}
