@@ -46,6 +46,35 @@ def test_every_received_row_is_taken_exactly_once_in_either_order(walks):
         assert set(taken.values()) <= {1}, walk["case"]
 
 
+def _rotation(case):
+    """schedule.py's rule in Python: item v of round j is block j of the (v - S(j))-th source with
+    more than j blocks, counting from (rank + 1 + j) mod R; program p takes items p, p + P, ..."""
+    counts, rank, block_r = case["rows_per_source"], case["rank"], case["block_r"]
+    num_rows = case.get("num_rows", sum(counts))
+    R = len(counts)
+    starts = [min(sum(counts[:s]), num_rows) for s in range(R)]
+    ends = [min(sum(counts[:s + 1]), num_rows) for s in range(R)]
+    blocks = [(e - b + block_r - 1) // block_r for b, e in zip(starts, ends)]
+    items = []
+    for j in range(max(blocks, default=0)):
+        for step in range(R):
+            s = (rank + 1 + j + step) % R
+            if blocks[s] > j:
+                first = starts[s] + j * block_r
+                items.append((s, first, min(first + block_r, ends[s])))
+    return [items[p::case["programs"]] for p in range(case["programs"])]
+
+
+def test_every_peer_items_follow_the_rotation_rule(walks):
+    """The kernels' item_block (prefix counts over the sources: no [R, R] comparison, so no
+    shared-memory round per item) deals exactly the items of schedule.py's rule, skewed and empty
+    sources and clipped totals included."""
+    for walk in walks:
+        if walk["case"]["every_peer"]:
+            assert [[tuple(item) for item in program] for program in walk["items"]] == _rotation(walk["case"]), \
+                walk["case"]
+
+
 def test_every_peer_order_starts_the_programs_on_different_sources(walks):
     """4 sources, 4 programs: the first items cover every source; the rank-order walk (the old one)
     put every program on source 0, so every receiver read the same GPU at once."""
