@@ -4,13 +4,19 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
-                                                    [--doorbell]
+                                                    [--doorbell] [--lanes 8]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
 twice in one device call with PYTHONPATH on the two trees. Prints ``label phase kernel µs`` lines,
 and per phase the µs per call of ``--calls`` calls issued back to back between two CUDA events
 (the kernels, the gaps between them and, in a full dispatch, the host's wait for the counts).
+
+``--lanes R`` compiles the kernels for R ranks' peer lanes (R_P2; the lanes past this one rank are
+masked, as those past a group of 6 are at R_P2 = 8) while moving one rank's rows: the tiles,
+layouts and shared-memory rounds of an R-rank node (the combine's reduce sums [R, BLOCK_C] tiles,
+BLOCK_C = 16384 / R), timed on one GPU. The rows are still one rank's, so it times what the
+lanes cost, not the links.
 """
 import argparse
 import socket
@@ -35,6 +41,8 @@ def main() -> int:
                         help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
     parser.add_argument("--doorbell", action="store_true",
                         help="a full dispatch in one launch before its count wait (NormalMode.doorbell_dispatch)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
     import epcomm
     from torch.profiler import ProfilerActivity, profile
@@ -54,6 +62,9 @@ def main() -> int:
         buffer._backend.normal.overlapped_dispatch = False
     if args.doorbell:
         buffer._backend.normal.doorbell_dispatch = True
+    if args.lanes & (args.lanes - 1) or args.lanes < 1:
+        parser.error(f"--lanes must be a power of two (got {args.lanes})")
+    buffer._backend.normal.R_P2 = args.lanes  # (before the first call: the plans are made then)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(args.tokens, 256, device=dev, generator=g).abs() + 1).topk(8, dim=-1).indices
