@@ -4,7 +4,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
-                                                    [--doorbell] [--lanes 8]
+                                                    [--doorbell] [--rank-loop-reduce] [--lanes 8]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -41,6 +41,8 @@ def main() -> int:
                         help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
     parser.add_argument("--doorbell", action="store_true",
                         help="a full dispatch in one launch before its count wait (NormalMode.doorbell_dispatch)")
+    parser.add_argument("--rank-loop-reduce", action="store_true",
+                        help="the combine's reduce summing a token's ranks row by row (NormalMode.rank_loop_reduce)")
     parser.add_argument("--lanes", type=int, default=1,
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
@@ -62,6 +64,8 @@ def main() -> int:
         buffer._backend.normal.overlapped_dispatch = False
     if args.doorbell:
         buffer._backend.normal.doorbell_dispatch = True
+    if args.rank_loop_reduce:
+        buffer._backend.normal.rank_loop_reduce = True
     if args.lanes & (args.lanes - 1) or args.lanes < 1:
         parser.error(f"--lanes must be a power of two (got {args.lanes})")
     buffer._backend.normal.R_P2 = args.lanes  # (before the first call: the plans are made then)

@@ -128,14 +128,14 @@ def test_the_barrier_check_sees_a_wait_that_meets_the_other_warps():
     still does)."""
     compiled = N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=True,
                                           EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=0, BLOCK_C=2048,
-                                          OUT_ALIGNED=True), 16, target=SM90)
+                                          OUT_ALIGNED=True, RANK_LOOP=False), 16, target=SM90)
     assert _loops_with_a_barrier_and_an_acquire(compiled.asm["ptx"])
 
 
 def test_the_overlapped_combine_votes_on_its_flags_and_on_giving_up():
     compiled = N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=True,
                                           EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=0, BLOCK_C=2048,
-                                          OUT_ALIGNED=True), 16, target=SM90)
+                                          OUT_ALIGNED=True, RANK_LOOP=False), 16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx
 
@@ -170,3 +170,21 @@ def test_the_step_barrier_votes_before_it_fails_the_call():
     from epcomm.backends.gpu.reach.modes import FAR_BY_LOOPBACK
     compiled = S.STEP.compile(dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4, target=SM90)
     assert "bar.red.or.pred" in compiled.asm["ptx"]
+
+
+def _loops_with_a_barrier(ptx):
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\w+):", line.strip()))}
+    return [i for i, line in enumerate(lines) if (m := re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line))
+            and labels.get(m.group(1), i) < i and any(BARRIER.search(b) for b in lines[labels[m.group(1)]:i])]
+
+
+@pytest.mark.parametrize("rank_loop", [False, True], ids=["tile", "rank loop"])
+def test_the_rank_loop_reduce_sums_a_token_without_meeting_the_other_warps(rank_loop):
+    """At 8 ranks (R_P2 = 8, BLOCK_C = 2048) a token's [8, 2048] tile splits its ranks over two warps:
+    its sum, store and weights' sum meet through shared memory, barriers per token. RANK_LOOP
+    (NormalMode.rank_loop_reduce) sums one [2048] row per rank: the in-turn reduce's token loop
+    then holds no barrier."""
+    compiled = N.REDUCE.compile(dict(NUM_BIAS=1, HAS_WEIGHTS=True, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=True,
+                                     RANK_LOOP=rank_loop), 16, target=SM90)
+    assert bool(_loops_with_a_barrier(compiled.asm["ptx"])) != rank_loop

@@ -45,10 +45,11 @@ def _cases():
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
                                EXPERT_MAJOR=em, EVERY_PEER=not (weights and al), TRACE=weights and al), 16
-        yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=al), 16
+        yield N.REDUCE, dict(NUM_BIAS=num_bias, HAS_WEIGHTS=weights, R_P2=8, BLOCK_C=2048, K_P2=8, ALIGNED=al,
+                             RANK_LOOP=al), 16
         yield N.PUSH_REDUCE, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
                                   EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=weights and al, NUM_BIAS=num_bias,
-                                  BLOCK_C=2048, OUT_ALIGNED=not al), 16
+                                  BLOCK_C=2048, OUT_ALIGNED=not al, RANK_LOOP=weights != al), 16
     for (fp8, round_scale, ue8m0), al in itertools.product(
             [(True, False, False), (True, True, False), (True, True, True), (False, False, False)], [False, True]):
         for send, receive, msgs in ((True, True, 8), (True, False, 4), (False, True, 8)):
@@ -166,7 +167,8 @@ def test_nvshmem_backend_channel_limit():
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
                   TRACE=False), 16),
-    (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8), 16),
+    (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8, RANK_LOOP=False), 16),
+    (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=8, BLOCK_C=2048, K_P2=8, RANK_LOOP=True), 16),
     (L.DISPATCH, dict(SEND=True, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
                       BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,
                       R_P2=2, REMOTE=0), 8),

@@ -101,8 +101,8 @@ def test_every_peer_order_deals_a_skewed_routing_evenly_over_the_programs(walks)
 
 
 def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
-    """NormalMode.every_peer / trace / pipelined_pull are compiled into the plans of a shape: setting
-    one drops the plans (so the next call binds the kernels anew) and keeps the trace address the
+    """NormalMode.every_peer / trace / pipelined_pull / rank_loop_reduce are compiled into the plans of
+    a shape: setting one drops the plans (so the next call binds the kernels anew) and keeps the trace address the
     launches pass; the calls themselves look nothing up per diagnostic."""
     import torch
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
@@ -116,3 +116,6 @@ def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
     assert mode.trace_address == trace.data_ptr()
     mode.trace = None
     assert mode.trace_address == 4096
+    mode._combine_plans = {"shape": "plan"}
+    mode.rank_loop_reduce = True  # (the combine's reduce: compiled into its plans too)
+    assert mode._combine_plans == {} and mode.rank_loop_reduce

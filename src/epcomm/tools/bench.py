@@ -162,7 +162,8 @@ class NormalBenchSettings:
     # order, schedule.py), "pipelined-pull" (the pull's experimental PIPELINE, dispatch.py), "serial-combine"
     # (the combine's push and reduce in turn, a barrier between them: combine.py), "serial-dispatch" (the
     # dispatch's stage and pull in turn: dispatch.py), "doorbell-dispatch" (a full dispatch in one launch
-    # before the count wait: mode.py, NormalMode.doorbell_dispatch)
+    # before the count wait: mode.py, NormalMode.doorbell_dispatch), "rank-loop-reduce" (the combine's
+    # reduce summing a token's ranks row by row: combine.py, RANK_LOOP)
     variants: List[str] = field(default_factory=list)
 
 
@@ -292,6 +293,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
             normal.overlapped_combine = variant != "serial-combine"
             normal.overlapped_dispatch = variant != "serial-dispatch"
             normal.doorbell_dispatch = variant == "doorbell-dispatch"
+            normal.rank_loop_reduce = variant == "rank-loop-reduce"
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   (f" {variant}" if variant else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
@@ -535,7 +537,8 @@ MODE_DESCRIPTIONS = {
 }
 
 
-NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch")  # NormalBenchSettings.variants
+NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
+                   "rank-loop-reduce")  # NormalBenchSettings.variants
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -582,7 +585,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "once), pipelined-pull (the pull's experiment: next loads before these stores), "
                                  "serial-combine (the combine's push and reduce in turn instead of overlapped), "
                                  "serial-dispatch (the dispatch's stage and pull in turn), doorbell-dispatch (a "
-                                 "full dispatch in one launch before its count wait)")
+                                 "full dispatch in one launch before its count wait), rank-loop-reduce (the "
+                                 "combine's reduce summing a token's ranks row by row, no cross-warp sum)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

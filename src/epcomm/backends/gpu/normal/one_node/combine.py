@@ -146,19 +146,34 @@ PUSH = KernelSpec(ep_combine_push, aligned_if={"ALIGNED": ["x_ptr"]})
 @triton.jit
 def _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, slots_x, slots_w, token_lo, hidden,
                   num_topk, num_ranks, NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
-                  BLOCK_C: tl.constexpr, K_P2: tl.constexpr):
+                  BLOCK_C: tl.constexpr, K_P2: tl.constexpr, RANK_LOOP: tl.constexpr):
     """out[token] = bf16(Σ float32 slots present in is_token_in_rank + biases), column block by
-    block; out_w[token] = Σ slots_w (HAS_WEIGHTS). The slots were acquired by the caller."""
+    block; out_w[token] = Σ slots_w (HAS_WEIGHTS). The slots were acquired by the caller.
+
+    RANK_LOOP (an experiment, off by default: NormalMode.rank_loop_reduce): the sum over ranks
+    one [BLOCK_C] row at a time, in rank order, unrolled so every rank's loads are in flight at
+    once. Every warp then holds columns of each row and nothing meets the other warps; the
+    [R_P2, BLOCK_C] tile splits its ranks over two warps from R_P2 = 8 on (BLOCK_C = 16384 / R_P2),
+    so its sum, the store and the weights' sum go through shared memory, with barriers, per token.
+    The sums' float32 order differs (rank order, against the tile's tree)."""
     ranks = tl.arange(0, R_P2)
     cols = tl.arange(0, BLOCK_C)
     t64 = token.to(tl.int64)
     present = tl.load(in_rank_ptr + t64 * num_ranks + ranks, mask=ranks < num_ranks, other=0) != 0
     slot = (t64 - token_lo) * num_ranks + ranks
+    first_slot = (t64 - token_lo) * num_ranks
     for c0 in range(0, hidden, BLOCK_C):
         c = c0 + cols
         cm = c < hidden
-        rows = tl.load(slots_x + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :], other=0.0)
-        acc = tl.sum(rows.to(tl.float32), axis=0)
+        if RANK_LOOP:
+            acc = tl.zeros([BLOCK_C], tl.float32)
+            for j in tl.static_range(R_P2):
+                here = tl.load(in_rank_ptr + t64 * num_ranks + j, mask=j < num_ranks, other=0) != 0
+                acc += tl.load(slots_x + (first_slot + j) * hidden + c, mask=cm & here, other=0.0).to(tl.float32)
+        else:
+            rows = tl.load(slots_x + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :],
+                           other=0.0)
+            acc = tl.sum(rows.to(tl.float32), axis=0)
         if NUM_BIAS >= 1:
             acc += tl.load(bias0_ptr + t64 * hidden + c, mask=cm, other=0.0).to(tl.float32)
         if NUM_BIAS >= 2:
@@ -166,9 +181,15 @@ def _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, 
         tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
     if HAS_WEIGHTS:
         k = tl.arange(0, K_P2)
-        w = tl.load(slots_w + slot[:, None] * num_topk + k[None, :], mask=present[:, None] & (k < num_topk)[None, :],
-                    other=0.0)
-        tl.store(out_w_ptr + t64 * num_topk + k, tl.sum(w, axis=0), mask=k < num_topk)
+        if RANK_LOOP:
+            w = tl.zeros([K_P2], tl.float32)
+            for j in tl.static_range(R_P2):
+                here = tl.load(in_rank_ptr + t64 * num_ranks + j, mask=j < num_ranks, other=0) != 0
+                w += tl.load(slots_w + (first_slot + j) * num_topk + k, mask=(k < num_topk) & here, other=0.0)
+        else:
+            w = tl.sum(tl.load(slots_w + slot[:, None] * num_topk + k[None, :],
+                               mask=present[:, None] & (k < num_topk)[None, :], other=0.0), axis=0)
+        tl.store(out_w_ptr + t64 * num_topk + k, w, mask=k < num_topk)
 
 
 @triton.jit
@@ -209,8 +230,8 @@ def ep_combine_reduce(
         call_tag: "i64",  # this call's number and Buffer on the board (0: not checked)
         # meta-parameters
         NUM_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, R_P2: tl.constexpr,
-        BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py).
+        BLOCK_C: tl.constexpr, K_P2: tl.constexpr, ALIGNED: tl.constexpr, RANK_LOOP: tl.constexpr):
+    # ALIGNED: hidden % 8 == 0 and the biases are 16-byte aligned (copy.py). RANK_LOOP: _reduce_token.
     pid = tl.program_id(0)
     hidden = multiple(hidden, 8, ALIGNED)
     num_programs = tl.num_programs(0)
@@ -229,7 +250,7 @@ def ep_combine_reduce(
     # -- each program takes tokens pid, pid + P, ...: sum the present slots, column block by block
     for token in range(token_lo + pid, tl.minimum(token_hi, num_tokens), num_programs):
         _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, slots_x, slots_w, token_lo,
-                      hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2)
+                      hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2, RANK_LOOP)
 
 
 REDUCE = KernelSpec(ep_combine_reduce, aligned_if={"ALIGNED": ["out_ptr", "bias0_ptr", "bias1_ptr"]})
@@ -288,7 +309,8 @@ def ep_combine(
         # meta-parameters
         HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, OUT_ALIGNED: tl.constexpr):
+        TRACE: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, OUT_ALIGNED: tl.constexpr,
+        RANK_LOOP: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: hidden % 8 == 0 and out, the biases
     # are 16-byte aligned (copy.py).
     pid = tl.program_id(0)
@@ -355,7 +377,7 @@ def ep_combine(
             else:
                 for token in range(t0, chunk_end):
                     _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, slots_x, slots_w, 0,
-                                  hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2)
+                                  hidden, num_topk, num_ranks, NUM_BIAS, HAS_WEIGHTS, R_P2, BLOCK_C, K_P2, RANK_LOOP)
         # -- the last reduce program: the call's verdict, and the epoch
         if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_reduce):
             failed = cta_any(tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch) != 0  # (one reading for all)

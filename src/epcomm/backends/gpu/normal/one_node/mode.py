@@ -117,7 +117,7 @@ class NormalMode:
         # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
         # properties below: setting one drops the plans, which are made with them (nothing per call).
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
-        self._overlapped_dispatch, self._doorbell_dispatch = True, False
+        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, False
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -154,6 +154,17 @@ class NormalMode:
     @pipelined_pull.setter
     def pipelined_pull(self, value: bool) -> None:
         self._pipelined_pull = bool(value)
+        self._diagnostic_changed()
+
+    @property
+    def rank_loop_reduce(self) -> bool:
+        """An experiment for a multi-GPU lease (bench --variants rank-loop-reduce): the combine's reduce
+        sums a token's ranks one row at a time, no cross-warp sum (combine.py, RANK_LOOP)."""
+        return self._rank_loop_reduce
+
+    @rank_loop_reduce.setter
+    def rank_loop_reduce(self, value: bool) -> None:
+        self._rank_loop_reduce = bool(value)
         self._diagnostic_changed()
 
     @property
@@ -529,11 +540,12 @@ class NormalMode:
                                EXPERT_MAJOR=expert_major_topk > 0, EVERY_PEER=self.every_peer,
                                TRACE=self.trace is not None)
         reduce = Specialisations(REDUCE, ["ALIGNED"], 16 if self.R_P2 * block_c >= 8192 else 4, NUM_BIAS=num_bias,
-                                 HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk))
+                                 HAS_WEIGHTS=num_topk > 0, R_P2=self.R_P2, BLOCK_C=block_c, K_P2=p2(num_topk),
+                                 RANK_LOOP=self.rank_loop_reduce)
         overlapped = None if expert_major_topk else Specialisations(
             PUSH_REDUCE, ["ALIGNED", "OUT_ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
             BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2, EXPERT_MAJOR=False, EVERY_PEER=self.every_peer,
-            TRACE=self.trace is not None, NUM_BIAS=num_bias, BLOCK_C=block_c)
+            TRACE=self.trace is not None, NUM_BIAS=num_bias, BLOCK_C=block_c, RANK_LOOP=self.rank_loop_reduce)
         return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
                            expert_major_topk > 0, push, reduce, overlapped,
                            agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
