@@ -10,17 +10,15 @@ call" is then the wrong one, which broke the narrowed abort of 7aa8827), or a ca
 hook; and the same for normal mode (one node: the flag word, halves by the epoch's parity, and the
 overlapped combine's wait on blocks the abort does not stamp). Skipped where Triton is not installed."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("triton")
 
+from interpreted import run_cases  # noqa: E402
+
 from epcomm.backends.gpu.agreement import abort_words, pack, unpack  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABORT = 1 << 30  # sync.ABORT_EPOCH
 FP = pack(call=5, hidden=256, x=1, num_topk=2, num_experts=32, num_max_dispatch_tokens_per_rank=32)  # a combine's
 ABORT_FP = abort_words("x")
@@ -28,14 +26,7 @@ MESSAGES = 7  # a dispatch count: what the sender's call c sent this receiver is
 
 
 def _run(specs):
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] + sys.path))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "abort_stamp_cases.py")], env=env,
-                          input=json.dumps(specs), capture_output=True, text=True, timeout=600)
-    if "only 0-dimensional arrays can be converted" in done.stderr:
-        pytest.skip("Triton's interpreter needs numpy < 2.3 (scripts/env.sh installs it)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json.loads(run_cases("abort_stamp_cases.py", stdin=json.dumps(specs)))
 
 
 def _sender(last, count_word: bool, first_half: int = 0):

@@ -73,22 +73,28 @@ def test_reports_of_a_wait_are_stored_from_every_warp(mask):
     assert stores and all("%p_live" in line for line in stores), stores
 
 
-def _loops_with_a_barrier_and_an_acquire(ptx):
-    """(first, last) line of each loop in ``ptx`` (a branch back to an earlier label) whose body
-    holds both an ``ld.acquire`` (a wait, or a flag's fast path) and a CTA barrier."""
+BARRIER = re.compile(r"\b(bar|barrier)\.(sync|red|arrive)")
+
+
+def _loop_bodies(ptx):
+    """The lines of each loop in ``ptx``: from a label to a branch back to it."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\w+):", line.strip()))}
-    found = []
     for i, line in enumerate(lines):
         m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line)
         if m and labels.get(m.group(1), i) < i:
-            body = lines[labels[m.group(1)]:i]
-            if any("ld.acquire" in b for b in body) and any(BARRIER.search(b) for b in body):
-                found.append((labels[m.group(1)], i))
-    return found
+            yield lines[labels[m.group(1)]:i]
 
 
-BARRIER = re.compile(r"\b(bar|barrier)\.(sync|red|arrive)")
+def _loops_with_a_barrier(ptx, also=""):
+    """The loops whose body holds a CTA barrier (and, given, a line containing ``also``)."""
+    return [body for body in _loop_bodies(ptx)
+            if any(BARRIER.search(line) for line in body) and (not also or any(also in line for line in body))]
+
+
+def _loops_with_a_barrier_and_an_acquire(ptx):
+    """Loops holding both an ``ld.acquire`` (a wait, or a flag's fast path) and a CTA barrier."""
+    return _loops_with_a_barrier(ptx, also="ld.acquire")
 
 
 def _pull_ptx(full, scales, block_r):
@@ -170,13 +176,6 @@ def test_the_step_barrier_votes_before_it_fails_the_call():
     from epcomm.backends.gpu.reach.modes import FAR_BY_LOOPBACK
     compiled = S.STEP.compile(dict(REMOTE=FAR_BY_LOOPBACK, R_P2=16), 4, target=SM90)
     assert "bar.red.or.pred" in compiled.asm["ptx"]
-
-
-def _loops_with_a_barrier(ptx):
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\w+):", line.strip()))}
-    return [i for i, line in enumerate(lines) if (m := re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line))
-            and labels.get(m.group(1), i) < i and any(BARRIER.search(b) for b in lines[labels[m.group(1)]:i])]
 
 
 @pytest.mark.parametrize("rank_loop", [False, True], ids=["tile", "rank loop"])

@@ -2,28 +2,17 @@
 every peer served at once — the kernels' own device functions, run by Triton's interpreter on the
 CPU (tests/schedule_cases.py). Skipped where Triton is not installed."""
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from interpreted import run_cases  # noqa: E402
 
 @pytest.fixture(scope="module")
 def walks():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] + sys.path))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "schedule_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if "only 0-dimensional arrays can be converted" in done.stderr:
-        pytest.skip("Triton's interpreter needs numpy < 2.3 (scripts/env.sh installs it)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return [json.loads(line) for line in run_cases("schedule_cases.py").splitlines()]
 
 
 def _rows_taken(case, items):
