@@ -6,6 +6,7 @@
 #   scripts/shared_gpu.sh PART        PART: a preset below (each fits one 10-minute device call)
 #   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
 #   SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence      (a preset at other shapes)
+#   VARIANT=rank-loop-reduce scripts/shared_gpu.sh nvlink      (a one-node experiment: bench --variants)
 #
 # Starts the MPS daemon in fresh folders, runs pytest in its own process group with a hard limit,
 # and always stops MPS and kills every rank (also after a failure or a hang), so the next run
@@ -35,7 +36,7 @@ case "$part" in
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
 backend="${BACKEND:-$backend}"
-if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part backend=$backend shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
+if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
@@ -43,7 +44,7 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 EPCOMM_SHARED_GPU=1 EPCOMM_SHARED_GPU_SHAPES="$shapes" \
-  EPCOMM_SHARED_GPU_BACKEND="$backend"
+  EPCOMM_SHARED_GPU_BACKEND="$backend" EPCOMM_SHARED_GPU_VARIANT="${VARIANT:-}"
 mps="/tmp/epcomm-mps-$$"
 export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -57,7 +58,7 @@ stop() {
 }
 trap stop EXIT
 nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
-echo "shared-gpu part=$part backend=$backend shapes=$shapes tests=[$tests] limit=${limit_s}s"
+echo "shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests] limit=${limit_s}s"
 started=$(date +%s)
 setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
   tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &

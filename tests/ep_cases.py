@@ -683,18 +683,3 @@ def gpu_kernel_names_and_default_device(hidden: int = 512):
     finally:
         torch.set_default_device(None)
     return rows
-
-
-def choose_when_automatic(name: str) -> str:
-    """From now on in this process, a Buffer whose backend is left to the automatic choice gets
-    ``name``; Buffers that name theirs (the torch_dist references) keep it. The shared-GPU bed
-    uses it to run the nvlink backend at one node of 8 ranks on one GPU, where the automatic
-    choice is nvshmem (ranks sharing a GPU)."""
-    import epcomm.buffer as buffer_module
-    from epcomm.backends import default_backend_name
-
-    def chosen(group, requested=None, *rest):  # (rest: ranks_per_node, device, what named the backend)
-        return default_backend_name(group, requested or name, *rest)
-
-    buffer_module.default_backend_name = chosen
-    return name

@@ -11,7 +11,9 @@ scripts/gpu_check.sh`` starts MPS, sets it, picks the shapes (``EPCOMM_SHARED_GP
 shape share it, in file order (the dead-rank and timeout cases last: they leave it out of step).
 
 ``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
-shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py).
+shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), and
+``EPCOMM_SHARED_GPU_VARIANT`` (e.g. ``rank-loop-reduce``) its normal mode in one of ``epcomm bench
+normal --variants`` (tests/bed_choices.py).
 
 The ranks share the GPU's SMs; the Buffer caps every grid so that all ranks' programs fit with room
 for a late sender (gpu/shared_grids.py; finding 14), whatever Config the tests pass, so the bed sets
@@ -22,6 +24,7 @@ import os
 import pytest
 import torch
 
+import bed_choices
 import ep_cases
 import epcomm
 import failure_cases
@@ -32,6 +35,7 @@ from epcomm.testing import WorkerPool
 
 ALL_SHAPES = "2x1,4x2,8x1,8x4,8x8,16x8,16x2"
 BACKEND = os.environ.get("EPCOMM_SHARED_GPU_BACKEND", "nvshmem")
+VARIANT = os.environ.get("EPCOMM_SHARED_GPU_VARIANT", "")  # (the nvlink backend's one-node experiments)
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("EPCOMM_SHARED_GPU_SHAPES", ALL_SHAPES).split(",")]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.environ.get("EPCOMM_SHARED_GPU") != "1" or not torch.cuda.is_available(),
@@ -66,7 +70,9 @@ class SharedPool:
             if self.set_num_sms:  # (otherwise the defaults', capped by the Buffer as any Config)
                 self._pool.run(epcomm.Buffer.set_num_sms, self.set_num_sms)
             if BACKEND != "nvshmem":  # (the automatic choice here is nvshmem: ranks share a GPU)
-                self._pool.run(ep_cases.choose_when_automatic, BACKEND)
+                self._pool.run(bed_choices.choose_when_automatic, BACKEND)
+            if VARIANT:  # an experiment's one-node kernels under the same tests
+                self._pool.run(bed_choices.use_normal_variant_from_now, VARIANT)
         timeout_s = timeout_s or float(os.environ.get("EPCOMM_SHARED_GPU_CALL_S", "240"))
         try:
             return self._pool.run(fn, *args, timeout_s=timeout_s, **kwargs)

@@ -288,12 +288,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
         if parts is not None:  # the nvshmem backend reads both at every launch
             normal.send_parts, normal.p2p = parts, p2p
         if hasattr(normal, "every_peer"):  # one node's variants (the plans of a shape are made per variant)
-            normal.every_peer = variant != "rank-order"
-            normal.pipelined_pull = variant == "pipelined-pull"
-            normal.overlapped_combine = variant != "serial-combine"
-            normal.overlapped_dispatch = variant != "serial-dispatch"
-            normal.doorbell_dispatch = variant == "doorbell-dispatch"
-            normal.rank_loop_reduce = variant == "rank-loop-reduce"
+            use_normal_variant(normal, variant)
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   (f" {variant}" if variant else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
@@ -539,6 +534,20 @@ MODE_DESCRIPTIONS = {
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
                    "rank-loop-reduce")  # NormalBenchSettings.variants
+
+
+def use_normal_variant(normal, variant: Optional[str]) -> None:
+    """Sets a one-node NormalMode (backends/gpu/normal/one_node/mode.py) to ``variant``, one of
+    NORMAL_VARIANTS, or to its defaults for None: the bench's points and the shared-GPU bed's
+    ``EPCOMM_SHARED_GPU_VARIANT`` (tests/test_shared_gpu.py). Every rank of a group must set the same."""
+    if variant is not None and variant not in NORMAL_VARIANTS:
+        raise ValueError(f"unknown normal-mode variant {variant!r}: one of {', '.join(NORMAL_VARIANTS)}")
+    normal.every_peer = variant != "rank-order"
+    normal.pipelined_pull = variant == "pipelined-pull"
+    normal.overlapped_combine = variant != "serial-combine"
+    normal.overlapped_dispatch = variant != "serial-dispatch"
+    normal.doorbell_dispatch = variant == "doorbell-dispatch"
+    normal.rank_loop_reduce = variant == "rank-loop-reduce"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
