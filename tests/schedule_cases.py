@@ -55,6 +55,10 @@ CASES = [
     dict(rows_per_source=[16] * 8, rank=3, programs=24, block_r=2, every_peer=True),
     dict(rows_per_source=[0, 0, 0], rank=1, programs=2, block_r=4, every_peer=True),
     dict(rows_per_source=[9, 9, 9], rank=2, programs=5, block_r=4, every_peer=True, num_rows=20),
+    # rounds of one item (one source: kernels_alone.py --lanes 8), jumped over P at a time
+    dict(rows_per_source=[100, 0, 0, 0, 0, 0, 0, 0], rank=0, programs=24, block_r=2, every_peer=True),
+    # block counts 32, 4, 4, 20, 0: rounds of four, then two, then one source
+    dict(rows_per_source=[64, 8, 7, 40, 0], rank=4, programs=5, block_r=2, every_peer=True),
 ]
 
 if __name__ == "__main__":

@@ -57,11 +57,23 @@ def source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R: tl.constexpr, 
 @triton.jit
 def advance_round(item, round_idx, round_start, round_size, blocks):
     """The round of ``item``, from the round of an earlier item: ``(round_idx, round_start,
-    round_size)`` = (j, S(j), sources with blocks > j). Callers keep ``item`` below the total."""
+    round_size)`` = (j, S(j), sources with blocks > j). Callers keep ``item`` below the total.
+
+    Rounds j, j + 1, ... hold the same sources until the one with the fewest blocks among them
+    runs out (round ``last``), so they are skipped together: one step per distinct block count at
+    most, not one per round. (Round by round, a program stepped P / R rounds per item at R ranks,
+    and at a skewed routing — one source, rounds of one item — P rounds: a [R_P2] sum each.)"""
     while (item >= round_start + round_size) & (round_size > 0):
-        round_start += round_size
-        round_idx += 1
-        round_size = tl.sum((blocks > round_idx).to(tl.int32), axis=0)
+        last = tl.min(tl.where(blocks > round_idx, blocks, 1 << 30), axis=0)
+        span = (last - round_idx) * round_size  # the items of rounds round_idx .. last - 1
+        if item < round_start + span:  # in one of them: skip the whole rounds before it
+            skipped = (item - round_start) // round_size
+            round_start += skipped * round_size
+            round_idx += skipped
+        else:
+            round_start += span
+            round_idx = last
+            round_size = tl.sum((blocks > round_idx).to(tl.int32), axis=0)
     return round_idx, round_start, round_size
 
 
