@@ -4,7 +4,8 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
-                                                    [--doorbell] [--rank-loop-reduce] [--lanes 8]
+                                                    [--doorbell] [--tile-reduce] [--lanes 8]
+                                                    [--phases full,cached,combine]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -41,11 +42,17 @@ def main() -> int:
                         help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
     parser.add_argument("--doorbell", action="store_true",
                         help="a full dispatch in one launch before its count wait (NormalMode.doorbell_dispatch)")
-    parser.add_argument("--rank-loop-reduce", action="store_true",
-                        help="the combine's reduce summing a token's ranks row by row (NormalMode.rank_loop_reduce)")
+    parser.add_argument("--tile-reduce", action="store_true",
+                        help="the combine's reduce summing each token's [ranks, columns] tile "
+                             "(NormalMode.rank_loop_reduce False)")
+    parser.add_argument("--phases", default="full,cached,combine",
+                        help="the phases timed, of full, cached and combine (a comma list)")
     parser.add_argument("--lanes", type=int, default=1,
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
+    timed = args.phases.split(",")
+    if not set(timed) <= {"full", "cached", "combine"}:
+        parser.error(f"--phases takes full, cached and combine (got {args.phases})")
     import epcomm
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,8 +71,8 @@ def main() -> int:
         buffer._backend.normal.overlapped_dispatch = False
     if args.doorbell:
         buffer._backend.normal.doorbell_dispatch = True
-    if args.rank_loop_reduce:
-        buffer._backend.normal.rank_loop_reduce = True
+    if args.tile_reduce:
+        buffer._backend.normal.rank_loop_reduce = False
     if args.lanes & (args.lanes - 1) or args.lanes < 1:
         parser.error(f"--lanes must be a power of two (got {args.lanes})")
     buffer._backend.normal.R_P2 = args.lanes  # (before the first call: the plans are made then)
@@ -88,6 +95,8 @@ def main() -> int:
     combined = phases["combine"]()[0]
     assert torch.equal(combined, x), "one rank: each token's combine is its one row"
     for phase, call in phases.items():
+        if phase.split()[0] not in timed:
+            continue
         for _ in range(3):
             call()
         torch.cuda.synchronize()

@@ -106,5 +106,5 @@ def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
     mode.trace = None
     assert mode.trace_address == 4096
     mode._combine_plans = {"shape": "plan"}
-    mode.rank_loop_reduce = True  # (the combine's reduce: compiled into its plans too)
-    assert mode._combine_plans == {} and mode.rank_loop_reduce
+    mode.rank_loop_reduce = False  # (the combine's reduce: compiled into its plans too)
+    assert mode._combine_plans == {} and not mode.rank_loop_reduce

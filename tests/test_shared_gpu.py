@@ -12,7 +12,7 @@ shape share it, in file order (the dead-rank and timeout cases last: they leave 
 
 ``EPCOMM_SHARED_GPU_BACKEND=nvlink`` runs the same tests on the nvlink backend instead (one-node
 shapes only: ``8x8``), its workspace then in NVSHMEM's mapping (backends/nvlink/backend.py), and
-``EPCOMM_SHARED_GPU_VARIANT`` (e.g. ``rank-loop-reduce``) its normal mode in one of ``epcomm bench
+``EPCOMM_SHARED_GPU_VARIANT`` (e.g. ``tile-reduce``) its normal mode in one of ``epcomm bench
 normal --variants`` (tests/bed_choices.py).
 
 The ranks share the GPU's SMs; the Buffer caps every grid so that all ranks' programs fit with room

@@ -119,26 +119,26 @@ def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
 
 
 def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(monkeypatch):
-    """VARIANT=rank-loop-reduce scripts/shared_gpu.sh nvlink runs the bed's tests on an experiment's
+    """VARIANT=tile-reduce scripts/shared_gpu.sh nvlink runs the bed's tests on an experiment's
     kernels: each worker sets, through bed_choices, every NormalMode it makes from then on as
     ``bench --variants`` sets it (the other diagnostics at their defaults); a misspelt name is
     refused instead of running the defaults under the variant's name."""
     import bed_choices
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
-    rc, out = _dry_run("nvlink", VARIANT="rank-loop-reduce")
-    assert rc == 0 and "backend=nvlink variant=rank-loop-reduce " in out
+    rc, out = _dry_run("nvlink", VARIANT="tile-reduce")
+    assert rc == 0 and "backend=nvlink variant=tile-reduce " in out
 
     def made_without_a_gpu(self):  # (the diagnostics' bookkeeping only, as NormalMode.__init__ sets it)
         self.bases, self._dispatch_plans, self._combine_plans, self._trace = 4096, {}, {}, None
         self._every_peer, self._pipelined_pull, self._overlapped_combine = True, False, True
-        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, False
+        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
     monkeypatch.setattr(NormalMode, "__init__", made_without_a_gpu)
-    with pytest.raises(ValueError, match="rank-loop-reduce"):
-        bed_choices.use_normal_variant_from_now("rank_loop_reduce")
+    with pytest.raises(ValueError, match="tile-reduce"):
+        bed_choices.use_normal_variant_from_now("tile_reduce")
     bed_choices.use_normal_variant_from_now("serial-combine")
-    bed_choices.use_normal_variant_from_now("rank-loop-reduce")  # (the later one replaces the earlier)
+    bed_choices.use_normal_variant_from_now("tile-reduce")  # (the later one replaces the earlier)
     mode = NormalMode()
-    assert mode.rank_loop_reduce and mode.overlapped_combine and mode.every_peer and not mode.doorbell_dispatch
+    assert not mode.rank_loop_reduce and mode.overlapped_combine and mode.every_peer and not mode.doorbell_dispatch
 
 
 def test_both_gpu_backends_cap_their_grids_the_same_way():

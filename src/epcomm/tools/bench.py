@@ -162,8 +162,8 @@ class NormalBenchSettings:
     # order, schedule.py), "pipelined-pull" (the pull's experimental PIPELINE, dispatch.py), "serial-combine"
     # (the combine's push and reduce in turn, a barrier between them: combine.py), "serial-dispatch" (the
     # dispatch's stage and pull in turn: dispatch.py), "doorbell-dispatch" (a full dispatch in one launch
-    # before the count wait: mode.py, NormalMode.doorbell_dispatch), "rank-loop-reduce" (the combine's
-    # reduce summing a token's ranks row by row: combine.py, RANK_LOOP)
+    # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
+    # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py)
     variants: List[str] = field(default_factory=list)
 
 
@@ -533,7 +533,7 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "rank-loop-reduce")  # NormalBenchSettings.variants
+                   "tile-reduce")  # NormalBenchSettings.variants
 
 
 def use_normal_variant(normal, variant: Optional[str]) -> None:
@@ -547,7 +547,7 @@ def use_normal_variant(normal, variant: Optional[str]) -> None:
     normal.overlapped_combine = variant != "serial-combine"
     normal.overlapped_dispatch = variant != "serial-dispatch"
     normal.doorbell_dispatch = variant == "doorbell-dispatch"
-    normal.rank_loop_reduce = variant == "rank-loop-reduce"
+    normal.rank_loop_reduce = variant != "tile-reduce"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -594,8 +594,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "once), pipelined-pull (the pull's experiment: next loads before these stores), "
                                  "serial-combine (the combine's push and reduce in turn instead of overlapped), "
                                  "serial-dispatch (the dispatch's stage and pull in turn), doorbell-dispatch (a "
-                                 "full dispatch in one launch before its count wait), rank-loop-reduce (the "
-                                 "combine's reduce summing a token's ranks row by row, no cross-warp sum)")
+                                 "full dispatch in one launch before its count wait), tile-reduce (the "
+                                 "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
+                                 "ranks: the default before RANK_LOOP)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

@@ -117,7 +117,7 @@ class NormalMode:
         # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
         # properties below: setting one drops the plans, which are made with them (nothing per call).
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
-        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, False
+        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -158,8 +158,9 @@ class NormalMode:
 
     @property
     def rank_loop_reduce(self) -> bool:
-        """An experiment for a multi-GPU lease (bench --variants rank-loop-reduce): the combine's reduce
-        sums a token's ranks one row at a time, no cross-warp sum (combine.py, RANK_LOOP)."""
+        """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
+        warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
+        ranks on (bench --variants tile-reduce; 4.8x slower at 8 ranks' tiles, performance-log)."""
         return self._rank_loop_reduce
 
     @rank_loop_reduce.setter
