@@ -534,7 +534,10 @@ class NormalMode:
             raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (hidden={hidden})")
         (slots_x, *rest), round_tokens = self.ws.combine_round_tokens((x_bytes,) + ((num_topk * 4,) if num_topk else ()))
         block_r, block_w = copy_block_shape(x_bytes // 8)
-        block_c = min(p2(hidden), max(16384 // self.R_P2, 16))
+        # A token's columns per step of the reduce: the tile holds [R_P2, BLOCK_C]; the rank loop
+        # holds [BLOCK_C] and R_P2 rows in flight, so it keeps a whole 7168 row to one step at 8 ranks
+        # (2048 made four steps in turn per token, the reduce then trailed the push: performance-log)
+        block_c = min(p2(hidden), max(16384 // (min(self.R_P2, 2) if self.rank_loop_reduce else self.R_P2), 16))
         rows_aligned = hidden % 8 == 0  # 16-byte accesses (copy.py) where x / the biases are aligned too
         push = Specialisations(PUSH, ["ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
                                BLOCK_W=block_w, K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
