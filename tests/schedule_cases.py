@@ -25,8 +25,8 @@ def _walk(prefix_ptr, out_ptr, rank, num_ranks, num_rows, max_items, BLOCK_R: tl
     n = 0
     for item in range(pid, tl.sum(blocks, axis=0), tl.num_programs(0)):
         round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
-        source, first, end, _ = item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks,
-                                           BLOCK_R, R_P2, EVERY_PEER)
+        source, first, end, _ = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
+                                           blocks, BLOCK_R, R_P2, EVERY_PEER)
         record = out_ptr + (pid * max_items + n) * 3
         tl.store(record, source)
         tl.store(record + 1, first)

@@ -70,8 +70,8 @@ def _push(pid, num_programs, epoch,
         if TRACE:
             started = now_ns()
         round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
-        home, first, end, home_start = item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks,
-                                                  BLOCK_R, R_P2, EVERY_PEER)
+        home, first, end, home_start = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts,
+                                                  ends, blocks, BLOCK_R, R_P2, EVERY_PEER)
         rows = first + tl.arange(0, BLOCK_R)
         in_out = rows < end
         token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)

@@ -286,8 +286,8 @@ def _pull(pid, num_programs, epoch,
         if TRACE:
             started = now_ns()
         round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
-        src, first, end, src_start = item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks,
-                                                BLOCK_R, R_P2, EVERY_PEER)
+        src, first, end, src_start = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
+                                                blocks, BLOCK_R, R_P2, EVERY_PEER)
         rows = first + tl.arange(0, BLOCK_R)
         in_out = rows < end
         staged = tl.load(normal_bases_ptr + src) + half_offset

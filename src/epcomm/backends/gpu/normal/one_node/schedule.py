@@ -78,8 +78,8 @@ def advance_round(item, round_idx, round_start, round_size, blocks):
 
 
 @triton.jit
-def item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, blocks, BLOCK_R: tl.constexpr,
-               R_P2: tl.constexpr, EVERY_PEER: tl.constexpr):
+def item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends, blocks,
+               BLOCK_R: tl.constexpr, R_P2: tl.constexpr, EVERY_PEER: tl.constexpr):
     """``(source, first row, end row, source's first row)`` of ``item`` (its round from
     :func:`advance_round`; unused without EVERY_PEER)."""
     peers = tl.arange(0, R_P2)
@@ -91,7 +91,7 @@ def item_block(item, round_idx, round_start, rank, num_ranks, starts, ends, bloc
         # item: the overlapped pull's warps run their items apart, schedule.py's callers say why)
         below = tl.cumsum(active, axis=0) - active  # active sources below p in rank order
         below_first = tl.sum(tl.where(peers < first, active, 0), axis=0)
-        earlier = tl.where(peers >= first, below - below_first, below + tl.sum(active, axis=0) - below_first)
+        earlier = tl.where(peers >= first, below - below_first, below + round_size - below_first)  # (size: Σ active)
         source = tl.sum(tl.where((active != 0) & (earlier == item - round_start), peers, 0), axis=0)
         block = round_idx
     else:  # rank order: source s's blocks are items [sum of blocks before s, ... + blocks[s])
