@@ -5,7 +5,8 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
                                                     [--doorbell] [--tile-reduce] [--lanes 8]
-                                                    [--phases full,cached,combine]
+                                                    [--phases full,cached,combine,low-latency]
+                                                    [--entry-loop-reduce] [--ll-tokens 128]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -18,6 +19,12 @@ masked, as those past a group of 6 are at R_P2 = 8) while moving one rank's rows
 layouts and shared-memory rounds of an R-rank node (the combine's reduce sums [R, BLOCK_C] tiles,
 BLOCK_C = 16384 / R), timed on one GPU. The rows are still one rank's, so it times what the
 lanes cost, not the links.
+
+The ``low-latency`` phase (not among the defaults) times a low-latency round trip's kernels at
+``--ll-tokens`` per rank, top-8 of 256, FP8 dispatch and BF16 combine, on a low-latency Buffer of
+its own; ``--entry-loop-reduce`` sets its combine's experiment (LowLatencyMode.entry_loop_reduce:
+the receive sums a token's K rows one at a time, where the [K, BLOCK_C] tile splits them over the
+warps at K = 8, whatever the ranks).
 """
 import argparse
 import socket
@@ -46,13 +53,16 @@ def main() -> int:
                         help="the combine's reduce summing each token's [ranks, columns] tile "
                              "(NormalMode.rank_loop_reduce False)")
     parser.add_argument("--phases", default="full,cached,combine",
-                        help="the phases timed, of full, cached and combine (a comma list)")
+                        help="the phases timed, of full, cached, combine and low-latency (a comma list)")
+    parser.add_argument("--entry-loop-reduce", action="store_true",
+                        help="the low-latency combine's receive summing a token's top-k rows one by one")
+    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank of the low-latency phase")
     parser.add_argument("--lanes", type=int, default=1,
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
     timed = args.phases.split(",")
-    if not set(timed) <= {"full", "cached", "combine"}:
-        parser.error(f"--phases takes full, cached and combine (got {args.phases})")
+    if not set(timed) <= {"full", "cached", "combine", "low-latency"}:
+        parser.error(f"--phases takes full, cached, combine and low-latency (got {args.phases})")
     import epcomm
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,6 +104,8 @@ def main() -> int:
     assert torch.equal(phases["cached dispatch"]()[0], x), "one rank: a cached dispatch receives the tokens too"
     combined = phases["combine"]()[0]
     assert torch.equal(combined, x), "one rank: each token's combine is its one row"
+    if "low-latency" in timed:
+        phases["low-latency round trip"] = _low_latency_round_trip(args, dev, g)
     for phase, call in phases.items():
         if phase.split()[0] not in timed:
             continue
@@ -120,6 +132,30 @@ def main() -> int:
     buffer.destroy()
     dist.destroy_process_group()
     return 0
+
+
+def _low_latency_round_trip(args, dev, g):
+    """A low-latency dispatch (FP8) and combine of ``--ll-tokens`` tokens on a Buffer of its own,
+    checked once (one rank: each token's combine is the sum of its K weighted rows, all its own)."""
+    import epcomm
+    from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
+    T, E, K = args.ll_tokens, 256, 8
+    ll = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True,
+                       num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, args.hidden, 1, E))
+    if args.entry_loop_reduce:
+        ll._backend.low_latency.entry_loop_reduce = True
+    x = torch.randn(T, args.hidden, device=dev, generator=g).to(torch.bfloat16)
+    topk = (torch.randn(T, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices
+    weights = torch.rand(T, K, device=dev, generator=g)
+
+    def round_trip():
+        recv, _, handle, _, _ = ll.low_latency_dispatch(x, topk, T, E, use_fp8=True)
+        return ll.low_latency_combine(per_token_cast_back(recv[0], recv[1]), topk, weights, handle)[0]
+
+    want = per_token_cast_back(*per_token_cast_to_fp8(x)).float() * weights.sum(1, keepdim=True)
+    got = round_trip().float()
+    assert float((got - want).norm() / want.norm()) < 1e-2, "one rank: a token's combine is its K weighted rows"
+    return round_trip
 
 
 if __name__ == "__main__":
