@@ -47,3 +47,22 @@ def test_bench_normal_variants_are_named_or_refused():
     assert args.variants == ["rank-order", "pipelined-pull"]
     with pytest.raises(SystemExit):
         parser.parse_args(["normal", "--variants", "faster"])
+
+
+def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep():
+    """`epcomm bench low-latency --entry-loop-reduce` runs the combine's experiment as a further
+    epcomm column in the same run; the ratio column stays the default's against DeepEP's."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["low-latency", "--entry-loop-reduce"]).entry_loop_reduce
+    with pytest.raises(SystemExit):
+        parser.parse_args(["normal", "--entry-loop-reduce"])
+    t, faster = {"host": 2e-5, "gpu": 4e-5, "synced": 5e-5}, {"host": 2e-5, "gpu": 3e-5, "synced": 4e-5}
+    result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "checks": {}, "decode_loop": {},
+              "rows": [{"call": "low_latency_combine", "epcomm": t, "epcomm entry-loop": faster, "deep_ep": faster}],
+              "kernels_us_per_round_trip": {"epcomm": [], "epcomm entry-loop": [], "deep_ep": []},
+              "settings": {"tokens": 128, "hidden": 7168, "num_topk": 8, "num_experts": 256}}
+    table = bench.low_latency_table(result)
+    header, row = table.splitlines()[2:4]
+    assert "epcomm entry-loop h/g/s" in header and header.index("epcomm entry-loop") < header.index("deep_ep h/g/s")
+    assert row.split()[-5:] == ["1.00", "/", "1.33", "/", "1.25"]  # epcomm ÷ deep_ep

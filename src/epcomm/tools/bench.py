@@ -362,6 +362,9 @@ class LowLatencyBenchSettings:
     seed: int = 0
     ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node
     decode_pairs: int = 100  # iterations of the decode-loop row
+    # one node: a further epcomm column, "epcomm entry-loop", its combine's receive summing a token's
+    # K rows one at a time (LowLatencyMode.entry_loop_reduce, low_latency/combine.py ENTRY_LOOP)
+    entry_loop_reduce: bool = False
 
 
 def _ll_expert_out(recv):
@@ -434,6 +437,9 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
             checks[f"nvlink beside nvshmem ({type(exc).__name__}: {str(exc)[:120]})"] = False
     else:
         buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)}
+        if settings.entry_loop_reduce:  # the experiment beside the default, in the same run
+            buffers["epcomm entry-loop"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
+            buffers["epcomm entry-loop"]._backend.low_latency.entry_loop_reduce = True
     peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
@@ -496,7 +502,8 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
 
 def low_latency_table(result: Dict) -> str:
     s = result["settings"]
-    systems = ["epcomm"] + ([result["peer"]] if result["peer"] else []) + ["nccl"]
+    variants = [name for name in ("epcomm entry-loop",) if name in result["kernels_us_per_round_trip"]]
+    systems = ["epcomm"] + variants + ([result["peer"]] if result["peer"] else []) + ["nccl"]
     nodes = f", virtual nodes of {s['ranks_per_node']} rank(s)" if s.get("ranks_per_node") else ""
     title = (f"# epcomm bench low-latency: {result['world']} x {result['device']}, backend {result['backend']}{nodes}, "
              f"T={s['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} (FP8 dispatch, BF16 combine)")
@@ -601,6 +608,10 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
                                  "and put, as between hosts)")
+    if not normal:
+        parser.add_argument("--entry-loop-reduce", action="store_true",
+                            help="one node: a further epcomm column in the same run, the combine's receive summing "
+                                 "a token's top-k rows one at a time (an experiment, off by default)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0,
                         help="virtual nodes of this many ranks, on the nvshmem backend" +
                              ("" if normal else ", with nvlink on one node beside it") + "; 0: one node")
@@ -617,7 +628,12 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
-                                           peer=args.peer, ranks_per_node=args.ranks_per_node)
+                                           peer=args.peer, ranks_per_node=args.ranks_per_node,
+                                           entry_loop_reduce=args.entry_loop_reduce)
+        if args.entry_loop_reduce and args.ranks_per_node:
+            print("--entry-loop-reduce is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
+                  file=sys.stderr)
+            return 2
         result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)
