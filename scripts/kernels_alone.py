@@ -16,9 +16,10 @@ and per phase the µs per call of ``--calls`` calls issued back to back between 
 
 ``--lanes R`` compiles the kernels for R ranks' peer lanes (R_P2; the lanes past this one rank are
 masked, as those past a group of 6 are at R_P2 = 8) while moving one rank's rows: the tiles,
-layouts and shared-memory rounds of an R-rank node (the combine's reduce sums [R, BLOCK_C] tiles,
-BLOCK_C = 16384 / R), timed on one GPU. The rows are still one rank's, so it times what the
-lanes cost, not the links.
+layouts and shared-memory rounds of an R-rank node (with ``--tile-reduce`` the combine's reduce
+sums [R, BLOCK_C] tiles, BLOCK_C = 16384 / R; by default a token's R rows one at a time, 8192
+columns a step), timed on one GPU. The rows are still one rank's, so it times what the lanes
+cost, not the links.
 
 The ``low-latency`` phase (not among the defaults) times a low-latency round trip's kernels at
 ``--ll-tokens`` per rank, top-8 of 256, FP8 dispatch and BF16 combine, on a low-latency Buffer of
@@ -63,6 +64,8 @@ def main() -> int:
     timed = args.phases.split(",")
     if not set(timed) <= {"full", "cached", "combine", "low-latency"}:
         parser.error(f"--phases takes full, cached, combine and low-latency (got {args.phases})")
+    if args.entry_loop_reduce and "low-latency" not in timed:
+        parser.error("--entry-loop-reduce is the low-latency phase's: add low-latency to --phases")
     import epcomm
     from torch.profiler import ProfilerActivity, profile
 

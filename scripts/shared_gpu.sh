@@ -36,7 +36,11 @@ case "$part" in
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
 backend="${BACKEND:-$backend}"
-if [ -n "${DRY_RUN:-}" ]; then echo "shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests]"; exit 0; fi  # (what would run)
+if [ -n "${VARIANT:-}" ] && [ "$backend" != nvlink ]; then  # (nvshmem would run its defaults under that name)
+  echo "shared_gpu.sh: VARIANT=$VARIANT is a one-node normal-mode variant: it needs the nvlink backend" >&2; exit 2
+fi
+what="shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests]"
+if [ -n "${DRY_RUN:-}" ]; then echo "$what"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
@@ -58,7 +62,7 @@ stop() {
 }
 trap stop EXIT
 nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
-echo "shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests] limit=${limit_s}s"
+echo "$what limit=${limit_s}s"
 started=$(date +%s)
 setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
   tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &

@@ -170,6 +170,7 @@ def test_nvshmem_backend_channel_limit():
                   TRACE=False), 16),
     (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=2, BLOCK_C=8192, K_P2=8, RANK_LOOP=False), 16),
     (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=False, R_P2=8, BLOCK_C=2048, K_P2=8, RANK_LOOP=True), 16),
+    (N.REDUCE, dict(NUM_BIAS=1, HAS_WEIGHTS=True, R_P2=8, BLOCK_C=8192, K_P2=8, RANK_LOOP=True), 16),
     (L.DISPATCH, dict(SEND=True, RECEIVE=True, USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
                       BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,
                       R_P2=2, REMOTE=0), 8),

@@ -23,7 +23,8 @@ def _bf16(bits):
 @pytest.mark.parametrize("entry_loop", ["False", "True"], ids=["tile", "entry loop"])
 def test_each_form_sums_the_weighted_rows_and_marks_lost_tokens(cases, entry_loop):
     """Lanes past K and entries with no expert add nothing, and their slots (stale: NaN here) are
-    not read; a masked rank's entries are skipped with shrink and make the token's row NaN without it; a rank gone (another call, another
+    not read; a masked rank's entries are skipped with shrink and make the token's row NaN without
+    it; a rank gone (another call, another
     fingerprint) makes its tokens' rows NaN; column blocks cover the row."""
     for case in cases:
         got, want = _bf16(case["results"][entry_loop]), _bf16(case["results"]["reference"])

@@ -91,8 +91,9 @@ def test_other_combines_push_and_reduce_in_turn(monkeypatch, case):
     assert [name for name, _, _ in launches] == ["push", "reduce"] * rounds
 
 
-@pytest.mark.parametrize("lanes,rank_loop,block_c,warps", [(8, True, 8192, 16), (4, True, 8192, 16), (1, True, 8192, 16),
-                                                          (8, False, 2048, 16), (4, False, 4096, 16)],
+@pytest.mark.parametrize("lanes,rank_loop,block_c,warps",
+                         [(8, True, 8192, 16), (4, True, 8192, 16), (1, True, 8192, 16), (8, False, 2048, 16),
+                          (4, False, 4096, 16)],
                          ids=["8 ranks", "4 ranks", "1 rank", "8 ranks, tile", "4 ranks, tile"])
 def test_the_reduce_sums_ranks_row_by_row_a_whole_7168_row_a_step(lanes, rank_loop, block_c, warps):
     """By default (NormalMode.rank_loop_reduce) a token's ranks are summed one [BLOCK_C] row at a

@@ -36,6 +36,8 @@ from epcomm.testing import WorkerPool
 ALL_SHAPES = "2x1,4x2,8x1,8x4,8x8,16x8,16x2"
 BACKEND = os.environ.get("EPCOMM_SHARED_GPU_BACKEND", "nvshmem")
 VARIANT = os.environ.get("EPCOMM_SHARED_GPU_VARIANT", "")  # (the nvlink backend's one-node experiments)
+if VARIANT and BACKEND != "nvlink":  # (the nvshmem backend would run its defaults under the variant's name)
+    raise RuntimeError(f"EPCOMM_SHARED_GPU_VARIANT={VARIANT} is a one-node variant: it needs the nvlink backend")
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("EPCOMM_SHARED_GPU_SHAPES", ALL_SHAPES).split(",")]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.environ.get("EPCOMM_SHARED_GPU") != "1" or not torch.cuda.is_available(),

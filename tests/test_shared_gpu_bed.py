@@ -127,6 +127,8 @@ def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(m
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     rc, out = _dry_run("nvlink", VARIANT="tile-reduce")
     assert rc == 0 and "backend=nvlink variant=tile-reduce " in out
+    rc, out = _dry_run("graphs", VARIANT="tile-reduce")  # (nvshmem: it would test its defaults under the name)
+    assert rc == 2 and "needs the nvlink backend" in out
 
     def made_without_a_gpu(self):  # (the diagnostics' bookkeeping only, as NormalMode.__init__ sets it)
         self.bases, self._dispatch_plans, self._combine_plans, self._trace = 4096, {}, {}, None
@@ -137,6 +139,7 @@ def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(m
         bed_choices.use_normal_variant_from_now("tile_reduce")
     bed_choices.use_normal_variant_from_now("serial-combine")
     bed_choices.use_normal_variant_from_now("tile-reduce")  # (the later one replaces the earlier)
+    assert NormalMode.__init__.made is made_without_a_gpu  # (not stacked on the serial-combine one)
     mode = NormalMode()
     assert not mode.rank_loop_reduce and mode.overlapped_combine and mode.every_peer and not mode.doorbell_dispatch
 
