@@ -4,7 +4,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--pipelined-pull] [--serial-combine] [--serial-dispatch]
-                                                    [--doorbell] [--tile-reduce] [--lanes 8]
+                                                    [--doorbell] [--tile-reduce] [--reduce-warps-apart] [--lanes 8]
                                                     [--phases full,cached,combine,low-latency]
                                                     [--entry-loop-reduce] [--ll-tokens 128]
 
@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--tile-reduce", action="store_true",
                         help="the combine's reduce summing each token's [ranks, columns] tile "
                              "(NormalMode.rank_loop_reduce False)")
+    parser.add_argument("--reduce-warps-apart", action="store_true",
+                        help="the one-launch combine's reduce waiting per warp (NormalMode.reduce_warps_apart)")
     parser.add_argument("--phases", default="full,cached,combine",
                         help="the phases timed, of full, cached, combine and low-latency (a comma list)")
     parser.add_argument("--entry-loop-reduce", action="store_true",
@@ -86,6 +88,8 @@ def main() -> int:
         buffer._backend.normal.doorbell_dispatch = True
     if args.tile_reduce:
         buffer._backend.normal.rank_loop_reduce = False
+    if args.reduce_warps_apart:
+        buffer._backend.normal.reduce_warps_apart = True
     if args.lanes & (args.lanes - 1) or args.lanes < 1:
         parser.error(f"--lanes must be a power of two (got {args.lanes})")
     buffer._backend.normal.R_P2 = args.lanes  # (before the first call: the plans are made then)

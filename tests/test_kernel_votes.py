@@ -134,14 +134,16 @@ def test_the_barrier_check_sees_a_wait_that_meets_the_other_warps():
     still does)."""
     compiled = N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=True,
                                           EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=0, BLOCK_C=2048,
-                                          OUT_ALIGNED=True, RANK_LOOP=False), 16, target=SM90)
+                                          OUT_ALIGNED=True, RANK_LOOP=False,
+                                          WARPS_APART=False), 16, target=SM90)
     assert _loops_with_a_barrier_and_an_acquire(compiled.asm["ptx"])
 
 
 def test_the_overlapped_combine_votes_on_its_flags_and_on_giving_up():
     compiled = N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=True,
                                           EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=0, BLOCK_C=2048,
-                                          OUT_ALIGNED=True, RANK_LOOP=False), 16, target=SM90)
+                                          OUT_ALIGNED=True, RANK_LOOP=False,
+                                          WARPS_APART=False), 16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx
 
@@ -205,3 +207,29 @@ def test_the_entry_loop_reduce_sums_a_column_block_without_meeting_the_other_war
                        if sum("ld.global" in line for line in body) >= 8 and any("st.global" in line for line in body)),
                       key=len)
     assert any(BARRIER.search(line) for line in column_loop) != entry_loop
+
+
+def _push_reduce_ptx(rank_loop, warps_apart, block_r=8, r_p2=8):
+    return N.PUSH_REDUCE.compile(dict(HAS_WEIGHTS=True, BLOCK_R=block_r, BLOCK_W=16384 // block_r, K_P2=8, R_P2=r_p2,
+                                      ALIGNED=True, EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, NUM_BIAS=1,
+                                      BLOCK_C=8192, OUT_ALIGNED=True, RANK_LOOP=rank_loop, WARPS_APART=warps_apart),
+                                 16, target=SM90).asm["ptx"]
+
+
+@pytest.mark.parametrize("block_r,r_p2", [(8, 8), (16, 4), (32, 2)], ids=["8 rows, 8 ranks", "16 x 4", "32 x 2"])
+def test_the_combine_reduce_with_warps_apart_runs_its_chunks_without_meeting_the_other_warps(block_r, r_p2):
+    """WARPS_APART (NormalMode.reduce_warps_apart) with the rank loop: each warp decides its chunks'
+    waits alone, so no loop holding an ld.acquire (the chunk loop, its waits included) may hold a
+    barrier — a warp in a wait while another sums would pair its barrier with an unrelated one."""
+    ptx = _push_reduce_ptx(True, True, block_r, r_p2)
+    assert _loops_with_a_barrier_and_an_acquire(ptx) == []
+    assert "vote.sync.all.pred" in ptx and "vote.sync.any.pred" in ptx
+
+
+@pytest.mark.parametrize("rank_loop,block_r", [(False, 8), (True, 16)], ids=["tile sums", "128 chunk lanes"])
+def test_the_combine_reduce_keeps_program_votes_where_its_lanes_meet(rank_loop, block_r):
+    """Where the sums meet the other warps (the tile form) or the chunk head may span them (more
+    than 64 [token, rank] lanes), WARPS_APART falls back to the program's votes."""
+    ptx = _push_reduce_ptx(rank_loop, True, block_r, 8)
+    assert _loops_with_a_barrier_and_an_acquire(ptx)
+    assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx

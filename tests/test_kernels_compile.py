@@ -49,7 +49,8 @@ def _cases():
                              RANK_LOOP=al), 16
         yield N.PUSH_REDUCE, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
                                   EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=weights and al, NUM_BIAS=num_bias,
-                                  BLOCK_C=2048, OUT_ALIGNED=not al, RANK_LOOP=weights != al), 16
+                                  BLOCK_C=2048, OUT_ALIGNED=not al, RANK_LOOP=weights != al,
+                                  WARPS_APART=weights != al and num_bias == 0), 16
     for (fp8, round_scale, ue8m0), al in itertools.product(
             [(True, False, False), (True, True, False), (True, True, True), (False, False, False)], [False, True]):
         for send, receive, msgs in ((True, True, 8), (True, False, 4), (False, True, 8)):

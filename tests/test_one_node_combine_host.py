@@ -104,7 +104,7 @@ def test_the_reduce_sums_ranks_row_by_row_a_whole_7168_row_a_step(lanes, rank_lo
     mode.b = types.SimpleNamespace(name="nvlink")
     mode.ws = types.SimpleNamespace(combine_round_tokens=lambda row_bytes: ((0, 0), ROUND_TOKENS))
     mode.R_P2, mode._every_peer, mode._trace = lanes, True, None
-    mode._rank_loop_reduce = rank_loop
+    mode._rank_loop_reduce, mode._reduce_warps_apart = rank_loop, False
     plan = mode._combine_plan(7168, 8, 0, 0)
     for kernels in (plan.reduce, plan.overlapped):
         assert kernels.fixed["RANK_LOOP"] is rank_loop and kernels.fixed["BLOCK_C"] == block_c

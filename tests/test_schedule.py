@@ -108,3 +108,12 @@ def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
     mode._combine_plans = {"shape": "plan"}
     mode.rank_loop_reduce = False  # (the combine's reduce: compiled into its plans too)
     assert mode._combine_plans == {} and not mode.rank_loop_reduce
+
+
+def test_the_combine_chunk_head_finds_each_pushers_blocks_in_either_form():
+    """combine.chunk_blocks: the first and last block of each pusher that a chunk of tokens needs,
+    from the [BLOCK_R, R_P2] tile and token by token (BY_TOKEN, the per-warp waits' form) alike —
+    masked lanes, a short last chunk and tokens on no rank included (tests/chunk_blocks_cases.py)."""
+    for line in run_cases("chunk_blocks_cases.py").splitlines():
+        case = json.loads(line)
+        assert case["results"]["False"] == case["results"]["True"] == case["results"]["reference"], case["case"]

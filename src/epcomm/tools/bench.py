@@ -163,7 +163,8 @@ class NormalBenchSettings:
     # (the combine's push and reduce in turn, a barrier between them: combine.py), "serial-dispatch" (the
     # dispatch's stage and pull in turn: dispatch.py), "doorbell-dispatch" (a full dispatch in one launch
     # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
-    # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py)
+    # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
+    # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART)
     variants: List[str] = field(default_factory=list)
 
 
@@ -540,7 +541,7 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "tile-reduce")  # NormalBenchSettings.variants
+                   "tile-reduce", "reduce-warps-apart")  # NormalBenchSettings.variants
 
 
 def use_normal_variant(normal, variant: Optional[str]) -> None:
@@ -555,6 +556,7 @@ def use_normal_variant(normal, variant: Optional[str]) -> None:
     normal.overlapped_dispatch = variant != "serial-dispatch"
     normal.doorbell_dispatch = variant == "doorbell-dispatch"
     normal.rank_loop_reduce = variant != "tile-reduce"
+    normal.reduce_warps_apart = variant == "reduce-warps-apart"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -603,7 +605,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "serial-dispatch (the dispatch's stage and pull in turn), doorbell-dispatch (a "
                                  "full dispatch in one launch before its count wait), tile-reduce (the "
                                  "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
-                                 "ranks: the default before RANK_LOOP)")
+                                 "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
+                                 "combine's reduce deciding its waits per warp, no barrier per chunk)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

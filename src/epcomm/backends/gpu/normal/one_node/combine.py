@@ -24,7 +24,7 @@ from ...launch import KernelSpec
 from ...sync import (all_landed, arrive, fingerprint_half, gave_up_here, mailbox_words, now_ns, poll_epochs,
                      poll_epochs_or_other_call, post_call_to_peers, post_fingerprint_to_peers,
                      publish_from_one_thread, record_elsewhere, report_late, signal_peers)
-from ...warps import cta_any
+from ...warps import cta_any, store_from_every_warp, vote_any
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
 
@@ -272,7 +272,8 @@ REDUCE = KernelSpec(ep_combine_reduce, aligned_if={"ALIGNED": ["out_ptr", "bias0
 #       list_index[first] // BLOCK_R .. list_index[last] // BLOCK_R: at most two
 #       ACQUIRE block_flags[p][b] >= epoch for those blocks (a timeout, or p on the call board in
 #           another call: reported, this program's chunks from then on are NaN, GAVE_UP = epoch
-#           stops the others' waits)
+#           stops the others' waits); decided by the program's vote, or (WARPS_APART, below) by
+#           each warp's for its own columns
 #       sum the chunk's tokens (the reduce above)
 #   last reduce program to arrive:
 #       ACQUIRE every rank's end-of-push epoch and compare fingerprints (acquire_and_agree): the
@@ -280,6 +281,36 @@ REDUCE = KernelSpec(ep_combine_reduce, aligned_if={"ALIGNED": ["out_ptr", "bias0
 #           here, and the check is the call's verdict: a difference, or a wait that gave up,
 #           NaNs the whole output (rows are already written)
 #       EPOCH_NORMAL = epoch
+@triton.jit
+def chunk_blocks(in_rank_ptr, list_index_ptr, t0, num_tokens, num_ranks, BLOCK_R: tl.constexpr, R_P2: tl.constexpr,
+                 BY_TOKEN: tl.constexpr):
+    """Per pusher ([R_P2] lanes): the first and last of its blocks holding a contribution to tokens
+    [t0, t0 + BLOCK_R) (a token's index in a pusher's list, // BLOCK_R), or 1 << 30 and -1 where
+    none does. BY_TOKEN reads the chunk token by token on [R_P2] lanes, every warp holding them
+    whole; the [BLOCK_R, R_P2] tile's column reductions may come out in a layout whose later
+    reductions meet the other warps through shared memory (what ep_combine's WARPS_APART avoids)."""
+    peers = tl.arange(0, R_P2)
+    if BY_TOKEN:
+        first_block = tl.full([R_P2], 1 << 30, tl.int32)
+        last_block = tl.full([R_P2], -1, tl.int32)
+        for i in tl.static_range(BLOCK_R):
+            lane = (peers < num_ranks) & (t0 + i < num_tokens)
+            cell = tl.cast(t0 + i, tl.int64) * num_ranks + peers  # (tl.cast: a plain int under the interpreter)
+            here = (tl.load(in_rank_ptr + cell, mask=lane, other=0) != 0) & lane
+            block = tl.load(list_index_ptr + cell, mask=here, other=0) // BLOCK_R
+            first_block = tl.minimum(first_block, tl.where(here, block, 1 << 30))
+            last_block = tl.maximum(last_block, tl.where(here, block, -1))
+    else:
+        tokens = t0 + tl.arange(0, BLOCK_R)
+        lanes = (tokens < num_tokens)[:, None] & (peers < num_ranks)[None, :]
+        cells = tokens.to(tl.int64)[:, None] * num_ranks + peers[None, :]
+        present = (tl.load(in_rank_ptr + cells, mask=lanes, other=0) != 0) & lanes
+        block = tl.load(list_index_ptr + cells, mask=present, other=0) // BLOCK_R
+        first_block = tl.min(tl.where(present, block, 1 << 30), axis=0)
+        last_block = tl.max(tl.where(present, block, -1), axis=0)
+    return first_block, last_block
+
+
 @triton.jit
 def ep_combine(
         # the call's tensors
@@ -311,9 +342,17 @@ def ep_combine(
         HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
         TRACE: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, OUT_ALIGNED: tl.constexpr,
-        RANK_LOOP: tl.constexpr):
+        RANK_LOOP: tl.constexpr, WARPS_APART: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: hidden % 8 == 0 and out, the biases
     # are 16-byte aligned (copy.py).
+    # WARPS_APART (an experiment, off by default: NormalMode.reduce_warps_apart): each warp of a
+    # reduce program decides its chunks' waits alone (warps.warp_all / warp_any), so the chunk loop
+    # holds no barrier and the warps run their chunks apart, as the overlapped pull's items do
+    # (dispatch.py). Only where nothing in the loop meets the other warps: RANK_LOOP's sums (each
+    # warp its own columns of every row) and a chunk head of at most 64 [token, rank] lanes, which
+    # every warp holds whole (tests/test_kernel_votes.py compiles both sides). A warp that gives up
+    # stores GAVE_UP from every warp and skips its share; the verdict then NaNs the whole output.
+    WARP_WAITS: tl.constexpr = WARPS_APART and RANK_LOOP and (BLOCK_R * R_P2 <= 64)
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_push:
@@ -348,33 +387,35 @@ def ep_combine(
         gave_up = 0
         for t0 in range(q * BLOCK_R, num_tokens, num_reduce * BLOCK_R):
             tokens = t0 + chunk
-            lanes = (tokens < num_tokens)[:, None] & (peers < num_ranks)[None, :]
-            cells = tokens.to(tl.int64)[:, None] * num_ranks + peers[None, :]
-            present = (tl.load(in_rank_ptr + cells, mask=lanes, other=0) != 0) & lanes
-            block = tl.load(list_index_ptr + cells, mask=present, other=0) // BLOCK_R
-            first_block = tl.min(tl.where(present, block, 1 << 30), axis=0)
-            last_block = tl.max(tl.where(present, block, -1), axis=0)
+            first_block, last_block = chunk_blocks(in_rank_ptr, list_index_ptr, t0, num_tokens, num_ranks, BLOCK_R,
+                                                   R_P2, BY_TOKEN=WARP_WAITS)
             needed = last_block >= 0
             for which in tl.static_range(2):
                 if gave_up == 0:
                     b = tl.where(needed, first_block if which == 0 else last_block, 0)
                     words = my_block_flags + peers * block_flag_cap + tl.minimum(b, block_flag_cap - 1)
-                    if all_landed(words, needed, epoch, WARP=False) == 0:  # ACQUIRE: the blocks' rows (or wait for them)
-                        gave_up = gave_up_here(state_ptr, epoch, tokens, WARP=False)  # another program gave up: stop
+                    if all_landed(words, needed, epoch, WARP_WAITS) == 0:  # ACQUIRE: the blocks. rows (or wait)
+                        gave_up = gave_up_here(state_ptr, epoch, tokens, WARP_WAITS)  # another program gave up: stop
                         if gave_up == 0:
                             _words, _waited, late, elsewhere = poll_epochs_or_other_call(  # ACQUIRE: the blocks' rows
                                 words, needed, epoch, timeout_ns, sender_rows, other_rows, fp0, fp1, board_address,
                                 call_tag, EPOCH_SHIFT=0, CHECK_ROWS=True, CHECK_BOARD=True)
                             report_late(late, peers, state_ptr, timeouts, MASK_ON_TIMEOUT=False)
                             record_elsewhere(board_address, peers, elsewhere, call_tag, fp0, agreement, num_ranks)
-                            # (a vote: the warps' clocks may disagree; its barrier orders the polls before every
-                            # thread's loads of the slots, as all_landed's does on the fast path)
-                            if cta_any(tl.max((late | elsewhere).to(tl.int32), axis=0)) != 0:
+                            # (a vote: the warps' clocks may disagree; its barrier, the warp's with WARP_WAITS,
+                            # orders the polls before the loads of the slots, as all_landed's does on the fast path)
+                            if vote_any(tl.max((late | elsewhere).to(tl.int32), axis=0), WARP_WAITS) != 0:
                                 gave_up = 1
-                                tl.store(state_ptr + sync.GAVE_UP, epoch)
+                                if WARP_WAITS:  # (a plain store of one lane is the first warp's alone)
+                                    store_from_every_warp((state_ptr + sync.GAVE_UP + peers * 0).to(tl.int64),
+                                                          tl.zeros([R_P2], tl.int64) + epoch, peers == 0, WIDE=True)
+                                else:
+                                    tl.store(state_ptr + sync.GAVE_UP, epoch)
             chunk_end = tl.minimum(t0 + BLOCK_R, num_tokens)
             if gave_up != 0:  # a contribution is missing: no plausible data
-                _nan_outputs(out_ptr, out_w_ptr, t0, chunk_end - t0, hidden, num_topk, 0, 1, HAS_WEIGHTS, BLOCK_C)
+                if not WARP_WAITS:  # (a warp alone skips its share: the verdict NaNs every row)
+                    _nan_outputs(out_ptr, out_w_ptr, t0, chunk_end - t0, hidden, num_topk, 0, 1, HAS_WEIGHTS,
+                                 BLOCK_C)
             else:
                 for token in range(t0, chunk_end):
                     _reduce_token(token, in_rank_ptr, out_ptr, out_w_ptr, bias0_ptr, bias1_ptr, slots_x, slots_w, 0,

@@ -118,6 +118,7 @@ class NormalMode:
         # properties below: setting one drops the plans, which are made with them (nothing per call).
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
+        self._reduce_warps_apart = False
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _diagnostic_changed(self) -> None:
@@ -166,6 +167,17 @@ class NormalMode:
     @rank_loop_reduce.setter
     def rank_loop_reduce(self, value: bool) -> None:
         self._rank_loop_reduce = bool(value)
+        self._diagnostic_changed()
+
+    @property
+    def reduce_warps_apart(self) -> bool:
+        """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
+        reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py)."""
+        return self._reduce_warps_apart
+
+    @reduce_warps_apart.setter
+    def reduce_warps_apart(self, value: bool) -> None:
+        self._reduce_warps_apart = bool(value)
         self._diagnostic_changed()
 
     @property
@@ -549,7 +561,8 @@ class NormalMode:
         overlapped = None if expert_major_topk else Specialisations(
             PUSH_REDUCE, ["ALIGNED", "OUT_ALIGNED"], COPY_WARPS, HAS_WEIGHTS=num_topk > 0, BLOCK_R=block_r,
             BLOCK_W=block_w, K_P2=p2(num_topk), R_P2=self.R_P2, EXPERT_MAJOR=False, EVERY_PEER=self.every_peer,
-            TRACE=self.trace is not None, NUM_BIAS=num_bias, BLOCK_C=block_c, RANK_LOOP=self.rank_loop_reduce)
+            TRACE=self.trace is not None, NUM_BIAS=num_bias, BLOCK_C=block_c, RANK_LOOP=self.rank_loop_reduce,
+            WARPS_APART=self.reduce_warps_apart)
         return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
                            expert_major_topk > 0, push, reduce, overlapped,
                            agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
