@@ -15,6 +15,7 @@ from ... import agreement
 from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
+from .choices import Choice
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE, STAGE_PULL
 from ..layout_kernel import LayoutKernel
@@ -114,109 +115,45 @@ class NormalMode:
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        # Diagnostics for measurements (tests/schedule_trace_cases.py, epcomm bench normal --variants),
-        # properties below: setting one drops the plans, which are made with them (nothing per call).
+        # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart = False
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
-    def _diagnostic_changed(self) -> None:
+    def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
         self._combine_plans.clear()
         self.trace_address = self.bases if self._trace is None else self._trace.data_ptr()
 
-    @property
-    def every_peer(self) -> bool:
-        """The pull and push take every peer at once (schedule.py); False: the rank-order walk."""
-        return self._every_peer
-
-    @every_peer.setter
-    def every_peer(self, value: bool) -> None:
-        self._every_peer = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def trace(self) -> Optional[torch.Tensor]:
-        """An int64 trace buffer the pull and push record each item into (schedule.py), or None."""
-        return self._trace
-
-    @trace.setter
-    def trace(self, buffer: Optional[torch.Tensor]) -> None:
-        self._trace = buffer
-        self._diagnostic_changed()
-
-    @property
-    def pipelined_pull(self) -> bool:
+    # Kernel choices (choices.py): setting one drops the plans, which are made with them.
+    every_peer = Choice("The pull and push take every peer at once (schedule.py); False: the rank-order walk.")
+    trace = Choice("An int64 trace buffer the pull and push record each item into (schedule.py), or None.",
+                   convert=lambda buffer: buffer)
+    pipelined_pull = Choice(
         """An experiment for a multi-GPU lease (bench --variants pipelined-pull): the pull stores an
-        item's rows after the next item's loads are issued (dispatch.py, PIPELINE)."""
-        return self._pipelined_pull
-
-    @pipelined_pull.setter
-    def pipelined_pull(self, value: bool) -> None:
-        self._pipelined_pull = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def rank_loop_reduce(self) -> bool:
+        item's rows after the next item's loads are issued (dispatch.py, PIPELINE).""")
+    rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
         warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
-        ranks on (bench --variants tile-reduce; 4.8x slower at 8 ranks' tiles, performance-log)."""
-        return self._rank_loop_reduce
-
-    @rank_loop_reduce.setter
-    def rank_loop_reduce(self, value: bool) -> None:
-        self._rank_loop_reduce = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def reduce_warps_apart(self) -> bool:
+        ranks on (bench --variants tile-reduce; 4.8x slower at 8 ranks' tiles, performance-log).""")
+    reduce_warps_apart = Choice(
         """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
-        reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py)."""
-        return self._reduce_warps_apart
-
-    @reduce_warps_apart.setter
-    def reduce_warps_apart(self, value: bool) -> None:
-        self._reduce_warps_apart = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def overlapped_combine(self) -> bool:
+        reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py).""")
+    overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
-        serial-combine). Every rank of the group must set the same."""
-        return self._overlapped_combine
-
-    @overlapped_combine.setter
-    def overlapped_combine(self, value: bool) -> None:
-        self._overlapped_combine = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def overlapped_dispatch(self) -> bool:
+        serial-combine). Every rank of the group must set the same.""")
+    overlapped_dispatch = Choice(
         """The dispatch's stage and pull in one launch, the pull starting on each block of rows as it
         is staged (dispatch.py, ep_dispatch); False: in turn, a barrier between them (bench
-        --variants serial-dispatch). Every rank of the group must set the same."""
-        return self._overlapped_dispatch
-
-    @overlapped_dispatch.setter
-    def overlapped_dispatch(self, value: bool) -> None:
-        self._overlapped_dispatch = bool(value)
-        self._diagnostic_changed()
-
-    @property
-    def doorbell_dispatch(self) -> bool:
+        --variants serial-dispatch). Every rank of the group must set the same.""")
+    doorbell_dispatch = Choice(
         """A full dispatch in one launch too, launched before the host's count wait with its pull
         waiting for the doorbell (bench --variants doorbell-dispatch; mailbox.py, ring). Off by
         default: on one H100 (T=4096, one rank) its pull ran 7.1 µs per item against 5.3 in turn,
         and the call 205 µs against 165 in turn (the stage runs during the wait either way; notes:
-        performance-log.md). Every rank of the group must set the same."""
-        return self._doorbell_dispatch
-
-    @doorbell_dispatch.setter
-    def doorbell_dispatch(self, value: bool) -> None:
-        self._doorbell_dispatch = bool(value)
-        self._diagnostic_changed()
+        performance-log.md). Every rank of the group must set the same.""")
 
     # ------------------------------------------------------------------ layout
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

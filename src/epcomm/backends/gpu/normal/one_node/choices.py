@@ -1,0 +1,26 @@
+"""The one-node normal mode's kernel choices (mode.py, NormalMode): the defaults, and the variants
+that measurements set (``epcomm bench normal --variants``, scripts/kernels_alone.py, the shared-GPU
+bed's ``VARIANT``). Each is compiled into the plans of a shape, so setting one drops the plans and
+the next call binds the kernels anew; the calls themselves look nothing up per choice."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Choice:
+    """A NormalMode attribute, stored as ``_<name>`` on the instance (the mode's ``__init__`` sets
+    the default there), whose setting calls the owner's ``_choice_changed()``. ``convert`` turns
+    the value set into the one stored (``bool`` for the switches)."""
+
+    def __init__(self, doc: str, convert: Callable[[Any], Any] = bool):
+        self.__doc__, self.convert = doc, convert
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, mode, owner=None):
+        return self if mode is None else getattr(mode, self.slot)
+
+    def __set__(self, mode, value) -> None:
+        setattr(mode, self.slot, self.convert(value))
+        mode._choice_changed()
