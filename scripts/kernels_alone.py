@@ -3,8 +3,7 @@ sets the pace), T tokens of H, ``Config(num_sms)`` programs; each kernel's mean 
 torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispatch, combine).
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
-                                                    [--pipelined-pull] [--serial-combine] [--serial-dispatch]
-                                                    [--doorbell] [--tile-reduce] [--reduce-warps-apart] [--lanes 8]
+                                                    [--variants serial-combine,tile-reduce,...] [--lanes 8]
                                                     [--phases full,cached,combine,low-latency]
                                                     [--entry-loop-reduce] [--ll-tokens 128]
 
@@ -42,19 +41,9 @@ def main() -> int:
     parser.add_argument("--sms", type=int, default=24)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--label", default="this tree")
-    parser.add_argument("--pipelined-pull", action="store_true",
-                        help="the pull's experiment (NormalMode.pipelined_pull: next loads before these stores)")
-    parser.add_argument("--serial-combine", action="store_true",
-                        help="the combine's push and reduce in turn (NormalMode.overlapped_combine False)")
-    parser.add_argument("--serial-dispatch", action="store_true",
-                        help="the dispatch's stage and pull in turn (NormalMode.overlapped_dispatch False)")
-    parser.add_argument("--doorbell", action="store_true",
-                        help="a full dispatch in one launch before its count wait (NormalMode.doorbell_dispatch)")
-    parser.add_argument("--tile-reduce", action="store_true",
-                        help="the combine's reduce summing each token's [ranks, columns] tile "
-                             "(NormalMode.rank_loop_reduce False)")
-    parser.add_argument("--reduce-warps-apart", action="store_true",
-                        help="the one-launch combine's reduce waiting per warp (NormalMode.reduce_warps_apart)")
+    parser.add_argument("--variants", default="",
+                        help="one-node variants, as epcomm bench normal --variants names them (a comma list, "
+                             "combined here: e.g. serial-combine,tile-reduce)")
     parser.add_argument("--phases", default="full,cached,combine",
                         help="the phases timed, of full, cached, combine and low-latency (a comma list)")
     parser.add_argument("--entry-loop-reduce", action="store_true",
@@ -69,6 +58,11 @@ def main() -> int:
     if args.entry_loop_reduce and "low-latency" not in timed:
         parser.error("--entry-loop-reduce is the low-latency phase's: add low-latency to --phases")
     import epcomm
+    from epcomm.tools.bench import normal_variants, use_normal_variants
+    try:
+        variants = normal_variants(args.variants)
+    except ValueError as exc:
+        parser.error(str(exc))
     from torch.profiler import ProfilerActivity, profile
 
     with socket.socket() as s:
@@ -78,18 +72,7 @@ def main() -> int:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     dev = torch.device("cuda", 0)
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=2 << 30)
-    if args.pipelined_pull:
-        buffer._backend.normal.pipelined_pull = True
-    if args.serial_combine:
-        buffer._backend.normal.overlapped_combine = False
-    if args.serial_dispatch:
-        buffer._backend.normal.overlapped_dispatch = False
-    if args.doorbell:
-        buffer._backend.normal.doorbell_dispatch = True
-    if args.tile_reduce:
-        buffer._backend.normal.rank_loop_reduce = False
-    if args.reduce_warps_apart:
-        buffer._backend.normal.reduce_warps_apart = True
+    use_normal_variants(buffer._backend.normal, variants)
     if args.lanes & (args.lanes - 1) or args.lanes < 1:
         parser.error(f"--lanes must be a power of two (got {args.lanes})")
     buffer._backend.normal.R_P2 = args.lanes  # (before the first call: the plans are made then)

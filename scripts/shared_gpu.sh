@@ -6,7 +6,7 @@
 #   scripts/shared_gpu.sh PART        PART: a preset below (each fits one 10-minute device call)
 #   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
 #   SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence      (a preset at other shapes)
-#   VARIANT=tile-reduce scripts/shared_gpu.sh nvlink           (a one-node variant: bench --variants)
+#   VARIANT=tile-reduce scripts/shared_gpu.sh nvlink           (one-node variants, a comma list: bench --variants)
 #
 # Starts the MPS daemon in fresh folders, runs pytest in its own process group with a hard limit,
 # and always stops MPS and kills every rank (also after a failure or a hang), so the next run

@@ -19,19 +19,19 @@ def choose_when_automatic(name: str) -> str:
 
 
 def use_normal_variant_from_now(variant: str) -> str:
-    """From now on in this process, every one-node NormalMode starts in ``variant``, one of
-    epcomm.tools.bench.NORMAL_VARIANTS as ``epcomm bench normal --variants`` sets it, so that an
-    experiment's kernels meet the same tests as the defaults (``EPCOMM_SHARED_GPU_VARIANT``)."""
+    """From now on in this process, every one-node NormalMode starts in ``variant``: names of
+    epcomm.tools.bench.NORMAL_VARIANTS (a comma list), as ``epcomm bench normal --variants`` sets
+    them, so that an experiment's kernels meet the same tests as the defaults
+    (``EPCOMM_SHARED_GPU_VARIANT``)."""
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
-    from epcomm.tools.bench import NORMAL_VARIANTS, use_normal_variant
+    from epcomm.tools.bench import normal_variants, use_normal_variants
 
-    if variant not in NORMAL_VARIANTS:
-        raise ValueError(f"EPCOMM_SHARED_GPU_VARIANT={variant!r}: one of {', '.join(NORMAL_VARIANTS)}")
+    names = normal_variants(variant)  # (a misspelt name raises here, before any Buffer)
     made = getattr(NormalMode.__init__, "made", NormalMode.__init__)  # (set twice: the first replaced)
 
     def made_in_variant(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        use_normal_variant(self, variant)
+        use_normal_variants(self, names)
 
     made_in_variant.made = made
     NormalMode.__init__ = made_in_variant

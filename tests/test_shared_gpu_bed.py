@@ -142,6 +142,9 @@ def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(m
     assert NormalMode.__init__.made is made_without_a_gpu  # (not stacked on the serial-combine one)
     mode = NormalMode()
     assert not mode.rank_loop_reduce and mode.overlapped_combine and mode.every_peer and not mode.doorbell_dispatch
+    bed_choices.use_normal_variant_from_now("serial-combine,reduce-warps-apart")  # (a comma list: both at once)
+    mode = NormalMode()
+    assert not mode.overlapped_combine and mode.reduce_warps_apart and mode.rank_loop_reduce
 
 
 def test_both_gpu_backends_cap_their_grids_the_same_way():

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -289,7 +289,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
         if parts is not None:  # the nvshmem backend reads both at every launch
             normal.send_parts, normal.p2p = parts, p2p
         if hasattr(normal, "every_peer"):  # one node's variants (the plans of a shape are made per variant)
-            use_normal_variant(normal, variant)
+            use_normal_variants(normal, [variant] if variant else [])
         if dist.get_rank() == 0:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   (f" {variant}" if variant else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
@@ -544,19 +544,28 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart")  # NormalBenchSettings.variants
 
 
-def use_normal_variant(normal, variant: Optional[str]) -> None:
-    """Sets a one-node NormalMode (backends/gpu/normal/one_node/mode.py) to ``variant``, one of
-    NORMAL_VARIANTS, or to its defaults for None: the bench's points and the shared-GPU bed's
-    ``EPCOMM_SHARED_GPU_VARIANT`` (tests/test_shared_gpu.py). Every rank of a group must set the same."""
-    if variant is not None and variant not in NORMAL_VARIANTS:
-        raise ValueError(f"unknown normal-mode variant {variant!r}: one of {', '.join(NORMAL_VARIANTS)}")
-    normal.every_peer = variant != "rank-order"
-    normal.pipelined_pull = variant == "pipelined-pull"
-    normal.overlapped_combine = variant != "serial-combine"
-    normal.overlapped_dispatch = variant != "serial-dispatch"
-    normal.doorbell_dispatch = variant == "doorbell-dispatch"
-    normal.rank_loop_reduce = variant != "tile-reduce"
-    normal.reduce_warps_apart = variant == "reduce-warps-apart"
+def normal_variants(text: str) -> List[str]:
+    """The names of a comma list of NORMAL_VARIANTS; ValueError naming the choices for any other."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in NORMAL_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown normal-mode variant(s) {unknown}: choose from {', '.join(NORMAL_VARIANTS)}")
+    return names
+
+
+def use_normal_variants(normal, variants: Sequence[str]) -> None:
+    """Sets a one-node NormalMode (backends/gpu/normal/one_node/mode.py) to ``variants``, names of
+    NORMAL_VARIANTS (each away from a default; none: the defaults): the bench's points, one variant
+    each, scripts/kernels_alone.py and the shared-GPU bed's ``EPCOMM_SHARED_GPU_VARIANT``. Every rank
+    of a group must set the same."""
+    normal_variants(",".join(variants))  # (checked)
+    normal.every_peer = "rank-order" not in variants
+    normal.pipelined_pull = "pipelined-pull" in variants
+    normal.overlapped_combine = "serial-combine" not in variants
+    normal.overlapped_dispatch = "serial-dispatch" not in variants
+    normal.doorbell_dispatch = "doorbell-dispatch" in variants
+    normal.rank_loop_reduce = "tile-reduce" not in variants
+    normal.reduce_warps_apart = "reduce-warps-apart" in variants
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -573,11 +582,10 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     from .args import non_negative_int, positive_int, switch_list, token_list
 
     def variant_list(text: str):
-        names = [t.strip() for t in text.split(",") if t.strip()]
-        unknown = [name for name in names if name not in NORMAL_VARIANTS]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(NORMAL_VARIANTS)}")
-        return names
+        try:
+            return normal_variants(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     normal = mode == "normal"
     parser.add_argument("--tokens", type=non_negative_int, default=0,
                         help=f"tokens per rank (0: {4096 if normal else 128})")
