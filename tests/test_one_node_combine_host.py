@@ -40,6 +40,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
+    mode._push_programs_per_sm = 1
     plan = _plan(launches, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode
@@ -74,6 +75,24 @@ def test_a_one_round_combine_is_one_launch_whose_push_takes_every_home_token(mon
     sizes = args[13:20]  # after the stream and the 11 tensors: num_rows, round_tokens, num_tokens, ...
     assert sizes == (40, ROUND_TOKENS, 30, HIDDEN // 4, HIDDEN, 0, num_push)
     assert combined.shape == (30, HIDDEN)
+
+
+@pytest.mark.parametrize("overlapped", [True, False], ids=["one launch", "in turn"])
+def test_double_push_runs_twice_num_sms_push_programs(monkeypatch, overlapped):
+    """bench --variants double-push (NormalMode.push_programs_per_sm = 2): the push's programs,
+    and only the push's, double, in one launch and in turn; the rows bound them still."""
+    launches = []
+    mode = _mode(monkeypatch, launches)
+    mode._overlapped_combine, mode._push_programs_per_sm = overlapped, 2
+    handle = _handle(num_tokens=30, max_tokens=90)
+    handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
+    _combine(mode, handle)
+    if overlapped:
+        (_, grid, args), = launches
+        assert args[19] == 2 * NUM_SMS and grid == 2 * NUM_SMS + -(-30 // BLOCK_R)
+    else:
+        (_, push_grid, _), (_, reduce_grid, _) = launches
+        assert push_grid == 2 * NUM_SMS and reduce_grid == min(4 * NUM_SMS, 30)  # (the reduce unchanged)
 
 
 @pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])

@@ -164,7 +164,8 @@ class NormalBenchSettings:
     # dispatch's stage and pull in turn: dispatch.py), "doorbell-dispatch" (a full dispatch in one launch
     # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
-    # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART)
+    # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
+    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm)
     variants: List[str] = field(default_factory=list)
 
 
@@ -274,6 +275,9 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
         buffers[settings.peer] = (peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), peer.Config)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
+    result = {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
+              "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
+              "settings": asdict(settings)}
     started = time.time()
     normal = getattr(buffers["epcomm"][0]._backend, "normal", None)  # (the nvshmem backend's TwoLevelMode)
     default_transport = (getattr(normal, "send_parts", None), getattr(normal, "p2p", None))
@@ -296,10 +300,10 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
                   flush=True)
         points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p,
                            variant=variant))
+        if dist.get_rank() == 0:  # each table as it is measured: a later point that fails loses none of it
+            print(normal_table(dict(result, points=points[-1:])), file=sys.stderr, flush=True)
     buffers["epcomm"][0].destroy()
-    return {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
-            "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
-            "settings": asdict(settings), "points": points}
+    return dict(result, points=points)
 
 
 def normal_table(result: Dict) -> str:
@@ -541,7 +545,7 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "tile-reduce", "reduce-warps-apart")  # NormalBenchSettings.variants
+                   "tile-reduce", "reduce-warps-apart", "double-push")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -566,6 +570,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.doorbell_dispatch = "doorbell-dispatch" in variants
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
+    normal.push_programs_per_sm = 2 if "double-push" in variants else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -614,7 +619,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "full dispatch in one launch before its count wait), tile-reduce (the "
                                  "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
                                  "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
-                                 "combine's reduce deciding its waits per warp, no barrier per chunk)")
+                                 "combine's reduce deciding its waits per warp, no barrier per chunk), double-push (the "
+                                 "combine's push on twice num_sms programs)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

@@ -118,7 +118,7 @@ class NormalMode:
         # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart = False
+        self._reduce_warps_apart, self._push_programs_per_sm = False, 1
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
@@ -140,6 +140,11 @@ class NormalMode:
     reduce_warps_apart = Choice(
         """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
         reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py).""")
+    push_programs_per_sm = Choice(
+        """An experiment for a lease (bench --variants double-push: 2): the combine's push runs this
+        many times Config.num_sms programs, to tell whether the push's rate per program or the links
+        set the combine's pace. Beyond 1 the grid exceeds what shared_grids.py counts: not for ranks
+        sharing a GPU.""", convert=int)
     overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
@@ -552,7 +557,7 @@ class NormalMode:
                                             list_index_address)
         if mapping is not None:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
-        push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        push_programs = max(1, min(num_sms * self.push_programs_per_sm, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
         x, x_aligned = for_word_copies(x)
         x_address = x.data_ptr()
@@ -604,7 +609,7 @@ class NormalMode:
         x_address = x.data_ptr()
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-        num_push = max(1, min(config.num_sms, cdiv(num_rows, plan.block_r)))
+        num_push = max(1, min(config.num_sms * self.push_programs_per_sm, cdiv(num_rows, plan.block_r)))
         num_reduce = max(1, min(REDUCE_PROGRAMS_PER_SM * config.num_sms, cdiv(num_tokens, plan.block_r)))
         kernel = plan.overlapped[plan.rows_aligned and x_aligned, plan.rows_aligned and is_aligned(*bias)]
         kernel.launch(

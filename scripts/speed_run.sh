@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A multi-GPU lease's speed run beside DeepEP, in parts that each fit one device call. Needs DeepEP
+# V1's wheel in .peers/ (carried with the call; without it the tables have no peer column).
+#
+#   RANKS=4 PARTS="normal low-latency" scripts/speed_run.sh
+#
+# Parts (each under its own time limit, so a hang costs one part, not the call):
+#   normal       epcomm bench normal at T=4096 and 512 beside DeepEP, and VARIANTS (a comma list of
+#                bench.NORMAL_VARIANTS, default all) at T=4096, each a table of its own in the same run
+#   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
+#   profile      the full dispatch's host split (scripts/profile_host.py --full-only) and both
+#                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
+#   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU; SUITE_K: a pytest -k
+#                expression to run part of them
+# NORMAL_ARGS: further options of `epcomm bench normal` (e.g. "--tokens 512 --extra-tokens 4096").
+# Every table is also printed as it is measured (bench_*_progress.log), so a part cut by its limit
+# keeps the tables it finished. Logs under $OUT (default ./out); the tables come last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+ranks="${RANKS:-4}"
+variants="${VARIANTS:-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
+peer=()
+if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/peers .peers/deep_ep-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/peers" && peer=(--peer deep_ep)
+fi
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+summary=()
+for part in ${PARTS:-normal low-latency}; do
+  started=$SECONDS
+  case "$part" in
+    normal)
+      timeout -k 10 "${NORMAL_LIMIT_S:-360}" python3 -m epcomm bench normal --ranks "$ranks" "${peer[@]}" \
+        ${variants:+--variants "$variants"} ${NORMAL_ARGS:-} --out "$OUT" 2>"$OUT/bench_normal_progress_r$ranks.log" \
+        | tee "$OUT/bench_normal_r$ranks.txt" ;;
+    low-latency)
+      timeout -k 10 "${LL_LIMIT_S:-180}" python3 -m epcomm bench low-latency --ranks "$ranks" "${peer[@]}" \
+        --entry-loop-reduce --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
+        | tee "$OUT/bench_ll_r$ranks.txt" ;;
+    profile)
+      export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))"
+      timeout -k 10 "${PROFILE_LIMIT_S:-120}" python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 \
+        | tee "$OUT/profile_host_r$ranks.txt"
+      timeout -k 10 "${PROFILE_LIMIT_S:-120}" python3 scripts/profile_timeline.py "${peer[@]}" \
+        --tokens "${TOKENS:-512}" --out /tmp/timeline 2>&1 | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
+      unset CUDA_VISIBLE_DEVICES ;;
+    suite)
+      CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))" EPCOMM_GPU_WORLD_SIZES="$ranks" \
+        timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -q -m gpu tests/test_gpu.py \
+        -k "not nvshmem and not nodes_${SUITE_K:+ and ($SUITE_K)}" 2>&1 \
+        | tee "$OUT/one_node_suite_r$ranks.log" | tail -n 3 ;;
+    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, suite)" >&2; exit 2 ;;
+  esac
+  summary+=("$part rc=${PIPESTATUS[0]} ($((SECONDS - started)) s)")
+done
+printf '%s\n' "${summary[@]}"
