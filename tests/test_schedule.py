@@ -117,23 +117,3 @@ def test_the_combine_chunk_head_finds_each_pushers_blocks_in_either_form():
     for line in run_cases("chunk_blocks_cases.py").splitlines():
         case = json.loads(line)
         assert case["results"]["False"] == case["results"]["True"] == case["results"]["reference"], case["case"]
-
-
-def test_the_full_pull_hands_each_item_its_own_list_entries_loaded_one_item_ahead():
-    """PREFETCH_INDEX (dispatch.py, _list_entries): the entries an item copies by were loaded during
-    the previous item, from that item's round state. Each item must get exactly its rows' entries
-    (source s's entry i is 1000 * s + i here), -1 past its end row, and nothing past the last item —
-    a wrong round or source would hand an item another block's tokens, i.e. wrong rows received."""
-    for line in run_cases("list_prefetch_cases.py").splitlines():
-        walk = json.loads(line)
-        case = walk["case"]
-        counts, block_r = case["rows_per_source"], case["block_r"]
-        for program in walk["items"]:
-            *items, after_last = program
-            assert after_last[:3] == [-9, -9, -9] and after_last[3:] == [-1] * block_r, case
-            for source, first, end, *tokens in items:
-                start = sum(counts[:source])
-                want = [1000 * source + row - start if row < end else -1 for row in range(first, first + block_r)]
-                assert tokens == want, (case, source, first, end)
-        taken, num_rows = _rows_taken(case, [[tuple(item[:3]) for item in program[:-1]] for program in walk["items"]])
-        assert sorted(taken) == list(range(num_rows)), case

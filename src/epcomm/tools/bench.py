@@ -165,8 +165,7 @@ class NormalBenchSettings:
     # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
-    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm),
-    # "no-index-prefetch" (the full dispatch's pull loading each item's list entries in the item: dispatch.py)
+    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm)
     variants: List[str] = field(default_factory=list)
 
 
@@ -546,8 +545,7 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "tile-reduce", "reduce-warps-apart", "double-push",
-                   "no-index-prefetch")  # NormalBenchSettings.variants
+                   "tile-reduce", "reduce-warps-apart", "double-push")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -573,7 +571,6 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
     normal.push_programs_per_sm = 2 if "double-push" in variants else 1
-    normal.index_prefetch = "no-index-prefetch" not in variants
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -623,8 +620,7 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
                                  "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
                                  "combine's reduce deciding its waits per warp, no barrier per chunk), double-push (the "
-                                 "combine's push on twice num_sms programs), no-index-prefetch (the full "
-                                 "dispatch's pull loading an item's list entries in the item, not one ahead)")
+                                 "combine's push on twice num_sms programs)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

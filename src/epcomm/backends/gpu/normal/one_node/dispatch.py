@@ -233,12 +233,7 @@ def _pull(pid, num_programs, epoch,
           INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
           R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-          TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, PREFETCH_INDEX: tl.constexpr):
-    # PREFETCH_INDEX (INDEX in turn: every list is acquired before the loop): an item's list entries
-    # are loaded one item ahead, before the current item's rows are copied. Loaded in the item they
-    # serve, each item made two dependent remote round trips — the source's list entries, then the
-    # rows they name — where a cached dispatch reads its entries locally (src_idx): across 4 H200s
-    # the full dispatch's pull took 640 µs against the cached one-launch dispatch's 547 (timeline).
+          TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr):
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x
@@ -287,12 +282,6 @@ def _pull(pid, num_programs, epoch,
         held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)
         held_rows = tl.zeros([BLOCK_R], tl.int64)
         held_live = tl.arange(0, BLOCK_R) < 0
-    if PREFETCH_INDEX:  # the first item's list entries (after the ACQUIRE of every list above)
-        next_token = _list_entries(pid, num_items, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
-                                   blocks, normal_bases_ptr, half_offset, lists_offset, list_cap, BLOCK_R, R_P2,
-                                   EVERY_PEER)
-    else:
-        next_token = tl.full([BLOCK_R], -1, tl.int32)
     for item in range(pid, num_items, num_programs):
         if TRACE:
             started = now_ns()
@@ -317,14 +306,7 @@ def _pull(pid, num_programs, epoch,
                                                R_P2, WARP_WAITS)  # ACQUIRE: the list
                     lists_seen = tl.where(peers == src, listed, lists_seen)
                     # (the wait ends in a vote: the polling threads' acquires precede the loads that follow)
-        if PREFETCH_INDEX:  # this item's entries came with the last one; issue the next item's now, so
-            # they are in flight while this item's rows are (the rows' loads wait for nothing they return)
-            token = next_token
-            next_token = _list_entries(item + num_programs, num_items, round_idx, round_start, round_size, rank,
-                                       num_ranks, starts, ends, blocks, normal_bases_ptr, half_offset, lists_offset,
-                                       list_cap, BLOCK_R, R_P2, EVERY_PEER)
-            tl.store(src_idx_ptr + rows, token, mask=in_out)
-        elif INDEX:
+        if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
             token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
             tl.store(src_idx_ptr + rows, token, mask=in_out)
@@ -434,25 +416,6 @@ def _pull(pid, num_programs, epoch,
 
 
 @triton.jit
-def _list_entries(item, num_items, round_idx, round_start, round_size, rank, num_ranks, starts, ends, blocks,
-                  normal_bases_ptr, half_offset, lists_offset, list_cap, BLOCK_R: tl.constexpr, R_P2: tl.constexpr,
-                  EVERY_PEER: tl.constexpr):
-    """[BLOCK_R] int32: the tokens of ``item``'s rows, read from its source's list of the tokens it
-    sends here (-1 past the item's rows, or for an item at or past ``num_items``). The round state is
-    an earlier item's (advance_round walks forward from it; the caller keeps its own). The lists must
-    be acquired before (the pull in turn: acquire_and_agree)."""
-    live = item < num_items
-    round_idx, round_start, round_size = advance_round(tl.where(live, item, 0), round_idx, round_start, round_size,
-                                                       blocks)
-    src, first, end, src_start = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
-                                            blocks, BLOCK_R, R_P2, EVERY_PEER)
-    rows = first + tl.arange(0, BLOCK_R)
-    staged = tl.load(normal_bases_ptr + src) + half_offset
-    entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
-    return tl.load(entry.to(tl.pointer_type(tl.int32)), mask=live & (rows < end), other=-1)
-
-
-@triton.jit
 def _wait_blocks(words, live, src, targets, epoch, timeout_ns, rows_here, rows_other, fp0, fp1, board_address,
                  call_tag, state_ptr, mailbox_address, num_ranks, R_P2: tl.constexpr, WARP: tl.constexpr):
     """The overlapped pull's ACQUIRE of block flags (int64 pointers ``words``, lanes where ``live``,
@@ -515,7 +478,7 @@ def ep_dispatch_pull(
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr, PIPELINE: tl.constexpr, PREFETCH_INDEX: tl.constexpr):
+        TRACE: tl.constexpr, PIPELINE: tl.constexpr):
     # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
@@ -524,7 +487,7 @@ def ep_dispatch_pull(
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
           mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
           INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
-          PIPELINE, OVERLAP=False, PREFETCH_INDEX=PREFETCH_INDEX and INDEX)
+          PIPELINE, OVERLAP=False)
 
 
 
@@ -633,8 +596,7 @@ def ep_dispatch(
               lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset,
               block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
               INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
-              EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              PREFETCH_INDEX=False)  # (the lists are waited for item by item here: nothing ahead)
+              EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

@@ -118,7 +118,7 @@ class NormalMode:
         # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart, self._push_programs_per_sm, self._index_prefetch = False, 1, True
+        self._reduce_warps_apart, self._push_programs_per_sm = False, 1
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
@@ -133,10 +133,6 @@ class NormalMode:
     pipelined_pull = Choice(
         """An experiment for a multi-GPU lease (bench --variants pipelined-pull): the pull stores an
         item's rows after the next item's loads are issued (dispatch.py, PIPELINE).""")
-    index_prefetch = Choice(
-        """The full dispatch's pull in turn loads each item's list entries one item ahead (dispatch.py,
-        PREFETCH_INDEX); False: in the item, two dependent remote round trips each (bench --variants
-        no-index-prefetch).""")
     rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
         warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
@@ -189,8 +185,7 @@ class NormalMode:
             block_r = max(1, block_r // 2)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
-        schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
-                        PREFETCH_INDEX=self.index_prefetch)
+        schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too
