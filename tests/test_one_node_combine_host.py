@@ -40,7 +40,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._push_programs_per_sm = 1
+    mode._push_programs_per_sm, mode._reduce_programs_per_sm = 1, M.REDUCE_PROGRAMS_PER_SM
     plan = _plan(launches, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode
@@ -93,6 +93,21 @@ def test_double_push_runs_twice_num_sms_push_programs(monkeypatch, overlapped):
     else:
         (_, push_grid, _), (_, reduce_grid, _) = launches
         assert push_grid == 2 * NUM_SMS and reduce_grid == min(4 * NUM_SMS, 30)  # (the reduce unchanged)
+
+
+def test_wide_push_splits_the_one_launch_grid_evenly_within_four_times_num_sms(monkeypatch):
+    """bench --variants wide-push: 2 x num_sms push and 2 x num_sms reduce programs, so the grid stays
+    within the 4 x num_sms that the grid caps of ranks sharing a GPU count (shared_grids.py)."""
+    from epcomm.tools.bench import use_normal_variants
+    launches = []
+    mode = _mode(monkeypatch, launches)
+    mode._choice_changed = lambda: None
+    use_normal_variants(mode, ["wide-push"])
+    handle = _handle(num_tokens=40 * NUM_SMS * BLOCK_R, max_tokens=90)
+    handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
+    _combine(mode, handle)
+    (_, grid, args), = launches
+    assert args[19] == 2 * NUM_SMS and grid == 4 * NUM_SMS
 
 
 @pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])

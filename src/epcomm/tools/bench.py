@@ -165,7 +165,8 @@ class NormalBenchSettings:
     # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
-    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm)
+    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm),
+    # "wide-push" (push and one-launch reduce on 2 x num_sms programs each: the grid of 4 x num_sms as before)
     variants: List[str] = field(default_factory=list)
 
 
@@ -545,7 +546,8 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "tile-reduce", "reduce-warps-apart", "double-push")  # NormalBenchSettings.variants
+                   "tile-reduce", "reduce-warps-apart", "double-push",
+                   "wide-push")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -570,7 +572,10 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.doorbell_dispatch = "doorbell-dispatch" in variants
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
-    normal.push_programs_per_sm = 2 if "double-push" in variants else 1
+    from ..backends.gpu.normal.one_node.mode import REDUCE_PROGRAMS_PER_SM  # (the mode's module: loaded already)
+    wide = "wide-push" in variants
+    normal.push_programs_per_sm = 2 if "double-push" in variants or wide else 1
+    normal.reduce_programs_per_sm = 2 if wide else REDUCE_PROGRAMS_PER_SM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -620,7 +625,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
                                  "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
                                  "combine's reduce deciding its waits per warp, no barrier per chunk), double-push (the "
-                                 "combine's push on twice num_sms programs)")
+                                 "combine's push on twice num_sms programs), wide-push (push and reduce on "
+                                 "twice num_sms programs each: the combine's grid unchanged)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

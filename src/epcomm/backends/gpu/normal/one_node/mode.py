@@ -119,6 +119,7 @@ class NormalMode:
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart, self._push_programs_per_sm = False, 1
+        self._reduce_programs_per_sm = REDUCE_PROGRAMS_PER_SM
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
@@ -145,6 +146,9 @@ class NormalMode:
         many times Config.num_sms programs, to tell whether the push's rate per program or the links
         set the combine's pace. Beyond 1 the grid exceeds what shared_grids.py counts: not for ranks
         sharing a GPU.""", convert=int)
+    reduce_programs_per_sm = Choice(
+        """The one-launch combine's reduce programs, in units of Config.num_sms (bench --variants
+        wide-push: 2, the push's 2 beside them, the grid's 4 x num_sms as before).""", convert=int)
     overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
@@ -610,7 +614,7 @@ class NormalMode:
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
         num_push = max(1, min(config.num_sms * self.push_programs_per_sm, cdiv(num_rows, plan.block_r)))
-        num_reduce = max(1, min(REDUCE_PROGRAMS_PER_SM * config.num_sms, cdiv(num_tokens, plan.block_r)))
+        num_reduce = max(1, min(self.reduce_programs_per_sm * config.num_sms, cdiv(num_tokens, plan.block_r)))
         kernel = plan.overlapped[plan.rows_aligned and x_aligned, plan.rows_aligned and is_aligned(*bias)]
         kernel.launch(
             num_push + num_reduce, 1, current_stream(self.dev_index),
