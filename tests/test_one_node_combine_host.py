@@ -40,7 +40,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._push_programs_per_sm, mode._reduce_programs_per_sm = 1, M.REDUCE_PROGRAMS_PER_SM
+    mode._push_programs_per_sm, mode._reduce_programs_per_sm = M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM
     plan = _plan(launches, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode
@@ -69,45 +69,37 @@ def test_a_one_round_combine_is_one_launch_whose_push_takes_every_home_token(mon
     combined, _ = _combine(mode, _handle(num_tokens=30, max_tokens=90))
     assert [name for name, _, _ in launches] == ["overlapped"]
     _, grid, args = launches[0]
-    num_push = -(-40 // BLOCK_R)  # min(num_sms, row blocks)
-    num_reduce = -(-30 // BLOCK_R)  # min(3 x num_sms, token chunks)
+    num_push = -(-40 // BLOCK_R)  # min(2 x num_sms, row blocks)
+    num_reduce = -(-30 // BLOCK_R)  # min(2 x num_sms, token chunks)
     assert grid == num_push + num_reduce <= 4 * NUM_SMS
     sizes = args[13:20]  # after the stream and the 11 tensors: num_rows, round_tokens, num_tokens, ...
     assert sizes == (40, ROUND_TOKENS, 30, HIDDEN // 4, HIDDEN, 0, num_push)
     assert combined.shape == (30, HIDDEN)
 
 
-@pytest.mark.parametrize("overlapped", [True, False], ids=["one launch", "in turn"])
-def test_double_push_runs_twice_num_sms_push_programs(monkeypatch, overlapped):
-    """bench --variants double-push (NormalMode.push_programs_per_sm = 2): the push's programs,
-    and only the push's, double, in one launch and in turn; the rows bound them still."""
-    launches = []
-    mode = _mode(monkeypatch, launches)
-    mode._overlapped_combine, mode._push_programs_per_sm = overlapped, 2
-    handle = _handle(num_tokens=30, max_tokens=90)
-    handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
-    _combine(mode, handle)
-    if overlapped:
-        (_, grid, args), = launches
-        assert args[19] == 2 * NUM_SMS and grid == 2 * NUM_SMS + -(-30 // BLOCK_R)
-    else:
-        (_, push_grid, _), (_, reduce_grid, _) = launches
-        assert push_grid == 2 * NUM_SMS and reduce_grid == min(4 * NUM_SMS, 30)  # (the reduce unchanged)
-
-
-def test_wide_push_splits_the_one_launch_grid_evenly_within_four_times_num_sms(monkeypatch):
-    """bench --variants wide-push: 2 x num_sms push and 2 x num_sms reduce programs, so the grid stays
-    within the 4 x num_sms that the grid caps of ranks sharing a GPU count (shared_grids.py)."""
+@pytest.mark.parametrize("variants,push,reduce", [([], 2, 2), (["single-push"], 1, 3)], ids=["default", "single-push"])
+def test_the_one_launch_combine_splits_four_times_num_sms_between_push_and_reduce(monkeypatch, variants, push,
+                                                                                  reduce):
+    """By default half the one-launch grid pushes (2 x num_sms; with num_sms alone the push's rate
+    per program set the pace across GPUs: 646 against 547 µs at 4 ranks) and half reduces; bench
+    --variants single-push keeps the old 1 + 3 split. Either way 4 x num_sms in all, what the grid
+    caps of ranks sharing a GPU count (shared_grids.py); the combine in turn keeps num_sms pushes."""
     from epcomm.tools.bench import use_normal_variants
-    launches = []
-    mode = _mode(monkeypatch, launches)
-    mode._choice_changed = lambda: None
-    use_normal_variants(mode, ["wide-push"])
-    handle = _handle(num_tokens=40 * NUM_SMS * BLOCK_R, max_tokens=90)
-    handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
-    _combine(mode, handle)
-    (_, grid, args), = launches
-    assert args[19] == 2 * NUM_SMS and grid == 4 * NUM_SMS
+    for overlapped in (True, False):
+        launches = []
+        mode = _mode(monkeypatch, launches)
+        mode._choice_changed = lambda: None
+        use_normal_variants(mode, variants)
+        mode._overlapped_combine = overlapped
+        handle = _handle(num_tokens=40 * NUM_SMS * BLOCK_R, max_tokens=90)
+        handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
+        _combine(mode, handle)
+        if overlapped:
+            (_, grid, args), = launches
+            assert args[19] == push * NUM_SMS and grid == (push + reduce) * NUM_SMS == 4 * NUM_SMS
+        else:
+            (_, push_grid, _), (_, reduce_grid, _) = launches
+            assert (push_grid, reduce_grid) == (NUM_SMS, 4 * NUM_SMS)
 
 
 @pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])

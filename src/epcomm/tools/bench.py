@@ -165,8 +165,8 @@ class NormalBenchSettings:
     # before the count wait: mode.py, NormalMode.doorbell_dispatch), "tile-reduce" (the combine's
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
-    # "double-push" (the combine's push on 2 x num_sms programs: mode.py, push_programs_per_sm),
-    # "wide-push" (push and one-launch reduce on 2 x num_sms programs each: the grid of 4 x num_sms as before)
+    # "single-push" (the one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, the
+    # split before 2026-11-28: mode.py, PUSH_PROGRAMS_PER_SM)
     variants: List[str] = field(default_factory=list)
 
 
@@ -546,8 +546,7 @@ MODE_DESCRIPTIONS = {
 
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
-                   "tile-reduce", "reduce-warps-apart", "double-push",
-                   "wide-push")  # NormalBenchSettings.variants
+                   "tile-reduce", "reduce-warps-apart", "single-push")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -572,10 +571,10 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.doorbell_dispatch = "doorbell-dispatch" in variants
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
-    from ..backends.gpu.normal.one_node.mode import REDUCE_PROGRAMS_PER_SM  # (the mode's module: loaded already)
-    wide = "wide-push" in variants
-    normal.push_programs_per_sm = 2 if "double-push" in variants or wide else 1
-    normal.reduce_programs_per_sm = 2 if wide else REDUCE_PROGRAMS_PER_SM
+    from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
+    single = "single-push" in variants
+    normal.push_programs_per_sm = 1 if single else mode.PUSH_PROGRAMS_PER_SM
+    normal.reduce_programs_per_sm = 3 if single else mode.REDUCE_PROGRAMS_PER_SM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -624,9 +623,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "full dispatch in one launch before its count wait), tile-reduce (the "
                                  "combine's reduce summing each token's [ranks, columns] tile, across warps at 8 "
                                  "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
-                                 "combine's reduce deciding its waits per warp, no barrier per chunk), double-push (the "
-                                 "combine's push on twice num_sms programs), wide-push (push and reduce on "
-                                 "twice num_sms programs each: the combine's grid unchanged)")
+                                 "combine's reduce deciding its waits per warp, no barrier per chunk), single-push (the "
+                                 "one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, "
+                                 "instead of 2 x num_sms each)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

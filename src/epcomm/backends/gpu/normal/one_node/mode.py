@@ -27,9 +27,14 @@ from .notify import NOTIFY_BOUND
 # would set their speed.
 EXPERT_MAJOR_SM_FACTOR = 6
 EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
-# The combine in turn reduces on 4 x num_sms programs; in one launch, the push's num_sms programs
-# and this many times num_sms reduce programs (the grid caps of shared_grids.py count 4 x num_sms).
-REDUCE_PROGRAMS_PER_SM = 3
+# The combine in turn pushes on num_sms programs and reduces on 4 x num_sms. In one launch it pushes
+# on PUSH_PROGRAMS_PER_SM x num_sms and reduces on REDUCE_PROGRAMS_PER_SM x num_sms: 4 x num_sms in
+# all, what the grid caps of shared_grids.py count. Half the grid pushes, not a quarter: across
+# 4 H200s (same run, T=4096) the combine took 547 µs against 646 with 1 + 3 (DeepEP V1 620), and
+# 198 against 239 at 2 ranks (notes/performance-log.md, 2026-11-28): the push's rate per program,
+# not the links, set the pace; the reduce keeps up on 2 x num_sms.
+PUSH_PROGRAMS_PER_SM = 2
+REDUCE_PROGRAMS_PER_SM = 2
 
 
 # ====================================================================== host side
@@ -118,8 +123,8 @@ class NormalMode:
         # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart, self._push_programs_per_sm = False, 1
-        self._reduce_programs_per_sm = REDUCE_PROGRAMS_PER_SM
+        self._reduce_warps_apart = False
+        self._push_programs_per_sm, self._reduce_programs_per_sm = PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
@@ -142,13 +147,12 @@ class NormalMode:
         """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
         reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py).""")
     push_programs_per_sm = Choice(
-        """An experiment for a lease (bench --variants double-push: 2): the combine's push runs this
-        many times Config.num_sms programs, to tell whether the push's rate per program or the links
-        set the combine's pace. Beyond 1 the grid exceeds what shared_grids.py counts: not for ranks
-        sharing a GPU.""", convert=int)
+        """The one-launch combine's push programs, in units of Config.num_sms (PUSH_PROGRAMS_PER_SM;
+        bench --variants single-push: 1, with 3 reduce, as before 2026-11-28). With
+        reduce_programs_per_sm at most 4 in all: shared_grids.py counts 4 x num_sms.""", convert=int)
     reduce_programs_per_sm = Choice(
-        """The one-launch combine's reduce programs, in units of Config.num_sms (bench --variants
-        wide-push: 2, the push's 2 beside them, the grid's 4 x num_sms as before).""", convert=int)
+        """The one-launch combine's reduce programs, in units of Config.num_sms (REDUCE_PROGRAMS_PER_SM).""",
+        convert=int)
     overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
@@ -561,7 +565,7 @@ class NormalMode:
                                             list_index_address)
         if mapping is not None:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
-        push_programs = max(1, min(num_sms * self.push_programs_per_sm, cdiv(num_rows, plan.block_r)))
+        push_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
         half_bytes = self.ws.normal_half_bytes
         x, x_aligned = for_word_copies(x)
         x_address = x.data_ptr()
@@ -601,10 +605,10 @@ class NormalMode:
                             bias: Tuple[torch.Tensor, ...], config, plan: CombinePlan, num_tokens: int, num_rows: int,
                             num_topk: int, prefix_address: int, src_idx_address: int, in_rank_address: int,
                             list_index_address: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The combine in one launch (combine.py, ep_combine): ``num_sms`` push programs, then
-        reduce programs that sum each chunk of tokens as its blocks land. Together at most
-        ``(1 + REDUCE_PROGRAMS_PER_SM) * num_sms`` programs, as many as the push and the reduce in
-        turn wait in (shared_grids.py counts them)."""
+        """The combine in one launch (combine.py, ep_combine): ``push_programs_per_sm * num_sms``
+        push programs, then reduce programs (``reduce_programs_per_sm * num_sms`` at most) that sum
+        each chunk of tokens as its blocks land. Together at most 4 x num_sms programs, as many as
+        the push and the reduce in turn wait in (shared_grids.py counts them)."""
         hidden = x.shape[1]
         combined = x.new_empty((num_tokens, hidden))  # (x: bf16; new_empty: dispatch says why)
         combined_w = x.new_empty((num_tokens, num_topk), dtype=torch.float32) if num_topk else None
