@@ -12,16 +12,21 @@ moves rows between GPUs is bound by the slower of its programs and its links::
     pull, push (every peer at once, gpu/normal/one_node/schedule.py):
         max( local / (P * r_local) + remote / (P * r_remote),   the programs: P of them, each at
                                                                 its rate per byte kind
-             remote bytes in / link,  remote bytes out / link )  each GPU's links, each way
+             remote bytes in / duplex link,  remote bytes out / duplex link )  each GPU's links, each
+                                                                way while they carry both ways
     overlapped (the phases through per-block flags, one launch: ep_dispatch for a cached dispatch,
-        ep_combine): max(stage, pull), max(push, reduce); the full dispatch stays in turn (its stage
-        runs during the host's count wait)
+        ep_combine): max(stage, pull), max(push, reduce), the push on push_programs_per_sm x P
+        programs; the full dispatch stays in turn (its stage runs during the host's count wait)
     pull, push (rank order, the walk before): each receiver takes source 0, 1, ... in turn, at
         P * r_local from itself, else min(P * r_remote, link / receivers now on that source) — a fluid
         queue (at 2 ranks the two receivers pair up; from 4 on they crowd one GPU's links)
 
-Defaults: the link of an H200 (18 NVLinks), the per-program rates fitted to the
-measured one-GPU kernels (scripts/kernels_alone.py) and 2-rank calls on 2 × H200 (docs/PERFORMANCE.md).
+Defaults: the per-program rates fitted to the measured one-GPU kernels (scripts/kernels_alone.py)
+and 2-rank calls on 2 × H200 (docs/PERFORMANCE.md). Two link rates: one way (the rank-order queue,
+whose sources mostly send: 18 NVLinks' 478 GB/s reproduced its 4-rank figures), and each way while
+every GPU sends and receives as much (every peer at once): fitted to the first multi-GPU run of the
+every-peer kernels (4 × H200, 2026-11-28), where the one-launch cached dispatch and combine moved
+288–305 GB/s of remote rows into each GPU at 2 and 4 ranks alike.
 """
 from __future__ import annotations
 
@@ -42,6 +47,15 @@ MEASURED = {
         "combine": ("945 / 970", "616")},
     8: {"full dispatch": ("-", "-"), "cached dispatch": ("-", "925"), "combine": ("-", "960")},
 }
+# The every-peer kernels in one launch (push on 2 x num_sms), 4 x H200, 2026-11-28 (commit e047216's
+# kernels; the combine from its wide-push point, the split that became the default), gpu / synced µs
+# on rank 0, DeepEP V1's gpu µs in the same run (notes/runs/2026-11-28_x4_h200_call5_*).
+MEASURED_NOW = {
+    2: {"full dispatch": ("363 / 471", "449"), "cached dispatch": ("205 / 342", "380"),
+        "combine": ("198 / 260", "406")},
+    4: {"full dispatch": ("753 / 885", "865"), "cached dispatch": ("522 / 603", "822"),
+        "combine": ("547 / 649", "620")},
+}
 
 
 @dataclass
@@ -58,6 +72,8 @@ class Rates:
     local_reduce: float
     fixed_us: float
     notify_us: float
+    push_programs_per_sm: float = 1.0  # the one-launch combine's push programs per P (mode.PUSH_PROGRAMS_PER_SM)
+    duplex_link: float = 0.0  # GB/s each way while the links carry both ways (every peer); 0: ``link``
 
 
 def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
@@ -73,7 +89,7 @@ def _every_peer_us(rows: torch.Tensor, row_bytes: int, programs: int, rates: Rat
     remote_in = (rows.sum(0) - rows.diagonal()) * row_bytes
     remote_out = (rows.sum(1) - rows.diagonal()) * row_bytes
     per_rank = torch.maximum(local / (programs * rates.program_local) + remote_in / (programs * remote_rate),
-                             torch.maximum(remote_in, remote_out) / rates.link) if R > 1 else \
+                             torch.maximum(remote_in, remote_out) / (rates.duplex_link or rates.link)) if R > 1 else \
         local / (programs * rates.program_local)
     return float(per_rank.max()) / 1e3  # bytes / (GB/s) = ns
 
@@ -120,12 +136,14 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
         out[schedule] = {"cached dispatch": cached, "full dispatch": cached + rates.notify_us,
                          "combine": rates.fixed_us + push + reduce_us}
         if schedule == "every peer":  # the phases overlapped through per-block flags (one launch)
+            wide_push = kernel(rows, x_bytes, round(programs * rates.push_programs_per_sm), rates,
+                               rates.program_remote_store)
             out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
                                  "full dispatch": cached + rates.notify_us,  # (in turn: the stage runs in the
                                  # host's count wait; NormalMode.doorbell_dispatch overlaps it, off by default)
-                                 "combine": rates.fixed_us + max(push, reduce_us)}
+                                 "combine": rates.fixed_us + max(wide_push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
-    out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / rates.link}
+    out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
     return out
 
 
@@ -135,7 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_routing_arguments(parser)
     parser.add_argument("--sms", type=positive_int, default=24, help="programs of the pull and push (Config.num_sms)")
     parser.add_argument("--link-gbps", type=positive_float, default=478.0,
-                        help="GB/s of one GPU's NVLinks, each way (H200: 18 links of 26.6)")
+                        help="GB/s of one GPU's NVLinks, one way (H200: 18 links of 26.6): the rank-order queue")
+    parser.add_argument("--duplex-link-gbps", type=positive_float, default=300.0,
+                        help="GB/s of remote rows one GPU's NVLinks carry each way while they carry as much the "
+                             "other way (every peer at once; fitted on 4 x H200, 2026-11-28: 288-305 at 2 and 4 ranks)")
     parser.add_argument("--program-local-gbps", type=positive_float, default=36.0,
                         help="GB/s of rows one program copies locally (the pull alone on one GPU: 4096 rows of "
                              "14 KB in 67 µs at 24 programs on H100, scripts/kernels_alone.py)")
@@ -148,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GB/s of the stage's local copy, bytes read + written (4096 rows in 57 µs on H200)")
     parser.add_argument("--reduce-gbps", type=positive_float, default=2800.0,
                         help="GB/s of the reduce, rows read + written (one GPU: 42 µs on H200)")
+    parser.add_argument("--push-programs-per-sm", type=positive_float, default=2.0,
+                        help="the one-launch combine's push programs per --sms (mode.PUSH_PROGRAMS_PER_SM)")
     parser.add_argument("--fixed-us", type=non_negative_float, default=10.0, help="launch gaps per call")
     parser.add_argument("--notify-us", type=non_negative_float, default=80.0,
                         help="a full dispatch's count exchange and host wait over a cached one (measured 79 at 2 "
@@ -156,22 +179,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     rates = Rates(args.link_gbps, args.program_local_gbps, args.program_load_gbps, args.program_store_gbps,
-                  args.copy_gbps, args.reduce_gbps, args.fixed_us, args.notify_us)
+                  args.copy_gbps, args.reduce_gbps, args.fixed_us, args.notify_us, args.push_programs_per_sm,
+                  args.duplex_link_gbps)
     print(f"model: one node, T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, {args.sms} programs, "
-          f"link {args.link_gbps:g} GB/s, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
+          f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
     print("| ranks | call | remote MB in | link floor µs | every peer µs | + phases overlapped µs | rank order µs | "
-          "measured gpu / synced (7562a92, rank order) | DeepEP V1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28, every peer, "
+          "one launch) | DeepEP V1, same run |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for R in args.ranks:
         if R < 1 or args.experts % R:
             print(f"skipped {R} ranks: {args.experts} experts do not split over them")
             continue
         est = estimate(R, args.tokens, args.hidden, args.topk, args.experts, args.sms, rates)
         for call in ("full dispatch", "cached dispatch", "combine"):
-            measured, peer = MEASURED.get(R, {}).get(call, ("-", "-")) if args.tokens == 4096 and \
-                args.hidden == 7168 and args.sms == 24 else ("-", "-")
+            shape = args.tokens == 4096 and args.hidden == 7168 and args.sms == 24
+            measured, peer = MEASURED.get(R, {}).get(call, ("-", "-")) if shape else ("-", "-")
+            now, peer_now = MEASURED_NOW.get(R, {}).get(call, ("-", "-")) if shape else ("-", "-")
             print(f"| {R} | {call} | {est['bytes']['remote MB in']:.0f} | {est['bytes']['link floor us']:.0f} | "
                   f"{est['every peer'][call]:.0f} | {est['overlapped'][call]:.0f} | {est['rank order'][call]:.0f} | "
-                  f"{measured} | {peer} |")
+                  f"{measured} | {peer} | {now} | {peer_now} |")
     return 0
