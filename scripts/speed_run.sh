@@ -10,9 +10,11 @@
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
-#   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU; SUITE_K: a pytest -k
+#   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
+#                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
-# NORMAL_ARGS: further options of `epcomm bench normal` (e.g. "--tokens 512 --extra-tokens 4096").
+# NORMAL_ARGS: further options of `epcomm bench normal`, split on spaces ("--tokens 512 --extra-tokens
+# 4096": T=512 first; "--extra-tokens 4096": T=4096 alone — an empty '' does not survive the split).
 # Every table is also printed as it is measured (bench_*_progress.log), so a part cut by its limit
 # keeps the tables it finished. Logs under $OUT (default ./out); the tables come last.
 set -uo pipefail
@@ -43,6 +45,7 @@ for part in ${PARTS:-normal low-latency}; do
         --entry-loop-reduce --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
         | tee "$OUT/bench_ll_r$ranks.txt" ;;
     profile)
+      mkdir -p /tmp/timeline  # (the Chrome traces stay on the machine: $OUT brings back 8 files at most)
       export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))"
       timeout -k 10 "${PROFILE_LIMIT_S:-120}" python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 \
         | tee "$OUT/profile_host_r$ranks.txt"
@@ -51,7 +54,7 @@ for part in ${PARTS:-normal low-latency}; do
       unset CUDA_VISIBLE_DEVICES ;;
     suite)
       CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))" EPCOMM_GPU_WORLD_SIZES="$ranks" \
-        timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -q -m gpu tests/test_gpu.py \
+        timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \
         -k "not nvshmem and not nodes_${SUITE_K:+ and ($SUITE_K)}" 2>&1 \
         | tee "$OUT/one_node_suite_r$ranks.log" | tail -n 3 ;;
     *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, suite)" >&2; exit 2 ;;
