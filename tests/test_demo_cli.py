@@ -146,3 +146,22 @@ def test_bench_transport_settings_of_the_nvshmem_backend():
               "settings": {"hidden": 7168, "num_topk": 8, "num_experts": 256, "sms": 24}}
     table = bench.normal_table(result)
     assert "send_parts 1, p2p 1" in table and "send_parts 4, p2p 0" in table
+
+
+def test_bench_normal_shows_every_ranks_figure_and_marks_the_slowest():
+    """A collective call runs at its slowest rank's pace, which need not be rank 0: the table adds
+    each call's gpu and synced µs on every rank (from each rank's own result), the slowest marked."""
+    from epcomm.tools import bench
+
+    def rank_result(gpu_us):
+        t = {"host": 1e-5, "gpu": gpu_us * 1e-6, "synced": 2 * gpu_us * 1e-6}
+        rows = [{"call": "dispatch, full, BF16", "epcomm": t}, {"call": "combine, BF16", "epcomm": t,
+                                                                 "deep_ep": dict(t, gpu=5e-4)}]
+        return {"world": 3, "device": "GPU", "backend": "nvlink", "peer": "deep_ep",
+                "points": [{"tokens": 4096, "sms": 24, "recv_tokens": 10, "rows": rows, "checks": {}}],
+                "settings": {"hidden": 7168, "num_topk": 8, "num_experts": 256, "sms": 24}}
+    result = bench.with_every_rank([rank_result(us) for us in (500, 620, 510)])
+    assert result["points"][0]["every_rank"]["combine, BF16"]["epcomm"] == [[500, 620, 510], [1000, 1240, 1020]]
+    line = next(line for line in bench.normal_table(result).splitlines()
+                if line.startswith("combine, BF16") and "|" in line and "*" in line)
+    assert "epcomm 500 620* 510 | 1000 1240* 1020" in line, line

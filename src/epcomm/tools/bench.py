@@ -307,6 +307,32 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
     return dict(result, points=points)
 
 
+def with_every_rank(results: List[Dict]) -> Dict:
+    """Rank 0's result, each point given ``every_rank``: ``{call: {system: [gpu µs, synced µs] of
+    each rank}}`` — a slow rank sets a collective call's pace, and rank 0 need not be it."""
+    result = results[0]
+    for i, point in enumerate(result["points"]):
+        point["every_rank"] = {
+            row["call"]: {system: [[round(rank["points"][i]["rows"][j][system][kind] * 1e6, 1) for rank in results]
+                                   for kind in ("gpu", "synced")]
+                          for system in row if system != "call"}
+            for j, row in enumerate(point["rows"])}
+    return result
+
+
+def _every_rank_lines(point: Dict) -> List[str]:
+    """One line per call: each system's gpu and synced µs on every rank (the slowest marked)."""
+    lines = ["# every rank, µs: gpu r0 r1 ... | synced r0 r1 ... (* the slowest)"]
+    for call, systems in point.get("every_rank", {}).items():
+        parts = []
+        for system, (gpu, synced) in systems.items():
+            marked = [" ".join(f"{v:.0f}" + ("*" if i == values.index(max(values)) and min(values) < v else "")
+                               for i, v in enumerate(values)) for values in (gpu, synced)]
+            parts.append(f"{system} {marked[0]} | {marked[1]}")
+        lines.append(f"{call:<28} " + "; ".join(parts))
+    return lines if len(lines) > 1 else []
+
+
 def normal_table(result: Dict) -> str:
     s = result["settings"]
     systems = ["epcomm"] + ([result["peer"]] if result["peer"] else []) + ["nccl"]
@@ -320,6 +346,7 @@ def normal_table(result: Dict) -> str:
                  + f"rank 0 receives {point['recv_tokens']} rows")
         blocks.append(_rank0_table(title, point["rows"], systems))
         blocks.append("checks: " + ", ".join(f"{k} {'OK' if v else 'MISMATCH'}" for k, v in point["checks"].items()))
+        blocks.extend(_every_rank_lines(point))
         if "inter_node" in point:
             n = point["inter_node"]
             blocks.append(f"inter-node (rank 0, BF16 dispatch): {n['rows']} rows = {n['bytes'] / 1e6:.2f} MB; minimum "
@@ -675,7 +702,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.send_parts or args.p2p) and not args.ranks_per_node:
         print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)
         return 2
-    result = run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800)[0]
+    result = with_every_rank(run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800))
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot_normal(result, os.path.join(args.out, "bench_normal.png"))
