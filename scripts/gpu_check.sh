@@ -11,20 +11,12 @@
 # GPU_CHECK=shared-gpu-PART runs the nvshmem suite with many ranks on this one GPU (CUDA MPS,
 # DeepEP's shapes up to 16 ranks; scripts/shared_gpu.sh lists the parts, each one device call).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared machines.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 part="${GPU_CHECK:-all}"
 case "$part" in  # many ranks on one GPU under CUDA MPS: scripts/shared_gpu.sh, one preset per call
   shared-gpu-*) exec scripts/shared_gpu.sh "${part#shared-gpu-}" ;;
 esac
-peer=()
-if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/peers .peers/deep_ep-*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/peers" && peer=(--peer deep_ep)
-fi
+use_peer
 python3 -m epcomm info 2>&1 | tee "$OUT/info.log"
 tests_rc=0 bench_rc=0 ll_rc=0
 if [ "$part" = multinode ]; then

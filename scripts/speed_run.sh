@@ -18,18 +18,15 @@
 # Every table is also printed as it is measured (bench_*_progress.log), so a part cut by its limit
 # keeps the tables it finished. Logs under $OUT (default ./out); the tables come last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared machines.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
+for part in ${PARTS:-normal low-latency}; do  # (a misspelt part: an error before any work)
+  case "$part" in normal|low-latency|profile|suite) ;;
+    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, suite)" >&2; exit 2 ;;
+  esac
+done
+use_peer
 ranks="${RANKS:-4}"
 variants="${VARIANTS:-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
-peer=()
-if ls .peers/deep_ep-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/peers .peers/deep_ep-*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/peers" && peer=(--peer deep_ep)
-fi
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()
@@ -57,7 +54,6 @@ for part in ${PARTS:-normal low-latency}; do
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \
         -k "not nvshmem and not nodes_${SUITE_K:+ and ($SUITE_K)}" 2>&1 \
         | tee "$OUT/one_node_suite_r$ranks.log" | tail -n 3 ;;
-    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, suite)" >&2; exit 2 ;;
   esac
   summary+=("$part rc=${PIPESTATUS[0]} ($((SECONDS - started)) s)")
 done
