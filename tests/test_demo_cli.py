@@ -151,7 +151,7 @@ def test_bench_transport_settings_of_the_nvshmem_backend():
 def test_bench_normal_shows_every_ranks_figure_and_marks_the_slowest():
     """A collective call runs at its slowest rank's pace, which need not be rank 0: the table adds
     each call's gpu and synced µs on every rank (from each rank's own result), the slowest marked."""
-    from epcomm.tools import bench
+    from epcomm.tools import bench_tables
 
     def rank_result(gpu_us):
         t = {"host": 1e-5, "gpu": gpu_us * 1e-6, "synced": 2 * gpu_us * 1e-6}
@@ -160,8 +160,8 @@ def test_bench_normal_shows_every_ranks_figure_and_marks_the_slowest():
         return {"world": 3, "device": "GPU", "backend": "nvlink", "peer": "deep_ep",
                 "points": [{"tokens": 4096, "sms": 24, "recv_tokens": 10, "rows": rows, "checks": {}}],
                 "settings": {"hidden": 7168, "num_topk": 8, "num_experts": 256, "sms": 24}}
-    result = bench.with_every_rank([rank_result(us) for us in (500, 620, 510)])
+    result = bench_tables.with_every_rank([rank_result(us) for us in (500, 620, 510)])
     assert result["points"][0]["every_rank"]["combine, BF16"]["epcomm"] == [[500, 620, 510], [1000, 1240, 1020]]
-    line = next(line for line in bench.normal_table(result).splitlines()
+    line = next(line for line in bench_tables.normal_table(result).splitlines()
                 if line.startswith("combine, BF16") and "|" in line and "*" in line)
     assert "epcomm 500 620* 510 | 1000 1240* 1020" in line, line
