@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts (gpu_check.sh, speed_run.sh): the checkout's root as the working
 # folder, epcomm on the path, NVLink multicast off, $OUT (default ./out) made; `use_peer` installs
 # DeepEP V1's wheel where one was carried into .peers/ and sets `peer` to (--peer deep_ep), else ().
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -6,7 +6,7 @@
 #
 # Parts (each under its own time limit, so a hang costs one part, not the call):
 #   normal       epcomm bench normal at T=4096 and 512 beside DeepEP, and VARIANTS (a comma list of
-#                bench.NORMAL_VARIANTS, default all) at T=4096, each a table of its own in the same run
+#                bench.NORMAL_VARIANTS, default all; VARIANTS= for none) at T=4096, each a table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
@@ -26,7 +26,8 @@ for part in ${PARTS:-normal low-latency}; do  # (a misspelt part: an error befor
 done
 use_peer
 ranks="${RANKS:-4}"
-variants="${VARIANTS:-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
+gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
+variants="${VARIANTS-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart,single-push}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()
@@ -34,27 +35,31 @@ for part in ${PARTS:-normal low-latency}; do
   started=$SECONDS
   case "$part" in
     normal)
-      timeout -k 10 "${NORMAL_LIMIT_S:-360}" python3 -m epcomm bench normal --ranks "$ranks" "${peer[@]}" \
+      timeout -k 10 "${NORMAL_LIMIT_S:-360}" python3 -m epcomm bench normal --ranks "$ranks" ${peer[@]+"${peer[@]}"} \
         ${variants:+--variants "$variants"} ${NORMAL_ARGS:-} --out "$OUT" 2>"$OUT/bench_normal_progress_r$ranks.log" \
         | tee "$OUT/bench_normal_r$ranks.txt" ;;
     low-latency)
-      timeout -k 10 "${LL_LIMIT_S:-180}" python3 -m epcomm bench low-latency --ranks "$ranks" "${peer[@]}" \
+      timeout -k 10 "${LL_LIMIT_S:-180}" python3 -m epcomm bench low-latency --ranks "$ranks" ${peer[@]+"${peer[@]}"} \
         --entry-loop-reduce --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
         | tee "$OUT/bench_ll_r$ranks.txt" ;;
     profile)
       mkdir -p /tmp/timeline  # (the Chrome traces stay on the machine: $OUT brings back 8 files at most)
-      export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))"
-      timeout -k 10 "${PROFILE_LIMIT_S:-120}" python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 \
-        | tee "$OUT/profile_host_r$ranks.txt"
-      timeout -k 10 "${PROFILE_LIMIT_S:-120}" python3 scripts/profile_timeline.py "${peer[@]}" \
-        --tokens "${TOKENS:-512}" --out /tmp/timeline 2>&1 | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
-      unset CUDA_VISIBLE_DEVICES ;;
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
+        python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 | tee "$OUT/profile_host_r$ranks.txt"
+      host_rc=${PIPESTATUS[0]}
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
+        python3 scripts/profile_timeline.py ${peer[@]+"${peer[@]}"} --tokens "${TOKENS:-512}" --out /tmp/timeline 2>&1 \
+        | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
+      (exit $(( host_rc ? host_rc : PIPESTATUS[0] ))) ;;
     suite)
-      CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ranks - 1)))" EPCOMM_GPU_WORLD_SIZES="$ranks" \
+      CUDA_VISIBLE_DEVICES="$gpus" EPCOMM_GPU_WORLD_SIZES="$ranks" \
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \
         -k "not nvshmem and not nodes_${SUITE_K:+ and ($SUITE_K)}" 2>&1 \
         | tee "$OUT/one_node_suite_r$ranks.log" | tail -n 3 ;;
   esac
-  summary+=("$part rc=${PIPESTATUS[0]} ($((SECONDS - started)) s)")
+  part_rc=${PIPESTATUS[0]}
+  [ "$part_rc" = 0 ] || failed=1
+  summary+=("$part rc=$part_rc ($((SECONDS - started)) s)")
 done
 printf '%s\n' "${summary[@]}"
+exit "${failed:-0}"

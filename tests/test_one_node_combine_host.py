@@ -40,7 +40,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._push_programs_per_sm, mode._reduce_programs_per_sm = M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM
+    mode._combine_split = (M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM)
     plan = _plan(launches, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode
@@ -100,6 +100,17 @@ def test_the_one_launch_combine_splits_four_times_num_sms_between_push_and_reduc
         else:
             (_, push_grid, _), (_, reduce_grid, _) = launches
             assert (push_grid, reduce_grid) == (NUM_SMS, 4 * NUM_SMS)
+
+
+@pytest.mark.parametrize("split", [(3, 2), (0, 4), (2, 0)])
+def test_a_combine_split_past_the_grid_caps_is_refused(monkeypatch, split):
+    """More than 4 x num_sms programs in the one launch would pass the caps of ranks sharing a GPU
+    (a waiting program could hold the SM a late sender needs): refused where it is set, naming it."""
+    mode = _mode(monkeypatch, [])
+    mode._choice_changed = lambda: None
+    with pytest.raises(ValueError, match="combine_split"):
+        mode.combine_split = split
+    assert mode.combine_split == (M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM)
 
 
 @pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])

@@ -476,9 +476,8 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
     from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
-    single = "single-push" in variants
-    normal.push_programs_per_sm = 1 if single else mode.PUSH_PROGRAMS_PER_SM
-    normal.reduce_programs_per_sm = 3 if single else mode.REDUCE_PROGRAMS_PER_SM
+    normal.combine_split = (1, 3) if "single-push" in variants else (mode.PUSH_PROGRAMS_PER_SM,
+                                                                     mode.REDUCE_PROGRAMS_PER_SM)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

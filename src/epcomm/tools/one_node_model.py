@@ -72,6 +72,8 @@ class Rates:
     local_reduce: float
     fixed_us: float
     notify_us: float
+    # (These two default to the model before 2026-11-28, which the rank-order fit was made with; the
+    # command's defaults are the kernels' now: 2, and the 300 GB/s fitted across 4 H200s.)
     push_programs_per_sm: float = 1.0  # the one-launch combine's push programs per P (mode.PUSH_PROGRAMS_PER_SM)
     duplex_link: float = 0.0  # GB/s each way while the links carry both ways (every peer); 0: ``link``
 

@@ -37,6 +37,16 @@ PUSH_PROGRAMS_PER_SM = 2
 REDUCE_PROGRAMS_PER_SM = 2
 
 
+def checked_combine_split(split) -> Tuple[int, int]:
+    """``(push, reduce)`` programs per Config.num_sms of the one-launch combine, checked: each at
+    least 1, together at most 4 (the grid caps of ranks sharing a GPU count 4 x num_sms)."""
+    push, reduce = (int(n) for n in split)
+    if push < 1 or reduce < 1 or push + reduce > 4:
+        raise ValueError(f"combine_split {split!r}: push and reduce programs per num_sms must each be >= 1 "
+                         f"and together <= 4 (shared_grids.py counts 4 x num_sms)")
+    return push, reduce
+
+
 # ====================================================================== host side
 @dataclass
 class PullState:
@@ -124,7 +134,7 @@ class NormalMode:
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart = False
-        self._push_programs_per_sm, self._reduce_programs_per_sm = PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM
+        self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
@@ -146,13 +156,11 @@ class NormalMode:
     reduce_warps_apart = Choice(
         """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
         reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py).""")
-    push_programs_per_sm = Choice(
-        """The one-launch combine's push programs, in units of Config.num_sms (PUSH_PROGRAMS_PER_SM;
-        bench --variants single-push: 1, with 3 reduce, as before 2026-11-28). With
-        reduce_programs_per_sm at most 4 in all: shared_grids.py counts 4 x num_sms.""", convert=int)
-    reduce_programs_per_sm = Choice(
-        """The one-launch combine's reduce programs, in units of Config.num_sms (REDUCE_PROGRAMS_PER_SM).""",
-        convert=int)
+    combine_split = Choice(
+        """``(push, reduce)``: the one-launch combine's push and reduce programs, each in units of
+        Config.num_sms (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM; bench --variants single-push:
+        (1, 3), the split before 2026-11-28). At most 4 together: shared_grids.py counts 4 x num_sms.""",
+        convert=checked_combine_split)
     overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
@@ -605,8 +613,8 @@ class NormalMode:
                             bias: Tuple[torch.Tensor, ...], config, plan: CombinePlan, num_tokens: int, num_rows: int,
                             num_topk: int, prefix_address: int, src_idx_address: int, in_rank_address: int,
                             list_index_address: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The combine in one launch (combine.py, ep_combine): ``push_programs_per_sm * num_sms``
-        push programs, then reduce programs (``reduce_programs_per_sm * num_sms`` at most) that sum
+        """The combine in one launch (combine.py, ep_combine): ``combine_split[0] * num_sms`` push
+        programs, then reduce programs (``combine_split[1] * num_sms`` at most) that sum
         each chunk of tokens as its blocks land. Together at most 4 x num_sms programs, as many as
         the push and the reduce in turn wait in (shared_grids.py counts them)."""
         hidden = x.shape[1]
@@ -617,8 +625,9 @@ class NormalMode:
         x_address = x.data_ptr()
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-        num_push = max(1, min(config.num_sms * self.push_programs_per_sm, cdiv(num_rows, plan.block_r)))
-        num_reduce = max(1, min(self.reduce_programs_per_sm * config.num_sms, cdiv(num_tokens, plan.block_r)))
+        push_per_sm, reduce_per_sm = self._combine_split
+        num_push = max(1, min(push_per_sm * config.num_sms, cdiv(num_rows, plan.block_r)))
+        num_reduce = max(1, min(reduce_per_sm * config.num_sms, cdiv(num_tokens, plan.block_r)))
         kernel = plan.overlapped[plan.rows_aligned and x_aligned, plan.rows_aligned and is_aligned(*bias)]
         kernel.launch(
             num_push + num_reduce, 1, current_stream(self.dev_index),
