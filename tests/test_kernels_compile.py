@@ -34,7 +34,8 @@ def _cases():
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
-                           TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al, **copy), 16
+                           TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al,
+                           GATHER_INDEX=lists and fp8 != al, **copy), 16
     for (index, fp8, topk), al in itertools.product([(True, False, True), (True, True, True), (True, False, False),
                                                     (False, False, False), (False, True, False)], [False, True]):
         # (DOORBELL: a full dispatch launched before the count wait; without, a num_worst_tokens one)
@@ -161,11 +162,11 @@ def test_nvshmem_backend_channel_limit():
     (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
                    S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1, POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False), 16),
+                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
@@ -351,7 +352,7 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
     if not os.path.exists(cuobjdump):
         pytest.skip("Triton's cuobjdump is not installed")
     compiled = N.PULL.compile(dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True, EXPERT_MAJOR=False,
-                                   EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8,
+                                   EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8,
                                    R_P2=8), 16, target=GPUTarget("cuda", 90, 32))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])

@@ -147,7 +147,8 @@ class NormalBenchSettings:
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
     # "single-push" (the one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, the
     # split before 2026-11-28: mode.py, PUSH_PROGRAMS_PER_SM), "side-loads-first" (the pull loading an
-    # item's scales and top-k rows before its x rows: dispatch.py, SIDE_FIRST)
+    # item's scales and top-k rows before its x rows: dispatch.py, SIDE_FIRST), "gathered-index" (a full
+    # dispatch's pull gathering its receive index before its items: dispatch.py, GATHER_INDEX)
     variants: List[str] = field(default_factory=list)
 
 
@@ -452,7 +453,7 @@ MODE_DESCRIPTIONS = {
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
                    "tile-reduce", "reduce-warps-apart", "single-push",
-                   "side-loads-first")  # NormalBenchSettings.variants
+                   "side-loads-first", "gathered-index")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -478,6 +479,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
     normal.side_loads_first = "side-loads-first" in variants
+    normal.gathered_index = "gathered-index" in variants
     from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
     normal.combine_split = (1, 3) if "single-push" in variants else (mode.PUSH_PROGRAMS_PER_SM,
                                                                      mode.REDUCE_PROGRAMS_PER_SM)
@@ -532,7 +534,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "combine's reduce deciding its waits per warp, no barrier per chunk), single-push (the "
                                  "one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, "
                                  "instead of 2 x num_sms each), side-loads-first (the pull loading an item's "
-                                 "scales and top-k rows before its x rows)")
+                                 "scales and top-k rows before its x rows), gathered-index (a full "
+                                 "dispatch's pull gathering its receive index before its items)")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

@@ -105,7 +105,9 @@ ARRIVE_RECEIVE = 16  # arrival counter of the receiving programs of one launch: 
 GAVE_UP = tl.constexpr(17)  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop)
 DOORBELL = tl.constexpr(18)  # (epoch << 2) | the answer to an overlapped dispatch's doorbell (await_doorbell),
 # then the doorbell's words 1 .. DOORBELL_WORDS - 2 (the outputs' addresses), copied from the host
-NUM_STATE_WORDS = 25
+INDEX_GATHERED = tl.constexpr(25)  # the epoch of the last pull in turn whose programs all gathered its receive
+# index (one_node/dispatch.py, GATHER_INDEX: the launch's barrier; ARRIVE_RECEIVE counts its arrivals)
+NUM_STATE_WORDS = 26
 
 # The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses
 # follow in words 1..DOORBELL_WORDS - 2) or 2 * sequence (cancel); the last word is the device's:

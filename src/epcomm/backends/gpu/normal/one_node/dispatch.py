@@ -28,6 +28,7 @@ from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell
 from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
+from .receive_index import gather_index
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
 
@@ -233,7 +234,15 @@ def _pull(pid, num_programs, epoch,
           INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
           R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-          TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, SIDE_FIRST: tl.constexpr):
+          TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, SIDE_FIRST: tl.constexpr,
+          GATHER_INDEX: tl.constexpr):
+    # GATHER_INDEX (an experiment, off by default; a full dispatch's pull in turn): the receive
+    # index is gathered before the items — every program a share of the rows, GATHER_ROWS list
+    # entries in flight at once — then each item reads its entries here, as a
+    # cached dispatch does, instead of from the source before the rows they name (two dependent
+    # remote round trips per item: the full pull took 640-652 µs across 4 H200s, about the whole
+    # cached dispatch in one launch; receive_index.py). A thread that finds the launch's barrier timed out reads its
+    # entries from the source as before: the same values, so no outcome depends on the barrier.
     # SIDE_FIRST (an experiment, off by default; plain layout): an item's scales and top-k rows are
     # loaded before its x rows, not after them. After them, a warp issues those loads only once its x
     # rows arrived and were stored: a second remote round trip per item in an FP8 or a full
@@ -283,6 +292,10 @@ def _pull(pid, num_programs, epoch,
     round_idx = 0
     round_start = 0
     round_size = tl.sum((blocks > 0).to(tl.int32), axis=0)
+    gathered = 0
+    if GATHER_INDEX and INDEX and not OVERLAP:  # (every list was acquired above: acquire_and_agree)
+        gathered = gather_index(pid, num_programs, epoch, starts, ends, rank, num_ranks, normal_bases_ptr, half_offset,
+                                lists_offset, list_cap, src_idx_ptr, state_ptr, timeout_ns, R_P2)
     if PIPELINE:  # the previous item's x rows, not yet stored: values, destination rows, which are live
         cols = tl.arange(0, BLOCK_W)
         held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)
@@ -314,8 +327,12 @@ def _pull(pid, num_programs, epoch,
                     # (the wait ends in a vote: the polling threads' acquires precede the loads that follow)
         if INDEX:
             entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
-            token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
-            tl.store(src_idx_ptr + rows, token, mask=in_out)
+            if GATHER_INDEX and not OVERLAP:  # gathered: here already (local); else from the source, as below
+                token = tl.where(gathered != 0, tl.load(src_idx_ptr + rows, mask=in_out & (gathered != 0), other=-1),
+                                 tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out & (gathered == 0), other=-1))
+            else:
+                token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
+                tl.store(src_idx_ptr + rows, token, mask=in_out)
         else:
             token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
         move = in_out & (token >= token_lo) & (token < token_hi)
@@ -501,7 +518,7 @@ def ep_dispatch_pull(
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr):
+        TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr, GATHER_INDEX: tl.constexpr):
     # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
@@ -510,7 +527,7 @@ def ep_dispatch_pull(
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
           mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
           INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
-          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST)
+          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX)
 
 
 
@@ -621,7 +638,7 @@ def ep_dispatch(
               block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
               INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
               EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              SIDE_FIRST=SIDE_FIRST)
+              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False)  # (the lists are waited for item by item here)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

@@ -133,7 +133,7 @@ class NormalMode:
         # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart, self._side_loads_first = False, False
+        self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, False, False
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
         self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
@@ -153,6 +153,10 @@ class NormalMode:
         """An experiment for a lease (bench --variants side-loads-first): the pull loads an item's
         scales (FP8) and top-k rows (a full dispatch) before its x rows, one remote round trip per
         item instead of two (dispatch.py, SIDE_FIRST).""")
+    gathered_index = Choice(
+        """An experiment for a lease (bench --variants gathered-index): a full dispatch's pull in turn
+        gathers its receive index before its items, then reads each item's entries locally
+        (dispatch.py, GATHER_INDEX).""")
     rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
         warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
@@ -206,7 +210,7 @@ class NormalMode:
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
-                        SIDE_FIRST=self.side_loads_first)
+                        SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, SIDE_FIRST=self.side_loads_first)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too

@@ -1,0 +1,62 @@
+"""The receive index gathered before the pull's items (receive_index.py, GATHER_INDEX:
+``list_entries_of_rows``), run by Triton's interpreter on the CPU: run as ``TRITON_INTERPRET=1
+python tests/gather_index_cases.py`` (test_schedule.py runs it).
+
+Each source's list of the tokens it sends the receiver holds ``1000 * source + i`` at entry i (and
+-7 past its count). The kernel takes the received rows in chunks, as ``_gather_index`` does, and
+writes each row's entry to ``src_idx``. One JSON line per case: the case and src_idx."""
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from epcomm.backends.gpu.normal.one_node.receive_index import list_entries_of_rows
+from epcomm.backends.gpu.normal.one_node.schedule import source_blocks
+
+
+@triton.jit
+def _gather(prefix_ptr, bases_ptr, src_idx_ptr, rank, num_ranks, num_rows, half_offset, list_cap,
+            CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    pid = tl.program_id(0)
+    starts, ends, _ = source_blocks(prefix_ptr, rank, num_ranks, num_rows, 1, R_P2)
+    peers = tl.arange(0, R_P2)
+    num_recv = tl.max(tl.where(peers < num_ranks, ends, 0), axis=0)
+    for chunk in range(pid, tl.cdiv(num_recv, CHUNK), tl.num_programs(0)):
+        rows = chunk * CHUNK + tl.arange(0, CHUNK)
+        live = rows < num_recv
+        tl.store(src_idx_ptr + rows, list_entries_of_rows(rows, live, starts, ends, rank, num_ranks, bases_ptr,
+                                                          half_offset, 16, list_cap, R_P2), mask=live)
+
+
+def gather(rows_per_source, rank, programs, chunk, num_rows=None):
+    R = len(rows_per_source)
+    prefix = torch.zeros(R, R, dtype=torch.int32)
+    prefix[:, rank] = torch.tensor(rows_per_source, dtype=torch.int32).cumsum(0)
+    total = int(prefix[-1, rank])
+    list_cap = max(rows_per_source + [1])
+    half_offset = 64  # bytes before the lists of this half: the kernel must add it (and lists_offset, 16)
+    areas = [torch.full((half_offset // 4 + 4 + R * list_cap,), -7, dtype=torch.int32) for _ in range(R)]
+    for source, count in enumerate(rows_per_source):
+        first = half_offset // 4 + 4 + rank * list_cap
+        areas[source][first:first + count] = 1000 * source + torch.arange(count, dtype=torch.int32)
+    bases = torch.tensor([t.data_ptr() for t in areas], dtype=torch.int64)
+    src_idx = torch.full((total + 3,), -9, dtype=torch.int32)
+    _gather[(programs,)](prefix, bases, src_idx, rank, R, total if num_rows is None else num_rows, half_offset,
+                         list_cap, CHUNK=chunk, R_P2=triton.next_power_of_2(R))
+    return src_idx.tolist()
+
+
+CASES = [
+    dict(rows_per_source=[40, 40, 40, 40], rank=0, programs=3, chunk=16),
+    dict(rows_per_source=[33, 0, 7, 100, 1, 64, 0, 15], rank=5, programs=4, chunk=32),
+    dict(rows_per_source=[0, 0, 0], rank=1, programs=2, chunk=16),
+    dict(rows_per_source=[9, 9, 9], rank=2, programs=5, chunk=4, num_rows=20),
+    dict(rows_per_source=[100, 0, 0, 0, 0, 0, 0, 0], rank=0, programs=24, chunk=8),
+]
+
+if __name__ == "__main__":
+    for case in CASES:
+        print(json.dumps(dict(case=case, src_idx=gather(**case))))
+    sys.stdout.flush()
