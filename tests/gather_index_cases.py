@@ -3,8 +3,9 @@
 python tests/gather_index_cases.py`` (test_schedule.py runs it).
 
 Each source's list of the tokens it sends the receiver holds ``1000 * source + i`` at entry i (and
--7 past its count). The kernel takes the received rows in chunks, as ``_gather_index`` does, and
-writes each row's entry to ``src_idx``. One JSON line per case: the case and src_idx."""
+-7 past its count). The kernel takes the received rows in chunks, as ``gather_index`` does (whose
+barrier, in PTX, the interpreter cannot run), and writes each row's entry to ``src_idx``. One JSON
+line per case: the case and src_idx."""
 import json
 import sys
 

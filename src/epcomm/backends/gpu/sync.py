@@ -101,13 +101,15 @@ ARRIVE_NOTIFY, ARRIVE_STAGE, ARRIVE_PUSH, ARRIVE_LL_SEND, ARRIVE_LL_PUSH, ARRIVE
 COUNT_ERROR = 14  # abort code of the counts the staging kernel found inconsistent (agreement.py)
 SPARE = 15  # a scratch word: the target of masked-off lanes of publish()
 ARRIVE_RECEIVE = 16  # arrival counter of the receiving programs of one launch: the overlapped combine's
-# reduce, the overlapped dispatch's pull (one_node/combine.py, dispatch.py; never both at once: stream order)
+# reduce, the overlapped dispatch's pull, the gathered index's barrier of a pull in turn (one_node/combine.py,
+# dispatch.py, receive_index.py; never two at once: stream order)
 GAVE_UP = tl.constexpr(17)  # the epoch of an overlapped call whose receiving program gave up a wait (the others stop)
 DOORBELL = tl.constexpr(18)  # (epoch << 2) | the answer to an overlapped dispatch's doorbell (await_doorbell),
 # then the doorbell's words 1 .. DOORBELL_WORDS - 2 (the outputs' addresses), copied from the host
-INDEX_GATHERED = tl.constexpr(25)  # the epoch of the last pull in turn whose programs all gathered its receive
-# index (one_node/dispatch.py, GATHER_INDEX: the launch's barrier; ARRIVE_RECEIVE counts its arrivals)
-NUM_STATE_WORDS = 26
+INDEX_GATHERED = tl.constexpr(26)  # the epoch of the last pull in turn whose programs all gathered its receive
+# index, or minus the epoch of one whose program found the call failed (one_node/receive_index.py; after the
+# doorbell's DOORBELL_WORDS words 18..25, which a doorbell's wait reads whole)
+NUM_STATE_WORDS = 27
 
 # The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses
 # follow in words 1..DOORBELL_WORDS - 2) or 2 * sequence (cancel); the last word is the device's:

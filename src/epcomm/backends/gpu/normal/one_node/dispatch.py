@@ -281,6 +281,7 @@ def _pull(pid, num_programs, epoch,
         num_rows = acquire_and_agree(flag_bases_ptr, state_ptr, mailbox_address, epoch, rank, num_ranks, timeout_ns,
                                       fp_offset, fp0, fp1, num_rows, tl.load(board_bases_ptr + rank), call_tag,
                                       R_P2)  # ACQUIRE: staged rows and lists
+        agreed = (num_rows >= expected).to(tl.int32)
         if num_rows < expected:  # the wait gave up, or a source is in another call: no row arrived
             if EXPERT_MAJOR:
                 expected = num_em_rows
@@ -295,7 +296,8 @@ def _pull(pid, num_programs, epoch,
     gathered = 0
     if GATHER_INDEX and INDEX and not OVERLAP:  # (every list was acquired above: acquire_and_agree)
         gathered = gather_index(pid, num_programs, epoch, starts, ends, rank, num_ranks, normal_bases_ptr, half_offset,
-                                lists_offset, list_cap, src_idx_ptr, state_ptr, timeout_ns, R_P2)
+                                lists_offset, list_cap, src_idx_ptr, state_ptr, agreed,
+                                R_P2)  # (TRACE: the items' times leave the gather out)
     if PIPELINE:  # the previous item's x rows, not yet stored: values, destination rows, which are live
         cols = tl.arange(0, BLOCK_W)
         held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)

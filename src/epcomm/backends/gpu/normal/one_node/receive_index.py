@@ -11,6 +11,12 @@ import triton.language as tl
 from ... import sync
 from ...sync import arrive, poll_epochs, publish_from_one_thread
 
+# How long a program waits for the others at the barrier before it reads its entries from the sources
+# as the pull did before (the same values): the programs run at once, the gather takes microseconds,
+# and a launch whose programs do not all fit at once (kernels of other streams on the SMs) must not
+# stall on it for the call's timeout.
+GATHER_WAIT_NS = tl.constexpr(100_000)
+
 GATHER_ROWS = tl.constexpr(1024)  # rows whose list entries one program loads at once (GATHER_INDEX)
 
 
@@ -31,12 +37,13 @@ def list_entries_of_rows(rows, live, starts, ends, rank, num_ranks, normal_bases
 
 @triton.jit
 def gather_index(pid, num_programs, epoch, starts, ends, rank, num_ranks, normal_bases_ptr, half_offset, lists_offset,
-                 list_cap, src_idx_ptr, state_ptr, timeout_ns, R_P2: tl.constexpr):
+                 list_cap, src_idx_ptr, state_ptr, agreed, R_P2: tl.constexpr):
     """GATHER_INDEX: recv_src_idx of every received row, the programs taking GATHER_ROWS rows at a
     time, then a barrier of the launch. Returns 1 in a thread that saw every program's entries
-    stored (the ACQUIRE of INDEX_GATHERED), 0 where the barrier timed out (the thread then reads its
-    entries from the sources). Rows are grouped by source in rank order: a row's source is the one
-    whose [start, end) holds it, its entry ``row - start`` of that source's list of tokens for here."""
+    stored (the ACQUIRE of INDEX_GATHERED), 0 where the barrier timed out or a program found the
+    call failed (``agreed`` 0: its acquire_and_agree gave up, it gathered nothing) — the thread then
+    reads its entries from the sources. Rows are grouped by source in rank order: a row's source is
+    the one whose [start, end) holds it, its entry ``row - start`` of that source's list for here."""
     peers = tl.arange(0, R_P2)
     num_recv = tl.max(tl.where(peers < num_ranks, ends, 0), axis=0)
     for chunk in range(pid, tl.cdiv(num_recv, GATHER_ROWS), num_programs):
@@ -47,9 +54,14 @@ def gather_index(pid, num_programs, epoch, starts, ends, rank, num_ranks, normal
     # The launch's barrier: each program's stores precede its arrival (arrive: a CTA barrier, then
     # acq_rel at gpu scope); the last to arrive acquired them all and RELEASEs the epoch; every thread
     # ACQUIREs it before it reads src_idx rows another program wrote.
+    # A program that gathered nothing (its agreement failed) leaves -epoch, so the barrier never opens
+    # for this call (the others read from the sources; the call raises at the next one anyway).
     flag = (state_ptr + sync.INDEX_GATHERED).to(tl.int64)
+    if agreed == 0:
+        tl.store(state_ptr + sync.INDEX_GATHERED, -epoch.to(tl.int64))  # (before the arrival: the last one sees it)
     if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):
-        publish_from_one_thread(flag, epoch.to(tl.int64))
-    _words, _waited, late = poll_epochs((state_ptr + sync.INDEX_GATHERED + peers * 0), peers == 0, epoch, timeout_ns,
-                                        EPOCH_SHIFT=0)
+        if tl.load(state_ptr + sync.INDEX_GATHERED) != -epoch.to(tl.int64):
+            publish_from_one_thread(flag, epoch.to(tl.int64))
+    _words, _waited, late = poll_epochs((state_ptr + sync.INDEX_GATHERED + peers * 0), peers == 0, epoch,
+                                        GATHER_WAIT_NS, EPOCH_SHIFT=0)
     return 1 - tl.max(late.to(tl.int32), axis=0)
