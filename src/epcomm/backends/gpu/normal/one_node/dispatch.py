@@ -374,17 +374,10 @@ def _pull(pid, num_programs, epoch,
             recv_words = recv_x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
             if SIDE_FIRST:  # (the same loads as below, issued before the rows')
                 if HAS_SCALES:
-                    s = tl.arange(0, S_P2)
-                    m_s = move[:, None] & (s < num_scales)[None, :]
-                    ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+                    s, m_s, ss = _staged_scales(staged, srow, move, scales_offset, num_scales, S_P2)
                     scale_values = tl.load(ss[:, None] + s[None, :], mask=m_s)
                 if HAS_TOPK:
-                    k = tl.arange(0, K_P2)
-                    m = move[:, None] & (k < num_topk)[None, :]
-                    trow = staged + topk_offset + srow * topk_row_bytes
-                    ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
-                    weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
-                                      mask=m, other=0.0)
+                    k, m, ids, weights = _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
             if PIPELINE:  # load this item's rows, then store the previous item's (no ordering: local outputs)
                 cm = cols < x_words
                 loaded = tl.load(sx[:, None] + cols[None, :], mask=move[:, None] & cm[None, :])
@@ -397,19 +390,12 @@ def _pull(pid, num_programs, epoch,
                 if SIDE_FIRST:
                     tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :], scale_values, mask=m_s)
                 else:
-                    s = tl.arange(0, S_P2)
-                    m = move[:, None] & (s < num_scales)[None, :]
-                    ss = (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+                    s, m_s, ss = _staged_scales(staged, srow, move, scales_offset, num_scales, S_P2)
                     tl.store(recv_scales_ptr + rows64[:, None] * num_scales + s[None, :],
-                             tl.load(ss[:, None] + s[None, :], mask=m), mask=m)
+                             tl.load(ss[:, None] + s[None, :], mask=m_s), mask=m_s)
             if HAS_TOPK:
                 if not SIDE_FIRST:
-                    k = tl.arange(0, K_P2)
-                    m = move[:, None] & (k < num_topk)[None, :]
-                    trow = staged + topk_offset + srow * topk_row_bytes
-                    ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=m, other=-1)
-                    weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
-                                      mask=m, other=0.0)
+                    k, m, ids, weights = _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
                 local = ids - expert_lo
                 mine = (ids >= 0) & (local >= 0) & (local < num_local)
                 out = rows64[:, None] * num_topk + k[None, :]
@@ -455,6 +441,29 @@ def _pull(pid, num_programs, epoch,
                 _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
                               0, 1, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
             tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+
+
+@triton.jit
+def _staged_scales(staged, srow, move, scales_offset, num_scales, S_P2: tl.constexpr):
+    """``(columns, mask, rows)``: the float32 scales of staged rows ``srow`` are at ``rows[:, None]
+    + columns[None, :]``, loaded where ``mask`` (the caller loads them, before or after the x rows:
+    SIDE_FIRST)."""
+    s = tl.arange(0, S_P2)
+    mask = move[:, None] & (s < num_scales)[None, :]
+    return s, mask, (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
+
+
+@triton.jit
+def _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2: tl.constexpr):
+    """``(columns, mask, ids, weights)``: the int64 expert ids (-1 masked) and float32 weights (0
+    masked) of staged rows ``srow`` (where ``move``)."""
+    k = tl.arange(0, K_P2)
+    mask = move[:, None] & (k < num_topk)[None, :]
+    trow = staged + topk_offset + srow * topk_row_bytes
+    ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=mask, other=-1)
+    weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=mask,
+                      other=0.0)
+    return k, mask, ids, weights
 
 
 @triton.jit
