@@ -225,7 +225,8 @@ class NormalMode:
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
                                       **meta, **schedule),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
-                                      EXPERT_MAJOR=expert_major, **meta, **schedule),
+                                      EXPERT_MAJOR=expert_major, **meta,
+                                      **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
                                 LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
