@@ -1,6 +1,7 @@
 """The command line as a newcomer meets it: ``epcomm --version``, each subcommand's ``--help`` lists
 only the options that subcommand reads, and counts read right in the singular ("1 GPU rank")."""
 import argparse
+import types
 
 import pytest
 from test_demo_cli import _epcomm
@@ -47,6 +48,22 @@ def test_bench_normal_variants_are_named_or_refused():
     assert args.variants == ["rank-order", "pipelined-pull"]
     with pytest.raises(SystemExit):
         parser.parse_args(["normal", "--variants", "faster"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["normal", "--variants", "side-loads-after+faster"])
+
+
+def test_a_bench_variant_joined_by_plus_sets_each_part_in_one_point():
+    args = argparse.ArgumentParser()
+    bench.add_arguments(args)
+    assert args.parse_args(["normal", "--variants", "side-loads-after+gathered-index,pull-2x"]).variants == \
+        ["side-loads-after+gathered-index", "pull-2x"]
+    pytest.importorskip("triton")  # (the NormalMode's module holds the defaults)
+    normal = types.SimpleNamespace()
+    bench.use_normal_variants(normal, ["side-loads-after+gathered-index+pull-1x"])
+    assert not normal.side_loads_first and normal.gathered_index and normal.pull_programs_per_sm == 1
+    assert not normal.full_one_launch and normal.every_peer
+    bench.use_normal_variants(normal, [])  # the defaults
+    assert normal.side_loads_first and not normal.gathered_index and normal.pull_programs_per_sm == 3
 
 
 def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep():

@@ -341,24 +341,57 @@ def test_spec_types_come_from_the_annotations():
     assert KernelSpec(half_typed, ["*i32", "i32"]).signature == {"x_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
 
 
-def test_pipelined_pull_holds_two_half_tiles_without_spilling():
-    """The experimental pipelined pull (PIPELINE: the next item's loads before this item's stores)
-    keeps two tiles of BLOCK_R / 2 rows where the plain pull keeps one of BLOCK_R: the same 128
-    registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
+def _sm90_resource_usage(spec, constexprs, num_warps) -> str:
+    """cuobjdump's resource line of ``spec`` compiled for sm_90 (skips without Triton's cuobjdump)."""
     import os
     import subprocess
     import tempfile
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("Triton's cuobjdump is not installed")
-    compiled = N.PULL.compile(dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True, EXPERT_MAJOR=False,
-                                   EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8,
-                                   R_P2=8), 16, target=GPUTarget("cuda", 90, 32))
+    compiled = spec.compile(constexprs, num_warps, target=GPUTarget("cuda", 90, 32))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+        return subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def test_pipelined_pull_holds_two_half_tiles_without_spilling():
+    """The experimental pipelined pull (PIPELINE: the next item's loads before this item's stores)
+    keeps two tiles of BLOCK_R / 2 rows where the plain pull keeps one of BLOCK_R: the same 128
+    registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
+    usage = _sm90_resource_usage(N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True,
+                                              EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True,
+                                              SIDE_FIRST=False, GATHER_INDEX=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64,
+                                              K_P2=8, R_P2=8), 16)
     assert "STACK:0 " in usage and "REG:128 " in usage, usage
+
+
+# The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
+_PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8)
+_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
+
+
+@pytest.mark.parametrize("spec,constexprs", [
+    (N.PULL, dict(_PULL, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=False,
+                  HAS_TOPK=True, BLOCK_R=8, BLOCK_W=2048, S_P2=1)),
+    (N.PULL, dict(_PULL, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=True,
+                  HAS_TOPK=True, BLOCK_R=16, BLOCK_W=1024, S_P2=64)),
+    (N.STAGE_PULL, dict(_ONE_LAUNCH, INDEX=False, WRITE_LISTS=False, HAS_SCALES=True, HAS_TOPK=False, L_P2=1,
+                        BLOCK_R=16, BLOCK_W=1024, S_P2=64)),
+    (N.STAGE_PULL, dict(_ONE_LAUNCH, INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True, L_P2=128,
+                        BLOCK_R=8, BLOCK_W=2048, S_P2=1)),
+], ids=["full", "full-fp8", "cached-fp8-one-launch", "full-one-launch"])
+def test_loading_side_rows_first_costs_no_more_stack_than_after(spec, constexprs):
+    """SIDE_FIRST (the default since 2026-11-28) keeps an item's scales and top-k rows in registers
+    while its x rows load: on sm_90 it needs no more stack than loading them after (the FP8 tiles
+    used 96-144 bytes of stack either way when it became the default; BF16's in-turn pull none)."""
+    def stack(side_first):
+        usage = _sm90_resource_usage(spec, dict(constexprs, SIDE_FIRST=side_first), 16)
+        return int(usage.split("STACK:")[1].split()[0])
+    assert stack(True) <= stack(False)
+    if spec is N.PULL and not constexprs["HAS_SCALES"]:
+        assert stack(True) == 0

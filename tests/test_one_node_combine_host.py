@@ -39,8 +39,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0)
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
-    mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._combine_split = (M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM)
+    mode._default_choices()
     plan = _plan(launches, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode

@@ -60,8 +60,9 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
                                     list_cap=0, counts_offset=0)
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
-    mode._every_peer, mode._trace, mode._pipelined_pull, mode._overlapped_combine = True, None, False, True
-    mode._overlapped_dispatch, mode._doorbell_dispatch = True, doorbell
+    mode._default_choices()
+    mode._doorbell_dispatch = doorbell
+    mode._dispatch_plans, mode._combine_plans = {}, {}  # (a choice set drops them)
 
     def kernels(name):
         return defaultdict(lambda: _Kernel(launches, name))
@@ -164,6 +165,47 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
     assert _doorbell_arg(launches[1][2]) == 0 and mailbox.rings == []
     assert result.recv_x.shape == (80, HIDDEN)
+
+
+def test_full_one_launch_launches_stage_and_pull_together_after_the_wait(monkeypatch):
+    """NormalMode.full_one_launch (bench --variants full-one-launch): nothing staged before the
+    count wait; after it, one ep_dispatch (lists, copy and pull programs) with no doorbell."""
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    mode.full_one_launch = True
+    result = mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
+    _, grid, args = launches[1]
+    assert grid == R + min(NUM_SMS, -(-50 // BLOCK_R)) + min(NUM_SMS, -(-40 // BLOCK_R))
+    assert _doorbell_arg(args) == 0 and mailbox.rings == [] and result.recv_x.shape == (40, HIDDEN)
+
+
+def test_full_one_launch_stages_after_the_wait_where_the_group_needs_rounds(monkeypatch):
+    launches = []
+    mailbox = _Mailbox(counts=(40, 250))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    mode.full_one_launch = True
+    mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "stage", "pull", "stage", "pull", "stage", "pull"]
+
+
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+def test_the_pull_in_turn_runs_pull_programs_per_sm_times_num_sms(monkeypatch, per_sm):
+    launches = []
+    mailbox = _Mailbox(counts=(400, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    mode.pull_programs_per_sm = per_sm
+    mode.dispatch(_args(50))
+    (name, grid, _), = [launch for launch in launches if launch[0] == "pull"]
+    assert grid == per_sm * NUM_SMS  # (400 rows: 50 blocks, more than 4 x num_sms)
+
+
+@pytest.mark.parametrize("per_sm", [0, 5])
+def test_pull_programs_per_sm_outside_1_to_4_is_refused(monkeypatch, per_sm):
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    with pytest.raises(ValueError, match="1 to 4"):
+        mode.pull_programs_per_sm = per_sm
 
 
 def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_down_raises():

@@ -146,9 +146,11 @@ class NormalBenchSettings:
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
     # "single-push" (the one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, the
-    # split before 2026-11-28: mode.py, PUSH_PROGRAMS_PER_SM), "side-loads-first" (the pull loading an
-    # item's scales and top-k rows before its x rows: dispatch.py, SIDE_FIRST), "gathered-index" (a full
-    # dispatch's pull gathering its receive index before its items: dispatch.py, GATHER_INDEX)
+    # split before 2026-11-28: mode.py, PUSH_PROGRAMS_PER_SM), "side-loads-after" (the pull loading an
+    # item's scales and top-k rows after its x rows, the default before 2026-11-28: dispatch.py,
+    # SIDE_FIRST), "gathered-index" (a full dispatch's pull gathering its receive index before its items:
+    # dispatch.py, GATHER_INDEX), "full-one-launch" (a full dispatch as one launch after the count wait:
+    # mode.py), "pull-Nx" (the pull in turn on N x num_sms programs, N = 1..4: mode.py, PULL_PROGRAMS_PER_SM)
     variants: List[str] = field(default_factory=list)
 
 
@@ -453,13 +455,16 @@ MODE_DESCRIPTIONS = {
 
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
                    "tile-reduce", "reduce-warps-apart", "single-push",
-                   "side-loads-first", "gathered-index")  # NormalBenchSettings.variants
+                   "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
+                   "pull-4x")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
-    """The names of a comma list of NORMAL_VARIANTS; ValueError naming the choices for any other."""
+    """The entries of a comma list of NORMAL_VARIANTS, each one name or several joined by ``+``
+    (``side-loads-after+pull-1x``: one point with both set); ValueError naming the choices
+    for any other."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in NORMAL_VARIANTS]
+    unknown = [part for name in names for part in name.split("+") if part not in NORMAL_VARIANTS]
     if unknown:
         raise ValueError(f"unknown normal-mode variant(s) {unknown}: choose from {', '.join(NORMAL_VARIANTS)}")
     return names
@@ -467,10 +472,10 @@ def normal_variants(text: str) -> List[str]:
 
 def use_normal_variants(normal, variants: Sequence[str]) -> None:
     """Sets a one-node NormalMode (backends/gpu/normal/one_node/mode.py) to ``variants``, names of
-    NORMAL_VARIANTS (each away from a default; none: the defaults): the bench's points, one variant
-    each, scripts/kernels_alone.py and the shared-GPU bed's ``EPCOMM_SHARED_GPU_VARIANT``. Every rank
-    of a group must set the same."""
-    normal_variants(",".join(variants))  # (checked)
+    NORMAL_VARIANTS (each away from a default; none: the defaults; an entry may join several by
+    ``+``): the bench's points, one entry each, scripts/kernels_alone.py and the shared-GPU bed's
+    ``EPCOMM_SHARED_GPU_VARIANT``. Every rank of a group must set the same."""
+    variants = [part for name in normal_variants(",".join(variants)) for part in name.split("+")]  # (checked)
     normal.every_peer = "rank-order" not in variants
     normal.pipelined_pull = "pipelined-pull" in variants
     normal.overlapped_combine = "serial-combine" not in variants
@@ -478,9 +483,11 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.doorbell_dispatch = "doorbell-dispatch" in variants
     normal.rank_loop_reduce = "tile-reduce" not in variants
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
-    normal.side_loads_first = "side-loads-first" in variants
+    normal.side_loads_first = "side-loads-after" not in variants
     normal.gathered_index = "gathered-index" in variants
+    normal.full_one_launch = "full-one-launch" in variants
     from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
+    normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants), mode.PULL_PROGRAMS_PER_SM)
     normal.combine_split = (1, 3) if "single-push" in variants else (mode.PUSH_PROGRAMS_PER_SM,
                                                                      mode.REDUCE_PROGRAMS_PER_SM)
 
@@ -533,9 +540,12 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "ranks: the default before RANK_LOOP), reduce-warps-apart (the one-launch "
                                  "combine's reduce deciding its waits per warp, no barrier per chunk), single-push (the "
                                  "one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, "
-                                 "instead of 2 x num_sms each), side-loads-first (the pull loading an item's "
-                                 "scales and top-k rows before its x rows), gathered-index (a full "
-                                 "dispatch's pull gathering its receive index before its items)")
+                                 "instead of 2 x num_sms each), side-loads-after (the pull loading an item's "
+                                 "scales and top-k rows after its x rows, the default before 2026-11-28), "
+                                 "gathered-index (a full dispatch's pull gathering its receive index before its "
+                                 "items), full-one-launch (a full dispatch in one launch after its count wait), "
+                                 "pull-1x ... pull-4x (the pull in turn on N x num_sms programs; default 3); "
+                                 "join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

@@ -24,3 +24,12 @@ class Choice:
     def __set__(self, mode, value) -> None:
         setattr(mode, self.slot, self.convert(value))
         mode._choice_changed()
+
+
+def programs_per_sm(value) -> int:
+    """A count of programs per Config.num_sms, checked: 1 to 4 (the grid caps of ranks sharing a
+    GPU count 4 x num_sms waiting programs: gpu/shared_grids.py)."""
+    count = int(value)
+    if not 1 <= count <= 4:
+        raise ValueError(f"programs per num_sms must be 1 to 4 (shared_grids.py counts 4 x num_sms), got {value!r}")
+    return count

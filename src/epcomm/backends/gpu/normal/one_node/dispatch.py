@@ -243,12 +243,12 @@ def _pull(pid, num_programs, epoch,
     # remote round trips per item: the full pull took 640-652 µs across 4 H200s, about the whole
     # cached dispatch in one launch; receive_index.py). A thread that finds the launch's barrier timed out reads its
     # entries from the source as before: the same values, so no outcome depends on the barrier.
-    # SIDE_FIRST (an experiment, off by default; plain layout): an item's scales and top-k rows are
-    # loaded before its x rows, not after them. After them, a warp issues those loads only once its x
-    # rows arrived and were stored: a second remote round trip per item in an FP8 or a full
-    # dispatch (at T=512 on 4 H200s the FP8 cached dispatch took 95 µs against BF16's 97, with half
-    # the bytes). Before them, both are in flight together. Nothing else changes: the same loads
-    # after the same acquires, the same stores to the same outputs.
+    # SIDE_FIRST (the default; plain layout): an item's scales and top-k rows are loaded before its
+    # x rows, not after them. After them, a warp issues those loads only once its x rows arrived and
+    # were stored: a second remote round trip per item in an FP8 or a full dispatch (4 H200s,
+    # T=4096: the FP8 cached dispatch 344-362 µs after, 301-307 before). Before them, both are in
+    # flight together. Nothing else changes: the same loads after the same acquires, the same stores
+    # to the same outputs.
     # EXPERT_MAJOR: entry (r, k)'s row (expert_major.py) is written to dest with HAS_TOPK and read
     # from it in a cached dispatch; with zero_padding the groups' padding rows are zeroed too.
     # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x

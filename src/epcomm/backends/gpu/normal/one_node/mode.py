@@ -15,7 +15,7 @@ from ... import agreement
 from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
-from .choices import Choice
+from .choices import Choice, programs_per_sm
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE, STAGE_PULL
 from ..layout_kernel import LayoutKernel
@@ -35,6 +35,11 @@ EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (204
 # not the links, set the pace; the reduce keeps up on 2 x num_sms.
 PUSH_PROGRAMS_PER_SM = 2
 REDUCE_PROGRAMS_PER_SM = 2
+# The pull in turn (a full dispatch's, and every round of one in rounds) runs on this many times
+# num_sms programs: its rate per program, not the links, set its pace. Same run on 4 H200s (T=4096,
+# side loads first): the full dispatch took 649 / 643 / 636 µs on 2 / 3 / 4 x num_sms against 746
+# on num_sms (DeepEP V1 855); at 2 ranks 299 / 269 / 263 against 373 (performance-log, 2026-11-28).
+PULL_PROGRAMS_PER_SM = 3
 
 
 def checked_combine_split(split) -> Tuple[int, int]:
@@ -130,12 +135,16 @@ class NormalMode:
         self.layout = LayoutKernel(self.R, self.R, backend.device, backend.state, backend.mailbox.address)
         self._dispatch_plans = {}
         self._combine_plans = {}
-        # Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)
+        self._default_choices()
+        self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
+
+    def _default_choices(self) -> None:
+        """Kernel choices' defaults (the Choice attributes below; measurements set them: choices.py)."""
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, False, False
+        self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
+        self._full_one_launch, self._pull_programs_per_sm = False, PULL_PROGRAMS_PER_SM
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
-        self.trace_address = self.bases  # the trace buffer's address for the pull and push (any when not tracing)
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
@@ -150,13 +159,23 @@ class NormalMode:
         """An experiment for a multi-GPU lease (bench --variants pipelined-pull): the pull stores an
         item's rows after the next item's loads are issued (dispatch.py, PIPELINE).""")
     side_loads_first = Choice(
-        """An experiment for a lease (bench --variants side-loads-first): the pull loads an item's
-        scales (FP8) and top-k rows (a full dispatch) before its x rows, one remote round trip per
-        item instead of two (dispatch.py, SIDE_FIRST).""")
+        """The pull loads an item's scales (FP8) and top-k rows (a full dispatch) before its x rows,
+        both in flight together (dispatch.py, SIDE_FIRST); False: after them, a second remote round
+        trip per item (bench --variants side-loads-after, the default before 2026-11-28: across 4
+        H200s the FP8 cached dispatch took 344-362 µs against 301-307 first).""")
     gathered_index = Choice(
         """An experiment for a lease (bench --variants gathered-index): a full dispatch's pull in turn
         gathers its receive index before its items, then reads each item's entries locally
         (dispatch.py, GATHER_INDEX).""")
+    full_one_launch = Choice(
+        """An experiment for a lease (bench --variants full-one-launch): a full dispatch of one round
+        runs as one launch after the host's count wait (ep_dispatch, as a cached one), instead of
+        staging during the wait and pulling in turn after it.""")
+    pull_programs_per_sm = Choice(
+        """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
+        --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the
+        links, sets the pull's pace.""",
+        convert=programs_per_sm)
     rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
         warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
@@ -331,10 +350,11 @@ class NormalMode:
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
+            after_wait = self.full_one_launch and not worst and not doorbell and may_overlap  # (decided after it)
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
-            elif not overlapped:
+            elif not overlapped and not after_wait:
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                             list_index)
             rung = not doorbell
@@ -351,6 +371,11 @@ class NormalMode:
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
+            if after_wait:  # one launch where the group's batches fit one round (max_tokens: the same on every rank)
+                overlapped = self._one_launch(plan, max_tokens)
+                if not overlapped:  # rounds: round 0 staged now, pulled in turn below
+                    self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
+                                list_index)
             counts_list = [] if counts is None else counts[:num_local].tolist()
             state = PullState(index_info, max_tokens, sequence, table if expert_major else None)
             if expert_major:
@@ -376,7 +401,8 @@ class NormalMode:
         prefix_address, _, src_idx_address, table_address, dest_address, _, _ = state.addresses
         out_rows = recv_x.shape[0]
         num_local_rows = len(mapping.group_sizes) if expert_major else num_local
-        pull_programs = max(1, min(num_sms, cdiv(num_rows, plan.block_r)))
+        pull_programs = max(1, min(num_sms * (1 if expert_major else self.pull_programs_per_sm),
+                                   cdiv(num_rows, plan.block_r)))  # (expert-major: num_sms is scaled above)
         for round_idx in range(num_rounds):
             lo, hi = round_idx * round_tokens, (round_idx + 1) * round_tokens
             if round_idx > 0:  # (round 0 was staged above, in both kinds of dispatch)
