@@ -62,13 +62,14 @@ def test_overlapping_the_phases_saves_at_most_the_shorter_phase(estimates):
 def test_the_duplex_link_fits_the_one_launch_calls_measured_across_gpus():
     """With each GPU's links carrying both ways at 300 GB/s (the every-peer kernels, 4 x H200,
     2026-11-28) and the combine's push on 2 x num_sms programs, the "overlapped" column lands within
-    20 % of the measured gpu time of the one-launch cached dispatch and combine at 2 and 4 ranks;
-    the rank-order column keeps the one-way 478 GB/s its own fit used."""
+    5 % of the measured gpu time of the one-launch cached dispatch and combine at 4 ranks and within
+    25 % at 2 (the worst fit: the 2-rank cached dispatch, 240 against 200-205 µs measured); the
+    rank-order column keeps the one-way 478 GB/s its own fit used."""
     from epcomm.tools.one_node_model import MEASURED_NOW
     fitted = Rates(**dict(DEFAULTS.__dict__, push_programs_per_sm=2.0, duplex_link=300.0))
     for R in (2, 4):
         est = estimate(R, 4096, 7168, 8, 256, 24, fitted)
         for call in ("cached dispatch", "combine"):
             gpu = float(MEASURED_NOW[R][call][0].split("/")[0])
-            assert est["overlapped"][call] == pytest.approx(gpu, rel=0.2), (R, call)
+            assert est["overlapped"][call] == pytest.approx(gpu, rel=0.05 if R == 4 else 0.25), (R, call)
         assert est["rank order"] == estimate(R, 4096, 7168, 8, 256, 24, DEFAULTS)["rank order"]

@@ -47,14 +47,15 @@ MEASURED = {
         "combine": ("945 / 970", "616")},
     8: {"full dispatch": ("-", "-"), "cached dispatch": ("-", "925"), "combine": ("-", "960")},
 }
-# The every-peer kernels in one launch (push on 2 x num_sms), 4 x H200, 2026-11-28 (commit e047216's
-# kernels; the combine from its wide-push point, the split that became the default), gpu / synced µs
-# on rank 0, DeepEP V1's gpu µs in the same run (notes/runs/2026-11-28_x4_h200_call5_*).
+# The every-peer kernels in one launch (push on 2 x num_sms), the full dispatch's pull in turn on
+# 3 x num_sms programs with the side rows loaded first, 4 x H200, 2026-11-28 (commit e0680a3's
+# defaults), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run
+# (notes/runs/2026-11-28b_x4_h200_call4_*).
 MEASURED_NOW = {
-    2: {"full dispatch": ("363 / 471", "449"), "cached dispatch": ("205 / 342", "380"),
-        "combine": ("198 / 260", "406")},
-    4: {"full dispatch": ("753 / 885", "865"), "cached dispatch": ("522 / 603", "822"),
-        "combine": ("547 / 649", "620")},
+    2: {"full dispatch": ("269 / 385", "428"), "cached dispatch": ("200 / 249", "377"),
+        "combine": ("193 / 255", "401")},
+    4: {"full dispatch": ("658 / 756", "867"), "cached dispatch": ("527 / 602", "818"),
+        "combine": ("545 / 611", "616")},
 }
 
 
