@@ -169,16 +169,21 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
 
 def test_full_one_launch_launches_stage_and_pull_together_after_the_wait(monkeypatch):
     """NormalMode.full_one_launch (bench --variants full-one-launch): nothing staged before the
-    count wait; after it, one ep_dispatch (lists, copy and pull programs) with no doorbell."""
+    count wait; after it, one ep_dispatch (lists, copy and pull programs, the pull on
+    pull_programs_per_sm x num_sms) with no doorbell."""
     launches = []
-    mailbox = _Mailbox(counts=(40, 60))
+    mailbox = _Mailbox(counts=(400, 60))  # (400 rows: 50 blocks, more than 4 x num_sms)
     mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
     mode.full_one_launch = True
     result = mode.dispatch(_args(50))
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
     _, grid, args = launches[1]
-    assert grid == R + min(NUM_SMS, -(-50 // BLOCK_R)) + min(NUM_SMS, -(-40 // BLOCK_R))
-    assert _doorbell_arg(args) == 0 and mailbox.rings == [] and result.recv_x.shape == (40, HIDDEN)
+    assert grid == R + min(NUM_SMS, -(-50 // BLOCK_R)) + 3 * NUM_SMS  # (the default pull_programs_per_sm)
+    assert _doorbell_arg(args) == 0 and mailbox.rings == [] and result.recv_x.shape == (400, HIDDEN)
+    launches.clear()
+    mode.pull_programs_per_sm = 1
+    mode.dispatch(_args(50))
+    assert launches[1][1] == R + min(NUM_SMS, -(-50 // BLOCK_R)) + NUM_SMS
 
 
 def test_full_one_launch_stages_after_the_wait_where_the_group_needs_rounds(monkeypatch):
@@ -201,11 +206,23 @@ def test_the_pull_in_turn_runs_pull_programs_per_sm_times_num_sms(monkeypatch, p
     assert grid == per_sm * NUM_SMS  # (400 rows: 50 blocks, more than 4 x num_sms)
 
 
+@pytest.mark.parametrize("per_sm", [1, 3])
+def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_programs(monkeypatch, per_sm):
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 150)), doorbell=False)
+    mode.stage_programs_per_sm = per_sm
+    mode.dispatch(_args(150))  # (150 tokens: 19 blocks of 8, one round of 100 then 50)
+    stages = [grid for name, grid, _ in launches if name == "stage"]
+    assert stages == [R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)), min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
+
+
 @pytest.mark.parametrize("per_sm", [0, 5])
 def test_pull_programs_per_sm_outside_1_to_4_is_refused(monkeypatch, per_sm):
     mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
     with pytest.raises(ValueError, match="1 to 4"):
         mode.pull_programs_per_sm = per_sm
+    with pytest.raises(ValueError, match="1 to 4"):
+        mode.stage_programs_per_sm = per_sm
 
 
 def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_down_raises():

@@ -4,7 +4,7 @@ bed's ``VARIANT``). Each is compiled into the plans of a shape, so setting one d
 the next call binds the kernels anew; the calls themselves look nothing up per choice."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Tuple
 
 
 class Choice:
@@ -33,3 +33,13 @@ def programs_per_sm(value) -> int:
     if not 1 <= count <= 4:
         raise ValueError(f"programs per num_sms must be 1 to 4 (shared_grids.py counts 4 x num_sms), got {value!r}")
     return count
+
+
+def combine_split(split) -> Tuple[int, int]:
+    """``(push, reduce)`` programs per Config.num_sms of the one-launch combine, checked: each at
+    least 1, together at most 4 (the grid caps of ranks sharing a GPU count 4 x num_sms)."""
+    push, reduce = (int(n) for n in split)
+    if push < 1 or reduce < 1 or push + reduce > 4:
+        raise ValueError(f"combine_split {split!r}: push and reduce programs per num_sms must each be >= 1 "
+                         f"and together <= 4 (shared_grids.py counts 4 x num_sms)")
+    return push, reduce

@@ -15,7 +15,7 @@ from ... import agreement
 from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
-from .choices import Choice, programs_per_sm
+from .choices import Choice, combine_split, programs_per_sm
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE, STAGE_PULL
 from ..layout_kernel import LayoutKernel
@@ -40,16 +40,6 @@ REDUCE_PROGRAMS_PER_SM = 2
 # side loads first): the full dispatch took 649 / 643 / 636 µs on 2 / 3 / 4 x num_sms against 746
 # on num_sms (DeepEP V1 855); at 2 ranks 299 / 269 / 263 against 373 (performance-log, 2026-11-28).
 PULL_PROGRAMS_PER_SM = 3
-
-
-def checked_combine_split(split) -> Tuple[int, int]:
-    """``(push, reduce)`` programs per Config.num_sms of the one-launch combine, checked: each at
-    least 1, together at most 4 (the grid caps of ranks sharing a GPU count 4 x num_sms)."""
-    push, reduce = (int(n) for n in split)
-    if push < 1 or reduce < 1 or push + reduce > 4:
-        raise ValueError(f"combine_split {split!r}: push and reduce programs per num_sms must each be >= 1 "
-                         f"and together <= 4 (shared_grids.py counts 4 x num_sms)")
-    return push, reduce
 
 
 # ====================================================================== host side
@@ -143,7 +133,7 @@ class NormalMode:
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
-        self._full_one_launch, self._pull_programs_per_sm = False, PULL_PROGRAMS_PER_SM
+        self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, 1
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
 
     def _choice_changed(self) -> None:
@@ -169,12 +159,17 @@ class NormalMode:
         (dispatch.py, GATHER_INDEX).""")
     full_one_launch = Choice(
         """An experiment for a lease (bench --variants full-one-launch): a full dispatch of one round
-        runs as one launch after the host's count wait (ep_dispatch, as a cached one), instead of
-        staging during the wait and pulling in turn after it.""")
+        runs as one launch after the host's count wait (ep_dispatch, as a cached one, its pull on
+        pull_programs_per_sm x num_sms programs), instead of staging during the wait and pulling in
+        turn after it. On num_sms pull programs it was slower (918 against 741 µs, 4 H200s).""")
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the
         links, sets the pull's pace.""",
+        convert=programs_per_sm)
+    stage_programs_per_sm = Choice(
+        """Copy programs of the stage in turn per Config.num_sms (1 to 4; bench --variants stage-2x
+        ... stage-4x): an experiment, the stage being local copies at a rate per program.""",
         convert=programs_per_sm)
     rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
@@ -187,7 +182,7 @@ class NormalMode:
         """``(push, reduce)``: the one-launch combine's push and reduce programs, each in units of
         Config.num_sms (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM; bench --variants single-push:
         (1, 3), the split before 2026-11-28). At most 4 together: shared_grids.py counts 4 x num_sms.""",
-        convert=checked_combine_split)
+        convert=combine_split)
     overlapped_combine = Choice(
         """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
         (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
@@ -304,6 +299,7 @@ class NormalMode:
         if expert_major:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         received = None  # the outputs, where the doorbell needed them before the launches below
+        one_launch_pulls = num_sms  # pull programs of a one-launch dispatch (full_one_launch: x pull_programs_per_sm)
 
         if cached:
             state: PullState = handle.backend_state
@@ -372,6 +368,7 @@ class NormalMode:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
             if after_wait:  # one launch where the group's batches fit one round (max_tokens: the same on every rank)
+                one_launch_pulls = num_sms * self.pull_programs_per_sm
                 overlapped = self._one_launch(plan, max_tokens)
                 if not overlapped:  # rounds: round 0 staged now, pulled in turn below
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
@@ -394,7 +391,7 @@ class NormalMode:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales,
                                           (prefix_address, src_idx_address, in_rank, list_index), received[4],
                                           num_rows, stream, fp0, fp1, tag,
-                                          max(1, min(num_sms, cdiv(num_rows, plan.block_r))))
+                                          max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))))
         recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
             num_rounds = 0
@@ -505,7 +502,7 @@ class NormalMode:
         writes the token lists and ``list_index`` (the address of the handle's [T, R] int32)."""
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
-        programs = max(1, min(args.config.num_sms, cdiv(rows, plan.block_r)))
+        programs = max(1, min(args.config.num_sms * self.stage_programs_per_sm, cdiv(rows, plan.block_r)))
         x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         num_local = 0 if args.handle is not None else args.num_tokens_per_expert.shape[0] // self.R
