@@ -4,7 +4,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--variants serial-combine,tile-reduce,...] [--lanes 8]
-                                                    [--phases full,cached,combine,low-latency]
+                                                    [--phases full,cached,combine,low-latency,full-no-topk]
                                                     [--entry-loop-reduce] [--ll-tokens 128]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
@@ -19,6 +19,10 @@ layouts and shared-memory rounds of an R-rank node (with ``--tile-reduce`` the c
 sums [R, BLOCK_C] tiles, BLOCK_C = 16384 / R; by default a token's R rows one at a time, 8192
 columns a step), timed on one GPU. The rows are still one rank's, so it times what the lanes
 cost, not the links.
+
+The ``full-no-topk`` phase (not among the defaults) times a full dispatch without top-k: its stage
+writes the lists without the per-expert count check (the top-k rows' histogram) and stages no
+top-k rows, so beside ``full`` it shows what that check costs the stage.
 
 The ``low-latency`` phase (not among the defaults) times a low-latency round trip's kernels at
 ``--ll-tokens`` per rank, top-8 of 256, FP8 dispatch and BF16 combine, on a low-latency Buffer of
@@ -45,7 +49,7 @@ def main() -> int:
                         help="one-node variants, as epcomm bench normal --variants names them (a comma list, "
                              "combined here: e.g. serial-combine,tile-reduce)")
     parser.add_argument("--phases", default="full,cached,combine",
-                        help="the phases timed, of full, cached, combine and low-latency (a comma list)")
+                        help="the phases timed, of full, cached, combine, low-latency and full-no-topk (a comma list)")
     parser.add_argument("--entry-loop-reduce", action="store_true",
                         help="the low-latency combine's receive summing a token's top-k rows one by one")
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank of the low-latency phase")
@@ -53,8 +57,8 @@ def main() -> int:
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
     timed = args.phases.split(",")
-    if not set(timed) <= {"full", "cached", "combine", "low-latency"}:
-        parser.error(f"--phases takes full, cached, combine and low-latency (got {args.phases})")
+    if not set(timed) <= {"full", "cached", "combine", "low-latency", "full-no-topk"}:
+        parser.error(f"--phases takes full, cached, combine, low-latency and full-no-topk (got {args.phases})")
     if args.entry_loop_reduce and "low-latency" not in timed:
         parser.error("--entry-loop-reduce is the low-latency phase's: add low-latency to --phases")
     import epcomm
@@ -94,6 +98,10 @@ def main() -> int:
     assert torch.equal(phases["cached dispatch"]()[0], x), "one rank: a cached dispatch receives the tokens too"
     combined = phases["combine"]()[0]
     assert torch.equal(combined, x), "one rank: each token's combine is its one row"
+    if "full-no-topk" in timed:
+        phases["full-no-topk dispatch"] = lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank,
+                                                                  is_token_in_rank=in_rank,
+                                                                  num_tokens_per_expert=per_expert, config=config)
     if "low-latency" in timed:
         phases["low-latency round trip"] = _low_latency_round_trip(args, dev, g)
     for phase, call in phases.items():

@@ -100,7 +100,7 @@ def _loops_with_a_barrier_and_an_acquire(ptx):
 def _pull_ptx(full, scales, block_r, side_first=False):
     return N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=scales, HAS_TOPK=full, LIST_BLOCK=1024,
                                      L_P2=128 if full else 1, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
-                                     TRACE=False, DOORBELL=False, SIDE_FIRST=side_first, **dict(COPY, BLOCK_R=block_r,
+                                     TRACE=False, DOORBELL=False, SIDE_FIRST=side_first, PUSHED_LISTS=False, **dict(COPY, BLOCK_R=block_r,
                                                                          BLOCK_W=16384 // block_r)),
                                 16, target=SM90).asm["ptx"]
 
@@ -156,7 +156,7 @@ def test_the_doorbell_answer_is_a_vote():
     not read go must not pull while another does."""
     compiled = N.STAGE_PULL.compile(dict(INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
                                          LIST_BLOCK=1024, L_P2=128, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
-                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, **COPY), 16, target=SM90)
+                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False, **COPY), 16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert ptx.count("bar.red.and.pred") >= 1 and ptx.count("bar.red.or.pred") >= 1  # go; the others' stand-down
     assert ptx.count("bar.red") >= 3  # (on top of the verdict's two, which every full dispatch has)

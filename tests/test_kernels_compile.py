@@ -32,14 +32,16 @@ def _cases():
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
         if not em or topk:  # expert-major positions are staged with the top-k rows
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
+                                PUSHED_LISTS=lists and topk != al,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al,
-                           GATHER_INDEX=lists and fp8 != al, **copy), 16
+                           GATHER_INDEX=lists and fp8 != al, PUSHED_LISTS=lists and topk == fp8, **copy), 16
     for (index, fp8, topk), al in itertools.product([(True, False, True), (True, True, True), (True, False, False),
                                                     (False, False, False), (False, True, False)], [False, True]):
         # (DOORBELL: a full dispatch launched before the count wait; without, a num_worst_tokens one)
         yield N.STAGE_PULL, dict(INDEX=index, WRITE_LISTS=index, HAS_SCALES=fp8, HAS_TOPK=topk, LIST_BLOCK=1024,
+                                 PUSHED_LISTS=index and al,
                                  L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
                                  TRACE=al and not fp8, DOORBELL=index and (al or not topk), SIDE_FIRST=fp8 or topk,
                                  **copy), 16
@@ -159,14 +161,14 @@ def test_nvshmem_backend_channel_limit():
 
 # Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
 @pytest.mark.parametrize("spec,constexprs,num_warps", [
-    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
+    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, PUSHED_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
                    S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1, POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False), 16),
+                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
@@ -365,13 +367,13 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
     registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
     usage = _sm90_resource_usage(N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True,
                                               EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True,
-                                              SIDE_FIRST=False, GATHER_INDEX=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64,
+                                              SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64,
                                               K_P2=8, R_P2=8), 16)
     assert "STACK:0 " in usage and "REG:128 " in usage, usage
 
 
 # The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
-_PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8)
+_PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8, PUSHED_LISTS=False)
 _ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
 
 

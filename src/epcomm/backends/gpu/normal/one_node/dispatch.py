@@ -28,7 +28,7 @@ from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell
 from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import (POSITION_ELEMENTS, POSITION_HIST_ENTRIES, POSITION_TOKENS,  # noqa: F401 (mode.py)
                                 expert_positions, pull_expert_major, zero_padding_rows)
-from .receive_index import gather_index
+from .receive_index import gather_index, list_of
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
 
@@ -38,7 +38,8 @@ from .schedule import advance_round, item_block, source_blocks, trace_item
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
-#   list programs j<R:  (WRITE_LISTS) half.lists[j] = ascending tokens with is_token_in_rank[t, j];
+#   list programs j<R:  (WRITE_LISTS) half.lists[j] = ascending tokens with is_token_in_rank[t, j]
+#                       (PUSHED_LISTS: into j's half, as j.half.lists[rank]: remote stores);
 #                       list_index[t, j] = t's index in that list (kept with the handle: the
 #                       overlapped combine's reduce finds by it which of j's pushed blocks holds t)
 #                       count check: len(list j) != num_tokens_per_rank[j], or (HAS_TOPK) j's experts'
@@ -64,7 +65,7 @@ def _stage(pid, num_programs, epoch,
            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
            R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
            EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-           E_P2: tl.constexpr, OVERLAP: tl.constexpr):
+           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     # OVERLAP (ep_dispatch): each list and each block of staged rows is released on its own, to the
@@ -82,7 +83,10 @@ def _stage(pid, num_programs, epoch,
     if WRITE_LISTS:
         first_copy = num_ranks
         if pid < num_ranks:
-            lists = (half + lists_offset).to(tl.pointer_type(tl.int32)) + pid.to(tl.int64) * list_cap
+            # this rank's list for rank pid: here, or (PUSHED_LISTS) stored into pid's workspace
+            # (receive_index.list_of), covered by the same releases as a list kept here
+            lists = list_of(half, tl.load(normal_bases_ptr + pid) + (epoch % 2) * half_bytes, rank, pid, lists_offset,
+                            list_cap, PUSHED_LISTS)
             running = 0
             per_expert = tl.zeros([L_P2], tl.int32)
             for start in range(0, num_tokens, LIST_BLOCK):
@@ -187,7 +191,7 @@ def ep_dispatch_stage(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-        E_P2: tl.constexpr):
+        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # The stage alone (the dispatch in turn, and every dispatch but a one-round plain one).
     _stage(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
            x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
@@ -196,7 +200,7 @@ def ep_dispatch_stage(
            lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
            fp_offset, fp0, fp1, board_bases_ptr, call_tag,
            HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False)
+           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS)
 
 
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
@@ -235,7 +239,7 @@ def _pull(pid, num_programs, epoch,
           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
           R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
           TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, SIDE_FIRST: tl.constexpr,
-          GATHER_INDEX: tl.constexpr):
+          GATHER_INDEX: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # GATHER_INDEX (an experiment, off by default; a full dispatch's pull in turn): the receive
     # index is gathered before the items — every program a share of the rows, GATHER_ROWS list
     # entries in flight at once — then each item reads its entries here, as a
@@ -254,6 +258,10 @@ def _pull(pid, num_programs, epoch,
     # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x
     # rows are stored only after the next item's loads are issued, so a program has a remote load in
     # flight while it stores (the plan halves BLOCK_R to keep two tiles in the same registers).
+    # PUSHED_LISTS (an experiment, off by default): the sources stored their lists for this rank
+    # into its own workspace (receive_index.list_of), so INDEX reads each item's entries locally —
+    # no remote round trip before the rows they name — after the same acquires (the stage's end,
+    # or with OVERLAP the list's word: both released by the source after its remote list stores).
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
     # OVERLAP (ep_dispatch, plain layout): no barrier first; each item waits for the blocks its rows
     # were staged in (and, INDEX, for its source's list), and the last program gives the verdict.
@@ -297,7 +305,7 @@ def _pull(pid, num_programs, epoch,
     if GATHER_INDEX and INDEX and not OVERLAP:  # (every list was acquired above: acquire_and_agree)
         gathered = gather_index(pid, num_programs, epoch, starts, ends, rank, num_ranks, normal_bases_ptr, half_offset,
                                 lists_offset, list_cap, src_idx_ptr, state_ptr, agreed,
-                                R_P2)  # (TRACE: the items' times leave the gather out)
+                                R_P2, PUSHED_LISTS)  # (TRACE: the items' times leave the gather out)
     if PIPELINE:  # the previous item's x rows, not yet stored: values, destination rows, which are live
         cols = tl.arange(0, BLOCK_W)
         held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)
@@ -328,12 +336,13 @@ def _pull(pid, num_programs, epoch,
                     lists_seen = tl.where(peers == src, listed, lists_seen)
                     # (the wait ends in a vote: the polling threads' acquires precede the loads that follow)
         if INDEX:
-            entry = staged + lists_offset + ((rank * list_cap).to(tl.int64) + rows - src_start) * 4
-            if GATHER_INDEX and not OVERLAP:  # gathered: here already (local); else from the source, as below
+            entry = list_of(staged, tl.load(normal_bases_ptr + rank) + half_offset, src, rank, lists_offset, list_cap,
+                            PUSHED_LISTS) + (rows - src_start)
+            if GATHER_INDEX and not OVERLAP:  # gathered: here already (local); else from the list, as below
                 token = tl.where(gathered != 0, tl.load(src_idx_ptr + rows, mask=in_out & (gathered != 0), other=-1),
-                                 tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out & (gathered == 0), other=-1))
+                                 tl.load(entry, mask=in_out & (gathered == 0), other=-1))
             else:
-                token = tl.load(entry.to(tl.pointer_type(tl.int32)), mask=in_out, other=-1)
+                token = tl.load(entry, mask=in_out, other=-1)
                 tl.store(src_idx_ptr + rows, token, mask=in_out)
         else:
             token = tl.load(src_idx_ptr + rows, mask=in_out, other=-1)
@@ -529,7 +538,8 @@ def ep_dispatch_pull(
         INDEX: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
-        TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr, GATHER_INDEX: tl.constexpr):
+        TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr, GATHER_INDEX: tl.constexpr,
+        PUSHED_LISTS: tl.constexpr):
     # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
@@ -538,7 +548,7 @@ def ep_dispatch_pull(
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
           mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
           INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
-          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX)
+          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX, PUSHED_LISTS=PUSHED_LISTS)
 
 
 
@@ -613,7 +623,7 @@ def ep_dispatch(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr, DOORBELL: tl.constexpr,
-        SIDE_FIRST: tl.constexpr):
+        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
@@ -627,7 +637,7 @@ def ep_dispatch(
                x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
                fp_offset, fp0, fp1, board_bases_ptr, call_tag,
                HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True)
+               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True, PUSHED_LISTS=PUSHED_LISTS)
     else:
         if DOORBELL:  # the rows and the outputs the host allocated after its count wait (none: cancel)
             answer, words = await_doorbell(doorbell_address, sequence, epoch, state_ptr, 2 * timeout_ns,
@@ -649,7 +659,8 @@ def ep_dispatch(
               block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
               INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
               EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False)  # (the lists are waited for item by item here)
+              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False,
+              PUSHED_LISTS=PUSHED_LISTS)  # (the lists are waited for item by item here)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

@@ -134,6 +134,7 @@ class NormalMode:
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
         self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, 1
+        self._pushed_lists = False
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
 
     def _choice_changed(self) -> None:
@@ -167,6 +168,10 @@ class NormalMode:
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the
         links, sets the pull's pace.""",
         convert=programs_per_sm)
+    pushed_lists = Choice(
+        """An experiment for a lease (bench --variants pushed-lists): the stage stores each list into
+        its receiver's workspace, so a full dispatch's pull reads its entries locally (receive_index.py,
+        list_of). Every rank of the group must set the same.""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; bench --variants stage-2x
         ... stage-4x): an experiment, the stage being local copies at a rate per program.""",
@@ -222,7 +227,8 @@ class NormalMode:
         if pipeline:
             block_r = max(1, block_r // 2)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
-                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
+                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
+                    PUSHED_LISTS=self.pushed_lists)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
                         SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, SIDE_FIRST=self.side_loads_first)
