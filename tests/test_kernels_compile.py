@@ -161,14 +161,18 @@ def test_nvshmem_backend_channel_limit():
 
 # Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
 @pytest.mark.parametrize("spec,constexprs,num_warps", [
-    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, PUSHED_LISTS=False, LIST_BLOCK=1024, L_P2=1, BLOCK_R=8, BLOCK_W=2048,
-                   S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1, POSITION_SUB=1), 16),
+    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, PUSHED_LISTS=False, LIST_BLOCK=1024, L_P2=1,
+                   BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1,
+                   POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False,
+                  GATHER_INDEX=False, PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
+                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False,
+                  PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False), 16),
+                  EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False,
+                  PUSHED_LISTS=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
@@ -367,8 +371,8 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
     registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
     usage = _sm90_resource_usage(N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True,
                                               EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True,
-                                              SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64,
-                                              K_P2=8, R_P2=8), 16)
+                                              SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False, BLOCK_R=4,
+                                              BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8), 16)
     assert "STACK:0 " in usage and "REG:128 " in usage, usage
 
 

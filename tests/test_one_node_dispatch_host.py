@@ -213,16 +213,39 @@ def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_program
     mode.stage_programs_per_sm = per_sm
     mode.dispatch(_args(150))  # (150 tokens: 19 blocks of 8, one round of 100 then 50)
     stages = [grid for name, grid, _ in launches if name == "stage"]
-    assert stages == [R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)), min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
+    assert stages == [R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)),
+                      min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
 
 
 @pytest.mark.parametrize("per_sm", [0, 5])
-def test_pull_programs_per_sm_outside_1_to_4_is_refused(monkeypatch, per_sm):
+def test_programs_per_sm_outside_1_to_4_are_refused(monkeypatch, per_sm):
     mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
     with pytest.raises(ValueError, match="1 to 4"):
         mode.pull_programs_per_sm = per_sm
     with pytest.raises(ValueError, match="1 to 4"):
         mode.stage_programs_per_sm = per_sm
+
+
+def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
+    """NormalMode.pushed_lists moves the lists (receive_index.list_of): ranks that disagree would
+    read lists where none were written, so it is a field of the full dispatch's fingerprint (the
+    pull compares them before it reads) and only the kernels with lists compile with it."""
+    from epcomm.backends.gpu import agreement
+    from epcomm.errors import EPInputError
+    monkeypatch.setattr(M, "PULL", types.SimpleNamespace(bind=lambda **constexprs: constexprs))
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    mode.ws.dispatch_round_tokens = lambda row_bytes: ((0,) * len(row_bytes), ROUND_TOKENS)
+    mode.b.name = "nvlink"
+    plain = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    mode.pushed_lists = True
+    pushed = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    assert pushed.fingerprint_cached == plain.fingerprint_cached and pushed.fingerprint_full != plain.fingerprint_full
+    assert pushed.pull_index["PUSHED_LISTS"] and not pushed.pull["PUSHED_LISTS"]
+    assert pushed.stage_lists.fixed["PUSHED_LISTS"] and not pushed.stage.fixed["PUSHED_LISTS"]
+    assert pushed.overlapped_full.fixed["PUSHED_LISTS"] and not pushed.overlapped_cached.fixed["PUSHED_LISTS"]
+    with pytest.raises(EPInputError) as err:
+        agreement.raise_disagreement({0: plain.fingerprint_full}, pushed.fingerprint_full, 2)
+    assert err.value.argument == "pushed_lists"
 
 
 def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_down_raises():

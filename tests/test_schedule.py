@@ -124,8 +124,9 @@ def test_the_gathered_receive_index_holds_each_rows_entry_of_its_sources_list():
     start`` of its source's list (source s's entry i is 1000 * s + i here), every row exactly once
     whatever the chunks and programs, empty sources skipped, rows past the clipped total untouched
     (-9), and no entry read past a list's count (-7 would show) — with the lists in the sources'
-    workspaces or (PUSHED_LISTS) in the receiver's, where a wrong owner or row reads -7."""
-    pushed_cases = 0
+    workspaces or (PUSHED_LISTS) in the receiver's, where a wrong owner or row reads -7; and placed
+    by list_of called as the stage calls it, read where the writer put them."""
+    pushed_cases = written_cases = 0
     for line in run_cases("gather_index_cases.py").splitlines():
         walk = json.loads(line)
         case, src_idx = walk["case"], walk["src_idx"]
@@ -135,4 +136,5 @@ def test_the_gathered_receive_index_holds_each_rows_entry_of_its_sources_list():
         want = [1000 * s + i for s, n in enumerate(counts) for i in range(n)][:num_recv]
         assert src_idx == want + [-9] * (total + 3 - num_recv), case
         pushed_cases += bool(case.get("pushed"))
-    assert pushed_cases == 2
+        written_cases += bool(case.get("written"))
+    assert pushed_cases == 3 and written_cases == 2

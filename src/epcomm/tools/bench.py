@@ -477,6 +477,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     NORMAL_VARIANTS (each away from a default; none: the defaults; an entry may join several by
     ``+``): the bench's points, one entry each, scripts/kernels_alone.py and the shared-GPU bed's
     ``EPCOMM_SHARED_GPU_VARIANT``. Every rank of a group must set the same."""
+    from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
     variants = [part for name in normal_variants(",".join(variants)) for part in name.split("+")]  # (checked)
     normal.every_peer = "rank-order" not in variants
     normal.pipelined_pull = "pipelined-pull" in variants
@@ -488,10 +489,10 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.side_loads_first = "side-loads-after" not in variants
     normal.gathered_index = "gathered-index" in variants
     normal.full_one_launch = "full-one-launch" in variants
-    from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
     normal.pushed_lists = "pushed-lists" in variants
     normal.stage_programs_per_sm = next((n for n in (2, 3, 4) if f"stage-{n}x" in variants), 1)
-    normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants), mode.PULL_PROGRAMS_PER_SM)
+    normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
+                                       mode.PULL_PROGRAMS_PER_SM)
     normal.combine_split = (1, 3) if "single-push" in variants else (mode.PUSH_PROGRAMS_PER_SM,
                                                                      mode.REDUCE_PROGRAMS_PER_SM)
 

@@ -11,6 +11,7 @@ a peer's region is ``bases[peer] + offset``; kernels receive ``bases`` and the o
     normal      two halves (barrier epoch % 2), each:
                   counts   int32 [R][row_cap]    notify: row i written by rank i
                   lists    int32 [R][list_cap]   dispatch: ascending tokens this rank sends to j
+                                                 (pushed_lists: that rank j sends here; list_of)
                   payload  bytes                 dispatch staging, or combine slots [T][R]
     low-latency two halves (call parity), each (layout per call shape, :meth:`ll_layout`):
                   counts   int64 [R][E_local]    (epoch << 32) | messages, written by source i;

@@ -34,7 +34,7 @@ from .schedule import advance_round, item_block, source_blocks, trace_item
 
 # ====================================================================== dispatch: stage
 # ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
-# [position programs] + copy programs (at most num_sms in all).
+# [position programs] + copy programs (NormalMode.stage_programs_per_sm x num_sms at most).
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
@@ -211,7 +211,8 @@ STAGE_END_EVERY = tl.constexpr(4)
 
 
 # ====================================================================== dispatch: pull
-# ep_dispatch_pull: every receiver pulls its rows from the sources' staging halves; grid = num_sms.
+# ep_dispatch_pull: every receiver pulls its rows from the sources' staging halves; grid =
+# NormalMode.pull_programs_per_sm x num_sms (mode.py, PULL_PROGRAMS_PER_SM).
 #
 #   epoch = EPOCH_NORMAL (the stage's);  ACQUIRE every source's flag == epoch (a timeout, or a source
 #           the call board shows in another call, goes to the mailbox), then compare the sources'
@@ -220,6 +221,7 @@ STAGE_END_EVERY = tl.constexpr(4)
 #   order within; they are taken in blocks of one source, every source at once (schedule.py):
 #   for each block (src, rows [first, end)) of this program:
 #       INDEX:  token = src.lists[rank][r - start of src]  -> src_idx[r]
+#               (PUSHED_LISTS: my.lists[src][...], stored here by src: receive_index.list_of)
 #               (a cached dispatch reads src_idx back instead)
 #       if token in [token_lo, token_hi):                 (this round's part of the source's batch)
 #           recv_x[r], recv_scales[r] <- src.half.x[token], src.half.scales[token]
@@ -296,6 +298,7 @@ def _pull(pid, num_programs, epoch,
             _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk, pid,
                           num_programs, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
     # -- each program takes its blocks: one source's rows each, every source at once (schedule.py)
+    here = tl.load(normal_bases_ptr + rank) + half_offset  # (PUSHED_LISTS: the lists, read here)
     starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
     num_items = tl.where(num_rows > 0, tl.sum(blocks, axis=0), 0)  # (0: the agreement failed)
     round_idx = 0
@@ -336,8 +339,7 @@ def _pull(pid, num_programs, epoch,
                     lists_seen = tl.where(peers == src, listed, lists_seen)
                     # (the wait ends in a vote: the polling threads' acquires precede the loads that follow)
         if INDEX:
-            entry = list_of(staged, tl.load(normal_bases_ptr + rank) + half_offset, src, rank, lists_offset, list_cap,
-                            PUSHED_LISTS) + (rows - src_start)
+            entry = list_of(staged, here, src, rank, lists_offset, list_cap, PUSHED_LISTS) + (rows - src_start)
             if GATHER_INDEX and not OVERLAP:  # gathered: here already (local); else from the list, as below
                 token = tl.where(gathered != 0, tl.load(src_idx_ptr + rows, mask=in_out & (gathered != 0), other=-1),
                                  tl.load(entry, mask=in_out & (gathered == 0), other=-1))
@@ -540,7 +542,7 @@ def ep_dispatch_pull(
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
         TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr, GATHER_INDEX: tl.constexpr,
         PUSHED_LISTS: tl.constexpr):
-    # The pull alone (the dispatch in turn): every source's stage acquired first. grid = num_sms.
+    # The pull alone (the dispatch in turn): every source's stage acquired first.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
           table_ptr, dest_ptr, num_rows, token_lo, token_hi, x_words, num_scales, num_topk, expert_lo, num_local,

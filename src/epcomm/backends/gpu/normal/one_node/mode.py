@@ -227,8 +227,8 @@ class NormalMode:
         if pipeline:
             block_r = max(1, block_r // 2)
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
-                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2,
-                    PUSHED_LISTS=self.pushed_lists)
+                    S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
+        pushed, no_lists = dict(PUSHED_LISTS=self.pushed_lists), dict(PUSHED_LISTS=False)  # (with lists, without)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
                         SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, SIDE_FIRST=self.side_loads_first)
@@ -239,21 +239,23 @@ class NormalMode:
         return DispatchPlan(x_bytes // 8, num_scales, num_topk, max(num_topk, expert_major_topk), topk_row_bytes,
                             offsets, round_tokens, block_r, rows_aligned, expert_major,
                             Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
-                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions),
+                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions, **pushed),
                             Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
-                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions),
+                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions, **no_lists),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
-                                      **meta, **schedule),
+                                      **meta, **schedule, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
-                                      EXPERT_MAJOR=expert_major, **meta,
+                                      EXPERT_MAJOR=expert_major, **meta, **no_lists,
                                       **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
-                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped),
+                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **pushed),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped),
-                            agreement.pack(call=agreement.CALL_DISPATCH, **words),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **no_lists),
+                            # (pushed_lists: ranks that disagree read lists where none were written, so
+                            # the full dispatch's fingerprint carries it and they raise instead)
+                            agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
@@ -468,8 +470,8 @@ class NormalMode:
                              pull_programs: int, sequence: int = 0) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (R list
         programs in a full dispatch, then up to ``num_sms`` copy programs), then ``pull_programs``
-        pull programs that start on each block of rows as it is staged. Together at most
-        ``2 * num_sms + R`` programs, of which only the pull's wait (shared_grids.py counts 4 x num_sms).
+        pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
+        each block of rows as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
         ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
         index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
         dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and

@@ -2,7 +2,9 @@
 experiment off by default): ``recv_src_idx[r]``, the token each received row is at its source,
 read from the sources' lists by every program of the pull at once, GATHER_ROWS rows at a time, then
 a barrier of the launch — so that the items read their entries locally, as a cached dispatch does,
-instead of one dependent remote round trip per item before the rows they name."""
+instead of one dependent remote round trip per item before the rows they name. Also where a list
+lives (``list_of``): at its source, or (PUSHED_LISTS) stored into its receiver's workspace, where
+"from the sources" below reads "from this rank's list area"."""
 from __future__ import annotations
 
 import triton
