@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from epcomm.backends.gpu.normal.one_node import mode as M  # noqa: E402
+from epcomm.backends.gpu.normal.one_node import choices, mode as M  # noqa: E402
 
 R, RANK, HIDDEN, NUM_SMS, BLOCK_R, ROUND_TOKENS = 4, 1, 64, 6, 8, 100
 
@@ -109,7 +109,7 @@ def test_a_combine_split_past_the_grid_caps_is_refused(monkeypatch, split):
     mode._choice_changed = lambda: None
     with pytest.raises(ValueError, match="combine_split"):
         mode.combine_split = split
-    assert mode.combine_split == (M.PUSH_PROGRAMS_PER_SM, M.REDUCE_PROGRAMS_PER_SM)
+    assert mode.combine_split == (choices.PUSH_PROGRAMS_PER_SM, choices.REDUCE_PROGRAMS_PER_SM)
 
 
 @pytest.mark.parametrize("case", ["in turn asked", "several rounds", "expert-major", "flags too few"])

@@ -146,11 +146,11 @@ class NormalBenchSettings:
     # reduce summing a token's [R, BLOCK_C] tile, as before RANK_LOOP became the default: combine.py),
     # "reduce-warps-apart" (the one-launch combine's reduce waiting per warp: combine.py, WARPS_APART),
     # "single-push" (the one-launch combine's push on num_sms programs and its reduce on 3 x num_sms, the
-    # split before 2026-11-28: mode.py, PUSH_PROGRAMS_PER_SM), "side-loads-after" (the pull loading an
+    # split before 2026-11-28: choices.py, PUSH_PROGRAMS_PER_SM), "side-loads-after" (the pull loading an
     # item's scales and top-k rows after its x rows, the default before 2026-11-28: dispatch.py,
     # SIDE_FIRST), "gathered-index" (a full dispatch's pull gathering its receive index before its items:
     # dispatch.py, GATHER_INDEX), "full-one-launch" (a full dispatch as one launch after the count wait:
-    # mode.py), "pull-Nx" (the pull in turn on N x num_sms programs, N = 1..4: mode.py, PULL_PROGRAMS_PER_SM),
+    # mode.py), "pull-Nx" (the pull in turn on N x num_sms programs, N = 1..4: choices.py, PULL_PROGRAMS_PER_SM),
     # "stage-Nx" (the stage in turn's copy programs likewise, N = 2..4: mode.py), "pushed-lists" (each
     # list stored into its receiver's workspace, read there locally: receive_index.py, list_of)
     variants: List[str] = field(default_factory=list)
@@ -477,7 +477,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     NORMAL_VARIANTS (each away from a default; none: the defaults; an entry may join several by
     ``+``): the bench's points, one entry each, scripts/kernels_alone.py and the shared-GPU bed's
     ``EPCOMM_SHARED_GPU_VARIANT``. Every rank of a group must set the same."""
-    from ..backends.gpu.normal.one_node import mode  # (loaded already: the NormalMode's module)
+    from ..backends.gpu.normal.one_node import choices  # (loaded already: the NormalMode's defaults)
     variants = [part for name in normal_variants(",".join(variants)) for part in name.split("+")]  # (checked)
     normal.every_peer = "rank-order" not in variants
     normal.pipelined_pull = "pipelined-pull" in variants
@@ -492,9 +492,9 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.pushed_lists = "pushed-lists" in variants
     normal.stage_programs_per_sm = next((n for n in (2, 3, 4) if f"stage-{n}x" in variants), 1)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
-                                       mode.PULL_PROGRAMS_PER_SM)
-    normal.combine_split = (1, 3) if "single-push" in variants else (mode.PUSH_PROGRAMS_PER_SM,
-                                                                     mode.REDUCE_PROGRAMS_PER_SM)
+                                       choices.PULL_PROGRAMS_PER_SM)
+    normal.combine_split = (1, 3) if "single-push" in variants else (choices.PUSH_PROGRAMS_PER_SM,
+                                                                     choices.REDUCE_PROGRAMS_PER_SM)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,7 @@ class Rates:
     notify_us: float
     # (These two default to the model before 2026-11-28, which the rank-order fit was made with; the
     # command's defaults are the kernels' now: 2, and the 300 GB/s fitted across 4 H200s.)
-    push_programs_per_sm: float = 1.0  # the one-launch combine's push programs per P (mode.PUSH_PROGRAMS_PER_SM)
+    push_programs_per_sm: float = 1.0  # the one-launch combine's push programs per P (choices.PUSH_PROGRAMS_PER_SM)
     duplex_link: float = 0.0  # GB/s each way while the links carry both ways (every peer); 0: ``link``
 
 
@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-gbps", type=positive_float, default=2800.0,
                         help="GB/s of the reduce, rows read + written (one GPU: 42 µs on H200)")
     parser.add_argument("--push-programs-per-sm", type=positive_float, default=2.0,
-                        help="the one-launch combine's push programs per --sms (mode.PUSH_PROGRAMS_PER_SM)")
+                        help="the one-launch combine's push programs per --sms (choices.PUSH_PROGRAMS_PER_SM)")
     parser.add_argument("--fixed-us", type=non_negative_float, default=10.0, help="launch gaps per call")
     parser.add_argument("--notify-us", type=non_negative_float, default=80.0,
                         help="a full dispatch's count exchange and host wait over a cached one (measured 79 at 2 "

@@ -1,7 +1,8 @@
-"""The one-node normal mode's kernel choices (mode.py, NormalMode): the defaults, and the variants
-that measurements set (``epcomm bench normal --variants``, scripts/kernels_alone.py, the shared-GPU
-bed's ``VARIANT``). Each is compiled into the plans of a shape, so setting one drops the plans and
-the next call binds the kernels anew; the calls themselves look nothing up per choice."""
+"""The one-node normal mode's kernel choices (KernelChoices, NormalMode's base in mode.py): the
+defaults, and the variants that measurements set (``epcomm bench normal --variants``,
+scripts/kernels_alone.py, the shared-GPU bed's ``VARIANT``). Each is compiled into the plans of a
+shape, so setting one drops the plans and the next call binds the kernels anew; the calls
+themselves look nothing up per choice."""
 from __future__ import annotations
 
 from typing import Any, Callable, Tuple
@@ -43,3 +44,99 @@ def combine_split(split) -> Tuple[int, int]:
         raise ValueError(f"combine_split {split!r}: push and reduce programs per num_sms must each be >= 1 "
                          f"and together <= 4 (shared_grids.py counts 4 x num_sms)")
     return push, reduce
+
+
+# The combine in turn pushes on num_sms programs and reduces on 4 x num_sms. In one launch it pushes
+# on PUSH_PROGRAMS_PER_SM x num_sms and reduces on REDUCE_PROGRAMS_PER_SM x num_sms: 4 x num_sms in
+# all, what the grid caps of shared_grids.py count. Half the grid pushes, not a quarter: across
+# 4 H200s (same run, T=4096) the combine took 547 µs against 646 with 1 + 3 (DeepEP V1 620), and
+# 198 against 239 at 2 ranks (notes/performance-log.md, 2026-11-28): the push's rate per program,
+# not the links, set the pace; the reduce keeps up on 2 x num_sms.
+PUSH_PROGRAMS_PER_SM = 2
+REDUCE_PROGRAMS_PER_SM = 2
+# The pull in turn (a full dispatch's, and every round of one in rounds) runs on this many times
+# num_sms programs: its rate per program, not the links, set its pace. Same run on 4 H200s (T=4096,
+# side loads first): the full dispatch took 649 / 643 / 636 µs on 2 / 3 / 4 x num_sms against 746
+# on num_sms (DeepEP V1 855); at 2 ranks 299 / 269 / 263 against 373 (performance-log, 2026-11-28).
+PULL_PROGRAMS_PER_SM = 3
+
+
+class KernelChoices:
+    """The kernel choices of a one-node NormalMode, each a Choice; ``_default_choices`` sets them
+    (NormalMode.__init__ calls it), and setting one drops the mode's plans (``_dispatch_plans``,
+    ``_combine_plans``) and re-reads the trace buffer's address."""
+
+    def _default_choices(self) -> None:
+        """The defaults (the Choice attributes below; measurements set them)."""
+        self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
+        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
+        self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
+        self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, 1
+        self._pushed_lists = False
+        self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
+
+    def _choice_changed(self) -> None:
+        self._dispatch_plans.clear()
+        self._combine_plans.clear()
+        self.trace_address = self.bases if self._trace is None else self._trace.data_ptr()
+
+    # Setting one drops the plans, which are made with them.
+    every_peer = Choice("The pull and push take every peer at once (schedule.py); False: the rank-order walk.")
+    trace = Choice("An int64 trace buffer the pull and push record each item into (schedule.py), or None.",
+                   convert=lambda buffer: buffer)
+    pipelined_pull = Choice(
+        """An experiment for a multi-GPU lease (bench --variants pipelined-pull): the pull stores an
+        item's rows after the next item's loads are issued (dispatch.py, PIPELINE).""")
+    side_loads_first = Choice(
+        """The pull loads an item's scales (FP8) and top-k rows (a full dispatch) before its x rows,
+        both in flight together (dispatch.py, SIDE_FIRST); False: after them, a second remote round
+        trip per item (bench --variants side-loads-after, the default before 2026-11-28: across 4
+        H200s the FP8 cached dispatch took 344-362 µs against 301-307 first).""")
+    gathered_index = Choice(
+        """An experiment for a lease (bench --variants gathered-index): a full dispatch's pull in turn
+        gathers its receive index before its items, then reads each item's entries locally
+        (dispatch.py, GATHER_INDEX).""")
+    full_one_launch = Choice(
+        """An experiment for a lease (bench --variants full-one-launch): a full dispatch of one round
+        runs as one launch after the host's count wait (ep_dispatch, as a cached one, its pull on
+        pull_programs_per_sm x num_sms programs), instead of staging during the wait and pulling in
+        turn after it. On num_sms pull programs it was slower (918 against 741 µs, 4 H200s).""")
+    pull_programs_per_sm = Choice(
+        """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
+        --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the
+        links, sets the pull's pace.""",
+        convert=programs_per_sm)
+    pushed_lists = Choice(
+        """An experiment for a lease (bench --variants pushed-lists): the stage stores each list into
+        its receiver's workspace, so a full dispatch's pull reads its entries locally (receive_index.py,
+        list_of). Every rank of the group must set the same.""")
+    stage_programs_per_sm = Choice(
+        """Copy programs of the stage in turn per Config.num_sms (1 to 4; bench --variants stage-2x
+        ... stage-4x): an experiment, the stage being local copies at a rate per program.""",
+        convert=programs_per_sm)
+    rank_loop_reduce = Choice(
+        """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other
+        warps (combine.py, RANK_LOOP); False: the [R_P2, BLOCK_C] tile, summed across warps from 8
+        ranks on (bench --variants tile-reduce; 4.8x slower at 8 ranks' tiles, performance-log).""")
+    reduce_warps_apart = Choice(
+        """An experiment for a lease (bench --variants reduce-warps-apart): the one-launch combine's
+        reduce programs decide their chunks' waits per warp, no barrier per chunk (combine.py).""")
+    combine_split = Choice(
+        """``(push, reduce)``: the one-launch combine's push and reduce programs, each in units of
+        Config.num_sms (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM; bench --variants single-push:
+        (1, 3), the split before 2026-11-28). At most 4 together: shared_grids.py counts 4 x num_sms.""",
+        convert=combine_split)
+    overlapped_combine = Choice(
+        """The combine's push and reduce in one launch, the reduce summing tokens as their blocks land
+        (combine.py, ep_combine); False: in turn, a barrier between them (bench --variants
+        serial-combine). Every rank of the group must set the same.""")
+    overlapped_dispatch = Choice(
+        """The dispatch's stage and pull in one launch, the pull starting on each block of rows as it
+        is staged (dispatch.py, ep_dispatch); False: in turn, a barrier between them (bench
+        --variants serial-dispatch). Every rank of the group must set the same.""")
+    doorbell_dispatch = Choice(
+        """A full dispatch in one launch too, launched before the host's count wait with its pull
+        waiting for the doorbell (bench --variants doorbell-dispatch; mailbox.py, ring). Off by
+        default: on one H100 (T=4096, one rank) its pull ran 7.1 µs per item against 5.3 in turn,
+        and the call 205 µs against 165 in turn (the stage runs during the wait either way; notes:
+        performance-log.md). Every rank of the group must set the same.""")

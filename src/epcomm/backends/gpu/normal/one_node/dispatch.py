@@ -212,7 +212,7 @@ STAGE_END_EVERY = tl.constexpr(4)
 
 # ====================================================================== dispatch: pull
 # ep_dispatch_pull: every receiver pulls its rows from the sources' staging halves; grid =
-# NormalMode.pull_programs_per_sm x num_sms (mode.py, PULL_PROGRAMS_PER_SM).
+# NormalMode.pull_programs_per_sm x num_sms (choices.py, PULL_PROGRAMS_PER_SM).
 #
 #   epoch = EPOCH_NORMAL (the stage's);  ACQUIRE every source's flag == epoch (a timeout, or a source
 #           the call board shows in another call, goes to the mailbox), then compare the sources'
