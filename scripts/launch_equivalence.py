@@ -23,7 +23,7 @@ ONE_NODE = os.path.join(GPU, "normal", "one_node")
 # kernel name -> (the module that defines it, [(host module, function, index of the launch in it)])
 SITES = {
     "ep_notify_dispatch": (os.path.join(ONE_NODE, "notify.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 0)]),
-    "ep_dispatch_stage": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "_stage", 0)]),
+    "ep_dispatch_stage": (os.path.join(ONE_NODE, "stage.py"), [(os.path.join(ONE_NODE, "mode.py"), "_stage", 0)]),
     "ep_dispatch_pull": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 1)]),
     "ep_combine_push": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 0)]),
     "ep_combine_reduce": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 1)]),

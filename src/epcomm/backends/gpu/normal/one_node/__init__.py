@@ -28,7 +28,8 @@ the mailbox word the notify kernel publishes.
 """
 from ..layout_kernel import LAYOUT
 from .combine import PUSH, PUSH_REDUCE, REDUCE
-from .dispatch import PULL, STAGE, STAGE_PULL
+from .dispatch import PULL, STAGE_PULL
+from .stage import STAGE
 from .mode import NormalMode
 from .notify import NOTIFY
 

@@ -17,7 +17,9 @@ from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
 from .choices import KernelChoices
 from .combine import PUSH, PUSH_REDUCE, REDUCE
-from .dispatch import POSITION_ELEMENTS, POSITION_TOKENS, PULL, STAGE, STAGE_PULL
+from .dispatch import PULL, STAGE_PULL
+from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
+from .stage import STAGE
 from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BOUND
 
