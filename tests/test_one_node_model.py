@@ -54,8 +54,9 @@ def test_overlapping_the_phases_saves_at_most_the_shorter_phase(estimates):
     for R, est in estimates.items():
         for call in ("cached dispatch", "combine"):
             assert est["overlapped"][call] <= est["every peer"][call], (R, call)
-        # the full dispatch is not overlapped (its stage runs in the host's count wait)
-        assert est["overlapped"]["full dispatch"] == est["every peer"]["full dispatch"], R
+        # the full dispatch stays in turn (its stage runs in the host's count wait): the column
+        # differs only by the pull's programs (pull_programs_per_sm) and the count wait's fit
+        assert est["overlapped"]["full dispatch"] <= est["every peer"]["full dispatch"], R
     assert estimates[8]["overlapped"]["combine"] > 960
 
 
@@ -73,3 +74,16 @@ def test_the_duplex_link_fits_the_one_launch_calls_measured_across_gpus():
             gpu = float(MEASURED_NOW[R][call][0].split("/")[0])
             assert est["overlapped"][call] == pytest.approx(gpu, rel=0.05 if R == 4 else 0.25), (R, call)
         assert est["rank order"] == estimate(R, 4096, 7168, 8, 256, 24, DEFAULTS)["rank order"]
+
+
+def test_the_full_dispatch_with_its_pull_on_three_times_the_programs_fits_the_measured_runs():
+    """The full dispatch in turn (stage, then the pull on 3 x num_sms programs, plus the count wait)
+    lands within 10 % of the measured gpu time at 2 and 4 ranks (4 x H200, 2026-11-28b), where the
+    pull on num_sms programs ("every peer", the fit before) overshoots at 2 ranks by 40 %."""
+    from epcomm.tools.one_node_model import MEASURED_NOW
+    fitted = Rates(**dict(DEFAULTS.__dict__, push_programs_per_sm=2.0, duplex_link=300.0, pull_programs_per_sm=3.0))
+    for R in (2, 4):
+        est = estimate(R, 4096, 7168, 8, 256, 24, fitted)
+        gpu = float(MEASURED_NOW[R]["full dispatch"][0].split("/")[0])
+        assert est["overlapped"]["full dispatch"] == pytest.approx(gpu, rel=0.1), R
+    assert estimate(2, 4096, 7168, 8, 256, 24, fitted)["every peer"]["full dispatch"] > 1.35 * 269

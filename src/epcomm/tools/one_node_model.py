@@ -16,7 +16,8 @@ moves rows between GPUs is bound by the slower of its programs and its links::
                                                                 way while they carry both ways
     overlapped (the phases through per-block flags, one launch: ep_dispatch for a cached dispatch,
         ep_combine): max(stage, pull), max(push, reduce), the push on push_programs_per_sm x P
-        programs; the full dispatch stays in turn (its stage runs during the host's count wait)
+        programs; the full dispatch stays in turn (its stage runs during the host's count wait), its
+        pull on pull_programs_per_sm x P programs
     pull, push (rank order, the walk before): each receiver takes source 0, 1, ... in turn, at
         P * r_local from itself, else min(P * r_remote, link / receivers now on that source) — a fluid
         queue (at 2 ranks the two receivers pair up; from 4 on they crowd one GPU's links)
@@ -77,6 +78,10 @@ class Rates:
     # command's defaults are the kernels' now: 2, and the 300 GB/s fitted across 4 H200s.)
     push_programs_per_sm: float = 1.0  # the one-launch combine's push programs per P (choices.PUSH_PROGRAMS_PER_SM)
     duplex_link: float = 0.0  # GB/s each way while the links carry both ways (every peer); 0: ``link``
+    pull_programs_per_sm: float = 1.0  # the full dispatch's pull in turn, programs per P (choices.PULL_PROGRAMS_PER_SM)
+    # the full dispatch's notify and host wait beside its stage, in the "overlapped" column (fitted on
+    # 4 x H200, 2026-11-28b: 269 / 658 µs measured at 2 / 4 ranks, the model 293 / 631)
+    count_wait_us: float = 30.0
 
 
 def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
@@ -141,9 +146,11 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
         if schedule == "every peer":  # the phases overlapped through per-block flags (one launch)
             wide_push = kernel(rows, x_bytes, round(programs * rates.push_programs_per_sm), rates,
                                rates.program_remote_store)
+            wide_pull = kernel(rows, x_bytes, round(programs * rates.pull_programs_per_sm), rates,
+                               rates.program_remote_load)
             out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
-                                 "full dispatch": cached + rates.notify_us,  # (in turn: the stage runs in the
-                                 # host's count wait; NormalMode.doorbell_dispatch overlaps it, off by default)
+                                 # (in turn: the stage runs in the host's count wait, then the pull)
+                                 "full dispatch": rates.fixed_us + stage_us + wide_pull + rates.count_wait_us,
                                  "combine": rates.fixed_us + max(wide_push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
@@ -174,6 +181,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GB/s of the reduce, rows read + written (one GPU: 42 µs on H200)")
     parser.add_argument("--push-programs-per-sm", type=positive_float, default=2.0,
                         help="the one-launch combine's push programs per --sms (choices.PUSH_PROGRAMS_PER_SM)")
+    parser.add_argument("--pull-programs-per-sm", type=positive_float, default=3.0,
+                        help="the full dispatch's pull in turn, programs per --sms (choices.PULL_PROGRAMS_PER_SM)")
+    parser.add_argument("--count-wait-us", type=non_negative_float, default=30.0,
+                        help="the full dispatch's notify and host wait beside its stage (the overlapped column; "
+                             "fitted on 4 x H200, 2026-11-28b)")
     parser.add_argument("--fixed-us", type=non_negative_float, default=10.0, help="launch gaps per call")
     parser.add_argument("--notify-us", type=non_negative_float, default=80.0,
                         help="a full dispatch's count exchange and host wait over a cached one (measured 79 at 2 "
@@ -183,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     rates = Rates(args.link_gbps, args.program_local_gbps, args.program_load_gbps, args.program_store_gbps,
                   args.copy_gbps, args.reduce_gbps, args.fixed_us, args.notify_us, args.push_programs_per_sm,
-                  args.duplex_link_gbps)
+                  args.duplex_link_gbps, args.pull_programs_per_sm, args.count_wait_us)
     print(f"model: one node, T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, {args.sms} programs, "
           f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
