@@ -35,8 +35,13 @@ class Config:
     both names of one setting: TypeError) and readable as attributes.
 
     Args:
-        num_sms: streaming multiprocessors (GPU programs) the kernels may use; must be even, as
-            each channel takes one sending and one receiving program.
+        num_sms: the unit of the normal-mode kernels' grids; must be even, as each channel takes
+            one sending and one receiving program (two-level backend: num_sms / 2 channels). Unlike
+            DeepEP's, it is not a bound on the SMs a call occupies: the one-node (nvlink) kernels
+            run a multiple of it per launch, each program a whole SM — the stage num_sms, the full
+            dispatch's pull in turn 3 x, a one-launch dispatch up to 2 x plus one program per rank,
+            the combine 4 x (2 x push, 2 x reduce) — where more programs, not the links, were
+            measured to set the pace (docs/PERFORMANCE.md).
         num_max_nvl_chunked_send_tokens: tokens a sender moves per step into an NVLink queue.
         num_max_nvl_chunked_recv_tokens: capacity, in tokens, of one NVLink queue (per channel and peer).
         num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the
