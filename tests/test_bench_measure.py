@@ -1,0 +1,41 @@
+"""``epcomm bench``'s measuring (tools/bench.py, ``measure``), with CUDA's events and the group's
+barrier stood in for on the CPU: host and gpu are the least of BATCHES batches of back-to-back calls,
+so a batch that a shared host slowed (one call stalled) does not set the figure; every rank makes
+the same calls (the barriers pair up)."""
+import time
+import types
+
+from epcomm.tools import bench
+
+
+class _Event:
+    """A CUDA event stood in for by the host clock (a host-bound call: the GPU keeps pace)."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):  # milliseconds, as CUDA's
+        return (end.at - self.at) * 1e3
+
+
+def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
+    barriers = []
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(bench, "dist", types.SimpleNamespace(barrier=lambda: barriers.append(1)))
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) == 3 + 1:  # the first timed call of the first batch stalls (after 3 warm-up calls)
+            time.sleep(0.05)
+
+    flush = types.SimpleNamespace(zero_=lambda: None)
+    result = bench.measure(call, reps=10, flush=flush, warmup=3, batches=3)
+    assert len(calls) == 3 + 3 * 10 + 10  # warm-up, three batches, ten synced calls
+    assert len(barriers) == 3 + 10  # one per batch, one per synced call: every rank alike
+    assert result["host"] < 0.005 and result["gpu"] < 0.005  # not the stalled batch's 5 ms per call
+    assert result["synced"] < 0.05
