@@ -27,7 +27,7 @@ done
 use_peer
 ranks="${RANKS:-4}"
 gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
-variants="${VARIANTS-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart,single-push,side-loads-after,pull-1x,gathered-index,full-one-launch,full-one-launch+pull-1x,stage-2x,pushed-lists,pushed-lists+full-one-launch}"
+variants="${VARIANTS-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart,single-push,side-loads-after,pull-1x,gathered-index,full-one-launch,full-one-launch+pull-1x,stage-2x,split-check,stage-2x+split-check,pushed-lists,pushed-lists+full-one-launch}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()

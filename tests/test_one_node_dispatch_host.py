@@ -217,6 +217,23 @@ def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_program
                       min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_split_check_adds_r_check_programs_before_the_copy_programs(monkeypatch, split):
+    """NormalMode.split_count_check (stage.py, SPLIT_CHECK): R list programs, then R programs of the
+    per-expert count check, then the copy programs — in turn and in one launch alike."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+    mode.split_count_check = split
+    mode.dispatch(_args(50))
+    copies = min(NUM_SMS, -(-50 // BLOCK_R))
+    (stage_grid,) = [grid for name, grid, _ in launches if name == "stage"]
+    assert stage_grid == R * (2 if split else 1) + copies
+    launches.clear()
+    mode.full_one_launch = True
+    mode.dispatch(_args(50))
+    assert launches[1][0] == "ep_dispatch" and launches[1][1] == R * (2 if split else 1) + copies + -(-40 // BLOCK_R)
+
+
 @pytest.mark.parametrize("per_sm", [0, 5])
 def test_programs_per_sm_outside_1_to_4_are_refused(monkeypatch, per_sm):
     mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
@@ -242,6 +259,7 @@ def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
     assert pushed.fingerprint_cached == plain.fingerprint_cached and pushed.fingerprint_full != plain.fingerprint_full
     assert pushed.pull_index["PUSHED_LISTS"] and not pushed.pull["PUSHED_LISTS"]
     assert pushed.stage_lists.fixed["PUSHED_LISTS"] and not pushed.stage.fixed["PUSHED_LISTS"]
+    assert not pushed.stage_lists.fixed["SPLIT_CHECK"]  # (its own choice: split_count_check)
     assert pushed.overlapped_full.fixed["PUSHED_LISTS"] and not pushed.overlapped_cached.fixed["PUSHED_LISTS"]
     with pytest.raises(EPInputError) as err:
         agreement.raise_disagreement({0: plain.fingerprint_full}, pushed.fingerprint_full, 2)

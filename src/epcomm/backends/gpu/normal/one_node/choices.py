@@ -72,7 +72,7 @@ class KernelChoices:
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
         self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, 1
-        self._pushed_lists = False
+        self._pushed_lists, self._split_count_check = False, False
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
 
     def _choice_changed(self) -> None:
@@ -110,6 +110,10 @@ class KernelChoices:
         """An experiment for a lease (bench --variants pushed-lists): the stage stores each list into
         its receiver's workspace, so a full dispatch's pull reads its entries locally (receive_index.py,
         list_of). Every rank of the group must set the same.""")
+    split_count_check = Choice(
+        """An experiment for a lease (bench --variants split-check): a full dispatch's stage checks
+        num_tokens_per_expert against topk_idx in R programs of its own, beside the list programs
+        instead of in them (stage.py, SPLIT_CHECK).""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; bench --variants stage-2x
         ... stage-4x): an experiment, the stage being local copies at a rate per program.""",

@@ -18,7 +18,7 @@ from .receive_index import list_of
 
 # ====================================================================== dispatch: stage
 # ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
-# [position programs] + copy programs (NormalMode.stage_programs_per_sm x num_sms at most).
+# [R check programs] + [position programs] + copy programs (NormalMode.stage_programs_per_sm x num_sms at most).
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
@@ -28,6 +28,8 @@ from .receive_index import list_of
 #                       overlapped combine's reduce finds by it which of j's pushed blocks holds t)
 #                       count check: len(list j) != num_tokens_per_rank[j], or (HAS_TOPK) j's experts'
 #                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
+#   check programs R+j: (SPLIT_CHECK, an experiment, with HAS_TOPK) the per-expert check of list
+#                       program j, in a program of its own beside it
 #   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
 #   copy programs:      for t in [token_lo, token_hi): half.x[t], half.scales[t], half.topk[t] = ...
 #   OVERLAP:            after each LIST_BLOCK tokens of list j: RELEASE j.block_flags[rank][last] =
@@ -37,6 +39,30 @@ from .receive_index import list_of
 #   last to arrive:     (in turn) EPOCH_NORMAL = epoch; COUNT_ERROR set -> fingerprint again with the abort field
 #                       RELEASE epoch to every peer's flag: who acquires it (ep_dispatch_pull) sees
 #                       the staged rows, the lists and the fingerprint
+@triton.jit
+def _expert_entries(topk_ptr, tokens, num_tokens, num_topk, dest, num_local, K_P2: tl.constexpr, L_P2: tl.constexpr,
+                    LIST_BLOCK: tl.constexpr):
+    """[L_P2] int32: the valid top-k entries of ``tokens`` that name each of rank ``dest``'s local
+    experts (the layout kernel's count, block by block)."""
+    k = tl.arange(0, K_P2)
+    ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
+                  mask=(tokens < num_tokens)[:, None] & (k < num_topk)[None, :], other=-1)
+    local = ids - dest * num_local
+    mine = (ids >= 0) & (local >= 0) & (local < num_local)
+    return tl.histogram(tl.reshape(tl.where(mine, local, 0).to(tl.int32), [LIST_BLOCK * K_P2]), L_P2,
+                        mask=tl.reshape(mine, [LIST_BLOCK * K_P2]))
+
+
+@triton.jit
+def _check_expert_counts(per_expert, per_expert_ptr, dest, num_local, state_ptr, L_P2: tl.constexpr):
+    """The caller's num_tokens_per_expert for ``dest``'s experts against ``per_expert`` counted from
+    topk_idx: a difference sets COUNT_ERROR (the stage's end turns it into the call's abort)."""
+    experts = tl.arange(0, L_P2)
+    given = tl.load(per_expert_ptr + dest * num_local + experts, mask=experts < num_local, other=0)
+    if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
+        tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+
+
 @triton.jit
 def _stage(pid, num_programs, epoch,
            x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
@@ -49,7 +75,7 @@ def _stage(pid, num_programs, epoch,
            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
            R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
            EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
+           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr, SPLIT_CHECK: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     # OVERLAP (ep_dispatch): each list and each block of staged rows is released on its own, to the
@@ -63,9 +89,13 @@ def _stage(pid, num_programs, epoch,
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
     my_flag_row = block_flags_offset + rank.to(tl.int64) * block_flag_cap * 8  # (OVERLAP) this rank's row at a peer
     # -- list programs: token lists per destination, and the caller's counts checked against them
+    # SPLIT_CHECK (an experiment, off by default): the top-k rows' per-expert count check runs in R
+    # programs of its own, beside the list programs instead of in them (each scans all T tokens:
+    # the stage's longest programs; on one H100 more copy programs left the stage at 49 µs).
+    SEPARATE_CHECK: tl.constexpr = SPLIT_CHECK and HAS_TOPK
     first_copy = 0
     if WRITE_LISTS:
-        first_copy = num_ranks
+        first_copy = num_ranks * (2 if SEPARATE_CHECK else 1)
         if pid < num_ranks:
             # this rank's list for rank pid: here, or (PUSHED_LISTS) stored into pid's workspace
             # (receive_index.list_of), covered by the same releases as a list kept here
@@ -84,21 +114,21 @@ def _stage(pid, num_programs, epoch,
                 if OVERLAP:  # RELEASE: the list's first `running` entries -> rank pid's pull programs
                     publish_from_one_thread(tl.load(flag_bases_ptr + pid) + my_flag_row + (block_flag_cap - 1) * 8,
                                             (epoch.to(tl.int64) << 32) | running)
-                if HAS_TOPK:  # the layout kernel's count: every valid entry of one of j's experts
-                    k = tl.arange(0, K_P2)
-                    ids = tl.load(topk_ptr + tokens[:, None].to(tl.int64) * num_topk + k[None, :],
-                                  mask=(tokens < num_tokens)[:, None] & (k < num_topk)[None, :], other=-1)
-                    local = ids - pid * num_local
-                    mine = (ids >= 0) & (local >= 0) & (local < num_local)
-                    per_expert += tl.histogram(tl.reshape(tl.where(mine, local, 0).to(tl.int32), [LIST_BLOCK * K_P2]),
-                                               L_P2, mask=tl.reshape(mine, [LIST_BLOCK * K_P2]))
+                if HAS_TOPK and not SEPARATE_CHECK:
+                    per_expert += _expert_entries(topk_ptr, tokens, num_tokens, num_topk, pid, num_local, K_P2, L_P2,
+                                                  LIST_BLOCK)
             if running != tl.load(per_rank_ptr + pid):
                 tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_RANK)
-            if HAS_TOPK:
-                experts = tl.arange(0, L_P2)
-                given = tl.load(per_expert_ptr + pid * num_local + experts, mask=experts < num_local, other=0)
-                if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
-                    tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
+            if HAS_TOPK and not SEPARATE_CHECK:
+                _check_expert_counts(per_expert, per_expert_ptr, pid, num_local, state_ptr, L_P2)
+        if SEPARATE_CHECK:
+            if (pid >= num_ranks) & (pid < 2 * num_ranks):
+                dest = pid - num_ranks
+                per_expert = tl.zeros([L_P2], tl.int32)
+                for start in range(0, num_tokens, LIST_BLOCK):
+                    per_expert += _expert_entries(topk_ptr, start + tl.arange(0, LIST_BLOCK), num_tokens, num_topk,
+                                                  dest, num_local, K_P2, L_P2, LIST_BLOCK)
+                _check_expert_counts(per_expert, per_expert_ptr, dest, num_local, state_ptr, L_P2)
     # -- position programs: expert-major places of the top-k entries
     if EXPERT_MAJOR:
         first_position = first_copy
@@ -175,7 +205,7 @@ def ep_dispatch_stage(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr):
+        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr, SPLIT_CHECK: tl.constexpr):
     # The stage alone (the dispatch in turn, and every dispatch but a one-round plain one).
     _stage(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
            x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
@@ -184,7 +214,8 @@ def ep_dispatch_stage(
            lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
            fp_offset, fp0, fp1, board_bases_ptr, call_tag,
            HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS)
+           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS,
+           SPLIT_CHECK=SPLIT_CHECK)
 
 
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
