@@ -6,7 +6,9 @@
 #
 # Parts (each under its own time limit, so a hang costs one part, not the call):
 #   normal       epcomm bench normal at T=4096 and 512 beside DeepEP, and VARIANTS (a comma list of
-#                bench.NORMAL_VARIANTS, default all; VARIANTS= for none) at T=4096, each a table of its own
+#                bench.NORMAL_VARIANTS, joined by + for one point; default all, the newest experiments
+#                first, so a part cut by its limit keeps those; VARIANTS= for none) at T=4096, each a
+#                table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
@@ -27,7 +29,7 @@ done
 use_peer
 ranks="${RANKS:-4}"
 gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
-variants="${VARIANTS-rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart,single-push,side-loads-after,pull-1x,gathered-index,full-one-launch,full-one-launch+pull-1x,stage-2x,split-check,stage-2x+split-check,pushed-lists,pushed-lists+full-one-launch}"
+variants="${VARIANTS-pushed-lists,pushed-lists+full-one-launch,full-one-launch,stage-2x,split-check,stage-2x+split-check,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()

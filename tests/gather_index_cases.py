@@ -37,7 +37,7 @@ def _gather(prefix_ptr, bases_ptr, src_idx_ptr, rank, num_ranks, num_rows, half_
 
 @triton.jit
 def _write(counts_ptr, bases_ptr, rank, half_offset, list_cap, PUSHED_LISTS: tl.constexpr):
-    source = tl.program_id(0)  # (as dispatch._stage: list_of(its half, the receiver's, itself, the receiver))
+    source = tl.program_id(0)  # (as stage._stage: list_of(its half, the receiver's, itself, the receiver))
     lists = list_of(tl.load(bases_ptr + source) + half_offset, tl.load(bases_ptr + rank) + half_offset, source, rank,
                     16, list_cap, PUSHED_LISTS)
     i = tl.arange(0, 128)

@@ -114,7 +114,7 @@ def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False):
                           (True, False, 8, True, False), (False, True, 16, True, False), (True, False, 8, True, True)],
                          ids=["full dispatch", "cached dispatch", "cached FP8", "full dispatch, 32 rows",
                               "full dispatch, side loads first", "cached FP8, side loads first",
-                              "full dispatch, lists pushed"])
+                              "full dispatch, lists pushed, count check split"])
 def test_the_overlapped_pull_runs_its_items_without_meeting_the_other_warps(full, scales, block_r, side_first,
                                                                            pushed_lists):
     """Each warp decides its waits alone (warps.warp_all / warp_any), so the item loop — its waits

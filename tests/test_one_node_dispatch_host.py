@@ -5,6 +5,7 @@ launch, ep_dispatch goes before the wait and its pull waits for the doorbell; th
 with the outputs' addresses when the group fits one launch too, and cancel otherwise (then pulls
 in turn) or when anything raises between the launch and the ring. Checked with recording
 stand-ins for the kernels and a real HostMailbox in unpinned memory, no GPU. Skipped without Triton."""
+import dataclasses
 import types
 from collections import defaultdict
 
@@ -223,7 +224,8 @@ def test_split_check_adds_r_check_programs_before_the_copy_programs(monkeypatch,
     per-expert count check, then the copy programs — in turn and in one launch alike."""
     launches = []
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.split_count_check = split
+    plan = dataclasses.replace(mode._dispatch_plan_of(None), split_check=split)  # (as the choice compiles it)
+    mode._dispatch_plan_of = lambda args: plan
     mode.dispatch(_args(50))
     copies = min(NUM_SMS, -(-50 // BLOCK_R))
     (stage_grid,) = [grid for name, grid, _ in launches if name == "stage"]
@@ -232,6 +234,11 @@ def test_split_check_adds_r_check_programs_before_the_copy_programs(monkeypatch,
     mode.full_one_launch = True
     mode.dispatch(_args(50))
     assert launches[1][0] == "ep_dispatch" and launches[1][1] == R * (2 if split else 1) + copies + -(-40 // BLOCK_R)
+    launches.clear()  # no top-k: no check to split, R list programs
+    plan = dataclasses.replace(plan, num_topk=0)
+    mode.full_one_launch = False
+    mode.dispatch(_args(50))
+    assert [grid for name, grid, _ in launches if name == "stage"] == [R + copies]
 
 
 @pytest.mark.parametrize("per_sm", [0, 5])
@@ -259,7 +266,11 @@ def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
     assert pushed.fingerprint_cached == plain.fingerprint_cached and pushed.fingerprint_full != plain.fingerprint_full
     assert pushed.pull_index["PUSHED_LISTS"] and not pushed.pull["PUSHED_LISTS"]
     assert pushed.stage_lists.fixed["PUSHED_LISTS"] and not pushed.stage.fixed["PUSHED_LISTS"]
-    assert not pushed.stage_lists.fixed["SPLIT_CHECK"]  # (its own choice: split_count_check)
+    assert not pushed.stage_lists.fixed["SPLIT_CHECK"] and not pushed.split_check  # (its own choice)
+    mode.split_count_check = True
+    split = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    assert split.split_check and split.stage_lists.fixed["SPLIT_CHECK"] and split.overlapped_full.fixed["SPLIT_CHECK"]
+    assert not split.stage.fixed["SPLIT_CHECK"] and not split.overlapped_cached.fixed["SPLIT_CHECK"]
     assert pushed.overlapped_full.fixed["PUSHED_LISTS"] and not pushed.overlapped_cached.fixed["PUSHED_LISTS"]
     with pytest.raises(EPInputError) as err:
         agreement.raise_disagreement({0: plain.fingerprint_full}, pushed.fingerprint_full, 2)

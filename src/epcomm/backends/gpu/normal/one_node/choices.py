@@ -9,8 +9,8 @@ from typing import Any, Callable, Tuple
 
 
 class Choice:
-    """A NormalMode attribute, stored as ``_<name>`` on the instance (the mode's ``__init__`` sets
-    the default there), whose setting calls the owner's ``_choice_changed()``. ``convert`` turns
+    """A NormalMode attribute, stored as ``_<name>`` on the instance (KernelChoices._default_choices
+    sets the default there), whose setting calls the owner's ``_choice_changed()``. ``convert`` turns
     the value set into the one stored (``bool`` for the switches)."""
 
     def __init__(self, doc: str, convert: Callable[[Any], Any] = bool):

@@ -387,7 +387,7 @@ def ep_dispatch_pull(
 # entries of the list for that receiver are written.
 #
 #   epoch = EPOCH_NORMAL + 1 (read by every program before the pull's last one stores it)
-#   stage programs:  the stage above, with a RELEASE per list (to its receiver) and per block of
+#   stage programs:  the stage (stage.py, _stage), with a RELEASE per list (to its receiver) and per block of
 #                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
 #   DOORBELL (a full dispatch launched before the host's count wait; the outputs do not exist yet):
 #       the first pull program polls the mailbox's doorbell (sync.await_doorbell; ACQUIRE) and
@@ -454,6 +454,8 @@ def ep_dispatch(
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
+    # PUSHED_LISTS, SPLIT_CHECK (experiments): where the lists live (receive_index.list_of); the stage's
+    # count check in programs of its own (stage.py).
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_stage:

@@ -73,6 +73,7 @@ class DispatchPlan:
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
+    split_check: bool = False  # stage_lists and overlapped_full compiled with SPLIT_CHECK (R more programs)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class NormalMode(KernelChoices):
                             # (pushed_lists: ranks that disagree read lists where none were written, so
                             # the full dispatch's fingerprint carries it and they raise instead)
                             agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
-                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
+                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)),
+                            self.split_count_check)
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
         x = args.x[0] if args.x.__class__ is tuple else args.x
@@ -383,14 +385,16 @@ class NormalMode(KernelChoices):
 
     def _list_programs(self, plan: DispatchPlan) -> int:
         """The stage's programs before its copy programs in a full dispatch: R list programs, and R
-        check programs with split_count_check and top-k (stage.py, SPLIT_CHECK)."""
-        return self.R * (2 if self.split_count_check and plan.num_topk else 1)
+        check programs where the plan's kernels were compiled with SPLIT_CHECK and top-k (stage.py;
+        read from the plan, whose kernels the launch uses, not from the choice)."""
+        return self.R * (2 if plan.split_check and plan.num_topk else 1)
 
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
                              pull_programs: int, sequence: int = 0) -> None:
-        """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (R list
-        programs in a full dispatch, then up to ``num_sms`` copy programs), then ``pull_programs``
+        """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (in a full
+        dispatch R list programs, and R check programs: _list_programs; then up to ``num_sms`` copy
+        programs), then ``pull_programs``
         pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
         each block of rows as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
         ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list

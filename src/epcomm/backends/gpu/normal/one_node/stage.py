@@ -18,7 +18,8 @@ from .receive_index import list_of
 
 # ====================================================================== dispatch: stage
 # ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
-# [R check programs] + [position programs] + copy programs (NormalMode.stage_programs_per_sm x num_sms at most).
+# [R check programs: SPLIT_CHECK, with HAS_TOPK] + [position programs] + copy programs (in turn at most
+# NormalMode.stage_programs_per_sm x num_sms; in ep_dispatch at most num_sms).
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
