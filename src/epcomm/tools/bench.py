@@ -538,7 +538,8 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
         parser.add_argument("--extra-tokens", type=token_list, default="512",
                             help="more token counts to run, comma-separated ('' for none)")
     parser.add_argument("--reps", type=positive_int, default=30,
-                        help="calls per timing" + ("" if normal else " (at least 20)"))
+                        help="calls per batch of back-to-back calls (host and gpu: the least of 3 batches; "
+                             "synced: half as many single calls, at least 10)" + ("" if normal else " (at least 20)"))
     parser.add_argument("--peer", choices=["deep_ep"], default=None,
                         help="also run this library on the same data (needs it importable)")
     parser.add_argument("--ranks", type=non_negative_int, default=0, help="ranks to use (0: all GPUs)")
