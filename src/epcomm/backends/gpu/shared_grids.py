@@ -10,7 +10,8 @@ caller passes (a smaller value the caller asks for wins):
 - normal mode, ``Config.num_sms`` (Buffer applies the cap where it resolves the config): the
   one-node kernels run 16 warps, a whole SM each, and the combine's reduce runs 4 x num_sms
   programs that all wait (in one launch with the push: 2 x num_sms push and 2 x num_sms reduce
-  programs), so ranks x 4 x num_sms stays below the SMs; the two-level kernels wait
+  programs; the full dispatch's pull in turn waits in 3 x num_sms: choices.PULL_PROGRAMS_PER_SM),
+  so ranks x 4 x num_sms stays below the SMs; the two-level kernels wait
   in fewer programs (C = num_sms / 2 channels of forwarders per node): about SMs / (2 x ranks);
 - low-latency receive phases (they spin): together about three quarters of the SMs;
 - low-latency send phases (they do not spin, but a late rank's sender must find room beside every
