@@ -25,7 +25,7 @@ from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell
                      load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders, record_elsewhere,
                      report_late)
 from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
-from .expert_major_rows import pull_expert_major, zero_padding_rows
+from .expert_major_rows import pull_expert_major, staged_topk, zero_padding_rows
 from .receive_index import gather_index, list_of
 from .stage import _stage
 from .schedule import advance_round, item_block, source_blocks, trace_item
@@ -213,7 +213,7 @@ def _pull(pid, num_programs, epoch,
                     s, m_s, ss = _staged_scales(staged, srow, move, scales_offset, num_scales, S_P2)
                     scale_values = tl.load(ss[:, None] + s[None, :], mask=m_s)
                 if HAS_TOPK:
-                    k, m, ids, weights = _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
+                    k, m, ids, weights = staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
             if PIPELINE:  # load this item's rows, then store the previous item's (no ordering: local outputs)
                 cm = cols < x_words
                 loaded = tl.load(sx[:, None] + cols[None, :], mask=move[:, None] & cm[None, :])
@@ -231,7 +231,7 @@ def _pull(pid, num_programs, epoch,
                              tl.load(ss[:, None] + s[None, :], mask=m_s), mask=m_s)
             if HAS_TOPK:
                 if not SIDE_FIRST:
-                    k, m, ids, weights = _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
+                    k, m, ids, weights = staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
                 local = ids - expert_lo
                 mine = (ids >= 0) & (local >= 0) & (local < num_local)
                 out = rows64[:, None] * num_topk + k[None, :]
@@ -287,19 +287,6 @@ def _staged_scales(staged, srow, move, scales_offset, num_scales, S_P2: tl.const
     s = tl.arange(0, S_P2)
     mask = move[:, None] & (s < num_scales)[None, :]
     return s, mask, (staged + scales_offset).to(tl.pointer_type(tl.float32)) + srow * num_scales
-
-
-@triton.jit
-def _staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2: tl.constexpr):
-    """``(columns, mask, ids, weights)``: the int64 expert ids (-1 masked) and float32 weights (0
-    masked) of staged rows ``srow`` (where ``move``)."""
-    k = tl.arange(0, K_P2)
-    mask = move[:, None] & (k < num_topk)[None, :]
-    trow = staged + topk_offset + srow * topk_row_bytes
-    ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=mask, other=-1)
-    weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=mask,
-                      other=0.0)
-    return k, mask, ids, weights
 
 
 @triton.jit

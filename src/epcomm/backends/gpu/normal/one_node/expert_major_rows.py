@@ -52,6 +52,21 @@ def expert_positions(topk_ptr, pos_address, pos_row_bytes, first, last, token_lo
 
 
 @triton.jit
+def staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2: tl.constexpr):
+    """``(columns, mask, ids, weights)``: the int64 expert ids (-1 masked) and float32 weights (0
+    masked) of staged rows ``srow`` (where ``move``) — a staged top-k row is [K int64 ids][K float32
+    weights], and in the expert-major layout [K int32 positions] after them (the pull of either
+    layout reads it here)."""
+    k = tl.arange(0, K_P2)
+    mask = move[:, None] & (k < num_topk)[None, :]
+    trow = staged + topk_offset + srow * topk_row_bytes
+    ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=mask, other=-1)
+    weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=mask,
+                      other=0.0)
+    return k, mask, ids, weights
+
+
+@triton.jit
 def pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scales_ptr, row_experts_ptr,
                        row_weights_ptr, table_ptr, dest_ptr, x_words, num_scales, num_topk, scales_offset, topk_offset,
                        topk_row_bytes, expert_lo, num_local, num_em_rows, HAS_SCALES: tl.constexpr,
@@ -59,12 +74,8 @@ def pull_expert_major(staged, srow, src, rows64, move, sx, recv_x_ptr, recv_scal
     """ep_dispatch_pull's rows in the expert-major layout: each row read once from its source and
     stored to the row of each of its local entries."""
     if HAS_TOPK:  # this dispatch's rows: the source's position plus this rank's group table
-        k = tl.arange(0, K_P2)
-        entries = move[:, None] & (k < num_topk)[None, :]
+        k, entries, ids, weights = staged_topk(staged, srow, move, topk_offset, topk_row_bytes, num_topk, K_P2)
         trow = staged + topk_offset + srow * topk_row_bytes
-        ids = tl.load(trow.to(tl.pointer_type(tl.int64))[:, None] + k[None, :], mask=entries, other=-1)
-        weights = tl.load((trow + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=entries,
-                          other=0.0)
         position = tl.load((trow + num_topk * 12).to(tl.pointer_type(tl.int32))[:, None] + k[None, :], mask=entries,
                            other=0)
         local = ids - expert_lo
