@@ -1,7 +1,7 @@
 """The stage's per-expert count check (gpu/normal/one_node/stage.py: ``_expert_entries`` counted
 block by block, then ``_check_expert_counts``), run by Triton's interpreter on the CPU: run as
 ``TRITON_INTERPRET=1 python tests/expert_count_cases.py`` (test_stage_count_check.py runs it). The
-list programs run these helpers inside their token loop, and SPLIT_CHECK's programs beside them.
+list programs run these helpers inside their token loop.
 
 One program per destination rank counts the valid top-k entries that name each of its local
 experts and checks them against the given num_tokens_per_expert. One JSON line per case: the case,

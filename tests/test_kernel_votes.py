@@ -101,7 +101,6 @@ def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False):
     return N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=scales, HAS_TOPK=full, LIST_BLOCK=1024,
                                      L_P2=128 if full else 1, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
                                      TRACE=False, DOORBELL=False, SIDE_FIRST=side_first, PUSHED_LISTS=pushed_lists,
-                                     SPLIT_CHECK=pushed_lists,
                                      **dict(COPY, BLOCK_R=block_r, BLOCK_W=16384 // block_r)),
                                 16, target=SM90).asm["ptx"]
 
@@ -160,8 +159,7 @@ def test_the_doorbell_answer_is_a_vote():
     not read go must not pull while another does."""
     compiled = N.STAGE_PULL.compile(dict(INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
                                          LIST_BLOCK=1024, L_P2=128, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
-                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False,
-                                         SPLIT_CHECK=False, **COPY),
+                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False, **COPY),
                                     16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert ptx.count("bar.red.and.pred") >= 1 and ptx.count("bar.red.or.pred") >= 1  # go; the others' stand-down

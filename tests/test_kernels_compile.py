@@ -32,7 +32,7 @@ def _cases():
     for fp8, topk, lists, al, em in itertools.product([False, True], repeat=5):
         if not em or topk:  # expert-major positions are staged with the top-k rows
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
-                                PUSHED_LISTS=lists and topk != al, SPLIT_CHECK=lists and topk and fp8 != al,
+                                PUSHED_LISTS=lists and topk != al,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al,
@@ -41,7 +41,7 @@ def _cases():
                                                     (False, False, False), (False, True, False)], [False, True]):
         # (DOORBELL: a full dispatch launched before the count wait; without, a num_worst_tokens one)
         yield N.STAGE_PULL, dict(INDEX=index, WRITE_LISTS=index, HAS_SCALES=fp8, HAS_TOPK=topk, LIST_BLOCK=1024,
-                                 PUSHED_LISTS=index and al, SPLIT_CHECK=index and topk and not al,
+                                 PUSHED_LISTS=index and al,
                                  L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
                                  TRACE=al and not fp8, DOORBELL=index and (al or not topk), SIDE_FIRST=fp8 or topk,
                                  **copy), 16
@@ -161,7 +161,7 @@ def test_nvshmem_backend_channel_limit():
 
 # Copies move 16 bytes per access when ALIGNED (copy.py): the compiler must see the alignment.
 @pytest.mark.parametrize("spec,constexprs,num_warps", [
-    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, PUSHED_LISTS=False, SPLIT_CHECK=False,
+    (N.STAGE, dict(HAS_SCALES=False, HAS_TOPK=False, WRITE_LISTS=False, PUSHED_LISTS=False,
                    LIST_BLOCK=1024, L_P2=1,
                    BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8, EXPERT_MAJOR=False, POSITION_TOKENS=128, E_P2=1,
                    POSITION_SUB=1), 16),
@@ -379,7 +379,7 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
 
 # The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
 _PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8, PUSHED_LISTS=False)
-_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False, SPLIT_CHECK=False)
+_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
 
 
 @pytest.mark.parametrize("spec,constexprs", [

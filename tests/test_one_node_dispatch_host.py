@@ -218,27 +218,23 @@ def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_program
                       min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_split_check_adds_r_check_programs_before_the_copy_programs(monkeypatch, split):
-    """NormalMode.split_count_check (stage.py, SPLIT_CHECK): R list programs, then R programs of the
-    per-expert count check, then the copy programs — in turn and in one launch alike."""
+def test_a_full_dispatch_stages_on_r_list_programs_and_stage_programs_per_sm_copy_programs_by_default(monkeypatch):
+    """The default stage in turn: R list programs, then STAGE_PROGRAMS_PER_SM x num_sms copy programs
+    (its copies' rate per program set its pace); in one launch the stage keeps num_sms copy programs
+    beside the pull's."""
+    from epcomm.backends.gpu.normal.one_node import choices
     launches = []
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    plan = dataclasses.replace(mode._dispatch_plan_of(None), split_check=split)  # (as the choice compiles it)
-    mode._dispatch_plan_of = lambda args: plan
-    mode.dispatch(_args(50))
-    copies = min(NUM_SMS, -(-50 // BLOCK_R))
+    assert mode.stage_programs_per_sm == choices.STAGE_PROGRAMS_PER_SM == 2
+    mode.dispatch(_args(100))  # (100 tokens: 13 blocks of 8, more than num_sms)
     (stage_grid,) = [grid for name, grid, _ in launches if name == "stage"]
-    assert stage_grid == R * (2 if split else 1) + copies
+    assert stage_grid == R + min(2 * NUM_SMS, -(-100 // BLOCK_R))
     launches.clear()
     mode.full_one_launch = True
-    mode.dispatch(_args(50))
-    assert launches[1][0] == "ep_dispatch" and launches[1][1] == R * (2 if split else 1) + copies + -(-40 // BLOCK_R)
-    launches.clear()  # no top-k: no check to split, R list programs
-    plan = dataclasses.replace(plan, num_topk=0)
-    mode.full_one_launch = False
-    mode.dispatch(_args(50))
-    assert [grid for name, grid, _ in launches if name == "stage"] == [R + copies]
+    mode.dispatch(_args(100))
+    assert launches[1][0] == "ep_dispatch"
+    pull_programs = min(mode.pull_programs_per_sm * NUM_SMS, -(-40 // BLOCK_R))  # (40 rows received)
+    assert launches[1][1] == R + min(NUM_SMS, -(-100 // BLOCK_R)) + pull_programs
 
 
 @pytest.mark.parametrize("per_sm", [0, 5])
@@ -266,11 +262,6 @@ def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
     assert pushed.fingerprint_cached == plain.fingerprint_cached and pushed.fingerprint_full != plain.fingerprint_full
     assert pushed.pull_index["PUSHED_LISTS"] and not pushed.pull["PUSHED_LISTS"]
     assert pushed.stage_lists.fixed["PUSHED_LISTS"] and not pushed.stage.fixed["PUSHED_LISTS"]
-    assert not pushed.stage_lists.fixed["SPLIT_CHECK"] and not pushed.split_check  # (its own choice)
-    mode.split_count_check = True
-    split = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    assert split.split_check and split.stage_lists.fixed["SPLIT_CHECK"] and split.overlapped_full.fixed["SPLIT_CHECK"]
-    assert not split.stage.fixed["SPLIT_CHECK"] and not split.overlapped_cached.fixed["SPLIT_CHECK"]
     assert pushed.overlapped_full.fixed["PUSHED_LISTS"] and not pushed.overlapped_cached.fixed["PUSHED_LISTS"]
     with pytest.raises(EPInputError) as err:
         agreement.raise_disagreement({0: plain.fingerprint_full}, pushed.fingerprint_full, 2)

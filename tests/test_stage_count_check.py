@@ -1,5 +1,5 @@
 """The stage's per-expert count check (stage.py: ``_expert_entries``, ``_check_expert_counts``;
-the list programs run it, or SPLIT_CHECK's programs of its own), run by Triton's interpreter on the
+the list programs run it, in their token loop), run by Triton's interpreter on the
 CPU (tests/expert_count_cases.py): each destination's local experts counted from topk_idx as the
 layout kernel counts them (entries of -1 count for no one), and a caller's num_tokens_per_expert off
 by one at any expert sets COUNT_ERROR to ABORT_NUM_TOKENS_PER_EXPERT. Skipped without Triton."""

@@ -160,9 +160,9 @@ class NormalBenchSettings:
     # SIDE_FIRST), "gathered-index" (a full dispatch's pull gathering its receive index before its items:
     # dispatch.py, GATHER_INDEX), "full-one-launch" (a full dispatch as one launch after the count wait:
     # mode.py), "pull-Nx" (the pull in turn on N x num_sms programs, N = 1..4: choices.py, PULL_PROGRAMS_PER_SM),
-    # "stage-Nx" (the stage in turn's copy programs likewise, N = 2..4: mode.py), "pushed-lists" (each
-    # list stored into its receiver's workspace, read there locally: receive_index.py, list_of), "split-check"
-    # (the stage's per-expert count check in programs of its own: stage.py, SPLIT_CHECK)
+    # "stage-Nx" (the stage in turn's copy programs likewise, N = 1..4: choices.py, STAGE_PROGRAMS_PER_SM),
+    # "pushed-lists" (each list stored into its receiver's workspace, read there locally: receive_index.py,
+    # list_of)
     variants: List[str] = field(default_factory=list)
 
 
@@ -468,8 +468,8 @@ MODE_DESCRIPTIONS = {
 NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dispatch", "doorbell-dispatch",
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
-                   "pull-4x", "stage-2x", "stage-3x", "stage-4x", "pushed-lists",
-                   "split-check")  # NormalBenchSettings.variants
+                   "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
+                   "pushed-lists")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -501,8 +501,8 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.gathered_index = "gathered-index" in variants
     normal.full_one_launch = "full-one-launch" in variants
     normal.pushed_lists = "pushed-lists" in variants
-    normal.split_count_check = "split-check" in variants
-    normal.stage_programs_per_sm = next((n for n in (2, 3, 4) if f"stage-{n}x" in variants), 1)
+    normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
+                                        choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
                                        choices.PULL_PROGRAMS_PER_SM)
     normal.combine_split = (1, 3) if "single-push" in variants else (choices.PUSH_PROGRAMS_PER_SM,
@@ -562,10 +562,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "scales and top-k rows after its x rows, the default before 2026-11-28), "
                                  "gathered-index (a full dispatch's pull gathering its receive index before its "
                                  "items), full-one-launch (a full dispatch in one launch after its count wait), "
-                                 "pull-1x ... pull-4x (the pull in turn on N x num_sms programs; default 3), stage-2x ... "
-                                 "stage-4x (the stage in turn's copy programs, likewise; default 1), pushed-lists (the "
-                                 "stage storing each token list into its receiver's workspace), split-check (the stage's "
-                                 "per-expert count check in programs of its own); "
+                                 "pull-1x ... pull-4x (the pull in turn on N x num_sms programs; default 3), stage-1x ... "
+                                 "stage-4x (the stage in turn's copy programs, likewise; default 2), pushed-lists (the "
+                                 "stage storing each token list into its receiver's workspace); "
                                  "join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "

@@ -59,6 +59,11 @@ REDUCE_PROGRAMS_PER_SM = 2
 # side loads first): the full dispatch took 649 / 643 / 636 µs on 2 / 3 / 4 x num_sms against 746
 # on num_sms (DeepEP V1 855); at 2 ranks 299 / 269 / 263 against 373 (performance-log, 2026-11-28).
 PULL_PROGRAMS_PER_SM = 3
+# The stage in turn (a full dispatch's, before its pull) copies on this many times num_sms programs:
+# local copies at a rate per program. Each kernel alone on one H200 (T=4096, H=7168, Config(24)):
+# 62.1 µs on num_sms, 40.2 on 2 x num_sms (H100: 65.4, 49.0; 4 x num_sms 49.5): performance-log,
+# 2026-11-28c. The stage waits for nothing, so no grid cap limits it.
+STAGE_PROGRAMS_PER_SM = 2
 
 
 class KernelChoices:
@@ -71,8 +76,9 @@ class KernelChoices:
         self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
         self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
         self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
-        self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, 1
-        self._pushed_lists, self._split_count_check = False, False
+        self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, \
+            STAGE_PROGRAMS_PER_SM
+        self._pushed_lists = False
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
 
     def _choice_changed(self) -> None:
@@ -110,13 +116,10 @@ class KernelChoices:
         """An experiment for a lease (bench --variants pushed-lists): the stage stores each list into
         its receiver's workspace, so a full dispatch's pull reads its entries locally (receive_index.py,
         list_of). Every rank of the group must set the same.""")
-    split_count_check = Choice(
-        """An experiment for a lease (bench --variants split-check): a full dispatch's stage checks
-        num_tokens_per_expert against topk_idx in R programs of its own, beside the list programs
-        instead of in them (stage.py, SPLIT_CHECK).""")
     stage_programs_per_sm = Choice(
-        """Copy programs of the stage in turn per Config.num_sms (1 to 4; bench --variants stage-2x
-        ... stage-4x): an experiment, the stage being local copies at a rate per program.""",
+        """Copy programs of the stage in turn per Config.num_sms (1 to 4; default
+        STAGE_PROGRAMS_PER_SM; bench --variants stage-1x ... stage-4x): the stage is local copies at
+        a rate per program.""",
         convert=programs_per_sm)
     rank_loop_reduce = Choice(
         """The combine's reduce sums a token's ranks one row at a time, nothing meeting the other

@@ -437,12 +437,11 @@ def ep_dispatch(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr, DOORBELL: tl.constexpr,
-        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr, SPLIT_CHECK: tl.constexpr):
+        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
-    # PUSHED_LISTS, SPLIT_CHECK (experiments): where the lists live (receive_index.list_of); the stage's
-    # count check in programs of its own (stage.py).
+    # PUSHED_LISTS (an experiment): where the lists live (receive_index.list_of).
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_stage:
@@ -453,8 +452,7 @@ def ep_dispatch(
                x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
                fp_offset, fp0, fp1, board_bases_ptr, call_tag,
                HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True, PUSHED_LISTS=PUSHED_LISTS,
-               SPLIT_CHECK=SPLIT_CHECK)
+               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True, PUSHED_LISTS=PUSHED_LISTS)
     else:
         if DOORBELL:  # the rows and the outputs the host allocated after its count wait (none: cancel)
             answer, words = await_doorbell(doorbell_address, sequence, epoch, state_ptr, 2 * timeout_ns,

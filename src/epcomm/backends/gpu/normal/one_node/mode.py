@@ -73,7 +73,6 @@ class DispatchPlan:
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
-    split_check: bool = False  # stage_lists and overlapped_full compiled with SPLIT_CHECK (R more programs)
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,6 @@ class NormalMode(KernelChoices):
         meta = dict(HAS_SCALES=num_scales > 0, HAS_TOPK=num_topk > 0, BLOCK_R=block_r, BLOCK_W=block_w,
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
         pushed, no_lists = dict(PUSHED_LISTS=self.pushed_lists), dict(PUSHED_LISTS=False)  # (with lists, without)
-        writes, writes_none = dict(pushed, SPLIT_CHECK=self.split_count_check), dict(no_lists, SPLIT_CHECK=False)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
                         SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, SIDE_FIRST=self.side_loads_first)
@@ -156,9 +154,9 @@ class NormalMode(KernelChoices):
         return DispatchPlan(x_bytes // 8, num_scales, num_topk, max(num_topk, expert_major_topk), topk_row_bytes,
                             offsets, round_tokens, block_r, rows_aligned, expert_major,
                             Specialisations(STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
-                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions, **writes),
+                                            WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions, **pushed),
                             Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
-                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions, **writes_none),
+                                            LIST_BLOCK=1024, L_P2=1, **meta, **positions, **no_lists),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
                                       **meta, **schedule, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
@@ -166,15 +164,14 @@ class NormalMode(KernelChoices):
                                       **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
-                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **writes),
+                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **pushed),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **writes_none),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **no_lists),
                             # (pushed_lists: ranks that disagree read lists where none were written, so
                             # the full dispatch's fingerprint carries it and they raise instead)
                             agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
-                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)),
-                            self.split_count_check)
+                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
         x = args.x[0] if args.x.__class__ is tuple else args.x
@@ -383,18 +380,11 @@ class NormalMode(KernelChoices):
         bound = plan.round_tokens if max_tokens < 0 else max_tokens
         return bound <= plan.round_tokens and cdiv(bound, plan.block_r) <= self.ws.block_flag_cap - 1
 
-    def _list_programs(self, plan: DispatchPlan) -> int:
-        """The stage's programs before its copy programs in a full dispatch: R list programs, and R
-        check programs where the plan's kernels were compiled with SPLIT_CHECK and top-k (stage.py;
-        read from the plan, whose kernels the launch uses, not from the choice)."""
-        return self.R * (2 if plan.split_check and plan.num_topk else 1)
-
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
                              pull_programs: int, sequence: int = 0) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (in a full
-        dispatch R list programs, and R check programs: _list_programs; then up to ``num_sms`` copy
-        programs), then ``pull_programs``
+        dispatch R list programs; then up to ``num_sms`` copy programs), then ``pull_programs``
         pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
         each block of rows as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
         ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
@@ -414,7 +404,7 @@ class NormalMode(KernelChoices):
         else:
             kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
-            num_stage += self._list_programs(plan)
+            num_stage += self.R
         ws, mailbox = self.ws, self.b.mailbox
         kernel.launch(
             num_stage + pull_programs, 1, stream,
@@ -448,7 +438,7 @@ class NormalMode(KernelChoices):
         if write_lists:  # a full dispatch: the token lists and the count checks
             kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
             in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
-                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self._list_programs(plan)
+                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
         else:
             kernel = plan.stage[aligned, e_p2, sub]
             in_rank = per_rank = per_expert = args.handle.backend_state.addresses[5] if args.handle is not None \

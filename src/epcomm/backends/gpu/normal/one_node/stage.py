@@ -18,8 +18,8 @@ from .receive_index import list_of
 
 # ====================================================================== dispatch: stage
 # ep_dispatch_stage: this rank's tokens into its own workspace half; grid = [R list programs] +
-# [R check programs: SPLIT_CHECK, with HAS_TOPK] + [position programs] + copy programs (in turn at most
-# NormalMode.stage_programs_per_sm x num_sms; in ep_dispatch at most num_sms).
+# [position programs] + copy programs (in turn at most NormalMode.stage_programs_per_sm x num_sms; in
+# ep_dispatch at most num_sms).
 #
 #   epoch = EPOCH_NORMAL + 1;  half = my workspace half (epoch % 2)
 #   program 0:          post the call's fingerprint and board word on every peer
@@ -29,8 +29,6 @@ from .receive_index import list_of
 #                       overlapped combine's reduce finds by it which of j's pushed blocks holds t)
 #                       count check: len(list j) != num_tokens_per_rank[j], or (HAS_TOPK) j's experts'
 #                       entries != num_tokens_per_expert -> COUNT_ERROR (an abort code)
-#   check programs R+j: (SPLIT_CHECK, an experiment, with HAS_TOPK) the per-expert check of list
-#                       program j, in a program of its own beside it
 #   position programs:  (EXPERT_MAJOR) each entry's place among the rows sent to its expert
 #   copy programs:      for t in [token_lo, token_hi): half.x[t], half.scales[t], half.topk[t] = ...
 #   OVERLAP:            after each LIST_BLOCK tokens of list j: RELEASE j.block_flags[rank][last] =
@@ -76,7 +74,7 @@ def _stage(pid, num_programs, epoch,
            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
            R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
            EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr, SPLIT_CHECK: tl.constexpr):
+           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     # OVERLAP (ep_dispatch): each list and each block of staged rows is released on its own, to the
@@ -90,13 +88,9 @@ def _stage(pid, num_programs, epoch,
         post_call_to_peers(board_bases_ptr, rank, num_ranks, call_tag, fp0, tl.arange(0, R_P2) < num_ranks, R_P2)
     my_flag_row = block_flags_offset + rank.to(tl.int64) * block_flag_cap * 8  # (OVERLAP) this rank's row at a peer
     # -- list programs: token lists per destination, and the caller's counts checked against them
-    # SPLIT_CHECK (an experiment, off by default): the top-k rows' per-expert count check runs in R
-    # programs of its own, beside the list programs instead of in them (each scans all T tokens:
-    # the stage's longest programs; on one H100 more copy programs left the stage at 49 µs).
-    SEPARATE_CHECK: tl.constexpr = SPLIT_CHECK and HAS_TOPK
     first_copy = 0
     if WRITE_LISTS:
-        first_copy = num_ranks * (2 if SEPARATE_CHECK else 1)
+        first_copy = num_ranks
         if pid < num_ranks:
             # this rank's list for rank pid: here, or (PUSHED_LISTS) stored into pid's workspace
             # (receive_index.list_of), covered by the same releases as a list kept here
@@ -115,21 +109,13 @@ def _stage(pid, num_programs, epoch,
                 if OVERLAP:  # RELEASE: the list's first `running` entries -> rank pid's pull programs
                     publish_from_one_thread(tl.load(flag_bases_ptr + pid) + my_flag_row + (block_flag_cap - 1) * 8,
                                             (epoch.to(tl.int64) << 32) | running)
-                if HAS_TOPK and not SEPARATE_CHECK:
+                if HAS_TOPK:
                     per_expert += _expert_entries(topk_ptr, tokens, num_tokens, num_topk, pid, num_local, K_P2, L_P2,
                                                   LIST_BLOCK)
             if running != tl.load(per_rank_ptr + pid):
                 tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_RANK)
-            if HAS_TOPK and not SEPARATE_CHECK:
+            if HAS_TOPK:
                 _check_expert_counts(per_expert, per_expert_ptr, pid, num_local, state_ptr, L_P2)
-        if SEPARATE_CHECK:
-            if (pid >= num_ranks) & (pid < 2 * num_ranks):
-                dest = pid - num_ranks
-                per_expert = tl.zeros([L_P2], tl.int32)
-                for start in range(0, num_tokens, LIST_BLOCK):
-                    per_expert += _expert_entries(topk_ptr, start + tl.arange(0, LIST_BLOCK), num_tokens, num_topk,
-                                                  dest, num_local, K_P2, L_P2, LIST_BLOCK)
-                _check_expert_counts(per_expert, per_expert_ptr, dest, num_local, state_ptr, L_P2)
     # -- position programs: expert-major places of the top-k entries
     if EXPERT_MAJOR:
         first_position = first_copy
@@ -206,7 +192,7 @@ def ep_dispatch_stage(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr, SPLIT_CHECK: tl.constexpr):
+        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # The stage alone (the dispatch in turn, and every dispatch but a one-round plain one).
     _stage(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
            x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
@@ -215,8 +201,7 @@ def ep_dispatch_stage(
            lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
            fp_offset, fp0, fp1, board_bases_ptr, call_tag,
            HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS,
-           SPLIT_CHECK=SPLIT_CHECK)
+           EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS)
 
 
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
