@@ -87,3 +87,17 @@ def test_the_full_dispatch_with_its_pull_on_three_times_the_programs_fits_the_me
         gpu = float(MEASURED_NOW[R]["full dispatch"][0].split("/")[0])
         assert est["overlapped"]["full dispatch"] == pytest.approx(gpu, rel=0.1), R
     assert estimate(2, 4096, 7168, 8, 256, 24, fitted)["every peer"]["full dispatch"] > 1.35 * 269
+
+
+def test_the_stage_in_turn_on_more_programs_shortens_only_the_full_dispatch_by_its_stage_time():
+    """stage_in_turn (the full dispatch's stage on STAGE_PROGRAMS_PER_SM x num_sms programs): the
+    full dispatch's overlapped time falls by the stage's saved µs; the cached dispatch, whose stage
+    runs in its one launch on num_sms programs, keeps local_copy."""
+    base = Rates(**dict(DEFAULTS.__dict__, duplex_link=300.0, pull_programs_per_sm=3.0))
+    faster = Rates(**dict(base.__dict__, stage_in_turn=2940.0))
+    stage_bytes = 4096 * (2 * 7168 + 12 * 8) * 2
+    saved = stage_bytes / 2060.0 / 1e3 - stage_bytes / 2940.0 / 1e3  # (about 17 µs)
+    for R in (2, 4, 8):
+        before, after = estimate(R, 4096, 7168, 8, 256, 24, base), estimate(R, 4096, 7168, 8, 256, 24, faster)
+        assert before["overlapped"]["full dispatch"] - after["overlapped"]["full dispatch"] == pytest.approx(saved)
+        assert after["overlapped"]["cached dispatch"] == before["overlapped"]["cached dispatch"]

@@ -82,6 +82,9 @@ class Rates:
     # the full dispatch's notify and host wait beside its stage, in the "overlapped" column (fitted on
     # 4 x H200, 2026-11-28b: 269 / 658 µs measured at 2 / 4 ranks, the model 293 / 631)
     count_wait_us: float = 30.0
+    # GB/s of the full dispatch's stage in turn, on choices.STAGE_PROGRAMS_PER_SM x num_sms copy
+    # programs (read + written); 0: ``local_copy``, the stage of the one-launch cached dispatch
+    stage_in_turn: float = 0.0
 
 
 def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
@@ -134,7 +137,9 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
     dispatch and combine; the full dispatch stays in turn, as in "every peer")."""
     rows = rows_between(num_ranks, tokens, experts, topk)
     x_bytes = 2 * hidden  # BF16 rows
-    stage_us = tokens * (x_bytes + 12 * topk) * 2 / rates.local_copy / 1e3  # read + write
+    stage_bytes = tokens * (x_bytes + 12 * topk) * 2  # read + write
+    stage_us = stage_bytes / rates.local_copy / 1e3
+    stage_in_turn_us = stage_bytes / (rates.stage_in_turn or rates.local_copy) / 1e3
     reduce_us = float((rows.sum(1).max() + tokens) * x_bytes) / rates.local_reduce / 1e3
     out = {}
     for schedule, kernel in (("every peer", _every_peer_us), ("rank order", _rank_order_us)):
@@ -150,7 +155,7 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
                                rates.program_remote_load)
             out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
                                  # (in turn: the stage runs in the host's count wait, then the pull)
-                                 "full dispatch": rates.fixed_us + stage_us + wide_pull + rates.count_wait_us,
+                                 "full dispatch": rates.fixed_us + stage_in_turn_us + wide_pull + rates.count_wait_us,
                                  "combine": rates.fixed_us + max(wide_push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
@@ -177,6 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GB/s of rows one program stores to a peer (fitted: combine at 2 ranks, 323 µs)")
     parser.add_argument("--copy-gbps", type=positive_float, default=2060.0,
                         help="GB/s of the stage's local copy, bytes read + written (4096 rows in 57 µs on H200)")
+    parser.add_argument("--stage-in-turn-gbps", type=positive_float, default=2940.0,
+                        help="GB/s of the full dispatch's stage in turn on 2 x --sms copy programs, bytes read + "
+                             "written (choices.STAGE_PROGRAMS_PER_SM: 4096 rows in 40.2 µs on H200, 2026-11-28c)")
     parser.add_argument("--reduce-gbps", type=positive_float, default=2800.0,
                         help="GB/s of the reduce, rows read + written (one GPU: 42 µs on H200)")
     parser.add_argument("--push-programs-per-sm", type=positive_float, default=2.0,
@@ -195,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     rates = Rates(args.link_gbps, args.program_local_gbps, args.program_load_gbps, args.program_store_gbps,
                   args.copy_gbps, args.reduce_gbps, args.fixed_us, args.notify_us, args.push_programs_per_sm,
-                  args.duplex_link_gbps, args.pull_programs_per_sm, args.count_wait_us)
+                  args.duplex_link_gbps, args.pull_programs_per_sm, args.count_wait_us, args.stage_in_turn_gbps)
     print(f"model: one node, T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}, {args.sms} programs, "
           f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
