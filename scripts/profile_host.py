@@ -102,6 +102,26 @@ def _launch_paths(recorded_launches, rounds: int = 12, burst: int = 40):
     return {name: min(t) for name, t in times.items()}, tensors
 
 
+def _function_costs(fn, calls: int, top: int = 14):
+    """Where one call's host time goes by function: ``fn`` run ``calls`` times under cProfile, the
+    ``top`` functions by own time (µs per call; the profiler adds ~0.5 µs per Python call, so read
+    the order and the C calls' costs, not the sum), each as ``file:line(function)``."""
+    import cProfile
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    rows = sorted(((own, n, where) for where, (_, n, own, _, _) in stats.items()), reverse=True)[:top]
+    return [f"    {own / calls * 1e6:6.2f} µs  {n / calls:5.1f}x  {os.path.basename(where[0])}:{where[1]}({where[2]})"
+            for own, n, where in rows]
+
+
 SPLIT = ("total", "front", "pre", "launch", "glue<", "wait", "glue>", "handle")
 
 
@@ -212,7 +232,7 @@ def _full_dispatch_report(buf, full, cached, calls: int):
     return report
 
 
-def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400):
+def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, functions: int = 0):
     import epcomm
     from epcomm import checks
     from epcomm.backends.gpu import mailbox
@@ -233,6 +253,7 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400):
         return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                             topk_idx=topk, topk_weights=w, config=cfg)
     recv, _, _, _, handle, _ = full()
+    full_dispatch = full  # (the table below reuses the name ``full`` for a time)
     # (before the low-latency Buffer exists: one Buffer on the group, as in `epcomm bench normal`)
     full_report = _full_dispatch_report(buf, full, lambda: buf.dispatch(x, handle=handle, config=cfg), split_calls)
     if full_only:
@@ -262,8 +283,8 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400):
         from epcomm.backends.gpu.normal import one_node as normal
         layout_kernel = normal.LAYOUT.bind(num_warps=4, BLOCK_T=128, E_P2=256, K_P2=8, R_P2=2, N_P2=1, HAS_NODES=False,
                                            SUM_ROWS=16)
-        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
-        layout_tensors = [topk, per_rank, per_rank, torch.empty(E, dtype=torch.int32, device=dev),
+        layout_per_rank = torch.empty(R, dtype=torch.int32, device=dev)  # (not per_rank: full() reads that)
+        layout_tensors = [topk, layout_per_rank, layout_per_rank, torch.empty(E, dtype=torch.int32, device=dev),
                           torch.empty(T, R, dtype=torch.bool, device=dev), torch.empty(64, 259, dtype=torch.int32, device=dev)]
         layout_state = buf._backend.state.data_ptr()
         block = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
@@ -303,6 +324,14 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400):
         report.append(f"  {name:<22} {full:6.1f} {full - backend:6.1f} {backend:8.1f} {backend - launches:6.1f} "
                       f"{launches:9.1f} {count:2d}")
     report += full_report
+    if functions:
+        report.append(f"\nown time by function, cProfile over {functions} calls (µs per call, calls per call):")
+        for name, (fn, _) in dict(calls, **{"dispatch full bf16": (full_dispatch, "dispatch")}).items():
+            report.append(f"  {name}")
+            try:
+                report += _function_costs(fn, functions)
+            except Exception as err:  # reported, the others go on
+                report.append(f"    failed: {type(err).__name__}: {str(err)[:200]}")
     report.append("\nthe same launches, arguments as given / tensors as int addresses, interleaved (µs per call):")
     for name, (times, tensors) in paths.items():
         report.append(f"  {name:<22} tensor arguments per launch {tensors}: " +
@@ -391,13 +420,15 @@ def main(argv=None) -> None:
     parser.add_argument("--full-only", action="store_true", help="only the full dispatch's split and full - cached")
     parser.add_argument("--split-calls", type=int, default=400, help="timed calls per regime of the full split")
     parser.add_argument("--cpu-front", action="store_true", help="no GPU: the Buffer front end with a stub backend")
+    parser.add_argument("--functions", type=int, default=0, metavar="CALLS",
+                        help="also each call's host time by function: cProfile over CALLS calls")
     options = parser.parse_args(argv)
     if options.cpu_front:
         print(_cpu_front(options.tokens))
         return
     from epcomm.testing import run_distributed
     print(run_distributed(profile_rank, torch.cuda.device_count(), options.tokens, options.full_only,
-                          options.split_calls, backend="nccl", timeout_s=600)[0])
+                          options.split_calls, options.functions, backend="nccl", timeout_s=600)[0])
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ class Mailbox:
 
     def __init__(self):
         self.resync_needed = False
+        self.view = [0]  # the pending word
+        self.disagreement_reads = 0
 
     def raise_pending(self, rank, timeout_s):
         pass
 
     def raise_disagreement(self):
-        pass
+        self.disagreement_reads += 1
 
     def clear(self):
         self.resync_needed = False
@@ -128,6 +130,19 @@ def test_a_call_raises_what_another_buffer_of_the_group_recorded():
     with pytest.raises(EPInputError, match="different calls"):
         board.raise_pending(low_latency)
     assert board.needs_resync
+
+
+def test_another_buffers_agreement_words_are_read_only_once_its_pending_word_is_set():
+    """Every call reads the other Buffers' mailboxes: one word each (their pending word), the
+    agreement words only where it is set, and never those of a destroyed Buffer."""
+    board = make_board()
+    current, quiet, reporting, destroyed = FakeBackend(), FakeBackend(), FakeBackend(), FakeBackend()
+    for member in (current, quiet, reporting, destroyed):
+        board.seat(member)
+    reporting.mailbox.view[0] = destroyed.mailbox.view[0] = 1
+    destroyed.released = True
+    board.raise_pending(current)
+    assert [m.mailbox.disagreement_reads for m in (current, quiet, reporting, destroyed)] == [0, 0, 1, 0]
 
 
 def test_the_resync_covers_every_buffer_of_the_group():
