@@ -10,9 +10,10 @@
 #                first, so a part cut by its limit keeps those; VARIANTS= for none) at T=4096, each a
 #                table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
-#   profile      each call's host time: split, the full dispatch's split, and by function over
-#                FUNCTION_CALLS calls (scripts/profile_host.py --functions, default 2000); and both
-#                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
+#   profile      the full dispatch's host split (scripts/profile_host.py --full-only), every call's
+#                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
+#                log, which does not fail the part) and both libraries on one timeline
+#                (scripts/profile_timeline.py), at TOKENS (default 512)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
@@ -48,9 +49,11 @@ for part in ${PARTS:-normal low-latency}; do
     profile)
       mkdir -p /tmp/timeline  # (the Chrome traces stay on the machine: $OUT brings back 8 files at most)
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
-        python3 scripts/profile_host.py "${TOKENS:-512}" --functions "${FUNCTION_CALLS:-2000}" 2>&1 \
-        | tee "$OUT/profile_host_r$ranks.txt"
+        python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 | tee "$OUT/profile_host_r$ranks.txt"
       host_rc=${PIPESTATUS[0]}
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
+        python3 scripts/profile_host.py "${TOKENS:-512}" --functions "${FUNCTION_CALLS:-2000}" \
+        >"$OUT/profile_functions_r$ranks.txt" 2>&1 || echo "profile_host.py --functions: rc=$? (its log: $OUT)"
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
         python3 scripts/profile_timeline.py ${peer[@]+"${peer[@]}"} --tokens "${TOKENS:-512}" --out /tmp/timeline 2>&1 \
         | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
