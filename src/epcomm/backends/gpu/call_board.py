@@ -197,11 +197,11 @@ class CallBoard:
         """What ``current``'s kernels reported, then any other Buffer's disagreement: a rank that
         skipped a call can learn it from the Buffer it skipped on while it calls another.
 
-        Every call of every Buffer comes here (Buffer._check_alive, after ``needs_resync`` pruned
-        the members), so the other members are read from the list as it stands, and only a mailbox
-        whose pending word is set is read further: a recorded disagreement sets that word (HostMailbox's
-        layout), and the word alone is one host-memory read where the agreement words' check costs
-        about 2.5 µs of numpy per member and call."""
+        Every call of every Buffer comes here (Buffer._check_alive), so the other members are read
+        from the list as it stands (a destroyed or collected one skipped, not pruned), and only a
+        mailbox whose pending word is set is read further: a recorded disagreement sets that word
+        (HostMailbox's layout), and the word alone is one host-memory read where the agreement
+        words' check costs about 2.5 µs of numpy per member and call."""
         mailbox = current.mailbox
         mailbox.raise_pending(current.rank, current.timeout_s)
         for ref, other, _ in self._members:
