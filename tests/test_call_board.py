@@ -19,7 +19,6 @@ class Mailbox:
 
     def __init__(self):
         self.resync_needed = False
-        self.view = [0]  # the pending word
         self.disagreement_reads = 0
 
     def raise_pending(self, rank, timeout_s):
@@ -132,17 +131,31 @@ def test_a_call_raises_what_another_buffer_of_the_group_recorded():
     assert board.needs_resync
 
 
-def test_another_buffers_agreement_words_are_read_only_once_its_pending_word_is_set():
-    """Every call reads the other Buffers' mailboxes: one word each (their pending word), the
-    agreement words only where it is set, and never those of a destroyed Buffer."""
+def test_every_call_asks_each_other_live_buffer_and_no_destroyed_one():
+    """Every call checks the other Buffers' mailboxes for a disagreement (a rank that skipped a
+    call learns it there), but not its own again, nor a destroyed Buffer's."""
     board = make_board()
     current, quiet, reporting, destroyed = FakeBackend(), FakeBackend(), FakeBackend(), FakeBackend()
     for member in (current, quiet, reporting, destroyed):
         board.seat(member)
-    reporting.mailbox.view[0] = destroyed.mailbox.view[0] = 1
     destroyed.released = True
     board.raise_pending(current)
-    assert [m.mailbox.disagreement_reads for m in (current, quiet, reporting, destroyed)] == [0, 0, 1, 0]
+    assert [m.mailbox.disagreement_reads for m in (current, quiet, reporting, destroyed)] == [0, 1, 1, 0]
+
+
+def test_a_disagreement_whose_pending_word_is_not_set_still_raises_at_another_buffers_call():
+    """The agreement words decide, not the pending word: a host that cleared the pending word while
+    a kernel recorded, or a record whose pending store has not landed yet, still raises."""
+    board = make_board()
+    normal, low_latency = FakeBackend(), FakeBackend()
+    normal.mailbox = host_mailbox(4)
+    from epcomm.backends.gpu import agreement  # (after host_mailbox: needs Triton)
+    board.seat(normal), board.seat(low_latency)
+    record(normal.mailbox, 4, {2: call_board.board_word(1 << 8 | 2 << 4, agreement.CALL_LL_COMBINE)},
+           call_board.board_word(1 << 8 | 1 << 4, agreement.CALL_DISPATCH))
+    normal.mailbox.view[0] = 0
+    with pytest.raises(EPInputError, match="different calls"):
+        board.raise_pending(low_latency)
 
 
 def test_the_resync_covers_every_buffer_of_the_group():

@@ -198,14 +198,14 @@ class CallBoard:
         skipped a call can learn it from the Buffer it skipped on while it calls another.
 
         Every call of every Buffer comes here (Buffer._check_alive), so the other members are read
-        from the list as it stands (a destroyed or collected one skipped, not pruned), and only a
-        mailbox whose pending word is set is read further: a recorded disagreement sets that word
-        (HostMailbox's layout), and the word alone is one host-memory read where the agreement
-        words' check costs about 2.5 µs of numpy per member and call."""
+        from the list as it stands (a destroyed or collected one skipped, not pruned), and each
+        other mailbox's check reads its own two agreement words first (HostMailbox.raise_disagreement).
+        Not the pending word: a host that clears it while a kernel records, or a record whose pending
+        store lands before its agreement words, would leave a disagreement that only those words show."""
         mailbox = current.mailbox
         mailbox.raise_pending(current.rank, current.timeout_s)
         for ref, other, _ in self._members:
-            if other is not mailbox and other.view[0] != 0:
+            if other is not mailbox:
                 backend = ref()
                 if backend is not None and not getattr(backend, "released", False):
                     other.raise_disagreement()
