@@ -116,7 +116,7 @@ def _function_costs(fn, calls: int, top: int = 14):
         fn()
     profiler.disable()
     torch.cuda.synchronize()
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     rows = sorted(((own, n, where) for where, (_, n, own, _, _) in stats.items()), reverse=True)[:top]
     return [f"    {own / calls * 1e6:6.2f} µs  {n / calls:5.1f}x  {os.path.basename(where[0])}:{where[1]}({where[2]})"
             for own, n, where in rows]
@@ -421,8 +421,10 @@ def main(argv=None) -> None:
     parser.add_argument("--split-calls", type=int, default=400, help="timed calls per regime of the full split")
     parser.add_argument("--cpu-front", action="store_true", help="no GPU: the Buffer front end with a stub backend")
     parser.add_argument("--functions", type=int, default=0, metavar="CALLS",
-                        help="also each call's host time by function: cProfile over CALLS calls")
+                        help="also each call's host time by function: cProfile over CALLS calls (not with --full-only)")
     options = parser.parse_args(argv)
+    if options.functions and options.full_only:
+        parser.error("--functions profiles every call: it does not go with --full-only")
     if options.cpu_front:
         print(_cpu_front(options.tokens))
         return
