@@ -12,7 +12,8 @@
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only), every call's
 #                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
-#                log, which does not fail the part) and both libraries on one timeline
+#                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
+#                libraries on one timeline
 #                (scripts/profile_timeline.py), at TOKENS (default 512)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
@@ -51,7 +52,7 @@ for part in ${PARTS:-normal low-latency}; do
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
         python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 | tee "$OUT/profile_host_r$ranks.txt"
       host_rc=${PIPESTATUS[0]}
-      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${FUNCTIONS_LIMIT_S:-180}" \
         python3 scripts/profile_host.py "${TOKENS:-512}" --functions "${FUNCTION_CALLS:-2000}" \
         >"$OUT/profile_functions_r$ranks.txt" 2>&1 || echo "profile_host.py --functions: rc=$? (its log: $OUT)"
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
