@@ -13,8 +13,7 @@
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only), every call's
 #                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
-#                libraries on one timeline
-#                (scripts/profile_timeline.py), at TOKENS (default 512)
+#                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
