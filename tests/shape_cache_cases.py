@@ -75,3 +75,56 @@ def rejected_after_valid_calls(rule: str):
     out = _full(buffer, x, topk, w)  # still usable
     buffer.combine(out[0], out[4])
     return named
+
+
+# Low-latency calls (Buffer.low_latency_dispatch / low_latency_combine keep their shape checks per
+# shape too): rule: (argument the error must name, the bad call (buffer, x, topk, w, handle, y)),
+# each made after a valid dispatch and combine of the same shapes
+LL_TOKENS = 8  # num_max_dispatch_tokens_per_rank
+LL_RULES = {
+    "ll_dispatch_x_dtype": ("x", lambda b, x, t, w, h, y: b.low_latency_dispatch(x.half(), t, LL_TOKENS, NUM_EXPERTS)),
+    "ll_dispatch_topk_not_contiguous": ("topk_idx", lambda b, x, t, w, h, y: b.low_latency_dispatch(
+        x, _non_contiguous(t), LL_TOKENS, NUM_EXPERTS)),
+    "ll_dispatch_topk_values": ("topk_idx", lambda b, x, t, w, h, y: b.low_latency_dispatch(
+        x, t * 0 + 99, LL_TOKENS, NUM_EXPERTS)),
+    "ll_dispatch_over_m": ("x", lambda b, x, t, w, h, y: b.low_latency_dispatch(x, t, x.shape[0] - 1, NUM_EXPERTS)),
+    "ll_dispatch_m_float": ("num_max_dispatch_tokens_per_rank", lambda b, x, t, w, h, y: b.low_latency_dispatch(
+        x, t, float(LL_TOKENS), NUM_EXPERTS)),
+    "ll_dispatch_ue8m0_without_round_scale": ("use_ue8m0", lambda b, x, t, w, h, y: b.low_latency_dispatch(
+        x, t, LL_TOKENS, NUM_EXPERTS, use_fp8=True, use_ue8m0=True)),
+    "ll_dispatch_stats_dtype": ("cumulative_local_expert_recv_stats", lambda b, x, t, w, h, y: b.low_latency_dispatch(
+        x, t, LL_TOKENS, NUM_EXPERTS, cumulative_local_expert_recv_stats=torch.zeros(
+            NUM_EXPERTS // world()[0], dtype=torch.int64))),
+    "ll_combine_x_dtype": ("x", lambda b, x, t, w, h, y: b.low_latency_combine(y.float(), t, w, h)),
+    "ll_combine_weights_dtype": ("topk_weights", lambda b, x, t, w, h, y: b.low_latency_combine(y, t, w.double(), h)),
+    "ll_combine_topk_values": ("topk_idx", lambda b, x, t, w, h, y: b.low_latency_combine(y, t * 0 + 99, w, h)),
+    "ll_combine_out_shape": ("out", lambda b, x, t, w, h, y: b.low_latency_combine(
+        y, t, w, h, out=torch.zeros(x.shape[0] + 1, x.shape[1], dtype=torch.bfloat16))),
+}
+
+
+def ll_rejected_after_valid_calls(rule: str):
+    """A valid low-latency dispatch and combine, then ``rule``'s bad call of the same shapes (the
+    dispatch's rules with the x, topk_idx and flags the valid one had, but the one argument);
+    returns the argument its EPInputError named (None: it was accepted), after a valid round trip
+    that still works."""
+    R, rank = world()
+    size = epcomm.Buffer.get_low_latency_rdma_size_hint(LL_TOKENS, 256, R, NUM_EXPERTS)
+    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
+    x, topk, w = _inputs(R, rank)
+
+    def round_trip(use_fp8=False):
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, LL_TOKENS, NUM_EXPERTS, use_fp8=use_fp8)
+        return handle, recv if not use_fp8 else None
+    round_trip(use_fp8=True)  # (the rules' FP8 flags: a shape of its own)
+    handle, recv = round_trip()
+    buffer.low_latency_combine(recv, topk, w, handle)
+    _, call = LL_RULES[rule]
+    named = None
+    try:
+        call(buffer, x, topk, w, handle, recv)
+    except epcomm.EPInputError as err:
+        named = err.argument
+    handle, recv = round_trip()  # still usable
+    buffer.low_latency_combine(recv, topk, w, handle)
+    return named

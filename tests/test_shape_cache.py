@@ -13,6 +13,27 @@ def test_rejected_after_a_valid_call(pools, rule):
     assert pools.get(2).run(shape_cache_cases.rejected_after_valid_calls, rule) == [expected, expected]
 
 
+@pytest.mark.parametrize("rule", sorted(shape_cache_cases.LL_RULES))
+def test_low_latency_rejected_after_a_valid_call(pools, rule):
+    expected, _ = shape_cache_cases.LL_RULES[rule]
+    assert pools.get(2).run(shape_cache_cases.ll_rejected_after_valid_calls, rule) == [expected, expected]
+
+
+def test_low_latency_keys_tell_apart_what_the_checks_read():
+    x, topk = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    base = checks.low_latency_dispatch_key(x, topk, 8, 8, (True, False, False, False), (None, None))
+    assert base == checks.low_latency_dispatch_key(x.clone(), topk.clone(), 8, 8, (True, False, False, False),
+                                                   (None, None))
+    others = [checks.low_latency_dispatch_key(x[:3], topk[:3], 8, 8, (True, False, False, False), (None, None)),
+              checks.low_latency_dispatch_key(x, topk, 8.0, 8, (True, False, False, False), (None, None)),
+              checks.low_latency_dispatch_key(x, topk, 8, 16, (True, False, False, False), (None, None)),
+              checks.low_latency_dispatch_key(x, topk, 8, 8, (True, True, True, False), (None, None)),
+              checks.low_latency_dispatch_key(x, topk, 8, 8, (True, False, False, False),
+                                              (torch.zeros(4, dtype=torch.int32), None))]
+    assert all(other is not None and other != base for other in others)
+    assert checks.low_latency_dispatch_key(x, [[0, 1]], 8, 8, (True, False, False, False), (None, None)) is None
+
+
 def _key(**override):
     x, per_rank, in_rank = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), \
         torch.zeros(4, 2, dtype=torch.bool)

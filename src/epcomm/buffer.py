@@ -158,6 +158,7 @@ class Buffer(RankMasking, LowLatencyCalls):
         self._capped_configs = {}  # Config -> the same with num_sms capped (ranks sharing a GPU)
         # argument shapes that passed their checks (checks.ShapeCache): a call of a known shape skips them
         self._checked_dispatches, self._checked_layouts = checks.ShapeCache(), checks.ShapeCache()
+        self._checked_ll_dispatches, self._checked_ll_combines = checks.ShapeCache(), checks.ShapeCache()
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Low-latency state: rank mask, and the two buffer halves used alternately.
         self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)

@@ -162,6 +162,36 @@ def dispatch_key(cached: bool, x, num_tokens_per_rank, num_tokens_per_rdma_rank,
         return None
 
 
+def tensor_key(t) -> Optional[tuple]:
+    """What a tensor's shape checks read: class, dtype, shape, device and contiguity (None for
+    None; AttributeError for anything without them)."""
+    return None if t is None else (t.__class__, t.dtype, t.shape, t.device, t.is_contiguous())
+
+
+def low_latency_dispatch_key(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, flags: tuple,
+                             stats: tuple) -> Optional[tuple]:
+    """What Buffer.low_latency_dispatch's shape checks depend on (:func:`dispatch_key`'s rules):
+    ``x`` and ``topk_idx``, the two ints with their types, ``flags`` (use_fp8, round_scale,
+    use_ue8m0, use_nvfp4 as given) and the optional ``stats`` tensors."""
+    try:
+        return (tensor_key(x), tensor_key(topk_idx), num_max_dispatch_tokens_per_rank.__class__,
+                num_max_dispatch_tokens_per_rank, num_experts.__class__, num_experts, flags,
+                tuple(tensor_key(t) for t in stats))
+    except (AttributeError, TypeError):
+        return None
+
+
+def low_latency_combine_key(x, topk_idx, topk_weights, out, stats, handle: LowLatencyHandle) -> Optional[tuple]:
+    """What Buffer.low_latency_combine's shape checks depend on, past the handle's own check (which
+    runs on every call): the tensors, and the handle's sizes that x's shape and the tokens' bound
+    come from."""
+    try:
+        return (tensor_key(x), tensor_key(topk_idx), tensor_key(topk_weights), tensor_key(out), tensor_key(stats),
+                handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+    except (AttributeError, TypeError):
+        return None
+
+
 def layout_key(topk_idx, num_experts) -> Optional[tuple]:
     """What get_dispatch_layout's shape checks depend on (:func:`dispatch_key`'s rules)."""
     try:

@@ -85,33 +85,48 @@ class LowLatencyCalls:
         self._check_low_latency("low_latency_dispatch")
         try:
             R = self.group_size
-            checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-            checks.check_num_experts(num_experts, R)
-            checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
-            num_tokens, hidden = x.shape
-            if num_tokens > num_max_dispatch_tokens_per_rank:
-                raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                                        f"{num_max_dispatch_tokens_per_rank}")
-            checks.check_rows(num_tokens, "x", topk_idx=topk_idx)
-            checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
-                                  check_values=self._check_values)
+            # Shape checks run in full once per distinct argument shape (checks.ShapeCache, as in
+            # dispatch); the value checks run on every call.
+            key = checks.low_latency_dispatch_key(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                  (use_fp8, round_scale, use_ue8m0, use_nvfp4),
+                                                  (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
+            try:
+                checked = key in self._checked_ll_dispatches
+            except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
+                checked = False
+            if checked:
+                num_tokens, hidden = x.shape
+                if self._check_values:
+                    checks.check_topk_values("topk_idx", topk_idx, num_experts)
+            else:
+                checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+                checks.check_num_experts(num_experts, R)
+                checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, device=self.device)
+                num_tokens, hidden = x.shape
+                if num_tokens > num_max_dispatch_tokens_per_rank:
+                    raise EPInputError("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                                            f"{num_max_dispatch_tokens_per_rank}")
+                checks.check_rows(num_tokens, "x", topk_idx=topk_idx)
+                checks.check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                                      check_values=self._check_values)
             # DeepEP reads round_scale and use_ue8m0 only with use_fp8, and use_fp8 not with use_nvfp4
             # (SGLang passes Blackwell's round_scale / use_ue8m0 whatever it dispatches)
             if not use_fp8 or use_nvfp4:
                 use_fp8 = round_scale = use_ue8m0 = False
-            if (use_fp8 or use_nvfp4) and hidden % 128:
-                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8 and NVFP4")
-            if use_ue8m0 and not round_scale:
-                raise EPInputError("use_ue8m0", "needs round_scale=True (with use_fp8=True)")
-            if use_ue8m0 and hidden % 512:
-                raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
-            num_local_experts = num_experts // R
-            if cumulative_local_expert_recv_stats is not None:
-                checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                    dtype=torch.int32, shape=(num_local_experts,), device=self.device)
-            if dispatch_wait_recv_cost_stats is not None:
-                checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                    dtype=torch.int64, shape=(R,), device=self.device)
+            if not checked:
+                if (use_fp8 or use_nvfp4) and hidden % 128:
+                    raise EPInputError("x", f"hidden size {hidden} must be a multiple of 128 for FP8 and NVFP4")
+                if use_ue8m0 and not round_scale:
+                    raise EPInputError("use_ue8m0", "needs round_scale=True (with use_fp8=True)")
+                if use_ue8m0 and hidden % 512:
+                    raise EPInputError("x", f"hidden size {hidden} must be a multiple of 512 for UE8M0 scales")
+                if cumulative_local_expert_recv_stats is not None:
+                    checks.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                        dtype=torch.int32, shape=(num_experts // R,), device=self.device)
+                if dispatch_wait_recv_cost_stats is not None:
+                    checks.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                        dtype=torch.int64, shape=(R,), device=self.device)
+                self._checked_ll_dispatches.remember(key)
             # NVFP4: quantized here (nvfp4.py) and carried as a bf16 payload by every backend
             wire = nvfp4.wire_for(x, use_nvfp4, x_global_scale, self._check_values)
             args = LowLatencyDispatchArgs(x if wire is None else wire.x, topk_idx, num_max_dispatch_tokens_per_rank,
@@ -179,23 +194,36 @@ class LowLatencyCalls:
         self._check_low_latency("low_latency_combine")
         try:
             R = self.group_size
-            checks.check_low_latency_handle(handle, R)
-            num_local_experts = handle.num_experts // R
-            slots = R * handle.num_max_dispatch_tokens_per_rank
-            checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, slots, handle.hidden), device=self.device)
-            checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device, check_values=self._check_values)
+            checks.check_low_latency_handle(handle, R)  # (the handle on every call; the rest once per shape)
+            key = checks.low_latency_combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, handle)
+            try:
+                checked = key in self._checked_ll_combines
+            except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
+                checked = False
+            if checked:
+                if self._check_values:
+                    checks.check_topk_values("topk_idx", topk_idx, handle.num_experts)
+            else:
+                slots = R * handle.num_max_dispatch_tokens_per_rank
+                checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_experts // R, slots, handle.hidden),
+                                    device=self.device)
+                checks.check_topk_idx("topk_idx", topk_idx, handle.num_experts, self.device,
+                                      check_values=self._check_values)
+                if topk_idx.shape[0] > handle.num_max_dispatch_tokens_per_rank:
+                    raise EPInputError("topk_idx", f"has {topk_idx.shape[0]} tokens, more than the handle's M="
+                                                   f"{handle.num_max_dispatch_tokens_per_rank}")
             num_tokens = topk_idx.shape[0]
-            if num_tokens > handle.num_max_dispatch_tokens_per_rank:
-                raise EPInputError("topk_idx", f"has {num_tokens} tokens, more than the handle's M="
-                                               f"{handle.num_max_dispatch_tokens_per_rank}")
             checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
-            checks.check_rows(num_tokens, "topk_idx", topk_weights=topk_weights)
-            checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
-            if out is not None:
-                checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden), device=self.device)
-            if combine_wait_recv_cost_stats is not None:
-                checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
-                                    dtype=torch.int64, shape=(R,), device=self.device)
+            if not checked:
+                checks.check_rows(num_tokens, "topk_idx", topk_weights=topk_weights)
+                checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
+                if out is not None:
+                    checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, handle.hidden),
+                                        device=self.device)
+                if combine_wait_recv_cost_stats is not None:
+                    checks.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                        dtype=torch.int64, shape=(R,), device=self.device)
+                self._checked_ll_combines.remember(key)
             if zero_copy:
                 x = self.get_next_low_latency_combine_buffer(handle)
             args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
