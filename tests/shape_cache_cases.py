@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import epcomm
+from epcomm.fp8 import per_token_cast_to_fp8
 from epcomm.testing.sweeps import make_routing, world
 
 NUM_EXPERTS = 8
@@ -50,11 +51,20 @@ RULES = {
     "dispatch_without_layout_after_cached": ("num_tokens_per_rank", lambda b, x, t, w, h: b.dispatch(x)),
     "dispatch_cached_with_topk": ("topk_idx", lambda b, x, t, w, h: b.dispatch(x, handle=h, topk_idx=t)),
     "dispatch_cached_other_handle_kind": ("handle", lambda b, x, t, w, h: b.dispatch(x, handle=tuple(h))),
+    "dispatch_fp8_scales_dtype": ("x[1]", lambda b, x, t, w, h: _full(b, x, t, w, x=(_fp8(x)[0], _fp8(x)[1].half()))),
+    "dispatch_fp8_values_dtype": ("x[0]", lambda b, x, t, w, h: _full(b, x, t, w, x=(x, _fp8(x)[1]))),
+    "dispatch_fp8_scales_rows": ("x[1]", lambda b, x, t, w, h: _full(b, x, t, w, x=(_fp8(x)[0], _fp8(x)[1][:-1]))),
+    "dispatch_fp8_three_items": ("x", lambda b, x, t, w, h: _full(b, x, t, w, x=_fp8(x) + (x,))),
     "layout_topk_values": ("topk_idx", lambda b, x, t, w, h: b.get_dispatch_layout(t + NUM_EXPERTS, NUM_EXPERTS)),
     "layout_topk_not_contiguous": ("topk_idx", lambda b, x, t, w, h: b.get_dispatch_layout(_non_contiguous(t),
                                                                                            NUM_EXPERTS)),
     "layout_num_experts_float": ("num_experts", lambda b, x, t, w, h: b.get_dispatch_layout(t, float(NUM_EXPERTS))),
 }
+
+
+def _fp8(x: torch.Tensor) -> tuple:
+    """``x`` as an FP8 pair (e4m3 values, float32 scales per 128 channels)."""
+    return tuple(per_token_cast_to_fp8(x))
 
 
 def rejected_after_valid_calls(rule: str):
@@ -64,6 +74,7 @@ def rejected_after_valid_calls(rule: str):
     buffer = epcomm.Buffer(dist.group.WORLD)
     x, topk, w = _inputs(R, rank)
     handle = _full(buffer, x, topk, w)[4]
+    _full(buffer, x, topk, w, x=_fp8(x))  # (the FP8 rules' pair, of the same shapes)
     buffer.dispatch(x, handle=handle)
     buffer.get_dispatch_layout(topk, NUM_EXPERTS)
     _, call = RULES[rule]

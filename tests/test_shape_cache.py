@@ -73,3 +73,15 @@ def test_shape_cache_is_bounded_and_takes_no_none():
     cache.remember(("unhashable", []))  # (never a key of a valid call: ignored)
     with pytest.raises(TypeError):
         ("unhashable", []) in cache
+
+
+def test_fp8_pair_key_tells_apart_what_the_pair_checks_read():
+    values, scales = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.zeros(4, 2)
+    base = checks.fp8_pair_key((values, scales))
+    assert base == checks.fp8_pair_key([values.clone(), scales.clone()])
+    others = [checks.fp8_pair_key((values, scales.half())), checks.fp8_pair_key((values, scales[:3])),
+              checks.fp8_pair_key((values.view(torch.uint8), scales)), checks.fp8_pair_key((values[:, :128], scales))]
+    assert all(other is not None and other != base for other in others)
+    # the scales' strides are not checked (any layout is accepted): the same key
+    assert checks.fp8_pair_key((values, scales.t().contiguous().t())) == base
+    assert checks.fp8_pair_key((values, scales, scales)) is None and checks.fp8_pair_key(values) is None

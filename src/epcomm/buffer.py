@@ -445,21 +445,21 @@ class Buffer(RankMasking, LowLatencyCalls):
             # Shape checks run in full once per distinct argument shape (checks.ShapeCache); the
             # handle's checks and the value checks run on every call.
             payload = None
-            if isinstance(x, (tuple, list)):  # FP8 scales of any 4-byte dtype, width and strides, as float32 words
-                num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
-            key = checks.dispatch_key(handle is not None, x if payload is None else ("fp8", num_tokens),
+            pair = isinstance(x, (tuple, list))  # FP8: scales of any 4-byte dtype, width and strides, as float32 words
+            key = checks.dispatch_key(handle is not None, checks.fp8_pair_key(x) if pair else x,
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
             try:
                 checked = key in self._checked_dispatches
             except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
                 checked = False
-            if payload is None:
-                if checked:  # a bf16 tensor: the payload is x itself
-                    num_tokens, hidden = x.shape
-                    is_fp8 = False
-                else:
-                    num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
+            if pair:  # (the wire made on every call; the pair's checks once per shape)
+                num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device, checked)
+            elif checked:  # a bf16 tensor: the payload is x itself
+                num_tokens, hidden = x.shape
+                is_fp8 = False
+            else:
+                num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
             config = self._resolve_config(config, Buffer.get_dispatch_config)
             if not checked:  # (with the value checks in their place: the first failing check names the argument)
                 self._check_dispatch_arguments(num_tokens, handle is None, num_tokens_per_rank, num_tokens_per_rdma_rank,

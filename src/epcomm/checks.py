@@ -168,6 +168,18 @@ def tensor_key(t) -> Optional[tuple]:
     return None if t is None else (t.__class__, t.dtype, t.shape, t.device, t.is_contiguous())
 
 
+def fp8_pair_key(x) -> Optional[tuple]:
+    """What an FP8 pair's checks read (fp8.DispatchPayload): the values' :func:`tensor_key`, and
+    the scales' class, dtype, shape and device (any strides); None for anything but a pair."""
+    try:
+        if len(x) != 2:
+            return None
+        values, scales = x
+        return ("fp8", tensor_key(values), scales.__class__, scales.dtype, scales.shape, scales.device)
+    except (AttributeError, TypeError):
+        return None
+
+
 def low_latency_dispatch_key(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, flags: tuple,
                              stats: tuple) -> Optional[tuple]:
     """What Buffer.low_latency_dispatch's shape checks depend on (:func:`dispatch_key`'s rules):

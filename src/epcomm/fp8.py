@@ -119,7 +119,9 @@ class DispatchPayload:
 
     __slots__ = ("num_tokens", "hidden", "is_fp8", "x", "tensors", "_dtype", "_width")
 
-    def __init__(self, name: str, x, device: torch.device):
+    def __init__(self, name: str, x, device: torch.device, checked: bool = False):
+        # checked: a pair of the shapes of one that passed these checks (Buffer.dispatch's ShapeCache
+        # key holds checks.fp8_pair_key); the checks are skipped, the wire is made as always
         if not isinstance(x, (tuple, list)):
             check_tensor(name, x, dtype=torch.bfloat16, ndim=2, device=device)
             self.num_tokens, self.hidden, self.is_fp8, self.x, self.tensors = x.shape[0], x.shape[1], False, x, (x,)
@@ -127,14 +129,16 @@ class DispatchPayload:
         if len(x) != 2:
             raise EPInputError(name, f"an FP8 input must be a (values, scales) pair, got {len(x)} items")
         values, scales = x
-        check_tensor(f"{name}[0]", values, dtype=FP8_DTYPE, ndim=2, device=device)
+        if not checked:
+            check_tensor(f"{name}[0]", values, dtype=FP8_DTYPE, ndim=2, device=device)
         num_tokens, hidden = values.shape
-        if hidden % GROUP:
-            raise EPInputError(f"{name}[0]", f"hidden size {hidden} must be a multiple of {GROUP} for FP8")
-        check_tensor(f"{name}[1]", scales, dtypes=SCALE_DTYPES, shape=(num_tokens, None), device=device,
-                     contiguous=False)
-        if scales.shape[1] < 1:
-            raise EPInputError(f"{name}[1]", "must have at least one scale word per token")
+        if not checked:
+            if hidden % GROUP:
+                raise EPInputError(f"{name}[0]", f"hidden size {hidden} must be a multiple of {GROUP} for FP8")
+            check_tensor(f"{name}[1]", scales, dtypes=SCALE_DTYPES, shape=(num_tokens, None), device=device,
+                         contiguous=False)
+            if scales.shape[1] < 1:
+                raise EPInputError(f"{name}[1]", "must have at least one scale word per token")
         self.num_tokens, self.hidden, self.is_fp8 = num_tokens, hidden, True
         self._dtype, self._width = scales.dtype, scales.shape[1]
         slot = hidden // GROUP
@@ -177,8 +181,9 @@ class DispatchPayload:
         return values, scales.view(self._dtype)
 
 
-def dispatch_payload(name: str, x, device: torch.device):
+def dispatch_payload(name: str, x, device: torch.device, checked: bool = False):
     """``(num_tokens, hidden, is_fp8, DispatchPayload)`` of a normal dispatch's ``x``; EPInputError
-    naming ``name`` (or ``name[0]`` / ``name[1]``) if it is neither bf16 nor an FP8 pair."""
-    payload = DispatchPayload(name, x, device)
+    naming ``name`` (or ``name[0]`` / ``name[1]``) if it is neither bf16 nor an FP8 pair (unless
+    ``checked``: a pair of shapes that passed, DispatchPayload says)."""
+    payload = DispatchPayload(name, x, device, checked)
     return payload.num_tokens, payload.hidden, payload.is_fp8, payload
