@@ -131,41 +131,25 @@ class ShapeCache(set):
             pass
 
 
-def dispatch_key(cached: bool, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> Optional[tuple]:
-    """What Buffer.dispatch's shape checks of these arguments depend on: whether a handle was given
-    (``cached``: the checks differ), each tensor's class, dtype, shape, device and contiguity (None
-    for None), and the two ints with their types. ``x``: the bf16 tensor, or a tuple standing for an
-    FP8 pair (DispatchPayload checks the pair on every call). None where an argument has no such
-    attributes (the checks then run, and raise)."""
-    try:
-        return (cached, x if x.__class__ is tuple else (x.__class__, x.dtype, x.shape, x.device, x.is_contiguous()),
-                expert_alignment.__class__, expert_alignment, num_worst_tokens.__class__, num_worst_tokens,
-                None if num_tokens_per_rank is None else (
-                    num_tokens_per_rank.__class__, num_tokens_per_rank.dtype, num_tokens_per_rank.shape,
-                    num_tokens_per_rank.device, num_tokens_per_rank.is_contiguous()),
-                None if num_tokens_per_rdma_rank is None else (
-                    num_tokens_per_rdma_rank.__class__, num_tokens_per_rdma_rank.dtype, num_tokens_per_rdma_rank.shape,
-                    num_tokens_per_rdma_rank.device, num_tokens_per_rdma_rank.is_contiguous()),
-                None if is_token_in_rank is None else (
-                    is_token_in_rank.__class__, is_token_in_rank.dtype, is_token_in_rank.shape, is_token_in_rank.device,
-                    is_token_in_rank.is_contiguous()),
-                None if num_tokens_per_expert is None else (
-                    num_tokens_per_expert.__class__, num_tokens_per_expert.dtype, num_tokens_per_expert.shape,
-                    num_tokens_per_expert.device, num_tokens_per_expert.is_contiguous()),
-                None if topk_idx is None else (
-                    topk_idx.__class__, topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous()),
-                None if topk_weights is None else (
-                    topk_weights.__class__, topk_weights.dtype, topk_weights.shape, topk_weights.device,
-                    topk_weights.is_contiguous()))
-    except (AttributeError, TypeError):
-        return None
-
-
 def tensor_key(t) -> Optional[tuple]:
     """What a tensor's shape checks read: class, dtype, shape, device and contiguity (None for
     None; AttributeError for anything without them)."""
     return None if t is None else (t.__class__, t.dtype, t.shape, t.device, t.is_contiguous())
+
+
+def dispatch_key(cached: bool, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> Optional[tuple]:
+    """What Buffer.dispatch's shape checks of these arguments depend on: whether a handle was given
+    (``cached``: the checks differ), each tensor's :func:`tensor_key`, and the two ints with their
+    types. ``x``: the bf16 tensor, or a tuple standing for an FP8 pair (:func:`fp8_pair_key`). None
+    where an argument has no such attributes (the checks then run, and raise)."""
+    try:
+        return (cached, x if x.__class__ is tuple else tensor_key(x),
+                expert_alignment.__class__, expert_alignment, num_worst_tokens.__class__, num_worst_tokens,
+                tensor_key(num_tokens_per_rank), tensor_key(num_tokens_per_rdma_rank), tensor_key(is_token_in_rank),
+                tensor_key(num_tokens_per_expert), tensor_key(topk_idx), tensor_key(topk_weights))
+    except (AttributeError, TypeError):
+        return None
 
 
 def fp8_pair_key(x) -> Optional[tuple]:
@@ -207,8 +191,7 @@ def low_latency_combine_key(x, topk_idx, topk_weights, out, stats, handle: LowLa
 def layout_key(topk_idx, num_experts) -> Optional[tuple]:
     """What get_dispatch_layout's shape checks depend on (:func:`dispatch_key`'s rules)."""
     try:
-        return (topk_idx.__class__, topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(),
-                num_experts.__class__, num_experts)
+        return (tensor_key(topk_idx), num_experts.__class__, num_experts)
     except (AttributeError, TypeError):
         return None
 
