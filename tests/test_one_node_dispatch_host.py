@@ -256,15 +256,19 @@ def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
     mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
     mode.ws.dispatch_round_tokens = lambda row_bytes: ((0,) * len(row_bytes), ROUND_TOKENS)
     mode.b.name = "nvlink"
-    plain = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    mode.pushed_lists = True
+    assert mode.pushed_lists  # (the default: choices.PUSHED_LISTS)
     pushed = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    mode.pushed_lists = False  # (bench --variants pulled-lists)
+    plain = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
     assert pushed.fingerprint_cached == plain.fingerprint_cached and pushed.fingerprint_full != plain.fingerprint_full
     assert pushed.pull_index["PUSHED_LISTS"] and not pushed.pull["PUSHED_LISTS"]
     assert pushed.stage_lists.fixed["PUSHED_LISTS"] and not pushed.stage.fixed["PUSHED_LISTS"]
     assert pushed.overlapped_full.fixed["PUSHED_LISTS"] and not pushed.overlapped_cached.fixed["PUSHED_LISTS"]
     with pytest.raises(EPInputError) as err:
         agreement.raise_disagreement({0: plain.fingerprint_full}, pushed.fingerprint_full, 2)
+    assert err.value.argument == "pushed_lists"
+    with pytest.raises(EPInputError) as err:
+        agreement.raise_disagreement({0: pushed.fingerprint_full}, plain.fingerprint_full, 2)
     assert err.value.argument == "pushed_lists"
 
 

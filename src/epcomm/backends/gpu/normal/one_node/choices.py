@@ -64,6 +64,11 @@ PULL_PROGRAMS_PER_SM = 3
 # 62.1 µs on num_sms, 40.2 on 2 x num_sms (H100: 65.4, 49.0; 4 x num_sms 49.5): performance-log,
 # 2026-11-28c. The stage waits for nothing, so no grid cap limits it.
 STAGE_PROGRAMS_PER_SM = 2
+# A full dispatch's stage stores each token list into its receiver's workspace, so the pull reads its
+# entries locally (receive_index.list_of). Same run on 2 H200s (T=4096, H=7168, Config(24)): the full
+# dispatch took 241 µs GPU / 301 synced against 263 / 414 with the lists left at their sources, and
+# 123 against 138 at T=512 (performance-log, 2026-11-28d); the cached dispatch reads no lists.
+PUSHED_LISTS = True
 
 
 class KernelChoices:
@@ -78,7 +83,7 @@ class KernelChoices:
         self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
         self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, \
             STAGE_PROGRAMS_PER_SM
-        self._pushed_lists = False
+        self._pushed_lists = PUSHED_LISTS
         self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
 
     def _choice_changed(self) -> None:
@@ -113,9 +118,10 @@ class KernelChoices:
         links, sets the pull's pace.""",
         convert=programs_per_sm)
     pushed_lists = Choice(
-        """An experiment for a lease (bench --variants pushed-lists): the stage stores each list into
-        its receiver's workspace, so a full dispatch's pull reads its entries locally (receive_index.py,
-        list_of). Every rank of the group must set the same.""")
+        """The stage stores each list into its receiver's workspace, so a full dispatch's pull reads
+        its entries locally (receive_index.py, list_of; default PUSHED_LISTS); False: each list stays
+        at its source and the pull reads it remotely (bench --variants pulled-lists, the default
+        before 2026-11-28d). Every rank of the group must set the same.""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; default
         STAGE_PROGRAMS_PER_SM; bench --variants stage-1x ... stage-4x): the stage is local copies at

@@ -85,7 +85,7 @@ def _pull(pid, num_programs, epoch,
     # PIPELINE (an experiment, off by default; plain layout, rows of one BLOCK_W chunk): an item's x
     # rows are stored only after the next item's loads are issued, so a program has a remote load in
     # flight while it stores (the plan halves BLOCK_R to keep two tiles in the same registers).
-    # PUSHED_LISTS (an experiment, off by default): the sources stored their lists for this rank
+    # PUSHED_LISTS (the default: choices.py): the sources stored their lists for this rank
     # into its own workspace (receive_index.list_of), so INDEX reads each item's entries locally —
     # no remote round trip before the rows they name — after the same acquires (the stage's end,
     # or with OVERLAP the list's word: both released by the source after its remote list stores).
@@ -441,7 +441,7 @@ def ep_dispatch(
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
-    # PUSHED_LISTS (an experiment): where the lists live (receive_index.list_of).
+    # PUSHED_LISTS (the default: choices.py): where the lists live (receive_index.list_of).
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_stage:

@@ -28,7 +28,7 @@ def list_of(source_half, dest_half, source, dest, lists_offset, list_cap, PUSHED
     byte addresses of both ranks' workspace half (``source`` may be a tensor of ranks, with
     ``source_half`` per element). The one place that says where a list lives: in the source's
     workspace, written there by its stage and read remotely by the receiver's pull; or
-    (PUSHED_LISTS, an experiment) in the receiver's, stored there remotely by the source's stage so
+    (PUSHED_LISTS, the default: choices.py) in the receiver's, stored there remotely by the source's stage so
     that the pull reads its entries locally. Either way a half's list area is [R, list_cap] int32:
     the lists a rank writes, or the lists written to it. (The half a branch does not use is never
     loaded: the compiler drops it.)"""
