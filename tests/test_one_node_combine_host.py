@@ -89,7 +89,7 @@ def test_the_one_launch_combine_splits_four_times_num_sms_between_push_and_reduc
         mode = _mode(monkeypatch, launches)
         mode._choice_changed = lambda: None
         use_normal_variants(mode, variants)
-        mode._overlapped_combine = overlapped
+        vars(mode)["overlapped_combine"] = overlapped
         handle = _handle(num_tokens=40 * NUM_SMS * BLOCK_R, max_tokens=90)
         handle.num_recv_rows = 40 * NUM_SMS * BLOCK_R
         _combine(mode, handle)
@@ -117,7 +117,7 @@ def test_other_combines_push_and_reduce_in_turn(monkeypatch, case):
     launches = []
     mode = _mode(monkeypatch, launches, expert_major=case == "expert-major")
     if case == "in turn asked":
-        mode._overlapped_combine = False
+        vars(mode)["overlapped_combine"] = False
     if case == "flags too few":
         mode.ws.block_flag_cap = 2
     handle = _handle(num_tokens=30, max_tokens=250 if case == "several rounds" else 90,
@@ -139,8 +139,8 @@ def test_the_reduce_sums_ranks_row_by_row_a_whole_7168_row_a_step(lanes, rank_lo
     mode = object.__new__(M.NormalMode)
     mode.b = types.SimpleNamespace(name="nvlink")
     mode.ws = types.SimpleNamespace(combine_round_tokens=lambda row_bytes: ((0, 0), ROUND_TOKENS))
-    mode.R_P2, mode._every_peer, mode._trace = lanes, True, None
-    mode._rank_loop_reduce, mode._reduce_warps_apart = rank_loop, False
+    mode.R_P2 = lanes
+    vars(mode).update(every_peer=True, trace=None, rank_loop_reduce=rank_loop, reduce_warps_apart=False)
     plan = mode._combine_plan(7168, 8, 0, 0)
     for kernels in (plan.reduce, plan.overlapped):
         assert kernels.fixed["RANK_LOOP"] is rank_loop and kernels.fixed["BLOCK_C"] == block_c

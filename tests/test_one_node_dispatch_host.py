@@ -62,7 +62,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._default_choices()
-    mode._doorbell_dispatch = doorbell
+    vars(mode)["doorbell_dispatch"] = doorbell  # (as the defaults: no plans to drop yet)
     mode._dispatch_plans, mode._combine_plans = {}, {}  # (a choice set drops them)
 
     def kernels(name):
@@ -72,7 +72,8 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
                           expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
                           pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
                           overlapped_full=kernels("ep_dispatch"), overlapped_cached=kernels("ep_dispatch"),
-                          fingerprint_full=(0, 0), fingerprint_cached=(0, 0))
+                          fingerprint_full=(0, 0), fingerprint_cached=(0, 0),
+                          **M.NormalMode._fixed_arguments(mode, (0, 0, 0), 32))
     mode._dispatch_plan_of = lambda args: plan
     return mode
 
@@ -284,3 +285,35 @@ def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_
     with pytest.raises(EPTimeoutError, match="allocate its outputs"):
         box.ring(7, RANK, 1.0, 12, (101, 102, 103, 104, 105))
     box.ring(8, RANK, 1.0, 12, (101, 102, 103, 104, 105))  # (a later call's go is not affected)
+
+
+def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypatch):
+    """The fixed segments (DispatchPlan.stage_fixed / pull_fixed, unpacked per call) keep every
+    argument at its kernel parameter's position: each launch's count and the workspace, host and
+    identity words read by the parameters' names."""
+    from epcomm.backends.gpu.normal.one_node.dispatch import PULL
+    from epcomm.backends.gpu.normal.one_node.stage import STAGE
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    mode.rank, mode.bases, mode.state, mode.fingerprints, mode.trace_address = RANK, 4096, 8192, 24, 4096
+    mode.ws = types.SimpleNamespace(**dict(vars(mode.ws), normal_half_bytes=1 << 20, lists_offset=512, list_cap=77))
+    mode.b.timeout_ns = 123_456
+    plan = mode._dispatch_plan_of(None)
+    plan = dataclasses.replace(plan, offsets=(16, 32, 48), **M.NormalMode._fixed_arguments(mode, (16, 32, 48), 32))
+    mode._dispatch_plan_of = lambda args: plan
+    mode.dispatch(_args(50))
+    named = {name: dict(zip([n for n, t in spec.signature.items() if t != "constexpr"], args[2:]))
+             for name, spec in (("stage", STAGE), ("pull", PULL))
+             for launch, _, args in launches if launch == name
+             if len(args) == 2 + sum(t != "constexpr" for t in spec.signature.values())}
+    assert set(named) == {"stage", "pull"}  # (the grid's y and the stream first, then every parameter)
+    for kernel in ("stage", "pull"):
+        words = named[kernel]
+        assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
+        assert (words["half_bytes"], words["lists_offset"], words["list_cap"]) == (1 << 20, 512, 77)
+        assert (words["x_offset"], words["scales_offset"], words["topk_offset"], words["topk_row_bytes"]) == \
+            (16, 32, 48, 32)
+        assert words["fp_offset"] == 24
+    assert (named["pull"]["mailbox_address"], named["pull"]["timeout_ns"]) == (mailbox.address, 123_456)
+    assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40

@@ -97,7 +97,7 @@ def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     mode = NormalMode.__new__(NormalMode)  # (no GPU here: only the diagnostics' bookkeeping)
     mode.bases, mode._dispatch_plans, mode._combine_plans = 4096, {"shape": "plan"}, {"shape": "plan"}
-    mode._every_peer, mode._trace, mode._pipelined_pull = True, None, False
+    vars(mode).update(every_peer=True, trace=None, pipelined_pull=False)
     mode.every_peer = False
     assert mode._dispatch_plans == {} and mode._combine_plans == {} and not mode.every_peer
     trace = torch.zeros(8, dtype=torch.int64)

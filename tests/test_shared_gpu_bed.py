@@ -131,9 +131,9 @@ def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(m
     assert rc == 2 and "needs the nvlink backend" in out
 
     def made_without_a_gpu(self):  # (the diagnostics' bookkeeping only, as NormalMode.__init__ sets it)
-        self.bases, self._dispatch_plans, self._combine_plans, self._trace = 4096, {}, {}, None
-        self._every_peer, self._pipelined_pull, self._overlapped_combine = True, False, True
-        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
+        self.bases, self._dispatch_plans, self._combine_plans = 4096, {}, {}
+        vars(self).update(trace=None, every_peer=True, pipelined_pull=False, overlapped_combine=True,
+                          overlapped_dispatch=True, doorbell_dispatch=False, rank_loop_reduce=True)
     monkeypatch.setattr(NormalMode, "__init__", made_without_a_gpu)
     with pytest.raises(ValueError, match="tile-reduce"):
         bed_choices.use_normal_variant_from_now("tile_reduce")

@@ -260,12 +260,12 @@ class LowLatencyMode:
         """``(recv_x, scales)``: recv_x ``[E_local, R*M, H]`` (e4m3 or bf16) and, with FP8, the scales
         ``[E_local, R*M, S]`` column-major in the last two dims, as DeepEP returns them (else
         ``recv_x`` again)."""
-        recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16,
-                             device=self.device)
+        # (new_empty: x's device, no device argument to parse; about 1 µs less each on a GPU host)
+        recv_x = args.x.new_empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16)
         if not args.use_fp8:
             return recv_x, recv_x
-        scales = torch.empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots), device=self.device,
-                                     dtype=torch.int32 if args.use_ue8m0 else torch.float32)
+        scales = args.x.new_empty_strided((num_local, slots, scale_words), (scale_words * slots, 1, slots),
+                                          dtype=torch.int32 if args.use_ue8m0 else torch.float32)
         return recv_x, scales
 
     def _combine_plan(self, E: int, M: int, hidden: int, K: int) -> CombinePlan:
@@ -329,8 +329,7 @@ class LowLatencyMode:
             # state words, mapped and aligned, never read by the send phase).
             plan.kernels[True, False, False, x_aligned].launch(min(pairs, self.send_cap), 1, stream, *head, self.state,
                                                                *tail)
-        out = args.out if args.out is not None else torch.empty((num_tokens, x.shape[2]), dtype=torch.bfloat16,
-                                                                device=self.device)
+        out = args.out if args.out is not None else x.new_empty((num_tokens, x.shape[2]), dtype=torch.bfloat16)
         out_address = out.data_ptr()
         aligned = x_aligned and out_address & 15 == 0
         launch_args = head + (out_address,) + tail

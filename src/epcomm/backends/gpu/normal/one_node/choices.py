@@ -9,21 +9,20 @@ from typing import Any, Callable, Tuple
 
 
 class Choice:
-    """A NormalMode attribute, stored as ``_<name>`` on the instance (KernelChoices._default_choices
-    sets the default there), whose setting calls the owner's ``_choice_changed()``. ``convert`` turns
-    the value set into the one stored (``bool`` for the switches)."""
+    """A NormalMode attribute whose setting converts the value (``convert``: ``bool`` for the
+    switches), stores it in the instance's ``__dict__`` under the same name and calls the owner's
+    ``_choice_changed()``. It has no ``__get__``, so reading one is a plain instance attribute read
+    (the calls read several per call); on the class the name is this Choice, whose ``__doc__`` says
+    what it does. KernelChoices._default_choices stores the defaults the same way."""
 
     def __init__(self, doc: str, convert: Callable[[Any], Any] = bool):
         self.__doc__, self.convert = doc, convert
 
     def __set_name__(self, owner, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, mode, owner=None):
-        return self if mode is None else getattr(mode, self.slot)
+        self.name = name
 
     def __set__(self, mode, value) -> None:
-        setattr(mode, self.slot, self.convert(value))
+        mode.__dict__[self.name] = self.convert(value)
         mode._choice_changed()
 
 
@@ -78,18 +77,17 @@ class KernelChoices:
 
     def _default_choices(self) -> None:
         """The defaults (the Choice attributes below; measurements set them)."""
-        self._every_peer, self._trace, self._pipelined_pull, self._overlapped_combine = True, None, False, True
-        self._overlapped_dispatch, self._doorbell_dispatch, self._rank_loop_reduce = True, False, True
-        self._reduce_warps_apart, self._side_loads_first, self._gathered_index = False, True, False
-        self._full_one_launch, self._pull_programs_per_sm, self._stage_programs_per_sm = False, PULL_PROGRAMS_PER_SM, \
-            STAGE_PROGRAMS_PER_SM
-        self._pushed_lists = PUSHED_LISTS
-        self._combine_split = (PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM)
+        vars(self).update(
+            every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
+            doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
+            gathered_index=False, full_one_launch=False, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
+            stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
+            combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
         self._combine_plans.clear()
-        self.trace_address = self.bases if self._trace is None else self._trace.data_ptr()
+        self.trace_address = self.bases if self.trace is None else self.trace.data_ptr()
 
     # Setting one drops the plans, which are made with them.
     every_peer = Choice("The pull and push take every peer at once (schedule.py); False: the rank-order walk.")

@@ -73,6 +73,10 @@ class DispatchPlan:
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
+    # The launch arguments of the stage and the pull in turn that are the same on every call of the
+    # plan, in the kernels' order (NormalMode._fixed_arguments): one tuple each, unpacked per call.
+    stage_fixed: tuple
+    pull_fixed: tuple
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,19 @@ class NormalMode(KernelChoices):
                             # (pushed_lists: ranks that disagree read lists where none were written, so
                             # the full dispatch's fingerprint carries it and they raise instead)
                             agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
-                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)))
+                            agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)),
+                            **self._fixed_arguments(offsets, topk_row_bytes))
+
+    def _fixed_arguments(self, offsets: Tuple[int, int, int], topk_row_bytes: int) -> dict:
+        """DispatchPlan's ``stage_fixed`` and ``pull_fixed``: the workspace (rank, group size, the
+        bases twice, the state words, the half's size, the lists' offset and capacity, the staging
+        offsets, the top-k row's size), then the stage's fingerprint set, or the pull's host words
+        (the mailbox, the timeout) and fingerprint set."""
+        ws = self.ws
+        workspace = (self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.lists_offset,
+                     ws.list_cap, *offsets, topk_row_bytes)
+        return dict(stage_fixed=workspace + (self.fingerprints,),
+                    pull_fixed=workspace + (self.b.mailbox.address, self.b.timeout_ns, self.fingerprints))
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
         x = args.x[0] if args.x.__class__ is tuple else args.x
@@ -334,10 +350,8 @@ class NormalMode(KernelChoices):
                 table_address, dest_address,
                 num_rows, lo, hi, plan.x_words, plan.num_scales, plan.entry_topk,  # sizes
                 rank * num_local, num_local_rows, out_rows, int(round_idx == 0),
-                rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
-                ws.lists_offset, ws.list_cap, plan.offsets[0], plan.offsets[1], plan.offsets[2], plan.topk_row_bytes,
-                b.mailbox.address, b.timeout_ns,  # host
-                self.fingerprints, fp0, fp1, board, tag,  # identity
+                *plan.pull_fixed,  # workspace, host, fingerprint set
+                fp0, fp1, board, tag,  # identity
                 self.trace_address)
 
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
@@ -449,9 +463,8 @@ class NormalMode(KernelChoices):
             num_tokens, lo, hi, plan.x_words, plan.num_scales,  # sizes and strides
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_position_programs,
-            self.rank, self.R, self.bases, self.bases, self.state,  # workspace
-            self.ws.normal_half_bytes, self.ws.lists_offset, self.ws.list_cap, *plan.offsets, plan.topk_row_bytes,
-            self.fingerprints, fp0, fp1, self.seat.bases_address, tag)  # identity
+            *plan.stage_fixed,  # workspace, fingerprint set
+            fp0, fp1, self.seat.bases_address, tag)  # identity
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:
@@ -581,7 +594,7 @@ class NormalMode(KernelChoices):
         x_address = x.data_ptr()
         fp0, fp1 = plan.fingerprint
         fp1 |= (state.sequence & agreement.HANDLE_MASK) << agreement.HANDLE_SHIFT
-        push_per_sm, reduce_per_sm = self._combine_split
+        push_per_sm, reduce_per_sm = self.combine_split
         num_push = max(1, min(push_per_sm * config.num_sms, cdiv(num_rows, plan.block_r)))
         num_reduce = max(1, min(reduce_per_sm * config.num_sms, cdiv(num_tokens, plan.block_r)))
         kernel = plan.overlapped[plan.rows_aligned and x_aligned, plan.rows_aligned and is_aligned(*bias)]
