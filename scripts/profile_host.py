@@ -232,7 +232,41 @@ def _full_dispatch_report(buf, full, cached, calls: int):
     return report
 
 
-def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, functions: int = 0):
+def _variants_report(make_buffer, x, layout, handle_of, cfg, variants) -> list:
+    """Host µs per call of the full and the cached dispatch with each of ``variants`` (one-node
+    normal-mode variants, bench.NORMAL_VARIANTS, ``+`` joining several) beside the defaults: one
+    Buffer each on the same group, their calls interleaved (``_plain_us``), so a shared host's drift
+    falls on all alike."""
+    from epcomm.tools.bench import use_normal_variants
+    per_rank, per_expert, in_rank, topk, w = layout
+    fns, buffers = {}, []
+    for variant in ["default"] + list(variants):
+        buf = make_buffer()
+        buffers.append(buf)
+        if variant != "default":
+            use_normal_variants(buf._backend.normal, [variant])
+
+        def full(buf=buf):
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg)
+        handle = handle_of(full())
+        fns[variant, "full"] = full
+        fns[variant, "cached"] = lambda buf=buf, handle=handle: buf.dispatch(x, handle=handle, config=cfg)
+    plain = _plain_us(fns)
+    report = ["\nfull and cached dispatch per variant, host µs per call, one Buffer each, interleaved "
+              "(back to back, least of bursts / after a sync, median):",
+              f"  {'variant':<34} {'full':>15} {'cached':>15} {'full - cached':>15}"]
+    for variant in ["default"] + list(variants):
+        (full_b2b, full_synced), (cached_b2b, cached_synced) = plain[variant, "full"], plain[variant, "cached"]
+        report.append(f"  {variant:<34} {full_b2b:6.1f} / {full_synced:6.1f} {cached_b2b:6.1f} / {cached_synced:6.1f} "
+                      f"{full_b2b - cached_b2b:6.1f} / {full_synced - cached_synced:6.1f}")
+    for buf in buffers:
+        buf.destroy()
+    return report
+
+
+def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, functions: int = 0,
+                 variants: tuple = ()):
     import epcomm
     from epcomm import checks
     from epcomm.backends.gpu import mailbox
@@ -258,6 +292,10 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, f
     full_report = _full_dispatch_report(buf, full, lambda: buf.dispatch(x, handle=handle, config=cfg), split_calls)
     if full_only:
         buf.destroy()
+        if variants:
+            full_report += _variants_report(lambda: epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 30), x,
+                                            (per_rank, per_expert, in_rank, topk, w), lambda result: result[4], cfg,
+                                            variants)
         return "\n".join(full_report)
     x8 = per_token_cast_to_fp8(x)
     handle8 = buf.dispatch(x8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -422,7 +460,19 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu-front", action="store_true", help="no GPU: the Buffer front end with a stub backend")
     parser.add_argument("--functions", type=int, default=0, metavar="CALLS",
                         help="also each call's host time by function: cProfile over CALLS calls (not with --full-only)")
+    parser.add_argument("--variants", default="", metavar="V1,V2",
+                        help="with --full-only: the full and cached dispatch's host time with each one-node variant "
+                             "(epcomm bench normal --variants names) beside the defaults, interleaved")
     options = parser.parse_args(argv)
+    variants = ()
+    if options.variants:
+        if not options.full_only:
+            parser.error("--variants goes with --full-only")
+        from epcomm.tools.bench import normal_variants
+        try:
+            variants = tuple(normal_variants(options.variants))
+        except ValueError as err:
+            parser.error(str(err))
     if options.functions and options.full_only:
         parser.error("--functions profiles every call: it does not go with --full-only")
     if options.cpu_front:
@@ -430,7 +480,7 @@ def main(argv=None) -> None:
         return
     from epcomm.testing import run_distributed
     print(run_distributed(profile_rank, torch.cuda.device_count(), options.tokens, options.full_only,
-                          options.split_calls, options.functions, backend="nccl", timeout_s=600)[0])
+                          options.split_calls, options.functions, variants, backend="nccl", timeout_s=600)[0])
 
 
 if __name__ == "__main__":

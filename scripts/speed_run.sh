@@ -10,7 +10,9 @@
 #                first, so a part cut by its limit keeps those; VARIANTS= for none) at T=4096, each a
 #                table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
-#   profile      the full dispatch's host split (scripts/profile_host.py --full-only), every call's
+#   profile      the full dispatch's host split (scripts/profile_host.py --full-only; with
+#                PROFILE_VARIANTS, a comma list of bench variants, also the full and cached dispatch's
+#                host time with each beside the defaults, interleaved), every call's
 #                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
@@ -49,7 +51,8 @@ for part in ${PARTS:-normal low-latency}; do
     profile)
       mkdir -p /tmp/timeline  # (the Chrome traces stay on the machine: $OUT brings back 8 files at most)
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
-        python3 scripts/profile_host.py "${TOKENS:-512}" --full-only 2>&1 | tee "$OUT/profile_host_r$ranks.txt"
+        python3 scripts/profile_host.py "${TOKENS:-512}" --full-only ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"} 2>&1 \
+        | tee "$OUT/profile_host_r$ranks.txt"
       host_rc=${PIPESTATUS[0]}
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${FUNCTIONS_LIMIT_S:-180}" \
         python3 scripts/profile_host.py "${TOKENS:-512}" --functions "${FUNCTION_CALLS:-2000}" \

@@ -1,0 +1,28 @@
+"""scripts/profile_host.py's options are checked before any GPU work: ``--variants`` (the full and
+cached dispatch's host time per one-node variant) goes with ``--full-only`` and takes only names
+``epcomm bench normal --variants`` knows, so a lease's profile part fails at once, not after its
+processes started."""
+import importlib.util
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_host.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("profile_host_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "doorbell-dispatch"], "goes with --full-only"),
+    (["--full-only", "--variants", "doorbell-dispatch,nope"], "unknown normal-mode variant"),
+    (["--full-only", "--functions", "10"], "does not go with --full-only"),
+])
+def test_profile_host_refuses_options_that_do_not_go_together(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
