@@ -317,3 +317,44 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
         assert words["fp_offset"] == 24
     assert (named["pull"]["mailbox_address"], named["pull"]["timeout_ns"]) == (mailbox.address, 123_456)
     assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40
+
+
+class _OrderedMailbox(_Mailbox):
+    """A _Mailbox that records its count wait among the launches."""
+
+    def __init__(self, counts, launches):
+        super().__init__(counts)
+        self.launches = launches
+
+    def wait_notify(self, sequence, rank, timeout_s):
+        self.launches.append(("wait", 0, ()))
+        return super().wait_notify(sequence, rank, timeout_s)
+
+
+@pytest.mark.parametrize("num_tokens,max_tokens,launched", [
+    (50, 60, ["notify", "wait", "ep_dispatch"]),  # every batch within the bound: one launch
+    (50, 61, ["notify", "wait", "stage", "pull"]),  # another rank's is not: in turn, staged after the wait
+    (61, 61, ["notify", "stage", "wait", "pull"]),  # this one is not: staged during the wait, as by default
+])
+def test_one_launch_tokens_splits_full_one_launch_so_every_rank_picks_alike(monkeypatch, num_tokens, max_tokens,
+                                                                           launched):
+    """NormalMode.one_launch_tokens (bench --variants small-one-launch): a batch above the bound
+    stages during the wait; the group takes one launch only where its largest batch (max_tokens,
+    the same on every rank) is within the bound — then no rank staged — else all pull in turn."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _OrderedMailbox((40, max_tokens), launches), doorbell=False)
+    mode.full_one_launch, mode.one_launch_tokens = True, 60
+    mode.dispatch(_args(num_tokens))
+    assert [name for name, _, _ in launches] == launched
+
+
+def test_small_one_launch_sets_full_one_launch_and_its_bound(monkeypatch):
+    from epcomm.backends.gpu.normal.one_node import choices
+    from epcomm.tools.bench import use_normal_variants
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    use_normal_variants(mode, ["small-one-launch"])
+    assert mode.full_one_launch and mode.one_launch_tokens == choices.SMALL_ONE_LAUNCH_TOKENS
+    use_normal_variants(mode, ["full-one-launch"])
+    assert mode.full_one_launch and mode.one_launch_tokens == 0
+    with pytest.raises(ValueError, match="0 \\(no bound\\) or more"):
+        mode.one_launch_tokens = -1

@@ -162,7 +162,9 @@ class NormalBenchSettings:
     # mode.py), "pull-Nx" (the pull in turn on N x num_sms programs, N = 1..4: choices.py, PULL_PROGRAMS_PER_SM),
     # "stage-Nx" (the stage in turn's copy programs likewise, N = 1..4: choices.py, STAGE_PROGRAMS_PER_SM),
     # "pulled-lists" (each list left in its source's workspace and read from there remotely, the default
-    # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS)
+    # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS), "small-one-launch"
+    # (a full dispatch in one launch after its count wait where every rank's batch is at most
+    # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py)
     variants: List[str] = field(default_factory=list)
 
 
@@ -469,7 +471,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -499,7 +501,8 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.reduce_warps_apart = "reduce-warps-apart" in variants
     normal.side_loads_first = "side-loads-after" not in variants
     normal.gathered_index = "gathered-index" in variants
-    normal.full_one_launch = "full-one-launch" in variants
+    normal.full_one_launch = "full-one-launch" in variants or "small-one-launch" in variants
+    normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
@@ -564,7 +567,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "items), full-one-launch (a full dispatch in one launch after its count wait), "
                                  "pull-1x ... pull-4x (the pull in turn on N x num_sms programs; default 3), stage-1x ... "
                                  "stage-4x (the stage in turn's copy programs, likewise; default 2), pulled-lists (each "
-                                 "token list left at its source, read remotely: the default before 2026-11-28d); "
+                                 "token list left at its source, read remotely: the default before 2026-11-28d), "
+                                 "small-one-launch (full-one-launch where every rank's batch is at most 1024 tokens, "
+                                 "larger ones staged during the count wait as by default); "
                                  "join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "

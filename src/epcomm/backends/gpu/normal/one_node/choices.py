@@ -68,6 +68,20 @@ STAGE_PROGRAMS_PER_SM = 2
 # dispatch took 241 µs GPU / 301 synced against 263 / 414 with the lists left at their sources, and
 # 123 against 138 at T=512 (performance-log, 2026-11-28d); the cached dispatch reads no lists.
 PUSHED_LISTS = True
+# bench --variants small-one-launch: a full dispatch in one launch after the wait where the group's
+# largest batch is at most this many tokens; a larger batch stages during the wait and pulls in turn,
+# as by default. Same runs on 2 H200s: at T=512 the one launch took 88 / 123 µs GPU against 100 / 138
+# staged during the wait; at T=4096, 337 / 381 against 263 / 250 (performance-log, 2026-11-28d). Not the
+# default yet: the split as a whole has not run on a GPU.
+SMALL_ONE_LAUNCH_TOKENS = 1024
+
+
+def token_count(value) -> int:
+    """A count of tokens, checked: 0 (no bound) or more."""
+    count = int(value)
+    if count < 0:
+        raise ValueError(f"a token count must be 0 (no bound) or more, got {value!r}")
+    return count
 
 
 class KernelChoices:
@@ -80,7 +94,7 @@ class KernelChoices:
         vars(self).update(
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
-            gathered_index=False, full_one_launch=False, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
+            gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
@@ -110,6 +124,13 @@ class KernelChoices:
         runs as one launch after the host's count wait (ep_dispatch, as a cached one, its pull on
         pull_programs_per_sm x num_sms programs), instead of staging during the wait and pulling in
         turn after it. On num_sms pull programs it was slower (918 against 741 µs, 4 H200s).""")
+    one_launch_tokens = Choice(
+        """With full_one_launch, a bound in tokens (0: none): a rank whose batch is larger stages
+        during the count wait, as by default, and the group takes the one launch only where its
+        largest batch (max_tokens, the same on every rank) is within the bound, so that no rank has
+        staged; otherwise every rank pulls in turn (bench --variants small-one-launch:
+        SMALL_ONE_LAUNCH_TOKENS).""",
+        convert=token_count)
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the

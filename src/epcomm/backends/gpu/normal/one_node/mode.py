@@ -285,7 +285,14 @@ class NormalMode(KernelChoices):
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
-            after_wait = self.full_one_launch and not worst and not doorbell and may_overlap  # (decided after it)
+            # full_one_launch: nothing staged before the wait, one launch after it where the group's
+            # batches fit one. With one_launch_tokens, a batch above the bound stages now as by
+            # default, and the group takes one launch only where its largest batch (max_tokens) is
+            # within the bound: then every rank's is, none staged, and all launch alike; otherwise
+            # all pull in turn, the ranks that did not stage yet staging after the wait.
+            bound = self.one_launch_tokens
+            after_wait = self.full_one_launch and not worst and not doorbell and may_overlap and \
+                (not bound or num_tokens <= bound)
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
@@ -308,8 +315,8 @@ class NormalMode(KernelChoices):
                     mailbox.ring(sequence, rank, b.timeout_s)
             if after_wait:  # one launch where the group's batches fit one round (max_tokens: the same on every rank)
                 one_launch_pulls = num_sms * self.pull_programs_per_sm
-                overlapped = self._one_launch(plan, max_tokens)
-                if not overlapped:  # rounds: round 0 staged now, pulled in turn below
+                overlapped = self._one_launch(plan, max_tokens) and (not bound or max_tokens <= bound)
+                if not overlapped:  # rounds, or above one_launch_tokens: round 0 staged now, pulled in turn below
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
             counts_list = [] if counts is None else counts[:num_local].tolist()
