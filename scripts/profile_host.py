@@ -232,6 +232,9 @@ def _full_dispatch_report(buf, full, cached, calls: int):
     return report
 
 
+MAX_VARIANTS = 4  # --variants: Buffers on one group beside the defaults' (the call board has 7 slots)
+
+
 def _variants_report(make_buffer, x, layout, handle_of, cfg, variants) -> list:
     """Host µs per call of the full and the cached dispatch with each of ``variants`` (one-node
     normal-mode variants, bench.NORMAL_VARIANTS, ``+`` joining several) beside the defaults: one
@@ -244,6 +247,8 @@ def _variants_report(make_buffer, x, layout, handle_of, cfg, variants) -> list:
         buf = make_buffer()
         buffers.append(buf)
         if variant != "default":
+            if not hasattr(buf._backend.normal, "every_peer"):  # (bench.py: one node's variants only)
+                raise SystemExit(f"--variants: the {buf.backend_name} backend has no one-node variants")
             use_normal_variants(buf._backend.normal, [variant])
 
         def full(buf=buf):
@@ -470,9 +475,11 @@ def main(argv=None) -> None:
             parser.error("--variants goes with --full-only")
         from epcomm.tools.bench import normal_variants
         try:
-            variants = tuple(normal_variants(options.variants))
+            variants = tuple(dict.fromkeys(normal_variants(options.variants)))  # (each once)
         except ValueError as err:
             parser.error(str(err))
+        if len(variants) > MAX_VARIANTS:
+            parser.error(f"--variants takes at most {MAX_VARIANTS} (a Buffer of 1 GiB each, beside the defaults')")
     if options.functions and options.full_only:
         parser.error("--functions profiles every call: it does not go with --full-only")
     if options.cpu_front:

@@ -11,8 +11,9 @@
 #                table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only; with
-#                PROFILE_VARIANTS, a comma list of bench variants, also the full and cached dispatch's
-#                host time with each beside the defaults, interleaved), every call's
+#                PROFILE_VARIANTS, a comma list of up to 4 bench variants, also the full and cached
+#                dispatch's host time with each beside the defaults, interleaved; its limit then 240 s
+#                by default), every call's
 #                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
@@ -49,8 +50,9 @@ for part in ${PARTS:-normal low-latency}; do
         --entry-loop-reduce --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
         | tee "$OUT/bench_ll_r$ranks.txt" ;;
     profile)
+      host_limit="${PROFILE_LIMIT_S:-$([ -n "${PROFILE_VARIANTS:-}" ] && echo 240 || echo 120)}"  # (variants: a Buffer each)
       mkdir -p /tmp/timeline  # (the Chrome traces stay on the machine: $OUT brings back 8 files at most)
-      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "$host_limit" \
         python3 scripts/profile_host.py "${TOKENS:-512}" --full-only ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"} 2>&1 \
         | tee "$OUT/profile_host_r$ranks.txt"
       host_rc=${PIPESTATUS[0]}

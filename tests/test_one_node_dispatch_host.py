@@ -358,3 +358,13 @@ def test_small_one_launch_sets_full_one_launch_and_its_bound(monkeypatch):
     assert mode.full_one_launch and mode.one_launch_tokens == 0
     with pytest.raises(ValueError, match="0 \\(no bound\\) or more"):
         mode.one_launch_tokens = -1
+
+
+def test_every_choice_has_a_default(monkeypatch):
+    """A Choice has no __get__ (choices.py): one without a default would read as the Choice object
+    itself, which is truthy, instead of raising. _default_choices must store every one."""
+    from epcomm.backends.gpu.normal.one_node.choices import Choice, KernelChoices
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    names = {name for name, value in vars(KernelChoices).items() if isinstance(value, Choice)}
+    assert names and names <= set(vars(mode))
+    assert all(not isinstance(getattr(mode, name), Choice) for name in names)

@@ -21,6 +21,7 @@ def _script():
     (["--variants", "doorbell-dispatch"], "goes with --full-only"),
     (["--full-only", "--variants", "doorbell-dispatch,nope"], "unknown normal-mode variant"),
     (["--full-only", "--functions", "10"], "does not go with --full-only"),
+    (["--full-only", "--variants", "pull-1x,pull-2x,pull-3x,pull-4x,stage-1x"], "at most 4"),
 ])
 def test_profile_host_refuses_options_that_do_not_go_together(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

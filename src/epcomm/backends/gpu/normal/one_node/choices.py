@@ -123,13 +123,16 @@ class KernelChoices:
         """An experiment for a lease (bench --variants full-one-launch): a full dispatch of one round
         runs as one launch after the host's count wait (ep_dispatch, as a cached one, its pull on
         pull_programs_per_sm x num_sms programs), instead of staging during the wait and pulling in
-        turn after it. On num_sms pull programs it was slower (918 against 741 µs, 4 H200s).""")
+        turn after it. On num_sms pull programs it was slower (918 against 741 µs, 4 H200s). Every
+        rank of the group must set the same (it is not in the fingerprint: ranks that differ wait
+        for each other's signals until the timeout).""")
     one_launch_tokens = Choice(
         """With full_one_launch, a bound in tokens (0: none): a rank whose batch is larger stages
         during the count wait, as by default, and the group takes the one launch only where its
         largest batch (max_tokens, the same on every rank) is within the bound, so that no rank has
         staged; otherwise every rank pulls in turn (bench --variants small-one-launch:
-        SMALL_ONE_LAUNCH_TOKENS).""",
+        SMALL_ONE_LAUNCH_TOKENS). doorbell_dispatch, where set, decides instead. Every rank of the
+        group must set the same, as for full_one_launch.""",
         convert=token_count)
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
