@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import epcomm
 from epcomm.fp8 import per_token_cast_to_fp8
+from epcomm.handle import LowLatencyHandle
 from epcomm.testing.sweeps import make_routing, world
 
 NUM_EXPERTS = 8
@@ -111,6 +112,14 @@ LL_RULES = {
     "ll_combine_topk_values": ("topk_idx", lambda b, x, t, w, h, y: b.low_latency_combine(y, t * 0 + 99, w, h)),
     "ll_combine_out_shape": ("out", lambda b, x, t, w, h, y: b.low_latency_combine(
         y, t, w, h, out=torch.zeros(x.shape[0] + 1, x.shape[1], dtype=torch.bfloat16))),
+    # the handle: one this Buffer made in its last two dispatches is taken as its own; any other
+    # object, or a copy of one laid out for another group size, is checked in full
+    "ll_combine_not_a_handle": ("handle", lambda b, x, t, w, h, y: b.low_latency_combine(y, t, w, tuple(h))),
+    "ll_combine_handle_of_another_group": ("handle", lambda b, x, t, w, h, y: b.low_latency_combine(
+        y, t, w, LowLatencyHandle(h.recv_src_info, torch.zeros(h.recv_layout_range.shape[0], world()[0] + 1,
+                                                                 dtype=torch.int64), *tuple(h)[2:], h.backend_state))),
+    "ll_combine_topk_of_other_tokens": ("topk_idx", lambda b, x, t, w, h, y: b.low_latency_combine(
+        y, t[:-1], w[:-1], h)),
 }
 
 

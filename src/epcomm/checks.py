@@ -168,11 +168,11 @@ def low_latency_dispatch_key(x, topk_idx, num_max_dispatch_tokens_per_rank, num_
                              stats: tuple) -> Optional[tuple]:
     """What Buffer.low_latency_dispatch's shape checks depend on (:func:`dispatch_key`'s rules):
     ``x`` and ``topk_idx``, the two ints with their types, ``flags`` (use_fp8, round_scale,
-    use_ue8m0, use_nvfp4 as given) and the optional ``stats`` tensors."""
+    use_ue8m0, use_nvfp4 as given) and the two optional ``stats`` tensors."""
     try:
         return (tensor_key(x), tensor_key(topk_idx), num_max_dispatch_tokens_per_rank.__class__,
                 num_max_dispatch_tokens_per_rank, num_experts.__class__, num_experts, flags,
-                tuple(tensor_key(t) for t in stats))
+                tensor_key(stats[0]), tensor_key(stats[1]))
     except (AttributeError, TypeError):
         return None
 
@@ -278,19 +278,23 @@ def view_of_bytes(memory: torch.Tensor, dtype, size=None, offset: int = 0) -> to
     return tensor[:size.numel()].view(size)
 
 
-def check_combine_topk_idx(topk_idx: torch.Tensor, handle, dispatched_entries, check_values: bool) -> None:
-    """``topk_idx`` of a low-latency combine must be its dispatch's: the shape always, the values
-    with ``check_values`` (a host read on CUDA) unless it is the very tensor. ``dispatched_entries``
-    are the ``(handle, topk_idx)`` of the last two dispatches; an older handle is not checked (its
-    buffer half was reused: DeepEP's rule)."""
+def dispatched_entry(handle, dispatched_entries) -> Optional[tuple]:
+    """The ``(handle, topk_idx)`` of the low-latency dispatch that made ``handle``, among
+    ``dispatched_entries`` (the last two dispatches of a Buffer, None where none was made yet), or
+    None: an older handle, whose buffer half was reused (DeepEP's rule), or another Buffer's."""
     for entry in dispatched_entries:  # (a plain loop: this runs on every call's host path)
         if entry is not None and entry[0] is handle:
-            dispatched = entry[1]
-            break
-    else:
+            return entry
+    return None
+
+
+def check_combine_topk_idx(topk_idx: torch.Tensor, dispatched: Optional[tuple], check_values: bool) -> None:
+    """``topk_idx`` of a low-latency combine must be its dispatch's (``dispatched``, from
+    :func:`dispatched_entry`; None: not checked): the shape always, the values with
+    ``check_values`` (a host read on CUDA) unless it is the very tensor."""
+    if dispatched is None or dispatched[1] is topk_idx:
         return
-    if dispatched is topk_idx:
-        return
+    dispatched = dispatched[1]
     if dispatched.shape != topk_idx.shape:
         raise EPInputError("topk_idx", f"has shape {list(topk_idx.shape)} but the low_latency_dispatch of this "
                                        f"handle had {list(dispatched.shape)}: pass the same topk_idx")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import checks, nvfp4
 from .backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .errors import EPInputError
+from .events import EventOverlap
 from .handle import LowLatencyHandle
 
 
@@ -144,13 +145,24 @@ class LowLatencyCalls:
                 ("round_scale", bool(round_scale)), ("use_ue8m0", bool(use_ue8m0)), ("use_nvfp4", bool(use_nvfp4))),
                 rank_mask=self._shrink_mask())
         phase = self._next_phase()
+        if not async_finish:  # on the caller's stream: no scope to enter (events.py; as dispatch does)
+            recv_x, recv_count, handle, hook = self._low_latency_dispatch_now(args, wire, phase)
+            return recv_x, recv_count, handle, EventOverlap(None), hook
         with self._stream_scope(None, async_finish, (args.x, topk_idx)) as scope:
-            recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
-            if wire is not None:  # DeepEP's NVFP4 layout from the bf16 payload; the handle gets hidden back
-                recv_x, handle, hook = wire.unpack(recv_x, handle, hook)
-            self._ll_dispatched[phase] = (handle, topk_idx)
+            recv_x, recv_count, handle, hook = self._low_latency_dispatch_now(args, wire, phase)
             scope.keep(recv_x, recv_count, handle.recv_src_info, handle.recv_layout_range)
         return recv_x, recv_count, handle, scope.event_overlap(), hook
+
+    def _low_latency_dispatch_now(self, args: LowLatencyDispatchArgs, wire, phase: int):
+        """The backend's low-latency dispatch of ``args`` on the current stream, as
+        ``(recv_x, recv_count, handle, hook)``: DeepEP's NVFP4 layout from the bf16 payload where
+        ``wire`` carried one (the handle gets the hidden size back), and the handle remembered for
+        the combine's check in its half (``phase``)."""
+        recv_x, recv_count, handle, hook = self._backend.low_latency_dispatch(args)
+        if wire is not None:
+            recv_x, handle, hook = wire.unpack(recv_x, handle, hook)
+        self._ll_dispatched[phase] = (handle, args.topk_idx)
+        return recv_x, recv_count, handle, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The bf16 ``[E_local, R*M, H]`` tensor the next ``low_latency_combine(zero_copy=True)`` reads.
@@ -194,7 +206,11 @@ class LowLatencyCalls:
         self._check_low_latency("low_latency_combine")
         try:
             R = self.group_size
-            checks.check_low_latency_handle(handle, R)  # (the handle on every call; the rest once per shape)
+            # The handle on every call (the rest once per shape): one this Buffer made in its last two
+            # dispatches is its own, of this group's shape; any other is checked in full.
+            dispatched = checks.dispatched_entry(handle, self._ll_dispatched)
+            if dispatched is None:
+                checks.check_low_latency_handle(handle, R)
             key = checks.low_latency_combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, handle)
             try:
                 checked = key in self._checked_ll_combines
@@ -213,7 +229,7 @@ class LowLatencyCalls:
                     raise EPInputError("topk_idx", f"has {topk_idx.shape[0]} tokens, more than the handle's M="
                                                    f"{handle.num_max_dispatch_tokens_per_rank}")
             num_tokens = topk_idx.shape[0]
-            checks.check_combine_topk_idx(topk_idx, handle, self._ll_dispatched, self._check_values)
+            checks.check_combine_topk_idx(topk_idx, dispatched, self._check_values)
             if not checked:
                 checks.check_rows(num_tokens, "topk_idx", topk_weights=topk_weights)
                 checks.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self.device)
@@ -238,6 +254,9 @@ class LowLatencyCalls:
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("num_topk", topk_idx.shape[1])), rank_mask=self._shrink_mask())
         self._next_phase()
+        if not async_finish:  # on the caller's stream (as in low_latency_dispatch)
+            combined_x, hook = self._backend.low_latency_combine(args)
+            return combined_x, EventOverlap(None), hook
         with self._stream_scope(None, async_finish, (x, topk_idx, topk_weights)) as scope:
             combined_x, hook = self._backend.low_latency_combine(args)
             scope.keep(combined_x)

@@ -46,7 +46,7 @@ class DispatchResult:
     handle: DispatchHandle
 
 
-@dataclass
+@dataclass(slots=True)  # (built on every call, as DispatchArgs)
 class LowLatencyDispatchArgs:
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -62,7 +62,7 @@ class LowLatencyDispatchArgs:
     plan: object = None  # what the backend's check worked out for this call (its own type)
 
 
-@dataclass
+@dataclass(slots=True)
 class LowLatencyCombineArgs:
     x: torch.Tensor
     topk_idx: torch.Tensor
