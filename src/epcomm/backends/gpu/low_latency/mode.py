@@ -217,7 +217,7 @@ class LowLatencyMode:
                                                                  topk.shape[1])
         handle = per_half.handle
         handle.backend_state.sequence = sequence
-        num_local, slots = handle.recv_src_info.shape[0], handle.recv_src_info.shape[1]
+        num_local, slots = args.num_experts // self.R, self.R * args.num_max_dispatch_tokens_per_rank  # (the half's)
         stats = args.cumulative_local_expert_recv_stats
         wait_stats = args.dispatch_wait_recv_cost_stats
         x_address = x.data_ptr()
