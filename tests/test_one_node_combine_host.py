@@ -1,6 +1,7 @@
 """The one-node combine's host side (gpu/normal/one_node/mode.py) picks its launches: the push and
 reduce in one launch (ep_combine) where the call fits one round in the plain layout, in turn
 otherwise — checked with recording stand-ins for the kernels, no GPU. Skipped without Triton."""
+import dataclasses
 import types
 from collections import defaultdict
 
@@ -22,12 +23,13 @@ class _Kernel:
         self.launches.append((self.name, grid, args))
 
 
-def _plan(launches, expert_major=False):
+def _plan(launches, mode, expert_major=False):
     def kernels(name):
         return defaultdict(lambda: _Kernel(launches, name))
     return M.CombinePlan(slots_x=0, slots_w=0, round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
                          expert_major=expert_major, push=kernels("push"), reduce=kernels("reduce"),
-                         overlapped=None if expert_major else kernels("overlapped"), fingerprint=(0, 0))
+                         overlapped=None if expert_major else kernels("overlapped"), fingerprint=(0, 0),
+                         overlapped_fixed=M.NormalMode._combine_fixed_arguments(mode, 0, 0))
 
 
 def _mode(monkeypatch, launches, expert_major=False):
@@ -40,7 +42,7 @@ def _mode(monkeypatch, launches, expert_major=False):
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
     mode._default_choices()
-    plan = _plan(launches, expert_major)
+    plan = _plan(launches, mode, expert_major)
     mode._combine_plan_of = lambda *args: plan
     return mode
 
@@ -137,11 +139,36 @@ def test_the_reduce_sums_ranks_row_by_row_a_whole_7168_row_a_step(lanes, rank_lo
     about 8 times per token (697 against 146 µs on one H100 at 8 ranks' lanes), and 2048 columns a
     step left the one-launch reduce trailing the push (188 against 118). The tile keeps 16384 / R_P2."""
     mode = object.__new__(M.NormalMode)
-    mode.b = types.SimpleNamespace(name="nvlink")
-    mode.ws = types.SimpleNamespace(combine_round_tokens=lambda row_bytes: ((0, 0), ROUND_TOKENS))
-    mode.R_P2 = lanes
+    mode.b = types.SimpleNamespace(name="nvlink", mailbox=types.SimpleNamespace(address=0), timeout_ns=1)
+    mode.ws = types.SimpleNamespace(combine_round_tokens=lambda row_bytes: ((0, 0), ROUND_TOKENS), normal_half_bytes=0,
+                                    block_flags_offset=0, block_flag_cap=1024)
+    mode.R_P2, mode.R, mode.rank, mode.bases, mode.state, mode.fingerprints = lanes, lanes, 0, 0, 0, 0
     vars(mode).update(every_peer=True, trace=None, rank_loop_reduce=rank_loop, reduce_warps_apart=False)
     plan = mode._combine_plan(7168, 8, 0, 0)
     for kernels in (plan.reduce, plan.overlapped):
         assert kernels.fixed["RANK_LOOP"] is rank_loop and kernels.fixed["BLOCK_C"] == block_c
     assert plan.reduce.num_warps == warps
+
+
+def test_the_one_launch_combines_arguments_sit_where_ep_combine_names_them(monkeypatch):
+    """CombinePlan.overlapped_fixed (unpacked per call) keeps every argument of ep_combine at its
+    parameter's position: the count, and the workspace, block-flag, host and identity words by name."""
+    from epcomm.backends.gpu.normal.one_node.combine import PUSH_REDUCE
+    launches = []
+    mode = _mode(monkeypatch, launches)
+    mode.rank, mode.bases, mode.state, mode.fingerprints, mode.trace_address = RANK, 4096, 8192, 24, 4096
+    mode.ws = types.SimpleNamespace(normal_half_bytes=1 << 20, block_flag_cap=77, block_flags_offset=512)
+    mode.b = types.SimpleNamespace(mailbox=types.SimpleNamespace(address=999), timeout_ns=123_456)
+    plan = dataclasses.replace(_plan(launches, mode), slots_x=16, slots_w=32,
+                               overlapped_fixed=M.NormalMode._combine_fixed_arguments(mode, 16, 32))
+    mode._combine_plan_of = lambda *args: plan
+    _combine(mode, _handle(num_tokens=30, max_tokens=90))
+    (_, _, args), = [launch for launch in launches if launch[0] == "overlapped"]
+    names = [n for n, t in PUSH_REDUCE.signature.items() if t != "constexpr"]
+    assert len(args) == 2 + len(names)
+    words = dict(zip(names, args[2:]))
+    assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
+    assert (words["half_bytes"], words["slots_x_offset"], words["slots_w_offset"]) == (1 << 20, 16, 32)
+    assert (words["block_flags_offset"], words["block_flag_cap"]) == (512, 77)
+    assert (words["mailbox_address"], words["timeout_ns"], words["fp_offset"]) == (999, 123_456, 24)
+    assert words["trace_ptr"] == 4096 and words["num_tokens"] == 30

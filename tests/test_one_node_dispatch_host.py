@@ -317,6 +317,22 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
         assert words["fp_offset"] == 24
     assert (named["pull"]["mailbox_address"], named["pull"]["timeout_ns"]) == (mailbox.address, 123_456)
     assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40
+    # the one launch (DispatchPlan.overlapped_fixed), here after the count wait (full_one_launch)
+    from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
+    launches.clear()
+    vars(mode)["full_one_launch"] = True
+    mode.dispatch(_args(50))
+    (_, _, args), = [launch for launch in launches if launch[0] == "ep_dispatch"]
+    names = [n for n, t in STAGE_PULL.signature.items() if t != "constexpr"]
+    assert len(args) == 2 + len(names)
+    words = dict(zip(names, args[2:]))
+    assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
+    assert (words["half_bytes"], words["lists_offset"], words["list_cap"], words["topk_row_bytes"]) == \
+        (1 << 20, 512, 77, 32)
+    assert (words["block_flags_offset"], words["block_flag_cap"]) == (mode.ws.block_flags_offset, mode.ws.block_flag_cap)
+    assert (words["mailbox_address"], words["timeout_ns"], words["doorbell_address"]) == \
+        (mailbox.address, 123_456, mailbox.doorbell_address)
+    assert words["sequence"] == 0 and words["fp_offset"] == 24 and words["trace_ptr"] == 4096
 
 
 class _OrderedMailbox(_Mailbox):

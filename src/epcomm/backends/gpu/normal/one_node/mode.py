@@ -73,10 +73,12 @@ class DispatchPlan:
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
-    # The launch arguments of the stage and the pull in turn that are the same on every call of the
-    # plan, in the kernels' order (NormalMode._fixed_arguments): one tuple each, unpacked per call.
+    # The launch arguments of the stage, the pull in turn and the one launch that are the same on
+    # every call of the plan, in the kernels' order (NormalMode._fixed_arguments): one tuple each,
+    # unpacked per call.
     stage_fixed: tuple
     pull_fixed: tuple
+    overlapped_fixed: tuple  # ep_dispatch's, up to its sequence argument
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class CombinePlan:
     reduce: Specialisations  # ALIGNED (biases aligned) -> reduce
     overlapped: Optional[Specialisations]  # (ALIGNED, OUT_ALIGNED) -> push and reduce in one launch (plain layout)
     fingerprint: Tuple[int, int]  # agreement.py: the call's words (handle added)
+    # ep_combine's launch arguments that are the same on every call of the plan, in its order: the
+    # workspace (rank ... the slots' offsets), the block flags, the host words, the fingerprint set
+    overlapped_fixed: tuple
 
 
 class NormalMode(KernelChoices):
@@ -179,15 +184,18 @@ class NormalMode(KernelChoices):
                             **self._fixed_arguments(offsets, topk_row_bytes))
 
     def _fixed_arguments(self, offsets: Tuple[int, int, int], topk_row_bytes: int) -> dict:
-        """DispatchPlan's ``stage_fixed`` and ``pull_fixed``: the workspace (rank, group size, the
-        bases twice, the state words, the half's size, the lists' offset and capacity, the staging
-        offsets, the top-k row's size), then the stage's fingerprint set, or the pull's host words
-        (the mailbox, the timeout) and fingerprint set."""
-        ws = self.ws
+        """DispatchPlan's ``stage_fixed``, ``pull_fixed`` and ``overlapped_fixed``: the workspace
+        (rank, group size, the bases twice, the state words, the half's size, the lists' offset and
+        capacity, the staging offsets, the top-k row's size), then the stage's fingerprint set; the
+        pull's host words (the mailbox, the timeout) and fingerprint set; or ep_dispatch's block
+        flags (offset, capacity) and host words (the mailbox, the timeout, the doorbell)."""
+        ws, mailbox = self.ws, self.b.mailbox
         workspace = (self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.lists_offset,
                      ws.list_cap, *offsets, topk_row_bytes)
         return dict(stage_fixed=workspace + (self.fingerprints,),
-                    pull_fixed=workspace + (self.b.mailbox.address, self.b.timeout_ns, self.fingerprints))
+                    pull_fixed=workspace + (mailbox.address, self.b.timeout_ns, self.fingerprints),
+                    overlapped_fixed=workspace + (ws.block_flags_offset, ws.block_flag_cap, mailbox.address,
+                                                  self.b.timeout_ns, mailbox.doorbell_address))
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
         x = args.x[0] if args.x.__class__ is tuple else args.x
@@ -426,7 +434,6 @@ class NormalMode(KernelChoices):
             kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
             num_stage += self.R
-        ws, mailbox = self.ws, self.b.mailbox
         kernel.launch(
             num_stage + pull_programs, 1, stream,
             x_address, scales_address, topk, weights, in_rank, list_index,
@@ -434,9 +441,7 @@ class NormalMode(KernelChoices):
             num_tokens, plan.x_words, plan.num_scales,  # sizes
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_rows, num_stage,
-            self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes,  # workspace
-            ws.lists_offset, ws.list_cap, *plan.offsets, plan.topk_row_bytes, ws.block_flags_offset, ws.block_flag_cap,
-            mailbox.address, self.b.timeout_ns, mailbox.doorbell_address, sequence,  # host
+            *plan.overlapped_fixed, sequence,  # workspace, block flags, host
             self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
             self.trace_address)
 
@@ -500,7 +505,16 @@ class NormalMode(KernelChoices):
         return CombinePlan(slots_x, rest[0] if num_topk else 0, round_tokens, block_r, rows_aligned,
                            expert_major_topk > 0, push, reduce, overlapped,
                            agreement.pack(call=agreement.CALL_COMBINE, hidden=hidden, x=1, num_topk=num_topk,
-                                          expert_major=int(expert_major_topk > 0)))
+                                          expert_major=int(expert_major_topk > 0)),
+                           self._combine_fixed_arguments(slots_x, rest[0] if num_topk else 0))
+
+    def _combine_fixed_arguments(self, slots_x: int, slots_w: int) -> tuple:
+        """CombinePlan's ``overlapped_fixed``: rank, group size, the bases twice, the state words,
+        the half's size, the slots' offsets (rows, weights), the block flags (offset, capacity),
+        the host words (the mailbox, the timeout) and the fingerprint set."""
+        ws = self.ws
+        return (self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes, slots_x, slots_w,
+                ws.block_flags_offset, ws.block_flag_cap, self.b.mailbox.address, self.b.timeout_ns, self.fingerprints)
 
     def _combine_plan_of(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                          bias: Tuple[torch.Tensor, ...]) -> CombinePlan:
@@ -613,10 +627,8 @@ class NormalMode(KernelChoices):
             bias[0].data_ptr() if len(bias) >= 1 else combined_address,
             bias[1].data_ptr() if len(bias) >= 2 else combined_address,
             num_rows, plan.round_tokens, num_tokens, hidden // 4, hidden, num_topk, num_push,  # sizes
-            self.rank, self.R, self.bases, self.bases, self.state,  # workspace
-            self.ws.normal_half_bytes, plan.slots_x, plan.slots_w, self.ws.block_flags_offset, self.ws.block_flag_cap,
-            self.b.mailbox.address, self.b.timeout_ns,  # host
-            self.fingerprints, fp0, fp1, self.seat.bases_address, self.seat.tag(),  # identity
+            *plan.overlapped_fixed,  # workspace, block flags, host, fingerprint set
+            fp0, fp1, self.seat.bases_address, self.seat.tag(),  # identity
             self.trace_address)
         return combined, combined_w
 
