@@ -185,13 +185,12 @@ class NormalMode(KernelChoices):
 
     def _fixed_arguments(self, offsets: Tuple[int, int, int], topk_row_bytes: int) -> dict:
         """DispatchPlan's ``stage_fixed``, ``pull_fixed`` and ``overlapped_fixed``: the workspace
-        (rank, group size, the bases twice, the state words, the half's size, the lists' offset and
-        capacity, the staging offsets, the top-k row's size), then the stage's fingerprint set; the
+        (_workspace_words, the lists' offset and capacity, the staging offsets, the top-k row's
+        size), then the stage's fingerprint set; the
         pull's host words (the mailbox, the timeout) and fingerprint set; or ep_dispatch's block
         flags (offset, capacity) and host words (the mailbox, the timeout, the doorbell)."""
         ws, mailbox = self.ws, self.b.mailbox
-        workspace = (self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.lists_offset,
-                     ws.list_cap, *offsets, topk_row_bytes)
+        workspace = self._workspace_words() + (ws.lists_offset, ws.list_cap, *offsets, topk_row_bytes)
         return dict(stage_fixed=workspace + (self.fingerprints,),
                     pull_fixed=workspace + (mailbox.address, self.b.timeout_ns, self.fingerprints),
                     overlapped_fixed=workspace + (ws.block_flags_offset, ws.block_flag_cap, mailbox.address,
@@ -509,12 +508,17 @@ class NormalMode(KernelChoices):
                            self._combine_fixed_arguments(slots_x, rest[0] if num_topk else 0))
 
     def _combine_fixed_arguments(self, slots_x: int, slots_w: int) -> tuple:
-        """CombinePlan's ``overlapped_fixed``: rank, group size, the bases twice, the state words,
-        the half's size, the slots' offsets (rows, weights), the block flags (offset, capacity),
-        the host words (the mailbox, the timeout) and the fingerprint set."""
+        """CombinePlan's ``overlapped_fixed``: the workspace words, the slots' offsets (rows,
+        weights), the block flags (offset, capacity), the host words (the mailbox, the timeout) and
+        the fingerprint set."""
         ws = self.ws
-        return (self.rank, self.R, self.bases, self.bases, self.state, ws.normal_half_bytes, slots_x, slots_w,
-                ws.block_flags_offset, ws.block_flag_cap, self.b.mailbox.address, self.b.timeout_ns, self.fingerprints)
+        return self._workspace_words() + (slots_x, slots_w, ws.block_flags_offset, ws.block_flag_cap,
+                                          self.b.mailbox.address, self.b.timeout_ns, self.fingerprints)
+
+    def _workspace_words(self) -> tuple:
+        """The arguments every one-node kernel takes first of the workspace, in their order: rank,
+        group size, the bases twice (rows and flags), the state words, a half's size."""
+        return self.rank, self.R, self.bases, self.bases, self.state, self.ws.normal_half_bytes
 
     def _combine_plan_of(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                          bias: Tuple[torch.Tensor, ...]) -> CombinePlan:
