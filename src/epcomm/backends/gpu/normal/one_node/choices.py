@@ -94,7 +94,8 @@ class KernelChoices:
         vars(self).update(
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
-            gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
+            gathered_index=False, full_one_launch=False, one_launch_tokens=0, dependent_pull=False,
+            pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
@@ -134,6 +135,15 @@ class KernelChoices:
         SMALL_ONE_LAUNCH_TOKENS). doorbell_dispatch, where set, decides instead. Every rank of the
         group must set the same, as for full_one_launch.""",
         convert=token_count)
+    dependent_pull = Choice(
+        """An experiment for a lease (bench --variants dependent-pull; sm_90 and newer): a full
+        dispatch whose batch fits one launch runs the one launch's stage programs before the count
+        wait and its pull programs (pull_programs_per_sm x num_sms) after it, as a programmatic
+        dependent launch that may start beside the stage and takes each block of rows as it is
+        staged (dispatch.py, DEPENDENT), instead of the stage in turn then the pull in turn. Meant
+        to take the stage off the full dispatch's time over a cached one (4 H200s: 95-100 µs
+        against DeepEP's 28-47, 2026-11-28e). Every rank of the group must set the same, as for
+        full_one_launch.""")
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .....errors import EPInputError
+from .....errors import EPError, EPInputError
 from .....handle import DispatchHandle
 from .....expert_major import ExpertMajor
 from ....base import DispatchArgs, DispatchResult
@@ -29,6 +29,9 @@ from .notify import NOTIFY_BOUND
 # would set their speed.
 EXPERT_MAJOR_SM_FACTOR = 6
 EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
+# Which programs of ep_dispatch a launch runs (NormalMode._dispatch_overlapped): all, or with
+# dependent_pull the stage's alone before the count wait, then the pull's alone.
+BOTH_PARTS, STAGE_PART, PULL_PART = "both", "stage", "pull"
 
 
 # ====================================================================== host side
@@ -69,7 +72,7 @@ class DispatchPlan:
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
     # stage and pull in one launch (dispatch.py, ep_dispatch; one round, plain layout), or None:
-    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2, DOORBELL) -> a full dispatch's (lists written, read)
+    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2, DOORBELL, DEPENDENT) -> a full dispatch's
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
@@ -137,6 +140,8 @@ class NormalMode(KernelChoices):
         width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
             raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (got {x_bytes})")
+        if self.dependent_pull and torch.cuda.get_device_capability(self.device)[0] < 9:
+            raise EPError("dependent_pull needs programmatic dependent launch: a GPU of sm_90 or newer")
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -172,11 +177,13 @@ class NormalMode(KernelChoices):
                                       EXPERT_MAJOR=expert_major, **meta, **no_lists,
                                       **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
-                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
+                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL", "DEPENDENT"], COPY_WARPS, INDEX=True,
+                                WRITE_LISTS=True,
                                 LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **pushed),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **no_lists),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, DEPENDENT=False, **meta, **overlapped,
+                                **no_lists),
                             # (pushed_lists: ranks that disagree read lists where none were written, so
                             # the full dispatch's fingerprint carries it and they raise instead)
                             agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
@@ -300,9 +307,20 @@ class NormalMode(KernelChoices):
             bound = self.one_launch_tokens
             after_wait = self.full_one_launch and not worst and not doorbell and may_overlap and \
                 (not bound or num_tokens <= bound)
+            # dependent_pull, where this rank's batch fits one launch: the one launch's stage programs
+            # now, its pull programs after the wait as a programmatic dependent launch that may run
+            # beside the stage (dispatch.py, DEPENDENT) — with no rows where the group needs rounds
+            # or the host raises first (its last program still stores the epoch; round 0 is then
+            # pulled in turn below, as after a doorbell's cancel).
+            dependent = self.dependent_pull and not worst and not doorbell and not after_wait and may_overlap and \
+                self._one_launch(plan, num_tokens)
+            pull_launched = not dependent
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
+            elif dependent:
+                self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
+                                          (prefix_address,) * 4, 0, stream, fp0, fp1, tag, 0, part=STAGE_PART)
             elif not overlapped and not after_wait:
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                             list_index)
@@ -317,9 +335,21 @@ class NormalMode(KernelChoices):
                     received = self._outputs(plan, x, is_fp8, num_rows, None)
                     rung = overlapped = True  # (ring writes the tag before it may raise: no cancel after it)
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
+                if dependent and self._one_launch(plan, max_tokens):  # the pull's launch, with the rows
+                    received = self._outputs(plan, x, is_fp8, num_rows, None)
+                    pull_launched = overlapped = True  # (a launch that raises is not tried again below)
+                    self._dispatch_overlapped(plan, args, x, x_aligned, scales,
+                                              (prefix_address, src_idx.data_ptr(), in_rank, list_index), received[4],
+                                              num_rows, stream, fp0, fp1, tag,
+                                              max(1, min(num_sms * self.pull_programs_per_sm,
+                                                         cdiv(num_rows, plan.block_r))), part=PULL_PART)
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
+                if not pull_launched:  # the pull's launch with no rows: rounds in turn below, or raised
+                    self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, prefix_address,
+                                              in_rank, list_index), (prefix_address,) * 4, 0, stream, fp0, fp1, tag,
+                                              1, part=PULL_PART)
             if after_wait:  # one launch where the group's batches fit one round (max_tokens: the same on every rank)
                 one_launch_pulls = num_sms * self.pull_programs_per_sm
                 overlapped = self._one_launch(plan, max_tokens) and (not bound or max_tokens <= bound)
@@ -410,7 +440,7 @@ class NormalMode(KernelChoices):
 
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
-                             pull_programs: int, sequence: int = 0) -> None:
+                             pull_programs: int, sequence: int = 0, part: str = BOTH_PARTS) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (in a full
         dispatch R list programs; then up to ``num_sms`` copy programs), then ``pull_programs``
         pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
@@ -418,7 +448,9 @@ class NormalMode(KernelChoices):
         ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
         index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
         dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
-        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring)."""
+        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring).
+        ``part`` (a full dispatch; dependent_pull): STAGE_PART launches the stage's programs alone,
+        PULL_PART the pull's alone as a programmatic dependent launch (dispatch.py, DEPENDENT)."""
         num_tokens = x.shape[0]
         x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
@@ -430,10 +462,15 @@ class NormalMode(KernelChoices):
             kernel = plan.overlapped_cached[aligned]
             per_rank = per_expert = in_rank
         else:
-            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
+            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0, part != BOTH_PARTS]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
             num_stage += self.R
-        kernel.launch(
+        launch = kernel.launch
+        if part == STAGE_PART:
+            pull_programs = 0
+        elif part == PULL_PART:
+            num_stage, launch = 0, kernel.launch_dependent
+        launch(
             num_stage + pull_programs, 1, stream,
             x_address, scales_address, topk, weights, in_rank, list_index,
             per_rank, per_expert, prefix, src_idx or prefix, *outputs,  # tensors
