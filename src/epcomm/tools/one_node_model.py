@@ -49,14 +49,14 @@ MEASURED = {
     8: {"full dispatch": ("-", "-"), "cached dispatch": ("-", "925"), "combine": ("-", "960")},
 }
 # The every-peer kernels in one launch (push on 2 x num_sms), the full dispatch's pull in turn on
-# 3 x num_sms programs with the side rows loaded first, 4 x H200, 2026-11-28 (commit e0680a3's
-# defaults), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run
-# (notes/runs/2026-11-28b_x4_h200_call4_*).
+# 3 x num_sms programs with the side rows loaded first and the lists pushed to their receivers
+# (commit 67cd161's defaults), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run:
+# 2 x H200 and 4 x H200, 2026-11-28e (notes/runs/2026-11-28e_x2_h200_call1_*, _x4_h200_call4_*).
 MEASURED_NOW = {
-    2: {"full dispatch": ("269 / 385", "428"), "cached dispatch": ("200 / 249", "377"),
-        "combine": ("193 / 255", "401")},
-    4: {"full dispatch": ("658 / 756", "867"), "cached dispatch": ("527 / 602", "818"),
-        "combine": ("545 / 611", "616")},
+    2: {"full dispatch": ("245 / 335", "432"), "cached dispatch": ("200 / 286", "382"),
+        "combine": ("195 / 300", "408")},
+    4: {"full dispatch": ("621 / 706", "867"), "cached dispatch": ("521 / 581", "820"),
+        "combine": ("541 / 571", "620")},
 }
 
 
@@ -85,6 +85,9 @@ class Rates:
     # GB/s of the full dispatch's stage in turn, on choices.STAGE_PROGRAMS_PER_SM x num_sms copy
     # programs (read + written); 0: ``local_copy``, the stage of the one-launch cached dispatch
     stage_in_turn: float = 0.0
+
+
+DEPENDENT_FULL = "full dispatch, dependent pull"  # estimate()'s "overlapped" entry for choices.dependent_pull
 
 
 def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
@@ -156,7 +159,12 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
             out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
                                  # (in turn: the stage runs in the host's count wait, then the pull)
                                  "full dispatch": rates.fixed_us + stage_in_turn_us + wide_pull + rates.count_wait_us,
-                                 "combine": rates.fixed_us + max(wide_push, reduce_us)}
+                                 "combine": rates.fixed_us + max(wide_push, reduce_us),
+                                 # (choices.dependent_pull: the one launch's stage from the count wait's
+                                 # start, its pull from the wait's end beside it; the pull cannot end
+                                 # before the stage)
+                                 DEPENDENT_FULL: rates.fixed_us + rates.count_wait_us +
+                                 max(wide_pull, stage_us - rates.count_wait_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
     return out
@@ -208,9 +216,10 @@ def run(args) -> int:
           f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
     print("| ranks | call | remote MB in | link floor µs | every peer µs | + phases overlapped µs | rank order µs | "
-          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28, every peer, "
+          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28e, every peer, "
           "one launch) | DeepEP V1, same run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    dependent = []
     for R in args.ranks:
         if R < 1 or args.experts % R:
             print(f"skipped {R} ranks: {args.experts} experts do not split over them")
@@ -223,4 +232,8 @@ def run(args) -> int:
             print(f"| {R} | {call} | {est['bytes']['remote MB in']:.0f} | {est['bytes']['link floor us']:.0f} | "
                   f"{est['every peer'][call]:.0f} | {est['overlapped'][call]:.0f} | {est['rank order'][call]:.0f} | "
                   f"{measured} | {peer} | {now} | {peer_now} |")
+        dependent.append(f"{est['overlapped'][DEPENDENT_FULL]:.0f} at {R}")
+    if dependent:  # (not yet measured: bench --variants dependent-pull)
+        print(f"full dispatch with its pull a dependent launch beside its stage (dependent_pull), µs: "
+              f"{', '.join(dependent)} ranks")
     return 0
