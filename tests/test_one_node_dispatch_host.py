@@ -454,6 +454,26 @@ def test_dependent_pull_launches_its_pull_without_rows_when_the_host_raises(monk
     assert _ep_dispatch_words(launches[2][2])["num_rows"] == 0
 
 
+def test_dependent_pull_launches_its_pull_without_rows_when_the_go_launch_raises(monkeypatch):
+    """A pull launch that raises enqueued nothing (Triton's launcher raises where the driver refused
+    it): the launch without rows must still follow the stage's, or this rank's epoch would stay
+    behind its peers' for good."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+    mode.dependent_pull = True
+    launch = mode._dispatch_overlapped
+
+    def refused(*args, **kwargs):
+        if kwargs.get("part") == M.PULL_PART and args[7] > 0:  # (num_rows: the launch with the rows)
+            raise RuntimeError("launch refused")
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(mode, "_dispatch_overlapped", refused)
+    with pytest.raises(RuntimeError, match="launch refused"):
+        mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "ep_dispatch (dependent)"]
+    assert _ep_dispatch_words(launches[2][2])["num_rows"] == 0
+
+
 def test_dependent_pull_is_a_bench_variant_and_needs_sm_90(monkeypatch):
     from epcomm.errors import EPError
     from epcomm.tools.bench import use_normal_variants
@@ -464,6 +484,41 @@ def test_dependent_pull_is_a_bench_variant_and_needs_sm_90(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(EPError, match="sm_90"):
         mode._dispatch_plan(2 * HIDDEN, 0, K, 0)
+
+
+@pytest.mark.parametrize("other,value", [("doorbell_dispatch", True), ("full_one_launch", True),
+                                         ("pipelined_pull", True), ("overlapped_dispatch", False)])
+def test_dependent_pull_refuses_the_choices_that_launch_a_full_dispatch_otherwise(monkeypatch, other, value):
+    """Each of these decides the full dispatch's launches its own way (or leaves no one launch to
+    split): with dependent_pull too, a bench point named for it would measure something else."""
+    from epcomm.errors import EPError
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    mode.dependent_pull = True
+    setattr(mode, other, value)
+    with pytest.raises(EPError, match=f"dependent_pull does not go with {other}"):
+        mode._dispatch_plan(2 * HIDDEN, 0, K, 0)
+
+
+def test_ranks_that_disagree_on_dependent_pull_raise_naming_it(monkeypatch):
+    """A rank with dependent_pull waits for block flags that an in-turn stage never writes: the
+    field is in the full dispatch's fingerprint, so the waits end on the fingerprint rows and the
+    ranks raise naming it instead of timing out (the cached dispatch's is the same either way)."""
+    from epcomm.backends.gpu import agreement
+    from epcomm.errors import EPInputError
+    monkeypatch.setattr(M, "PULL", types.SimpleNamespace(bind=lambda **constexprs: constexprs))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
+    mode.ws.dispatch_round_tokens = lambda row_bytes: ((0,) * len(row_bytes), ROUND_TOKENS)
+    mode.b.name = "nvlink"
+    plain = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    mode.dependent_pull = True
+    dependent = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
+    assert dependent.fingerprint_cached == plain.fingerprint_cached
+    assert dependent.fingerprint_full != plain.fingerprint_full
+    with pytest.raises(EPInputError) as err:
+        agreement.raise_disagreement({0: plain.fingerprint_full}, dependent.fingerprint_full, 2)
+    assert err.value.argument == "dependent_pull"
 
 
 def test_every_choice_has_a_default(monkeypatch):

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Tuple
 
+import torch
+
+from .....errors import EPError
+
 
 class Choice:
     """A NormalMode attribute whose setting converts the value (``convert``: ``bool`` for the
@@ -98,6 +102,18 @@ class KernelChoices:
             pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
+
+    def _check_dependent_pull(self) -> None:
+        """dependent_pull runs the one launch's kernels in two launches (sm_90's programmatic
+        dependent launch): an EPError where the GPU lacks it, or where another choice would take
+        the full dispatch elsewhere (a bench point named for it would measure something else)."""
+        conflicts = [name for name in ("doorbell_dispatch", "full_one_launch", "pipelined_pull") if getattr(self, name)]
+        conflicts += [] if self.overlapped_dispatch else ["overlapped_dispatch=False"]
+        if conflicts:
+            raise EPError(f"dependent_pull does not go with {', '.join(conflicts)}: each decides the full dispatch's "
+                          f"launches in its own way")
+        if torch.cuda.get_device_capability(self.device)[0] < 9:
+            raise EPError("dependent_pull needs programmatic dependent launch: a GPU of sm_90 or newer")
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .....errors import EPError, EPInputError
+from .....errors import EPInputError
 from .....handle import DispatchHandle
 from .....expert_major import ExpertMajor
 from ....base import DispatchArgs, DispatchResult
@@ -140,8 +140,8 @@ class NormalMode(KernelChoices):
         width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
             raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (got {x_bytes})")
-        if self.dependent_pull and torch.cuda.get_device_capability(self.device)[0] < 9:
-            raise EPError("dependent_pull needs programmatic dependent launch: a GPU of sm_90 or newer")
+        if self.dependent_pull:
+            self._check_dependent_pull()
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -184,9 +184,11 @@ class NormalMode(KernelChoices):
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
                                 L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, DEPENDENT=False, **meta, **overlapped,
                                 **no_lists),
-                            # (pushed_lists: ranks that disagree read lists where none were written, so
-                            # the full dispatch's fingerprint carries it and they raise instead)
-                            agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
+                            # (pushed_lists: ranks that disagree read lists where none were written;
+                            # dependent_pull: they wait for block flags an in-turn stage never writes. So
+                            # the full dispatch's fingerprint carries both, and they raise instead)
+                            agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists),
+                                           dependent_pull=int(self.dependent_pull), **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)),
                             **self._fixed_arguments(offsets, topk_row_bytes))
 
@@ -337,12 +339,13 @@ class NormalMode(KernelChoices):
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
                 if dependent and self._one_launch(plan, max_tokens):  # the pull's launch, with the rows
                     received = self._outputs(plan, x, is_fp8, num_rows, None)
-                    pull_launched = overlapped = True  # (a launch that raises is not tried again below)
                     self._dispatch_overlapped(plan, args, x, x_aligned, scales,
                                               (prefix_address, src_idx.data_ptr(), in_rank, list_index), received[4],
                                               num_rows, stream, fp0, fp1, tag,
                                               max(1, min(num_sms * self.pull_programs_per_sm,
                                                          cdiv(num_rows, plan.block_r))), part=PULL_PART)
+                    # (only once it went: a launch that raised enqueued nothing, so the one below goes)
+                    pull_launched = overlapped = True
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
