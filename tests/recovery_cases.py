@@ -125,3 +125,58 @@ def gpu_host_stall_before_the_doorbell(timeout: float = 0.5):
     matched = torch.equal(recv_x.cpu(), reference_dispatch(xs, topks, ws, E)[rank]["recv_x"])
     buffer.destroy()
     return first, matched
+
+
+def gpu_dependent_pull(timeout: float = 10.0):
+    """NormalMode.dependent_pull (the one launch's stage before the count wait, its pull after it as
+    a programmatic dependent launch) on the nvlink backend: the dispatch and the combine after it
+    (whose reduce reads the list index the stage's launch wrote) match the reference where the group
+    fits one launch, where one rank's batch needs rounds (the others' pull launches go without rows,
+    then round 0 is pulled in turn), and after a call in which rank 0 raised between its two
+    launches (its pull launch went without rows; the peers' calls go on). Returns ``{step: result}``."""
+    from epcomm.testing import reference_combine, reference_dispatch
+    from epcomm.testing.sweeps import rank_fn
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, K, H = 4 * R, 2, 256
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, backend="nvlink", timeout=timeout)
+    normal = buffer._backend.normal
+    normal.dependent_pull = True
+    round_tokens = normal.ws.dispatch_round_tokens((2 * H, (K * 12 + 15) // 16 * 16))[1]
+
+    def routing(seed, small, large=None):
+        """Every rank's batch, identical on every rank: rank R - 1 sends ``large`` tokens where given."""
+        xs, topks, ws = make_routing(seed, "uniform", R, E, K, small, H, fixed_tokens=small)
+        if large is not None:
+            big = make_routing(seed + 1, "uniform", R, E, K, large, H, fixed_tokens=large)
+            xs, topks, ws = ([*part[:-1], whole[-1]] for part, whole in zip((xs, topks, ws), big))
+        return xs, topks, ws, xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+
+    def dispatch(x, topk, w):
+        return buffer.dispatch(x, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E))
+
+    def step(seed, small, large=None):
+        """One dispatch and the combine of its rows, each against the reference."""
+        xs, topks, ws, x, topk, w = routing(seed, small, large)
+        recv_x, _, _, _, handle, _ = dispatch(x, topk, w)
+        combined = buffer.combine(rank_fn(rank, recv_x), handle)[0]
+        return torch.equal(recv_x.cpu(), reference_dispatch(xs, topks, ws, E)[rank]["recv_x"]) and torch.allclose(
+            combined.float().cpu(), reference_combine(xs[rank], topks[rank], E, R, rank_fn).float(), rtol=2e-2,
+            atol=2e-2)
+
+    results = {"one launch": step(70, 64), "rounds": step(71, 64, round_tokens + 37)}
+    xs, topks, ws, x, topk, w = routing(72, 64)
+    outputs = normal._outputs
+    if rank == 0:  # a host error between its two launches (the peers' pull launches go with their rows)
+        def refused(*args, **kwargs):
+            normal._outputs = outputs  # (once)
+            raise RuntimeError("planted allocation failure")
+        normal._outputs = refused
+    try:
+        recv_x = dispatch(x, topk, w)[0]
+        results["host error"] = torch.equal(recv_x.cpu(), reference_dispatch(xs, topks, ws, E)[rank]["recv_x"])
+    except RuntimeError as err:
+        results["host error"] = str(err)
+    results["after"] = [step(73, 64), step(74, 48)]
+    buffer.destroy()
+    return results
