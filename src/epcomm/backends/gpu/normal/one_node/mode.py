@@ -269,10 +269,11 @@ class NormalMode(KernelChoices):
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1, tag)
         else:
             num_experts = num_local * R
-            prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
-            # list_index ([T, R]) and recv_info ([2]) in one allocation: the kernels take addresses.
             # (Allocations on the host's path take new_empty: no device argument to parse, about
-            # 1 µs less each on one H100's host, where this path sets a full dispatch's pace.)
+            # 1 µs less each on one H100's host, where this path sets a full dispatch's pace. The
+            # counts are int32 on this device: Buffer checked them.)
+            prefix = args.num_tokens_per_rank.new_empty((R, R))
+            # list_index ([T, R]) and recv_info ([2]) in one allocation: the kernels take addresses.
             index_info = prefix.new_empty(num_tokens * R + 2)
             list_index = index_info.data_ptr()
             recv_info = list_index + 4 * num_tokens * R
