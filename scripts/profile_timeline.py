@@ -7,9 +7,12 @@ rank. All times are µs from rank 0's start of the iteration (the ranks share on
 median over iterations of each event (events matched by their order of occurrence), so a line
 reads: when the host issued it, or when the GPU ran it, on which rank.
 
-Run on a machine with 2+ GPUs: ``python3 scripts/profile_timeline.py [--peer deep_ep] [--out DIR]``.
-Prints a summary table (wall, host until the last launch, first kernel start, kernel busy, gaps)
-and the timelines of rank 0 and rank 1; writes one Chrome trace per library to ``--out``.
+Run on a machine with 2+ GPUs: ``python3 scripts/profile_timeline.py [--peer deep_ep] [--out DIR]
+[--variants dependent-pull,...]``. Prints a summary table (wall, host until the last launch, first
+kernel start, kernel busy, gaps) and the timelines of rank 0 and rank 1; writes one Chrome trace per
+library to ``--out``. ``--variants`` (one-node bench variants, each on an epcomm Buffer of its own)
+adds each one's full dispatch at ``--tokens`` under the name ``epcomm+VARIANT``: its kernels' start
+and end show, e.g., whether a dependent pull runs beside its stage.
 """
 import argparse
 import os
@@ -117,7 +120,34 @@ def _summary(lines, wall):
             "kernels": busy, "gaps": last - first - busy, "last kernel end": last}
 
 
-def rank_main(peer_name, iterations, ll_tokens, tokens, out):
+def _variant_timelines(variants, x, topk, weights, iterations, results):
+    """Each variant's full dispatch (one-node bench variants, one Buffer each) into ``results`` under
+    ``("epcomm+VARIANT", "T=... full dispatch")``, as rank_main records the libraries' calls."""
+    import epcomm
+    from epcomm.tools.bench import use_normal_variants
+    R, rank = dist.get_world_size(), dist.get_rank()
+    for variant in variants:
+        buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 30)
+        use_normal_variants(buffer._backend.normal, [variant])
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 256)
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=topk, topk_weights=weights, config=epcomm.Config(24, 8, 256))
+        buffer.dispatch(x, **args)  # (compiles)
+        prof = _profile(lambda: buffer.dispatch(x, **args), iterations, "iteration")
+        per_iteration, origins, ends = _iteration_events(prof, "iteration")
+        gathered = [None] * R
+        dist.all_gather_object(gathered, (per_iteration, origins, ends))
+        if rank == 0:
+            origin0 = gathered[0][1]
+            key = (f"epcomm+{variant}", f"T={x.shape[0]} full dispatch")
+            results[key] = {r: _median_timeline(gathered[r][0], origin0) for r in range(min(R, 2))}
+            results[key]["wall"] = statistics.median([(e - o) / 1e3 for o, e in zip(origin0, gathered[0][2])])
+        buffer.destroy()
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def rank_main(peer_name, iterations, ll_tokens, tokens, out, variants=()):
     import epcomm
     from epcomm.fp8 import per_token_cast_back
     from epcomm.tools.bench import load_peer
@@ -188,6 +218,7 @@ def rank_main(peer_name, iterations, ll_tokens, tokens, out):
         del ll, normal
         torch.cuda.synchronize()
         dist.barrier()
+    _variant_timelines(variants, x, topk, weights, iterations, results)
     return results
 
 
@@ -198,11 +229,19 @@ def main():
     parser.add_argument("--ll-tokens", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--out", default=os.environ.get("OUT", ""))
+    parser.add_argument("--variants", default="",
+                        help="one-node bench variants (a comma list; + joins several into one), each one's full "
+                             "dispatch on a Buffer of its own beside the libraries'")
     args = parser.parse_args()
+    from epcomm.tools.bench import normal_variants
+    try:
+        variants = normal_variants(args.variants) if args.variants else []
+    except ValueError as err:
+        parser.error(str(err))
     from epcomm.testing import run_distributed
     world = torch.cuda.device_count()
     results = run_distributed(rank_main, world, args.peer, args.iterations, args.ll_tokens, args.tokens, args.out,
-                              backend="nccl", timeout_s=900)[0]
+                              variants, backend="nccl", timeout_s=900)[0]
     hosts = {key[:2]: value for key, value in results.items() if len(key) == 3}
     results = {key: value for key, value in results.items() if len(key) == 2}
     for (lib, call), timeline in results.items():

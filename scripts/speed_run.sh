@@ -12,8 +12,8 @@
 #   low-latency  epcomm bench low-latency beside DeepEP, with the entry-loop experiment as a column
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only; with
 #                PROFILE_VARIANTS, a comma list of up to 4 bench variants, also the full and cached
-#                dispatch's host time with each beside the defaults, interleaved; its limit then 240 s
-#                by default), every call's
+#                dispatch's host time with each beside the defaults, interleaved, and each one's full
+#                dispatch on the timeline below; its limit then 240 s by default), every call's
 #                host time by function over FUNCTION_CALLS calls (--functions, default 2000; its own
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
@@ -60,7 +60,8 @@ for part in ${PARTS:-normal low-latency}; do
         python3 scripts/profile_host.py "${TOKENS:-512}" --functions "${FUNCTION_CALLS:-2000}" \
         >"$OUT/profile_functions_r$ranks.txt" 2>&1 || echo "profile_host.py --functions: rc=$? (its log: $OUT)"
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${PROFILE_LIMIT_S:-120}" \
-        python3 scripts/profile_timeline.py ${peer[@]+"${peer[@]}"} --tokens "${TOKENS:-512}" --out /tmp/timeline 2>&1 \
+        python3 scripts/profile_timeline.py ${peer[@]+"${peer[@]}"} --tokens "${TOKENS:-512}" --out /tmp/timeline \
+        ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"} 2>&1 \
         | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
       (exit $(( host_rc ? host_rc : PIPESTATUS[0] ))) ;;
     suite)

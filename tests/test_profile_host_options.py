@@ -10,8 +10,8 @@ import pytest
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_host.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("profile_host_script", SCRIPT)
+def _script(path=SCRIPT):
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,3 +27,13 @@ def test_profile_host_refuses_options_that_do_not_go_together(capsys, argv, mess
     with pytest.raises(SystemExit) as exit_info:
         _script().main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_timeline_refuses_an_unknown_variant_before_any_gpu_work(capsys, monkeypatch):
+    """scripts/profile_timeline.py --variants (each variant's full dispatch on the timeline, e.g.
+    whether the dependent pull runs beside its stage) takes the bench's names, checked first."""
+    import sys
+    monkeypatch.setattr(sys, "argv", ["profile_timeline.py", "--variants", "dependent-pull,nope"])
+    with pytest.raises(SystemExit) as exit_info:
+        _script(SCRIPT.parent / "profile_timeline.py").main()
+    assert exit_info.value.code == 2 and "unknown normal-mode variant" in capsys.readouterr().err
