@@ -120,12 +120,27 @@ def _summary(lines, wall):
             "kernels": busy, "gaps": last - first - busy, "last kernel end": last}
 
 
+def _gathered_timeline(fn, iterations):
+    """``fn``'s median timeline on ranks 0 and 1 and its median wall time (``{rank: lines, "wall":
+    µs}``) on rank 0, None elsewhere (collective: every rank profiles, rank 0 gathers)."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    prof = _profile(fn, iterations, "iteration")
+    per_iteration, origins, ends = _iteration_events(prof, "iteration")
+    gathered = [None] * R
+    dist.all_gather_object(gathered, (per_iteration, origins, ends))
+    if rank != 0:
+        return None, prof
+    origin0 = gathered[0][1]
+    timeline = {r: _median_timeline(gathered[r][0], origin0) for r in range(min(R, 2))}
+    timeline["wall"] = statistics.median([(e - o) / 1e3 for o, e in zip(origin0, gathered[0][2])])
+    return timeline, prof
+
+
 def _variant_timelines(variants, x, topk, weights, iterations, results):
     """Each variant's full dispatch (one-node bench variants, one Buffer each) into ``results`` under
     ``("epcomm+VARIANT", "T=... full dispatch")``, as rank_main records the libraries' calls."""
     import epcomm
     from epcomm.tools.bench import use_normal_variants
-    R, rank = dist.get_world_size(), dist.get_rank()
     for variant in variants:
         buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 30)
         use_normal_variants(buffer._backend.normal, [variant])
@@ -133,15 +148,9 @@ def _variant_timelines(variants, x, topk, weights, iterations, results):
         args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                     topk_idx=topk, topk_weights=weights, config=epcomm.Config(24, 8, 256))
         buffer.dispatch(x, **args)  # (compiles)
-        prof = _profile(lambda: buffer.dispatch(x, **args), iterations, "iteration")
-        per_iteration, origins, ends = _iteration_events(prof, "iteration")
-        gathered = [None] * R
-        dist.all_gather_object(gathered, (per_iteration, origins, ends))
-        if rank == 0:
-            origin0 = gathered[0][1]
-            key = (f"epcomm+{variant}", f"T={x.shape[0]} full dispatch")
-            results[key] = {r: _median_timeline(gathered[r][0], origin0) for r in range(min(R, 2))}
-            results[key]["wall"] = statistics.median([(e - o) / 1e3 for o, e in zip(origin0, gathered[0][2])])
+        timeline, _ = _gathered_timeline(lambda: buffer.dispatch(x, **args), iterations)
+        if timeline is not None:
+            results[(f"epcomm+{variant}", f"T={x.shape[0]} full dispatch")] = timeline
         buffer.destroy()
         torch.cuda.synchronize()
         dist.barrier()
@@ -203,16 +212,9 @@ def rank_main(peer_name, iterations, ll_tokens, tokens, out, variants=()):
             if rank == 0:
                 prof.export_chrome_trace(os.path.join(out, "trace_python_round_trip_epcomm.json"))
         for call, fn in calls.items():
-            prof = _profile(fn, iterations, "iteration")
-            per_iteration, origins, ends = _iteration_events(prof, "iteration")
-            gathered = [None] * R
-            dist.all_gather_object(gathered, (per_iteration, origins, ends))
-            if rank == 0:
-                origin0 = gathered[0][1]
-                walls = [(e - o) / 1e3 for o, e in zip(origin0, gathered[0][2])]
-                results[(lib_name, call)] = {
-                    r: _median_timeline(gathered[r][0], origin0) for r in range(min(R, 2))}
-                results[(lib_name, call)]["wall"] = statistics.median(walls)
+            timeline, prof = _gathered_timeline(fn, iterations)
+            if timeline is not None:
+                results[(lib_name, call)] = timeline
                 if call == "LL round trip" and out:
                     prof.export_chrome_trace(os.path.join(out, f"trace_ll_round_trip_{lib_name}.json"))
         del ll, normal
