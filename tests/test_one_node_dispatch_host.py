@@ -143,20 +143,29 @@ def test_a_batch_too_large_for_one_launch_stages_in_turn_without_a_doorbell(monk
     assert mailbox.rings == []
 
 
-@pytest.mark.parametrize("where", ["the count wait", "an allocation"])
-def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, where):
-    """The launch is already waiting for the doorbell: an error between it and the ring (a peer late
-    in the count exchange, a failed allocation) must stand its pull down, or it would wait out its
-    timeout and the next call's launches would queue behind it."""
-    launches = []
+def _dispatch_failing_at(monkeypatch, launches, where, doorbell, **choices):
+    """A full dispatch of 50 tokens whose host fails at ``where`` (a peer late in the count wait, or
+    an allocation after it), checked to raise; returns its mailbox."""
     mailbox = _Mailbox(counts=(40, 60), fail=EPTimeoutError("late", [2]) if where == "the count wait" else None)
-    mode = _mode(monkeypatch, launches, mailbox)
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=doorbell)
+    for name, value in choices.items():
+        setattr(mode, name, value)
     if where == "an allocation":
         def no_memory(*args, **kwargs):
             raise torch.cuda.OutOfMemoryError("no memory")
         monkeypatch.setattr(mode, "_outputs", no_memory)
     with pytest.raises((EPTimeoutError, torch.cuda.OutOfMemoryError)):
         mode.dispatch(_args(50))
+    return mailbox
+
+
+@pytest.mark.parametrize("where", ["the count wait", "an allocation"])
+def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, where):
+    """The launch is already waiting for the doorbell: an error between it and the ring (a peer late
+    in the count exchange, a failed allocation) must stand its pull down, or it would wait out its
+    timeout and the next call's launches would queue behind it."""
+    launches = []
+    mailbox = _dispatch_failing_at(monkeypatch, launches, where, doorbell=True)
     (tag, _), = mailbox.rings
     assert tag == 2 * 1  # cancel
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
@@ -441,15 +450,7 @@ def test_dependent_pull_launches_its_pull_without_rows_when_the_host_raises(monk
     exchange, a failed allocation) must still launch it, with no rows, so that its last program
     stores the epoch the stage's launch left to it; then the error is raised."""
     launches = []
-    mailbox = _Mailbox(counts=(40, 60), fail=EPTimeoutError("late", [2]) if where == "the count wait" else None)
-    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
-    mode.dependent_pull = True
-    if where == "an allocation":
-        def no_memory(*args, **kwargs):
-            raise torch.cuda.OutOfMemoryError("no memory")
-        monkeypatch.setattr(mode, "_outputs", no_memory)
-    with pytest.raises((EPTimeoutError, torch.cuda.OutOfMemoryError)):
-        mode.dispatch(_args(50))
+    _dispatch_failing_at(monkeypatch, launches, where, doorbell=False, dependent_pull=True)
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "ep_dispatch (dependent)"]
     assert _ep_dispatch_words(launches[2][2])["num_rows"] == 0
 
