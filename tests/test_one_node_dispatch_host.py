@@ -398,7 +398,8 @@ def _ep_dispatch_words(args):
 
 def test_dependent_pull_stages_before_the_wait_and_pulls_after_it_in_a_dependent_launch(monkeypatch):
     """NormalMode.dependent_pull (bench --variants dependent-pull): the one launch's stage programs
-    alone (R list and the copy programs: num_stage) before the count wait; after it the pull's
+    alone (R list and stage_programs_per_sm x num_sms copy programs, as the stage in turn, whose
+    rate per program sets its pace: num_stage) before the count wait; after it the pull's
     alone (num_stage 0, on pull_programs_per_sm x num_sms) as a programmatic dependent launch of
     the same specialisation (DEPENDENT), with the rows and the outputs."""
     launches = []
@@ -408,7 +409,7 @@ def test_dependent_pull_stages_before_the_wait_and_pulls_after_it_in_a_dependent
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "wait", "ep_dispatch (dependent)"]
     (_, stage_grid, stage_args), (_, pull_grid, pull_args) = launches[1], launches[3]
     stage, pull = _ep_dispatch_words(stage_args), _ep_dispatch_words(pull_args)
-    assert stage_grid == stage["num_stage"] == R + min(NUM_SMS, -(-50 // BLOCK_R))
+    assert stage_grid == stage["num_stage"] == R + min(2 * NUM_SMS, -(-50 // BLOCK_R))
     assert pull_grid == 3 * NUM_SMS and pull["num_stage"] == 0  # (400 rows: 50 blocks, the default 3 x num_sms)
     assert pull["num_rows"] == 400 and stage["sequence"] == pull["sequence"] == 0  # (no doorbell)
     assert (pull["recv_x_ptr"], pull["recv_topk_ptr"], pull["recv_weights_ptr"], pull["src_idx_ptr"]) == \

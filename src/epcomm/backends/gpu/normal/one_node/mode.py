@@ -453,14 +453,16 @@ class NormalMode(KernelChoices):
         index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
         dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
         recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring).
-        ``part`` (a full dispatch; dependent_pull): STAGE_PART launches the stage's programs alone,
-        PULL_PART the pull's alone as a programmatic dependent launch (dispatch.py, DEPENDENT)."""
+        ``part`` (a full dispatch; dependent_pull): STAGE_PART launches the stage's programs alone
+        (stage_programs_per_sm x num_sms copy programs, as in turn), PULL_PART the pull's alone as a programmatic dependent launch (dispatch.py, DEPENDENT)."""
         num_tokens = x.shape[0]
         x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
-        num_stage = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
+        # (STAGE_PART runs alone, as the stage in turn: as many copy programs, 2026-11-28f)
+        stage_per_sm = self.stage_programs_per_sm if part == STAGE_PART else 1
+        num_stage = max(1, min(args.config.num_sms * stage_per_sm, cdiv(num_tokens, plan.block_r)))
         prefix, src_idx, in_rank, list_index = handle
         if cached:
             kernel = plan.overlapped_cached[aligned]
