@@ -7,13 +7,14 @@ only Triton).
     ... move code ...
     python3 scripts/ptx_fingerprint.py after.txt && diff before.txt after.txt
 
-The canonical form is the same PTX for code that differs only in what cannot change behaviour:
-line information; the ORDER of the kernel's parameters (each is named by its Python name, its
-type kept; the loads of parameters are dropped, their registers named after the parameter);
-register numbers (renamed in order of first use); and the order of the two operands of
-commutative instructions (add, mul, and, or, xor, min, max, mad/fma's product, setp.eq/ne). So a
-regrouping of a kernel's signature leaves every line equal; scripts/launch_equivalence.py checks
-the other half, that each launch still binds the same arguments to the same names.
+The canonical form is the same PTX for code that differs only in what cannot change behaviour: line
+information and the debug labels of inlined calls; the ORDER of the kernel's parameters (each is
+named by its Python name, its type kept; the loads of parameters are dropped, their registers named
+after the parameter); register numbers (renamed in order of first use); and the order of the two
+operands of commutative instructions (add, mul, and, or, xor, min, max, mad/fma's product,
+setp.eq/ne). So a regrouping of a kernel's signature leaves every line equal;
+scripts/launch_equivalence.py checks the other half, that each launch still binds the same arguments
+to the same names.
 """
 import hashlib
 import os
@@ -31,7 +32,9 @@ def canonical(ptx: str, kernel: str, params) -> str:
     """``ptx`` of ``kernel`` in the canonical form above; ``params``: its runtime parameter names,
     in declaration order (Triton names them ``<kernel>_param_<i>``)."""
     code = re.split(r"\.section\s+\.debug", ptx)[0]
-    lines = [line for line in code.splitlines() if not re.match(r"\s*(\.file|\.loc)\b", line)]
+    # (the $L__tmp labels mark inlined calls for the debug sections: where a body moves into a
+    # helper they move, the instructions do not)
+    lines = [line for line in code.splitlines() if not re.match(r"\s*(\.file|\.loc\b|\$L__tmp\d+:)", line)]
     named = [re.sub(rf"{kernel}_param_(\d+)",
                     lambda m: f"P[{params[int(m.group(1))] if int(m.group(1)) < len(params) else m.group(1)}]",
                     line) for line in lines]

@@ -127,25 +127,17 @@ def gpu_host_stall_before_the_doorbell(timeout: float = 0.5):
     return first, matched
 
 
-def gpu_dependent_pull(timeout: float = 10.0):
-    """NormalMode.dependent_pull (the one launch's stage before the count wait, its pull after it as
-    a programmatic dependent launch) on the nvlink backend: the dispatch and the combine after it
-    (whose reduce reads the list index the stage's launch wrote) match the reference where the group
-    fits one launch, where one rank's batch needs rounds (the others' pull launches go without rows,
-    then round 0 is pulled in turn), and after a call in which rank 0 raised between its two
-    launches (its pull launch went without rows; the peers' calls go on). Returns ``{step: result}``."""
+def _reference_steps(buffer, R: int, rank: int, E: int, K: int, H: int):
+    """``(routing, dispatch, step)`` for a case on ``buffer`` whose calls go against the reference:
+    ``routing(seed, small, large=None)`` every rank's batch, identical on every rank (rank R - 1
+    sends ``large`` tokens where given), then this rank's on its GPU; ``dispatch(x, topk, w)`` a full
+    dispatch; ``step(seed, small, large=None)`` one dispatch and the combine of its rows, True where
+    both match the reference."""
     from epcomm.testing import reference_combine, reference_dispatch
     from epcomm.testing.sweeps import rank_fn
-    R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device())
-    E, K, H = 4 * R, 2, 256
-    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, backend="nvlink", timeout=timeout)
-    normal = buffer._backend.normal
-    normal.dependent_pull = True
-    round_tokens = normal.ws.dispatch_round_tokens((2 * H, (K * 12 + 15) // 16 * 16))[1]
 
     def routing(seed, small, large=None):
-        """Every rank's batch, identical on every rank: rank R - 1 sends ``large`` tokens where given."""
         xs, topks, ws = make_routing(seed, "uniform", R, E, K, small, H, fixed_tokens=small)
         if large is not None:
             big = make_routing(seed + 1, "uniform", R, E, K, large, H, fixed_tokens=large)
@@ -156,7 +148,6 @@ def gpu_dependent_pull(timeout: float = 10.0):
         return buffer.dispatch(x, topk_idx=topk, topk_weights=w, **_layout_args(buffer, topk, E))
 
     def step(seed, small, large=None):
-        """One dispatch and the combine of its rows, each against the reference."""
         xs, topks, ws, x, topk, w = routing(seed, small, large)
         recv_x, _, _, _, handle, _ = dispatch(x, topk, w)
         combined = buffer.combine(rank_fn(rank, recv_x), handle)[0]
@@ -164,6 +155,24 @@ def gpu_dependent_pull(timeout: float = 10.0):
             combined.float().cpu(), reference_combine(xs[rank], topks[rank], E, R, rank_fn).float(), rtol=2e-2,
             atol=2e-2)
 
+    return routing, dispatch, step
+
+
+def gpu_dependent_pull(timeout: float = 10.0):
+    """NormalMode.dependent_pull (the one launch's stage before the count wait, its pull after it as
+    a programmatic dependent launch) on the nvlink backend: the dispatch and the combine after it
+    (whose reduce reads the list index the stage's launch wrote) match the reference where the group
+    fits one launch, where one rank's batch needs rounds (the others' pull launches go without rows,
+    then round 0 is pulled in turn), and after a call in which rank 0 raised between its two
+    launches (its pull launch went without rows; the peers' calls go on). Returns ``{step: result}``."""
+    from epcomm.testing import reference_dispatch
+    R, rank = world()
+    E, K, H = 4 * R, 2, 256
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, backend="nvlink", timeout=timeout)
+    normal = buffer._backend.normal
+    normal.dependent_pull = True
+    round_tokens = normal.ws.dispatch_round_tokens((2 * H, (K * 12 + 15) // 16 * 16))[1]
+    routing, dispatch, step = _reference_steps(buffer, R, rank, E, K, H)
     results = {"one launch": step(70, 64), "rounds": step(71, 64, round_tokens + 37)}
     xs, topks, ws, x, topk, w = routing(72, 64)
     outputs = normal._outputs
@@ -178,5 +187,25 @@ def gpu_dependent_pull(timeout: float = 10.0):
     except RuntimeError as err:
         results["host error"] = str(err)
     results["after"] = [step(73, 64), step(74, 48)]
+    buffer.destroy()
+    return results
+
+
+def gpu_notify_in_stage(timeout: float = 10.0):
+    """NormalMode.notify_in_stage (a full dispatch's count exchange and stage in one launch) on the
+    nvlink backend, set on the even ranks only (ranks may differ on it), then on every rank: each
+    dispatch and the combine after it match the reference, in one round and where one rank's batch
+    needs rounds (round 0 staged in the exchange's launch, the later ones alone). Returns
+    ``{step: result}``."""
+    R, rank = world()
+    E, K, H = 4 * R, 2, 256
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, backend="nvlink", timeout=timeout)
+    normal = buffer._backend.normal
+    normal.notify_in_stage = rank % 2 == 0
+    round_tokens = normal.ws.dispatch_round_tokens((2 * H, (K * 12 + 15) // 16 * 16))[1]
+    _routing, _dispatch, step = _reference_steps(buffer, R, rank, E, K, H)
+    results = {"mixed": [step(80, 64), step(81, 64, round_tokens + 37), step(82, 0)]}
+    normal.notify_in_stage = True
+    results["every rank"] = [step(83, 64), step(84, 64, round_tokens + 37), step(85, 48)]
     buffer.destroy()
     return results
