@@ -190,22 +190,3 @@ def gpu_dependent_pull(timeout: float = 10.0):
     buffer.destroy()
     return results
 
-
-def gpu_notify_in_stage(timeout: float = 10.0):
-    """NormalMode.notify_in_stage (a full dispatch's count exchange and stage in one launch) on the
-    nvlink backend, set on the even ranks only (ranks may differ on it), then on every rank: each
-    dispatch and the combine after it match the reference, in one round and where one rank's batch
-    needs rounds (round 0 staged in the exchange's launch, the later ones alone). Returns
-    ``{step: result}``."""
-    R, rank = world()
-    E, K, H = 4 * R, 2, 256
-    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, backend="nvlink", timeout=timeout)
-    normal = buffer._backend.normal
-    normal.notify_in_stage = rank % 2 == 0
-    round_tokens = normal.ws.dispatch_round_tokens((2 * H, (K * 12 + 15) // 16 * 16))[1]
-    _routing, _dispatch, step = _reference_steps(buffer, R, rank, E, K, H)
-    results = {"mixed": [step(80, 64), step(81, 64, round_tokens + 37), step(82, 0)]}
-    normal.notify_in_stage = True
-    results["every rank"] = [step(83, 64), step(84, 64, round_tokens + 37), step(85, 48)]
-    buffer.destroy()
-    return results

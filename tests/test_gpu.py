@@ -404,11 +404,3 @@ def test_the_dependent_pull_matches_the_reference_and_survives_a_host_error_betw
     for rank, result in enumerate(results):
         assert result["one launch"] and result["rounds"] and result["after"] == [True, True], (rank, result)
         assert result["host error"] == ("planted allocation failure" if rank == 0 else True), (rank, result)
-
-
-def test_notify_in_stage_matches_the_reference_where_ranks_differ_on_it_and_in_rounds(gpu_pool):
-    """NormalMode.notify_in_stage (bench --variants notify-in-stage; off by default): the count
-    exchange and round 0's stage in one launch, on the even ranks then on every rank, in one round,
-    in rounds and with an empty batch (recovery_cases.gpu_notify_in_stage)."""
-    for rank, result in enumerate(gpu_pool.run(recovery_cases.gpu_notify_in_stage)):
-        assert result == {"mixed": [True] * 3, "every rank": [True] * 3}, (rank, result)

@@ -256,21 +256,3 @@ def test_the_combine_reduce_keeps_program_votes_where_its_lanes_meet(rank_loop, 
     ptx = _push_reduce_ptx(rank_loop, True, block_r, 8)
     assert _loops_with_a_barrier_and_an_acquire(ptx)
     assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx
-
-
-@pytest.mark.parametrize("expert_major", [False, True], ids=["plain", "expert-major"])
-def test_notify_in_stage_hands_the_exchange_to_its_stage_through_one_release(expert_major):
-    """ep_notify_stage (NormalMode.notify_in_stage): the exchange's last program RELEASEs NOTIFIED
-    (the one gpu-scope exchange of the kernel; the stage alone has none) and the stage programs
-    ACQUIRE it before they write: the half they write is free only once every peer signalled. The
-    stage alone keeps its PTX (scripts/ptx_fingerprint.py, 2026-11-28f)."""
-    constexprs = dict(HAS_SCALES=False, HAS_TOPK=True, WRITE_LISTS=True, LIST_BLOCK=1024, L_P2=32, ALIGNED=True,
-                      EXPERT_MAJOR=expert_major, POSITION_TOKENS=64, POSITION_SUB=1, E_P2=256 if expert_major else 1,
-                      PUSHED_LISTS=True, **dict(COPY, S_P2=1))
-    merged = N.NOTIFY_STAGE.compile(dict(constexprs, NOTIFY_BLOCK=256), 16, target=SM90).asm["ptx"]
-    alone = N.STAGE.compile(constexprs, 16, target=SM90).asm["ptx"]
-    assert merged.count("atom.global.gpu.release.exch.b64") == 1
-    assert "atom.global.gpu.release.exch" not in alone
-    assert "ld.acquire" in merged and "st.release.sys" in merged  # (the wait; the mailbox's sequence)
-    assert _loops_with_a_barrier_and_an_acquire(merged) == _loops_with_a_barrier_and_an_acquire(
-        N.NOTIFY.compile(dict(BLOCK=256, R_P2=8), 16, target=SM90).asm["ptx"])

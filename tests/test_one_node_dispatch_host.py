@@ -73,7 +73,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     plan = M.DispatchPlan(x_words=HIDDEN // 4, num_scales=0, num_topk=K, entry_topk=K, topk_row_bytes=32,
                           offsets=(0, 0, 0), round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
                           expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
-                          notify_stage=kernels("notify+stage"), pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
+                          pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
                           overlapped_full=kernels("ep_dispatch"), overlapped_cached=kernels("ep_dispatch"),
                           fingerprint_full=(0, 0), fingerprint_cached=(0, 0),
                           **M.NormalMode._fixed_arguments(mode, (0, 0, 0), 32))
@@ -531,78 +531,3 @@ def test_every_choice_has_a_default(monkeypatch):
     names = {name for name, value in vars(KernelChoices).items() if isinstance(value, Choice)}
     assert names and names <= set(vars(mode))
     assert all(not isinstance(getattr(mode, name), Choice) for name in names)
-
-
-def _notify_stage_words(args):
-    """ep_notify_stage's arguments of one recorded launch by parameter name."""
-    from epcomm.backends.gpu.normal.one_node.stage import NOTIFY_STAGE
-    names = [n for n, t in NOTIFY_STAGE.signature.items() if t != "constexpr"]
-    assert len(args) == 2 + len(names)
-    return dict(zip(names, args[2:]))
-
-
-def test_notify_in_stage_runs_the_count_exchange_and_the_stage_in_one_launch(monkeypatch):
-    """NormalMode.notify_in_stage (bench --variants notify-in-stage): where round 0 is staged in turn
-    during the count wait, ep_notify_stage takes the exchange's R programs and the stage's grid in
-    one launch (one launch less of host time), with both kernels' arguments where its parameters
-    name them; the pull in turn follows the wait as by default."""
-    launches = []
-    mailbox = _OrderedMailbox((40, 60), launches)
-    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
-    mode.bases, mode.state, mode.fingerprints = 4096, 8192, 24
-    mode.ws = types.SimpleNamespace(**dict(vars(mode.ws), counts_offset=640))
-    mode.b.timeout_ns = 123_456
-    plan = mode._dispatch_plan_of(None)
-    plan = dataclasses.replace(plan, **M.NormalMode._fixed_arguments(mode, (0, 0, 0), 32))
-    mode._dispatch_plan_of = lambda args: plan
-    assert not mode.notify_in_stage  # (off by default)
-    mode.notify_in_stage = True
-    args = _args(50)
-    args.expert_alignment = 4
-    result = mode.dispatch(args)
-    assert [name for name, _, _ in launches] == ["notify+stage", "wait", "pull"]
-    (_, grid, stage_args) = launches[0]
-    assert grid == 2 * R + min(2 * NUM_SMS, -(-50 // BLOCK_R))  # R notify, R list, then the copy programs
-    words = _notify_stage_words(stage_args)
-    state = result.handle.backend_state
-    assert words["prefix_ptr"] == result.handle.rank_prefix_matrix.data_ptr() == state.addresses[0]
-    assert words["recv_info_ptr"] == state.addresses[1] and words["list_index_ptr"] == state.addresses[6]
-    assert (words["num_experts"], words["expert_alignment"], words["write_table"], words["counts_offset"]) == \
-        (E, 4, 0, 640)
-    assert (words["mailbox_address"], words["sequence"], words["timeout_ns"]) == (mailbox.address, state.sequence,
-                                                                                  123_456)
-    assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["flag_bases_ptr"],
-            words["state_ptr"], words["fp_offset"]) == (RANK, R, 4096, 4096, 8192, 24)
-    assert (words["per_rank_ptr"], words["per_expert_ptr"]) == (args.num_tokens_per_rank.data_ptr(),
-                                                                args.num_tokens_per_expert.data_ptr())
-    assert (words["num_tokens"], words["token_lo"], words["token_hi"]) == (50, 0, ROUND_TOKENS)
-
-
-def test_notify_in_stage_leaves_the_count_exchange_alone_where_nothing_is_staged_in_turn(monkeypatch):
-    """Where the full dispatch goes otherwise (a doorbell's one launch, num_worst_tokens' one launch,
-    the dependent pull), the exchange keeps its own launch; rounds stage round 0 with it."""
-    for choice, counts, tokens, worst, expected in (
-            ("doorbell_dispatch", (40, 60), 50, 0, ["notify", "ep_dispatch"]),
-            (None, (40, 60), 50, 40, ["notify", "ep_dispatch"]),
-            ("dependent_pull", (40, 60), 50, 0, ["notify", "ep_dispatch", "ep_dispatch (dependent)"]),
-            (None, (40, 250), 150, 0, ["notify+stage", "pull", "stage", "pull", "stage", "pull"])):
-        launches = []
-        mode = _mode(monkeypatch, launches, _Mailbox(counts=counts), doorbell=False)
-        mode.notify_in_stage = True
-        if choice:
-            vars(mode)[choice] = True
-        mode.dispatch(_args(tokens, num_worst_tokens=worst))
-        assert [name for name, _, _ in launches] == expected, choice
-
-
-def test_notify_in_stage_is_a_bench_variant_and_refuses_a_shared_gpu(monkeypatch):
-    """Its stage programs wait in the launch for the exchange's: with ranks sharing a GPU (the
-    backend's max_num_sms, shared_grids.py) they would hold SMs the other ranks' exchanges need."""
-    from epcomm.errors import EPError
-    from epcomm.tools.bench import use_normal_variants
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    use_normal_variants(mode, ["notify-in-stage"])
-    assert mode.notify_in_stage
-    mode.b.max_num_sms = 16
-    with pytest.raises(EPError, match="notify_in_stage needs a GPU per rank"):
-        M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)

@@ -166,8 +166,7 @@ class NormalBenchSettings:
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
     # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py),
     # "dependent-pull" (a full dispatch's stage before the count wait and its pull after it as a
-    # programmatic dependent launch beside the stage: choices.py, dependent_pull), "notify-in-stage" (a
-    # full dispatch's count exchange and stage in one launch: stage.py, ep_notify_stage)
+    # programmatic dependent launch beside the stage: choices.py, dependent_pull)
     variants: List[str] = field(default_factory=list)
 
 
@@ -474,7 +473,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists", "small-one-launch", "dependent-pull", "notify-in-stage")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch", "dependent-pull")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -508,7 +507,6 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
     normal.dependent_pull = "dependent-pull" in variants
-    normal.notify_in_stage = "notify-in-stage" in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
@@ -576,8 +574,7 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "small-one-launch (full-one-launch where every rank's batch is at most 1024 tokens, "
                                  "larger ones staged during the count wait as by default), dependent-pull (a full "
                                  "dispatch's stage before its count wait and its pull after it, a programmatic "
-                                 "dependent launch that may start beside the stage; sm_90 and newer), notify-in-stage (a full "
-                                 "dispatch's count exchange and its stage in one launch); "
+                                 "dependent launch that may start beside the stage; sm_90 and newer); "
                                  "join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "

@@ -109,9 +109,7 @@ DOORBELL = tl.constexpr(18)  # (epoch << 2) | the answer to an overlapped dispat
 INDEX_GATHERED = tl.constexpr(26)  # the epoch of the last pull in turn whose programs all gathered its receive
 # index, or minus the epoch of one whose program found the call failed (one_node/receive_index.py; after the
 # doorbell's DOORBELL_WORDS words 18..25, which a doorbell's wait reads whole)
-NOTIFIED = tl.constexpr(27)  # the epoch of the last count exchange run in one launch with its stage, released
-# to that launch's stage programs by the exchange's last program (one_node/stage.py, ep_notify_stage)
-NUM_STATE_WORDS = 28
+NUM_STATE_WORDS = 27
 
 # The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses
 # follow in words 1..DOORBELL_WORDS - 2) or 2 * sequence (cancel); the last word is the device's:

@@ -7,9 +7,7 @@ Launches per call (one cross-rank barrier per launch pair, halves alternate by b
                           (doorbell_dispatch: ep_notify_dispatch ; ep_dispatch, its pull waiting for the
                           doorbell ; [host polls, allocates, rings]; dependent_pull: ep_notify_dispatch ;
                           ep_dispatch's stage programs ; [host polls] ; its pull programs, a programmatic
-                          dependent launch beside the stage; notify_in_stage: ep_notify_stage (the
-                          exchange and the stage in one launch) ; [host polls] ; ep_dispatch_pull;
-                          num_worst_tokens: one ep_dispatch)
+                          dependent launch beside the stage; num_worst_tokens: one ep_dispatch)
     dispatch (cached)     ep_dispatch (stage and pull overlapped)     1 launch
                           ep_dispatch_stage ; ep_dispatch_pull        2 launches: several rounds, expert-major
     combine               ep_combine (push and reduce overlapped)     1 launch
@@ -33,8 +31,8 @@ the mailbox word the notify kernel publishes.
 from ..layout_kernel import LAYOUT
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import PULL, STAGE_PULL
-from .stage import NOTIFY_STAGE, STAGE
+from .stage import STAGE
 from .mode import NormalMode
 from .notify import NOTIFY
 
-__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "NOTIFY_STAGE", "STAGE", "PULL", "STAGE_PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]
+__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "STAGE_PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]

@@ -99,7 +99,6 @@ class KernelChoices:
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
             gathered_index=False, full_one_launch=False, one_launch_tokens=0, dependent_pull=False,
-            notify_in_stage=False,
             pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
@@ -115,14 +114,6 @@ class KernelChoices:
                           f"launches in its own way")
         if torch.cuda.get_device_capability(self.device)[0] < 9:
             raise EPError("dependent_pull needs programmatic dependent launch: a GPU of sm_90 or newer")
-
-    def _check_notify_in_stage(self) -> None:
-        """notify_in_stage's stage programs wait in their launch for its exchange's: where ranks
-        share a GPU (Buffer caps their SMs: the backend's max_num_sms), they could hold the SMs the
-        other ranks' exchanges need until the timeout. An EPError there."""
-        if getattr(self.b, "max_num_sms", 0):
-            raise EPError("notify_in_stage needs a GPU per rank: with ranks sharing one, its stage programs would "
-                          "hold SMs that the other ranks' count exchanges wait for")
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
@@ -169,14 +160,6 @@ class KernelChoices:
         to take the stage off the full dispatch's time over a cached one (4 H200s: 95-100 µs
         against DeepEP's 28-47, 2026-11-28e). Every rank of the group must set the same, as for
         full_one_launch.""")
-    notify_in_stage = Choice(
-        """An experiment for a lease (bench --variants notify-in-stage): where a full dispatch stages its
-        round 0 in turn during the count wait (the default), the count exchange and that stage go in
-        one launch (stage.py, ep_notify_stage): one launch less of host time, and the stage starts on
-        the GPU as soon as every peer has signalled, not when the exchange's kernel has ended. Ranks
-        may differ on it (the same epochs, halves and signals either way). Not on GPUs shared by
-        several ranks: its stage programs wait in the launch for the exchange's, holding SMs that
-        the other ranks' exchanges need.""")
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the

@@ -18,9 +18,9 @@ from .choices import KernelChoices
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import PULL, STAGE_PULL
 from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
-from .stage import NOTIFY_STAGE, STAGE
+from .stage import STAGE
 from ..layout_kernel import LayoutKernel
-from .notify import NOTIFY_BLOCK, NOTIFY_BOUND
+from .notify import NOTIFY_BOUND
 from .plans import CombinePlan, DispatchPlan, PullState
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
@@ -76,8 +76,6 @@ class NormalMode(KernelChoices):
             raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (got {x_bytes})")
         if self.dependent_pull:
             self._check_dependent_pull()
-        if self.notify_in_stage:
-            self._check_notify_in_stage()
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -107,9 +105,6 @@ class NormalMode(KernelChoices):
                                             WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions, **pushed),
                             Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
                                             LIST_BLOCK=1024, L_P2=1, **meta, **positions, **no_lists),
-                            Specialisations(NOTIFY_STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
-                                            WRITE_LISTS=True, LIST_BLOCK=1024, NOTIFY_BLOCK=NOTIFY_BLOCK, **meta,
-                                            **positions, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
                                       **meta, **schedule, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
@@ -223,6 +218,14 @@ class NormalMode(KernelChoices):
             fp0, fp1 = plan.fingerprint_full
             fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
+            NOTIFY_BOUND[self.R_P2].launch(
+                R, 1, stream,
+                args.num_tokens_per_rank, args.num_tokens_per_expert, prefix_address, recv_info,
+                table.data_ptr(),  # counts
+                num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
+                rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
+                mailbox.address, sequence, b.timeout_ns,  # host
+                self.fingerprints, fp0, fp1, board, tag)  # identity
             # Round 0 is staged during the host's count wait: in turn (the pull launched after the
             # wait), or (doorbell_dispatch, where this rank's batch allows: the group's is known only
             # after the wait) in one launch with the pull, whose programs wait for the doorbell the
@@ -249,30 +252,15 @@ class NormalMode(KernelChoices):
             dependent = self.dependent_pull and not worst and not doorbell and not after_wait and may_overlap and \
                 self._one_launch(plan, num_tokens)
             pull_launched = not dependent
-            # notify_in_stage, where round 0 is staged in turn now: the count exchange in the stage's
-            # launch (ep_notify_stage), else its own launch first
-            stage_now = not overlapped and not after_wait and not doorbell and not dependent
-            in_stage = () if not (self.notify_in_stage and stage_now) else (
-                prefix_address, recv_info, table.data_ptr(), num_experts, args.expert_alignment, int(expert_major),
-                ws.counts_offset, mailbox.address, sequence, b.timeout_ns)  # (ep_notify_stage's, after the stage's)
-            if not in_stage:
-                NOTIFY_BOUND[self.R_P2].launch(
-                    R, 1, stream,
-                    args.num_tokens_per_rank, args.num_tokens_per_expert, prefix_address, recv_info,
-                    table.data_ptr(),  # counts
-                    num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
-                    rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
-                    mailbox.address, sequence, b.timeout_ns,  # host
-                    self.fingerprints, fp0, fp1, board, tag)  # identity
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
             elif dependent:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, 0, part=STAGE_PART)
-            elif stage_now:
+            elif not overlapped and not after_wait:
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
-                            list_index, in_stage)
+                            list_index)
             rung = not doorbell
             try:
                 if worst:
@@ -434,12 +422,9 @@ class NormalMode(KernelChoices):
             self.trace_address)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
-               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0,
-               notify: tuple = ()) -> None:
+               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0) -> None:
         """Launch the stage of tokens [lo, hi); ``write_lists``: a full dispatch's round 0, which also
-        writes the token lists and ``list_index`` (the address of the handle's [T, R] int32).
-        ``notify`` (notify_in_stage; with write_lists): ep_notify_stage's count-exchange arguments,
-        launched with the stage on R more programs."""
+        writes the token lists and ``list_index`` (the address of the handle's [T, R] int32)."""
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms * self.stage_programs_per_sm, cdiv(rows, plan.block_r)))
@@ -452,11 +437,10 @@ class NormalMode(KernelChoices):
             sub = max(1, POSITION_ELEMENTS // (p2(plan.num_topk) * e_p2))
             num_position_programs = cdiv(rows, POSITION_TOKENS)
             programs += num_position_programs
-        if write_lists:  # a full dispatch: the token lists and the count checks (and the count exchange)
-            kernel = (plan.notify_stage if notify else plan.stage_lists)[aligned, p2(num_local), e_p2, sub]
+        if write_lists:  # a full dispatch: the token lists and the count checks
+            kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
             in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
-                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), \
-                programs + self.R * (2 if notify else 1)
+                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
         else:
             kernel = plan.stage[aligned, e_p2, sub]
             in_rank = per_rank = per_expert = args.handle.backend_state.addresses[5] if args.handle is not None \
@@ -468,7 +452,7 @@ class NormalMode(KernelChoices):
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_position_programs,
             *plan.stage_fixed,  # workspace, fingerprint set
-            fp0, fp1, self.seat.bases_address, tag, *notify)  # identity; the count exchange's
+            fp0, fp1, self.seat.bases_address, tag)  # identity
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:

@@ -24,24 +24,41 @@ from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_wor
 #               ACQUIRE my.flags[p] == epoch (a timeout, or p elsewhere on the board -> mailbox),
 #               then compare p's fingerprint with this call's  (a difference, or p's flag an
 #               abort stamped covering this call: agreement.ep_abort -> mailbox)
-#   last to arrive (owns the whole count matrix):  EPOCH_NORMAL = epoch (ep_notify_stage: RELEASE NOTIFIED)
+#   last to arrive (owns the whole count matrix):
 #               rank_prefix_matrix = cumsum over sources;  recv_info = [rows received, most tokens]
 #               mailbox: receive sizes, per-expert counts (padded to expert_alignment);
 #               write_table: the expert-major group table
 #               RELEASE mailbox.sequence = sequence         (the host's one wait polls it, then raises
 #                                                            any disagreement the mailbox holds)
 @triton.jit
-def _notify(peer, epoch, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr,
-            num_tokens, num_experts, expert_alignment, write_table, rank, num_ranks, normal_bases_ptr,
-            flag_bases_ptr, state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns,
-            fp_offset, fp0, fp1, board_bases_ptr, call_tag, IN_STAGE: tl.constexpr, R_P2: tl.constexpr,
-            BLOCK: tl.constexpr):
-    # Program ``peer`` of the count exchange of ``epoch`` (ep_notify_dispatch's arguments). IN_STAGE
-    # (stage.py, ep_notify_stage): the stage's programs of the same launch wait for its last program.
+def ep_notify_dispatch(
+        # the call's counts, and what this kernel computes from every rank's
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
+        prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+        recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
+        table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
+        # sizes
+        num_tokens: "i32", num_experts: "i32", expert_alignment: "i32", write_table: "i32",
+        # this rank and the workspaces (offsets are from a workspace base)
+        rank: "i32", num_ranks: "i32",
+        normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base
+        flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
+        state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
+        half_bytes: "i64", counts_offset: "i64",
+        # the host: its mailbox (sync.py), the sequence number it polls for, the timeout of a wait
+        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
+        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        # meta-parameters
+        R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
     # -- program p: this rank's count row and fingerprint to peer p, released
+    peer = tl.program_id(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
     row_len = num_ranks + num_experts + 1
     dst = (tl.load(normal_bases_ptr + peer) + half_offset).to(tl.pointer_type(tl.int32)) + rank * row_len
@@ -75,12 +92,7 @@ def _notify(peer, epoch, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr
                fp1, epoch, agreement, num_ranks)
     # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
-        if IN_STAGE:  # RELEASE: every peer's signal of epoch (acquired through the arrivals) -> the stage's
-            # programs, which write the half of epoch + 1 only after it (sync.py, double buffering); the
-            # stage's last program stores EPOCH_NORMAL (epoch + 1), once all of them have read it
-            tl.atomic_xchg(state_ptr + sync.NOTIFIED, epoch.to(tl.int64), sem="release", scope="gpu")
-        else:
-            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
         src = tl.arange(0, R_P2)
         dst_r = tl.arange(0, R_P2)
@@ -115,48 +127,14 @@ def _notify(peer, epoch, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
-
-@triton.jit
-def ep_notify_dispatch(
-        # the call's counts, and what this kernel computes from every rank's
-        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
-        prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
-        recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
-        table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
-        # sizes
-        num_tokens: "i32", num_experts: "i32", expert_alignment: "i32", write_table: "i32",
-        # this rank and the workspaces (offsets are from a workspace base)
-        rank: "i32", num_ranks: "i32",
-        normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base
-        flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
-        state_ptr: "*i64",  # [NUM_STATE_WORDS] int64 local: epochs and arrival counters (sync.py)
-        half_bytes: "i64", counts_offset: "i64",
-        # the host: its mailbox (sync.py), the sequence number it polls for, the timeout of a wait
-        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
-        # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
-        fp_offset: "i64", fp0: "i64", fp1: "i64",
-        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
-        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
-        # meta-parameters
-        R_P2: tl.constexpr, BLOCK: tl.constexpr):
-    _notify(tl.program_id(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
-            per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr,
-            num_tokens, num_experts, expert_alignment, write_table, rank, num_ranks, normal_bases_ptr,
-            flag_bases_ptr, state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns,
-            fp_offset, fp0, fp1, board_bases_ptr, call_tag, IN_STAGE=False, R_P2=R_P2, BLOCK=BLOCK)
-
-
 NOTIFY = KernelSpec(ep_notify_dispatch)
-
-
-NOTIFY_BLOCK = 256  # count words per step of a program's row (ep_notify_dispatch's BLOCK)
 
 
 class _NotifyKernels(dict):
     """NOTIFY bound per R_P2, looked up without keyword building."""
 
     def __missing__(self, r_p2):
-        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=NOTIFY_BLOCK)
+        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=256)
         return self[r_p2]
 
 

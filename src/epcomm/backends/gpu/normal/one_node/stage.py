@@ -1,8 +1,7 @@
 """The dispatch's stage (dispatch.py's docstring: "stage and pull"): this rank's tokens (x, scales,
 top-k, expert-major positions) copied into its own workspace half, and per destination the list of
-the tokens it sends — alone in turn (``ep_dispatch_stage``), after the count exchange in the same
-launch (``ep_notify_stage``), or as the first programs of the one-launch ``ep_dispatch``
-(dispatch.py), which calls :func:`_stage` with OVERLAP."""
+the tokens it sends — alone in turn (``ep_dispatch_stage``), or as the first programs of the
+one-launch ``ep_dispatch`` (dispatch.py), which calls :func:`_stage` with OVERLAP."""
 from __future__ import annotations
 
 import triton
@@ -11,11 +10,9 @@ import triton.language as tl
 from ... import agreement, sync
 from ...copy import copy_rows, multiple, word_ptr
 from ...launch import KernelSpec
-from ...sync import (arrive, fingerprint_half, poll_epochs, post_call_to_peers, post_fingerprint_to_peers,
-                     publish_from_one_thread, publish_to_peers_from_one_thread, report_late, signal_peers)
-from ...warps import cta_any
+from ...sync import (arrive, fingerprint_half, post_call_to_peers, post_fingerprint_to_peers, publish_from_one_thread,
+                     publish_to_peers_from_one_thread, signal_peers)
 from .expert_major_rows import POSITION_HIST_ENTRIES, expert_positions
-from .notify import _notify
 from .receive_index import list_of
 
 
@@ -208,70 +205,3 @@ def ep_dispatch_stage(
 
 
 STAGE = KernelSpec(ep_dispatch_stage, aligned_if={"ALIGNED": ["x_ptr"]})
-
-
-# ep_notify_stage (NormalMode.notify_in_stage): a full dispatch's count exchange and the stage of its
-# round 0 in one launch, one launch less of host time than ep_notify_dispatch ; ep_dispatch_stage;
-# grid = R notify programs (the lowest ids: started first), then ep_dispatch_stage's grid.
-#
-#   epoch = EPOCH_NORMAL + 1 (the count exchange's; the stage's is epoch + 1, as in turn)
-#   programs p < R:  ep_notify_dispatch's program p; the last to arrive RELEASEs NOTIFIED = epoch
-#                    instead of storing EPOCH_NORMAL (notify.py)
-#   stage programs:  ACQUIRE NOTIFIED >= epoch, then ep_dispatch_stage's program pid - R: it writes
-#                    the half of epoch + 1 (its own, and with PUSHED_LISTS its receivers' lists) only
-#                    after every peer signalled epoch, so after every peer's reads of that half two
-#                    epochs ago ended (sync.py, double buffering) — what stream order gives the
-#                    stage in turn. The wait is bounded (3 x timeout_ns: the exchange's own waits
-#                    give up after one); late, the mailbox gets a timeout for this rank (the host
-#                    raises) and the stage goes on, as the stage in turn does after an exchange
-#                    that gave up.
-#   EPOCH_NORMAL = epoch + 1, once, by the stage's last program: every program has read it by then
-#   (the stage's programs start after every notify program arrived).
-@triton.jit
-def ep_notify_stage(
-        x_ptr: "*i8", scales_ptr: "*fp32", topk_ptr: "*i64", weights_ptr: "*fp32", in_rank_ptr: "*i8",
-        list_index_ptr: "*i32", per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # ep_dispatch_stage's, in its order
-        num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
-        scale_stride_t: "i64", scale_stride_c: "i64", num_topk: "i32", num_local: "i32",
-        num_position_programs: "i32",
-        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
-        topk_offset: "i64", topk_row_bytes: "i64",
-        fp_offset: "i64", fp0: "i64", fp1: "i64", board_bases_ptr: "*i64", call_tag: "i64",
-        # then ep_notify_dispatch's own, in its order
-        prefix_ptr: "*i32", recv_info_ptr: "*i32", table_ptr: "*i32",
-        num_experts: "i32", expert_alignment: "i32", write_table: "i32", counts_offset: "i64",
-        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
-        # meta-parameters: ep_dispatch_stage's (WRITE_LISTS: always), and the notify's block
-        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-        EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr, NOTIFY_BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
-    if pid < num_ranks:
-        _notify(pid, epoch, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr,
-                num_tokens, num_experts, expert_alignment, write_table, rank, num_ranks, normal_bases_ptr,
-                flag_bases_ptr, state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns,
-                fp_offset, fp0, fp1, board_bases_ptr, call_tag, IN_STAGE=True, R_P2=R_P2, BLOCK=NOTIFY_BLOCK)
-    else:
-        lanes = tl.arange(0, R_P2)
-        _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, epoch,
-                                            3 * timeout_ns, EPOCH_SHIFT=0)  # ACQUIRE: every peer's signal
-        # (a vote, whose barrier also orders the polling threads' acquire before every thread's stores)
-        if cta_any(tl.max(late.to(tl.int32), axis=0)) != 0:
-            report_late(lanes == 0, rank + lanes * 0, state_ptr,
-                        mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
-                        MASK_ON_TIMEOUT=False)
-        _stage(pid - num_ranks, tl.num_programs(0) - num_ranks, epoch + 1,
-               x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
-               num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk,
-               num_local, num_position_programs, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr,
-               half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
-               fp_offset, fp0, fp1, board_bases_ptr, call_tag,
-               HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-               EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS)
-
-
-NOTIFY_STAGE = KernelSpec(ep_notify_stage, aligned_if={"ALIGNED": ["x_ptr"]})
