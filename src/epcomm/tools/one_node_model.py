@@ -50,13 +50,13 @@ MEASURED = {
 }
 # The every-peer kernels in one launch (push on 2 x num_sms), the full dispatch's pull in turn on
 # 3 x num_sms programs with the side rows loaded first and the lists pushed to their receivers
-# (commit 67cd161's defaults), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run:
-# 2 x H200 and 4 x H200, 2026-11-28e (notes/runs/2026-11-28e_x2_h200_call1_*, _x4_h200_call4_*).
+# (the defaults since 67cd161), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run:
+# 2 x H200 and 4 x H200, 2026-11-28f (notes/runs/2026-11-28f_x2_h200_call1_*, _x4_h200_call7_*).
 MEASURED_NOW = {
-    2: {"full dispatch": ("245 / 335", "432"), "cached dispatch": ("200 / 286", "382"),
-        "combine": ("195 / 300", "408")},
-    4: {"full dispatch": ("621 / 706", "867"), "cached dispatch": ("521 / 581", "820"),
-        "combine": ("541 / 571", "620")},
+    2: {"full dispatch": ("242 / 428", "427"), "cached dispatch": ("201 / 323", "379"),
+        "combine": ("199 / 316", "403")},
+    4: {"full dispatch": ("634 / 715", "853"), "cached dispatch": ("522 / 604", "819"),
+        "combine": ("530 / 599", "610")},
 }
 
 
@@ -85,6 +85,11 @@ class Rates:
     # GB/s of the full dispatch's stage in turn, on choices.STAGE_PROGRAMS_PER_SM x num_sms copy
     # programs (read + written); 0: ``local_copy``, the stage of the one-launch cached dispatch
     stage_in_turn: float = 0.0
+    # choices.dependent_pull: the host's µs from the counts to the pull's launch (the pull waits for
+    # it, not for the stage: 2 x H200 after a sync, wait 2.8 + glue 20.6 + the launch, 2026-11-28f),
+    # and the one launch's pull over the pull in turn (190 against 181 µs on the same timeline)
+    host_after_count_us: float = 40.0
+    one_launch_pull: float = 1.05
 
 
 DEPENDENT_FULL = "full dispatch, dependent pull"  # estimate()'s "overlapped" entry for choices.dependent_pull
@@ -161,10 +166,12 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
                                  "full dispatch": rates.fixed_us + stage_in_turn_us + wide_pull + rates.count_wait_us,
                                  "combine": rates.fixed_us + max(wide_push, reduce_us),
                                  # (choices.dependent_pull: the one launch's stage from the count wait's
-                                 # start, its pull from the wait's end beside it; the pull cannot end
-                                 # before the stage)
+                                 # start; its pull launched once the host has the counts and the outputs,
+                                 # beside the stage's rest; the pull cannot end before the stage.
+                                 # Measured: 270 against 254 µs in turn at 2 ranks, 665 against 634 at
+                                 # 4: the host's launch, not the stage, gates the pull)
                                  DEPENDENT_FULL: rates.fixed_us + rates.count_wait_us +
-                                 max(wide_pull, stage_us - rates.count_wait_us)}
+                                 max(rates.host_after_count_us + rates.one_launch_pull * wide_pull, stage_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
     return out
@@ -216,7 +223,7 @@ def run(args) -> int:
           f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
     print("| ranks | call | remote MB in | link floor µs | every peer µs | + phases overlapped µs | rank order µs | "
-          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28e, every peer, "
+          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28f, every peer, "
           "one launch) | DeepEP V1, same run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     dependent = []
@@ -233,7 +240,7 @@ def run(args) -> int:
                   f"{est['every peer'][call]:.0f} | {est['overlapped'][call]:.0f} | {est['rank order'][call]:.0f} | "
                   f"{measured} | {peer} | {now} | {peer_now} |")
         dependent.append(f"{est['overlapped'][DEPENDENT_FULL]:.0f} at {R}")
-    if dependent:  # (not yet measured: bench --variants dependent-pull)
+    if dependent:  # (measured 2026-11-28f: 270 at 2 ranks, 665 at 4)
         print(f"full dispatch with its pull a dependent launch beside its stage (dependent_pull), µs: "
-              f"{', '.join(dependent)} ranks")
+              f"{', '.join(dependent)} ranks (measured, same runs as the default: 270 at 2, 665 at 4)")
     return 0

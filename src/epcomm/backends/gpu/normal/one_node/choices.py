@@ -157,9 +157,11 @@ class KernelChoices:
         wait and its pull programs (pull_programs_per_sm x num_sms) after it, as a programmatic
         dependent launch that may start beside the stage and takes each block of rows as it is
         staged (dispatch.py, DEPENDENT), instead of the stage in turn then the pull in turn. Meant
-        to take the stage off the full dispatch's time over a cached one (4 H200s: 95-100 µs
-        against DeepEP's 28-47, 2026-11-28e). Every rank of the group must set the same, as for
-        full_one_launch.""")
+        to take the stage off the full dispatch's time over a cached one; measured slower (same
+        runs, T=4096: 270 against 254 µs on 2 H200s, 665 against 634 on 4; 2026-11-28f): the host
+        launches the pull when it has the counts and the outputs, about as late as the stage in
+        turn ends, and the one launch's pull is ~5 % slower than the pull in turn. Every rank of
+        the group must set the same, as for full_one_launch.""")
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the
