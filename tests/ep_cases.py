@@ -589,24 +589,6 @@ def gpu_low_latency_one_launch(hidden: int = 2048):
         del os.environ["EPCOMM_LL_ONE_LAUNCH"]
 
 
-def gpu_low_latency_dependent_launches(hidden: int = 2048):
-    """LowLatencyMode.dependent_launches on every Buffer made here: every launch a programmatic
-    dependent one; the randomized sweep (hooks included) and a CUDA graph still match the reference."""
-    from epcomm.backends.gpu.low_latency.mode import LowLatencyMode
-    init = LowLatencyMode.__init__
-
-    def dependent(mode, *args, **kwargs):
-        init(mode, *args, **kwargs)
-        mode.dependent_launches = True
-    LowLatencyMode.__init__ = dependent
-    try:
-        R, _ = world()
-        size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, 8 * R)
-        return low_latency_sweep(8, 600, hidden, 8, 128, "cuda", size), gpu_low_latency_graph(2, hidden)
-    finally:
-        LowLatencyMode.__init__ = init
-
-
 def gpu_user_program_on_nodes(hidden: int = 2048, num_tokens: int = 256):
     """A user's multi-node program, run where ``EPCOMM_RANKS_PER_NODE`` splits the group into nodes:
     the automatic backend, DeepEP-style sizes, layout, BF16 and FP8 dispatch, cached dispatch,

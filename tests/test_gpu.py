@@ -404,9 +404,3 @@ def test_the_dependent_pull_matches_the_reference_and_survives_a_host_error_betw
     for rank, result in enumerate(results):
         assert result["one launch"] and result["rounds"] and result["after"] == [True, True], (rank, result)
         assert result["host error"] == ("planted allocation failure" if rank == 0 else True), (rank, result)
-
-
-def test_dependent_low_latency_launches_match_the_reference_with_hooks_and_in_a_graph(gpu_pool):
-    """LowLatencyMode.dependent_launches (bench low-latency --dependent-launches; off by default):
-    the randomized sweep, hooks included, and a CUDA graph's replays match the reference."""
-    assert gpu_pool.run(ep_cases.gpu_low_latency_dependent_launches, timeout_s=300) == [(8, 2)] * gpu_pool.world_size

@@ -256,32 +256,3 @@ def test_the_combine_reduce_keeps_program_votes_where_its_lanes_meet(rank_loop, 
     ptx = _push_reduce_ptx(rank_loop, True, block_r, 8)
     assert _loops_with_a_barrier_and_an_acquire(ptx)
     assert "bar.red.and.pred" in ptx and "bar.red.or.pred" in ptx
-
-
-@pytest.mark.parametrize("kernel", ["dispatch send", "dispatch receive", "combine send", "combine receive"])
-def test_dependent_low_latency_launches_let_the_next_start_then_wait_once_before_any_work(kernel):
-    """LowLatencyMode.dependent_launches (DEPENDENT): each low-latency kernel runs
-    griddepcontrol.launch_dependents and then griddepcontrol.wait once each, before its first
-    loop (so every read after keeps stream order's guarantees); without it neither appears (the
-    default kernels keep their PTX: scripts/ptx_fingerprint.py, 2026-11-28f)."""
-    from epcomm.backends.gpu import low_latency as L
-    from epcomm.backends.gpu.reach.modes import PEERS_BY_STORES
-    call, phase = kernel.split()
-    phases = dict(SEND=phase == "send", RECEIVE=phase == "receive")
-    if call == "dispatch":
-        spec, constexprs = L.DISPATCH, dict(USE_FP8=True, ROUND_SCALE=False, UE8M0=False, BLOCK_H=8192, MSGS=8,
-                                            BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024,
-                                            BLOCK_S=64, BLOCK_M=4)
-    else:
-        spec, constexprs = L.COMBINE, dict(HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, ENTRY_LOOP=False)
-    constexprs.update(phases, R_P2=8, ALIGNED=True, REMOTE=PEERS_BY_STORES)
-    default = spec.compile(constexprs, 8, target=SM90).asm["ptx"]
-    dependent = spec.compile(dict(constexprs, DEPENDENT=True), 8, target=SM90).asm["ptx"]
-    assert "griddepcontrol" not in default
-    lines = dependent.splitlines()
-    trigger, wait = ([i for i, line in enumerate(lines) if op in line] for op in
-                     ("griddepcontrol.launch_dependents;", "griddepcontrol.wait;"))
-    assert len(trigger) == len(wait) == 1 and trigger[0] < wait[0]
-    first_loop = min(min(i for i, line in enumerate(lines) if line.strip() == body[0].strip())
-                     for body in _loop_bodies(dependent))
-    assert wait[0] < first_loop

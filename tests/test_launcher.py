@@ -84,31 +84,3 @@ def test_a_dependent_launch_sets_the_programmatic_launch_flag_and_a_plain_one_ke
     kernel._fallback = (None, {}, 4)
     kernel.launch_dependent(5, 1, 7, "a")
     assert fallback == [(5, 1, 7, "a")]
-
-
-def test_a_kernel_specs_defaults_fill_the_constexprs_a_caller_leaves_out():
-    """KernelSpec(defaults=...): an experiment's constexpr (the low-latency kernels' DEPENDENT)
-    takes its default where a caller names none, so every other caller compiles the kernel as
-    before; a caller may still name it, a default for no constexpr is refused, and the others stay
-    required."""
-    pytest.importorskip("triton")
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from epcomm.backends.gpu.launch import KernelSpec
-    from epcomm.errors import EPError
-
-    @triton.jit
-    def k(out_ptr: "*i32", BLOCK: tl.constexpr, FLAG: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, offs + FLAG)
-
-    spec = KernelSpec(k, defaults=dict(FLAG=3))
-    sm90 = GPUTarget("cuda", 90, 32)
-    assert spec.compile(dict(BLOCK=16), 4, target=sm90).asm["ptx"] == \
-        spec.compile(dict(BLOCK=16, FLAG=3), 4, target=sm90).asm["ptx"] != \
-        spec.compile(dict(BLOCK=16, FLAG=4), 4, target=sm90).asm["ptx"]
-    with pytest.raises(EPError, match="missing"):
-        spec.compile(dict(FLAG=4), 4, target=sm90)
-    with pytest.raises(EPError, match="no parameters named"):
-        KernelSpec(k, defaults=dict(NOPE=1))

@@ -28,9 +28,6 @@ class _Launches:
     def launch(self, grid_x, grid_y, stream, *args):
         self.log.append((self.key, grid_x, args))
 
-    def launch_dependent(self, grid_x, grid_y, stream, *args):
-        self.log.append((self.key + ("dependent",), grid_x, args))
-
     def resident_grid(self, items):
         return items
 
@@ -44,7 +41,7 @@ def _mode(monkeypatch, fits=True, **kwargs):
     class Recording(dict):
         def __init__(self, spec, flags, num_warps, **fixed):
             super().__init__()
-            self.spec, self.fixed = spec, fixed
+            self.spec = spec
 
         def __missing__(self, key):
             self[key] = _Launches(log, (self.spec.name, key))
@@ -152,40 +149,3 @@ def test_the_combine_kernel_writes_nan_rows_for_lost_contributions():
     assert "0x7FC00000" in receive.asm["ttir"] and "0x7FC00000" not in send.asm["ttir"]
     for spec in (L.DISPATCH, L.COMBINE):
         assert spec.signature["shrink"] == "i32"
-
-
-def test_dependent_launches_launch_every_phase_as_a_dependent_of_kernels_compiled_for_it(monkeypatch):
-    """LowLatencyMode.dependent_launches (bench low-latency --dependent-launches; off by default):
-    both phases of a dispatch and of a combine, and a hook's receive, go as programmatic dependent
-    launches of the DEPENDENT specialisations (each waits at its start for the launch before it);
-    by default every launch is plain and DEPENDENT False. It needs sm_90."""
-    from epcomm.errors import EPError
-
-    def round_trip(mode, hook=False):
-        args = _dispatch_args()
-        args.return_recv_hook = hook
-        mode.check_dispatch(args)
-        _, _, handle, receive = mode.dispatch(args)
-        if hook:
-            receive()
-        combine = LowLatencyCombineArgs(torch.zeros(E // R, R * M, H, dtype=torch.bfloat16), args.topk_idx,
-                                        torch.ones(M, K), handle, None, None, hook, args.rank_mask)
-        mode.check_combine(combine)
-        _, receive = mode.combine(combine)
-        if hook:
-            receive()
-        return (mode._dispatch_plan_of(args).kernels.fixed["DEPENDENT"],
-                mode._combine_plan_of(combine).kernels.fixed["DEPENDENT"])
-
-    mode, log = _mode(monkeypatch)
-    assert not mode.dependent_launches and round_trip(mode) == (False, False)
-    assert len(log) == 4 and all(len(key) == 2 for key, _, _ in log)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    mode.dependent_launches = True
-    for hook in (False, True):
-        log.clear()
-        assert round_trip(mode, hook) == (True, True)
-        assert len(log) == 4 and all(key[-1] == "dependent" for key, _, _ in log), (hook, log)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(EPError, match="sm_90"):
-        mode.dependent_launches = True

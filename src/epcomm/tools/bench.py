@@ -320,10 +320,8 @@ class LowLatencyBenchSettings:
     ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node
     decode_pairs: int = 100  # iterations of the decode-loop row
     # one node: a further epcomm column, "epcomm entry-loop", its combine's receive summing a token's
-    # K rows one at a time (LowLatencyMode.entry_loop_reduce, low_latency/combine.py ENTRY_LOOP);
-    # "epcomm dependent", every launch a programmatic dependent one (LowLatencyMode.dependent_launches)
+    # K rows one at a time (LowLatencyMode.entry_loop_reduce, low_latency/combine.py ENTRY_LOOP)
     entry_loop_reduce: bool = False
-    dependent_launches: bool = False
 
 
 def _ll_expert_out(recv):
@@ -396,10 +394,9 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
             checks[f"nvlink beside nvshmem ({type(exc).__name__}: {str(exc)[:120]})"] = False
     else:
         buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)}
-        for column, choice in (("epcomm entry-loop", "entry_loop_reduce"), ("epcomm dependent", "dependent_launches")):
-            if getattr(settings, choice):  # the experiment beside the default, in the same run
-                buffers[column] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
-                setattr(buffers[column]._backend.low_latency, choice, True)
+        if settings.entry_loop_reduce:  # the experiment beside the default, in the same run
+            buffers["epcomm entry-loop"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
+            buffers["epcomm entry-loop"]._backend.low_latency.entry_loop_reduce = True
     peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
@@ -587,10 +584,6 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
         parser.add_argument("--entry-loop-reduce", action="store_true",
                             help="one node: a further epcomm column in the same run, the combine's receive summing "
                                  "a token's top-k rows one at a time (an experiment, off by default)")
-        parser.add_argument("--dependent-launches", action="store_true",
-                            help="one node: a further epcomm column in the same run, every low-latency launch a "
-                                 "programmatic dependent one that waits at its start for the one before (sm_90; "
-                                 "an experiment, off by default)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0,
                         help="virtual nodes of this many ranks, on the nvshmem backend" +
                              ("" if normal else ", with nvlink on one node beside it") + "; 0: one node")
@@ -608,11 +601,10 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
                                            peer=args.peer, ranks_per_node=args.ranks_per_node,
-                                           entry_loop_reduce=args.entry_loop_reduce,
-                                           dependent_launches=args.dependent_launches)
-        if (args.entry_loop_reduce or args.dependent_launches) and args.ranks_per_node:
-            print("--entry-loop-reduce and --dependent-launches are the one-node kernels' (the nvlink backend); "
-                  "leave out --ranks-per-node", file=sys.stderr)
+                                           entry_loop_reduce=args.entry_loop_reduce)
+        if args.entry_loop_reduce and args.ranks_per_node:
+            print("--entry-loop-reduce is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
+                  file=sys.stderr)
             return 2
         result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:

@@ -78,17 +78,14 @@ class KernelSpec:
             library; the other transports link none).
         fp_fusion: let the compiler fuse a float multiply and add into one FMA (one rounding
             instead of two). False where results must equal torch's separate operations bit for bit.
-        defaults: ``{constexpr: value}`` for a specialisation that names no value (an experiment's
-            flag, so that every other caller keeps the kernel as it was); the others must be given.
     """
 
     def __init__(self, fn, types: Optional[Iterable[str]] = None, aligned: Iterable[str] = (),
                  aligned_if: Dict[str, Iterable[str]] = None, library: Optional[DeviceLibrary] = None,
                  library_if: Optional[Tuple[str, object]] = None,
-                 fp_fusion: bool = True, defaults: Optional[Dict[str, object]] = None):
+                 fp_fusion: bool = True):
         self.fn = fn
         self.fp_fusion = fp_fusion
-        self.defaults = dict(defaults or {})
         self.library = library
         self.library_if = library_if
         self.name = fn.__name__
@@ -116,7 +113,6 @@ class KernelSpec:
             (set(self.aligned_if) - set(self.constexpr_names))
         if library_if and library_if[0] not in self.constexpr_names:
             unknown.add(library_if[0])
-        unknown |= set(self.defaults) - set(self.constexpr_names)
         if unknown:
             raise EPError(f"{self.name}: no parameters named {sorted(unknown)}")
         self._bound: Dict[Tuple, "BoundKernel"] = {}
@@ -124,8 +120,6 @@ class KernelSpec:
 
     def bind(self, num_warps: int = 4, **constexprs) -> "BoundKernel":
         """The launcher of one specialisation (compiled on first use, then cached)."""
-        if self.defaults:
-            constexprs = {**self.defaults, **constexprs}
         key = (num_warps,) + tuple(constexprs[name] for name in self.constexpr_names)
         bound = self._bound.get(key)
         if bound is None:
@@ -147,7 +141,6 @@ class KernelSpec:
         ``ptx_options``: extra ptxas flags (tests pass ``--compile-only`` to check kernels whose device
         library is absent: calls into it stay unresolved)."""
         from triton.compiler import ASTSource
-        constexprs = {**self.defaults, **constexprs}
         missing = set(self.constexpr_names) - set(constexprs)
         if missing:
             raise EPError(f"{self.name}: constexpr values missing for {sorted(missing)}")

@@ -155,18 +155,12 @@ def ep_ll_combine(
                   # meta-parameters
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
-                  REMOTE: tl.constexpr, ENTRY_LOOP: tl.constexpr, DEPENDENT: tl.constexpr):
+                  REMOTE: tl.constexpr, ENTRY_LOOP: tl.constexpr):
     # One launch holds both phases only as a cooperative grid, all resident (see ep_ll_dispatch).
     # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
     # ENTRY_LOOP: _reduce_tokens.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    if DEPENDENT:  # (LowLatencyMode.dependent_launches; a programmatic dependent launch, sm_90)
-        # The next launch may start its programs now: they wait at their own griddepcontrol.wait.
-        # This one waits here for the launch before it to end, its memory visible: from here on
-        # every read is ordered as in a plain launch (stream order), so nothing below changes.
-        sync.let_dependents_launch()
-        sync.wait_for_prerequisite()
     hidden = multiple(hidden, 128, True)
     fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     # -- SEND: rows back to their homes' slots, then the epoch released by the last arrival
@@ -228,5 +222,4 @@ def ep_ll_combine(
                        hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C, ENTRY_LOOP)
 
 
-COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY,
-                     defaults=dict(DEPENDENT=False))
+COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

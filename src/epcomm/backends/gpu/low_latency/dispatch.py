@@ -244,9 +244,6 @@ def _pack_received(l, s, epoch, mask_ptr, out_x_ptr, out_scales_ptr, src_info_pt
 
 # ep_ll_dispatch: one launch (SEND and RECEIVE, a cooperative grid), or two (a hook: SEND now,
 # RECEIVE when the hook runs). Grid: programs striding over the items of each phase.
-# DEPENDENT (LowLatencyMode.dependent_launches; ep_ll_combine too): each launch lets the next one's
-# programs start at once and waits at its start for the one before it to end (griddepcontrol), so
-# the calls keep stream order and the next launch's start overlaps this one's tail.
 #
 #   SEND   epoch = EPOCH_LL_DISPATCH + 1
 #          program 0: post the call's fingerprint and board word on every live peer
@@ -301,19 +298,13 @@ def ep_ll_dispatch(
                    UE8M0: tl.constexpr, BLOCK_H: tl.constexpr, MSGS: tl.constexpr, BLOCK_E: tl.constexpr,
                    HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_X: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
-                   REMOTE: tl.constexpr, DEPENDENT: tl.constexpr):
+                   REMOTE: tl.constexpr):
     # One launch holds both phases only as a cooperative grid the GPU holds at once: every program
     # is resident, so the receivers' spin cannot starve the senders they wait for.
     # hidden % 128 == 0 (host-checked) and messages are 16-byte aligned, so copies move 16 bytes
     # (copy.py); ALIGNED: x is 16-byte aligned too.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    if DEPENDENT:  # (LowLatencyMode.dependent_launches; a programmatic dependent launch, sm_90)
-        # The next launch may start its programs now: they wait at their own griddepcontrol.wait.
-        # This one waits here for the launch before it to end, its memory visible: from here on
-        # every read is ordered as in a plain launch (stream order), so nothing below changes.
-        sync.let_dependents_launch()
-        sync.wait_for_prerequisite()
     hidden = multiple(hidden, 128, True)
     fp_rows = fingerprint_half(fp_offset, half, num_ranks)  # this call's fingerprint rows
     # -- SEND: messages to their experts' ranks, then the counts released by the last arrival
@@ -351,5 +342,4 @@ def ep_ll_dispatch(
                            BLOCK_M, R_P2)
 
 
-DISPATCH = KernelSpec(ep_ll_dispatch, aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY,
-                      defaults=dict(DEPENDENT=False))
+DISPATCH = KernelSpec(ep_ll_dispatch, aligned=["out_x_ptr"], aligned_if={"ALIGNED": ["x_ptr"]}, **FAR_LIBRARY)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ....errors import EPError, EPInputError
+from ....errors import EPInputError
 from ....handle import LowLatencyHandle
 from .. import agreement, sync
 from ..call_board import unseated
@@ -132,7 +132,6 @@ class LowLatencyMode:
         # one_launch picks the one launch (one launch less of host time per call).
         self.one_launch = bool(one_launch)
         self._entry_loop_reduce = False
-        self._dependent_launches = False
 
     @property
     def entry_loop_reduce(self) -> bool:
@@ -145,23 +144,6 @@ class LowLatencyMode:
     def entry_loop_reduce(self, value: bool) -> None:
         self._entry_loop_reduce = bool(value)
         self._combine_plans = {}
-
-    @property
-    def dependent_launches(self) -> bool:
-        """An experiment for a lease (off by default; bench low-latency --dependent-launches; sm_90
-        and newer): every launch of a call without a hook in two launches, or of a hook's receive,
-        is a programmatic dependent launch (launch.BoundKernel.launch_dependent) of kernels that let
-        the next launch start at once and wait at their start for the one before (DEPENDENT in
-        low_latency/dispatch.py): stream order kept, the gap between launches overlapped. Setting it
-        drops the plans."""
-        return self._dependent_launches
-
-    @dependent_launches.setter
-    def dependent_launches(self, value: bool) -> None:
-        if value and torch.cuda.get_device_capability(self.device)[0] < 9:
-            raise EPError("dependent_launches needs programmatic dependent launch: a GPU of sm_90 or newer")
-        self._dependent_launches = bool(value)
-        self._dispatch_plans, self._combine_plans = {}, {}
 
     def check_dispatch(self, args) -> None:
         """This backend's limits (hidden % 128, the buffer's size for this shape): EPInputError."""
@@ -187,8 +169,7 @@ class LowLatencyMode:
         kernels = Specialisations(DISPATCH, ["SEND", "RECEIVE", "HAS_STATS", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0, BLOCK_H=p2(hidden),
                                   MSGS=msgs, BLOCK_E=min(1024, p2(E)), BLOCK_X=1024, BLOCK_S=p2(layout.scale_words),
-                                  BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2, REMOTE=self.remote,
-                                  DEPENDENT=self._dependent_launches)
+                                  BLOCK_M=LL_PULL_MESSAGES, R_P2=self.R_P2, REMOTE=self.remote)
         words = agreement.pack(call=agreement.CALL_LL_DISPATCH, hidden=hidden, x=1, num_topk=K, num_experts=E,
                                num_max_dispatch_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
                                use_ue8m0=use_ue8m0)
@@ -254,23 +235,21 @@ class LowLatencyMode:
             # launched before the outputs are allocated, so the GPU starts while the host allocates
             # (in a synced call the kernels start that much sooner). Its out pointers are
             # placeholders (src_info: mapped, aligned, never read by the send phase).
-            send = plan.kernels[True, False, False, False, x_address & 15 == 0]
-            (send.launch_dependent if self._dependent_launches else send.launch)(
+            plan.kernels[True, False, False, False, x_address & 15 == 0].launch(
                 max(min(send_items, self.send_cap), 1), 1, stream, *head, src_info, src_info, *tail)
         recv_x, scales = self._dispatch_outputs(num_local, slots, hidden, layout.scale_words, args)
         launch_args = head + (recv_x.data_ptr(), scales.data_ptr()) + tail
         packed = (recv_x, scales) if args.use_fp8 else recv_x
         if two_launches:
             receive_kernel = plan.kernels[False, True, stats is not None, wait_stats is not None, False]
-            receive_launch = receive_kernel.launch_dependent if self._dependent_launches else receive_kernel.launch
             receive_programs = min(num_local * self.R, self.receive_cap)
             if not args.return_recv_hook:
-                receive_launch(receive_programs, 1, stream, *launch_args)
+                receive_kernel.launch(receive_programs, 1, stream, *launch_args)
                 return packed, per_half.recv_count, handle, None
 
             # The launch arguments are addresses: the hook holds the tensors they point into.
             def receive(_keep=(recv_x, scales, stats, wait_stats)) -> None:
-                receive_launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
+                receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return packed, per_half.recv_count, handle, receive
         kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
         grid = min(kernel.resident_grid(max(send_items, num_local * self.R)), self.receive_cap)  # (all spin)
@@ -294,8 +273,7 @@ class LowLatencyMode:
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2,
-                                  REMOTE=self.remote, ENTRY_LOOP=self.entry_loop_reduce,
-                                  DEPENDENT=self._dependent_launches)
+                                  REMOTE=self.remote, ENTRY_LOOP=self.entry_loop_reduce)
         per_half = []
         for half in (0, 1):
             half_offset = self.ws.ll_offset + half * self.ws.ll_half
@@ -349,24 +327,22 @@ class LowLatencyMode:
             # The send phase pushes rows into the homes' workspaces, not into out: it is launched
             # before out is allocated (dispatch says why; its out pointer is a placeholder: the
             # state words, mapped and aligned, never read by the send phase).
-            send = plan.kernels[True, False, False, x_aligned]
-            (send.launch_dependent if self._dependent_launches else send.launch)(
-                min(pairs, self.send_cap), 1, stream, *head, self.state, *tail)
+            plan.kernels[True, False, False, x_aligned].launch(min(pairs, self.send_cap), 1, stream, *head, self.state,
+                                                               *tail)
         out = args.out if args.out is not None else x.new_empty((num_tokens, x.shape[2]), dtype=torch.bfloat16)
         out_address = out.data_ptr()
         aligned = x_aligned and out_address & 15 == 0
         launch_args = head + (out_address,) + tail
         if two_launches:
             receive_kernel = plan.kernels[False, True, wait_stats is not None, aligned]
-            receive_launch = receive_kernel.launch_dependent if self._dependent_launches else receive_kernel.launch
             receive_programs = max(1, min(num_tokens, self.num_sms, self.receive_cap))
             if not args.return_recv_hook:
-                receive_launch(receive_programs, 1, stream, *launch_args)
+                receive_kernel.launch(receive_programs, 1, stream, *launch_args)
                 return out, None
 
             # The launch arguments are addresses: the hook holds the tensors they point into.
             def receive(_keep=(x, out, topk, args.topk_weights, wait_stats)) -> None:
-                receive_launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
+                receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return out, receive
         kernel = plan.kernels[True, True, wait_stats is not None, aligned]
         kernel.launch_resident(min(kernel.resident_grid(max(pairs, num_tokens)), self.receive_cap), stream,
