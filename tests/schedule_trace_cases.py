@@ -134,3 +134,78 @@ def schedule_table(per_rank: List[Dict[str, Dict[str, List[List[int]]]]], quarte
             lines.append(f"R={R}   by progress (peer 0/1/...): {cells(by_progress)}")
             lines.append(f"R={R}   by time:                  {cells(by_time)}")
     return lines, largest
+
+
+def trace_dispatch_items(num_tokens: int = 4096, hidden: int = 7168, num_experts: int = 256, num_topk: int = 8,
+                         num_nvl_bytes: int = 1 << 30) -> Dict[str, List[List[int]]]:
+    """On every rank: ``{call: records}`` (:func:`_records`) of one traced full dispatch (its pull in
+    turn, ``ep_dispatch_pull`` with the receive index) and one traced cached dispatch (the pull
+    programs of the one launch ``ep_dispatch``, whose items also wait for each block as it is
+    staged), at DeepEP's routing with the default Config and kernel choices; each call after a
+    barrier and a sync. An item's time is from the program taking it to its rows stored, waits
+    included: what sets the pace of each pull (the full dispatch's pull in turn took 535 µs against
+    the one launch's 491 on 4 H200s, 2026-11-28f)."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
+    normal = buffer._backend.normal
+    g = torch.Generator(device=device).manual_seed(200 + rank)
+    x = torch.randn(num_tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    scores = torch.randn(num_tokens, num_experts, device=device, generator=g).abs() + 1
+    topk_idx = scores.topk(num_topk, dim=-1).indices
+    weights = torch.rand(num_tokens, num_topk, device=device, generator=g)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    normal.trace = _trace_buffer(device)
+
+    def full():
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)[4]
+    handle = full()  # (compiles the traced kernels: one untimed call each)
+    buffer.dispatch(x, handle=handle)
+    traced = {}
+    for call, run in (("full dispatch", full), ("cached dispatch", lambda: buffer.dispatch(x, handle=handle))):
+        torch.cuda.synchronize()
+        dist.barrier()
+        normal.trace.zero_()
+        normal.trace[1] = TRACE_CAPACITY
+        run()
+        torch.cuda.synchronize()
+        traced[call] = _records(normal.trace)
+    normal.trace = None
+    buffer.destroy()
+    return traced
+
+
+def item_table(per_rank: List[Dict[str, List[List[int]]]]) -> List[str]:
+    """Per call and rank, from :func:`trace_dispatch_items`' records: items and programs; the span
+    (the first item's start to the last one's end, µs); the median item time from this rank's own
+    rows and from its peers' (µs); the programs' busy share of the span (their items' time over
+    programs x span); how far apart the programs took their first items and ended their last
+    (µs); and the rate of rows into this rank (rows per µs of span)."""
+    lines = ["call              rank  items  progs   span  item local  item remote  busy  first spread  "
+             "end spread  rows/us"]
+    for call in per_rank[0]:
+        for rank, result in enumerate(per_rank):
+            recs = result[call]
+            if not recs:
+                lines.append(f"{call:17s} {rank:4d}  (no items)")
+                continue
+            programs = {}
+            for program, _, _, start, end in recs:
+                first, last, busy = programs.get(program, (start, end, 0))
+                programs[program] = (min(first, start), max(last, end), busy + end - start)
+            t0, t1 = min(rec[3] for rec in recs), max(rec[4] for rec in recs)
+            span = max(t1 - t0, 1)
+
+            def median_us(items):
+                times = sorted(end - start for _, _, _, start, end in items)
+                return f"{times[len(times) // 2] / 1e3:.2f}" if times else "-"
+            local = [rec for rec in recs if rec[1] == rank]
+            remote = [rec for rec in recs if rec[1] != rank]
+            busy = sum(b for _, _, b in programs.values()) / (len(programs) * span)
+            firsts, lasts = [f for f, _, _ in programs.values()], [last for _, last, _ in programs.values()]
+            rows = sum(rec[2] for rec in recs)
+            lines.append(f"{call:17s} {rank:4d} {len(recs):6d} {len(programs):6d} {span / 1e3:6.1f} {median_us(local):>11s}"
+                         f" {median_us(remote):>12s} {busy:5.2f} {(max(firsts) - min(firsts)) / 1e3:13.1f}"
+                         f" {(max(lasts) - min(lasts)) / 1e3:11.1f} {rows * 1e3 / span:8.1f}")
+    return lines

@@ -37,3 +37,18 @@ def test_profile_timeline_refuses_an_unknown_variant_before_any_gpu_work(capsys,
     with pytest.raises(SystemExit) as exit_info:
         _script(SCRIPT.parent / "profile_timeline.py").main()
     assert exit_info.value.code == 2 and "unknown normal-mode variant" in capsys.readouterr().err
+
+
+def test_trace_items_refuses_a_bad_count_and_a_missing_gpu_before_starting_ranks(capsys, monkeypatch):
+    """scripts/trace_items.py (speed_run.sh's trace part): --tokens below 1 is a usage error, and
+    without the GPUs it needs it says so and exits 2 — before any rank's process starts."""
+    import sys
+    import torch
+    monkeypatch.setattr(sys, "argv", ["trace_items.py", "--tokens", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        _script(SCRIPT.parent / "trace_items.py").main()
+    assert exit_info.value.code == 2 and "--tokens must be positive" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["trace_items.py", "--ranks", "4"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _script(SCRIPT.parent / "trace_items.py").main() == 2
+    assert "needs 4 CUDA GPUs" in capsys.readouterr().err

@@ -138,3 +138,17 @@ def test_the_gathered_receive_index_holds_each_rows_entry_of_its_sources_list():
         pushed_cases += bool(case.get("pushed"))
         written_cases += bool(case.get("written"))
     assert pushed_cases == 3 and written_cases == 2
+
+
+def test_the_item_table_reads_each_pulls_items_per_rank():
+    """scripts/trace_items.py's table (schedule_trace_cases.item_table): per call and rank the items,
+    programs, span, median item time from this rank's rows and from its peers', the programs' busy
+    share, and how far apart their first and last items were."""
+    import schedule_trace_cases
+    # [program, peer, rows, start ns, end ns]: rank 0 reads 8 rows of its own and 8 of peer 1's
+    rank0 = {"full dispatch": [[0, 0, 8, 0, 2000], [1, 1, 8, 1000, 5000]], "cached dispatch": []}
+    rank1 = {"full dispatch": [[0, 1, 8, 0, 1000], [0, 0, 8, 1000, 4000]], "cached dispatch": []}
+    lines = schedule_trace_cases.item_table([rank0, rank1])
+    assert lines[1].split() == ["full", "dispatch", "0", "2", "2", "5.0", "2.00", "4.00", "0.60", "1.0", "3.0", "3.2"]
+    assert lines[2].split() == ["full", "dispatch", "1", "2", "1", "4.0", "1.00", "3.00", "1.00", "0.0", "0.0", "4.0"]
+    assert "(no items)" in lines[3] and "(no items)" in lines[4]
