@@ -8,11 +8,11 @@ median over iterations of each event (events matched by their order of occurrenc
 reads: when the host issued it, or when the GPU ran it, on which rank.
 
 Run on a machine with 2+ GPUs: ``python3 scripts/profile_timeline.py [--peer deep_ep] [--out DIR]
-[--variants dependent-pull,...]``. Prints a summary table (wall, host until the last launch, first
+[--variants full-one-launch,...]``. Prints a summary table (wall, host until the last launch, first
 kernel start, kernel busy, gaps) and the timelines of rank 0 and rank 1; writes one Chrome trace per
 library to ``--out``. ``--variants`` (one-node bench variants, each on an epcomm Buffer of its own)
 adds each one's full dispatch at ``--tokens`` under the name ``epcomm+VARIANT``: its kernels' start
-and end show, e.g., whether a dependent pull runs beside its stage.
+and end show which of them run when.
 """
 import argparse
 import os

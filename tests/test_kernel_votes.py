@@ -97,11 +97,10 @@ def _loops_with_a_barrier_and_an_acquire(ptx):
     return _loops_with_a_barrier(ptx, also="ld.acquire")
 
 
-def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False, dependent=False):
+def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False):
     return N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=scales, HAS_TOPK=full, LIST_BLOCK=1024,
                                      L_P2=128 if full else 1, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
                                      TRACE=False, DOORBELL=False, SIDE_FIRST=side_first, PUSHED_LISTS=pushed_lists,
-                                     DEPENDENT=dependent,
                                      **dict(COPY, BLOCK_R=block_r, BLOCK_W=16384 // block_r)),
                                 16, target=SM90).asm["ptx"]
 
@@ -124,20 +123,6 @@ def test_the_overlapped_pull_runs_its_items_without_meeting_the_other_warps(full
     ptx = _pull_ptx(full, scales, block_r, side_first, pushed_lists)
     assert _loops_with_a_barrier_and_an_acquire(ptx) == []
     assert "vote.sync.all.pred" in ptx and "vote.sync.any.pred" in ptx  # the flags, the stage's end; giving up
-
-
-def test_the_dependent_pull_lets_its_launch_start_and_waits_for_the_stage_only_in_its_verdict():
-    """NormalMode.dependent_pull (dispatch.py, DEPENDENT): ep_dispatch's stage programs let the
-    pull's launch start (griddepcontrol.launch_dependents, once per program, outside any loop) and
-    the verdict waits for the stage's launch to end (griddepcontrol.wait, once, not in the item
-    loop: the items take their rows through the block flags). The default one launch has neither,
-    and the item loop of the dependent pull is the one launch's: no barrier."""
-    default, dependent = (_pull_ptx(True, False, 8, True, True, dependent=flag) for flag in (False, True))
-    assert "griddepcontrol" not in default
-    assert dependent.count("griddepcontrol.launch_dependents;") == 1
-    assert dependent.count("griddepcontrol.wait;") == 1
-    assert not any("griddepcontrol" in line for body in _loop_bodies(dependent) for line in body)
-    assert _loops_with_a_barrier_and_an_acquire(dependent) == []
 
 
 def test_the_overlapped_pull_votes_program_wide_where_its_rows_span_the_warps():
@@ -174,8 +159,7 @@ def test_the_doorbell_answer_is_a_vote():
     not read go must not pull while another does."""
     compiled = N.STAGE_PULL.compile(dict(INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
                                          LIST_BLOCK=1024, L_P2=128, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
-                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False,
-                                         DEPENDENT=False, **COPY),
+                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False, **COPY),
                                     16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert ptx.count("bar.red.and.pred") >= 1 and ptx.count("bar.red.or.pred") >= 1  # go; the others' stand-down

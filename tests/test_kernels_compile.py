@@ -44,7 +44,7 @@ def _cases():
                                  PUSHED_LISTS=index and al,
                                  L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
                                  TRACE=al and not fp8, DOORBELL=index and (al or not topk), SIDE_FIRST=fp8 or topk,
-                                 DEPENDENT=index and not (al or not topk), **copy), 16
+                                 **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
@@ -379,7 +379,7 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
 
 # The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
 _PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8, PUSHED_LISTS=False)
-_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False, DEPENDENT=False)
+_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
 
 
 @pytest.mark.parametrize("spec,constexprs", [

@@ -54,33 +54,3 @@ def test_a_port_taken_before_the_store_listens_is_replaced(monkeypatch):
         assert run_distributed(ep_cases.echo_rank, 2) == [(0, 2), (1, 2)]
     finally:
         taken.close()
-
-
-def test_a_dependent_launch_sets_the_programmatic_launch_flag_and_a_plain_one_keeps_the_kernels():
-    """BoundKernel.launch_dependent (dependent_pull's pull): the same call into Triton's C launcher
-    as launch, with its launch_pdl argument 1 (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
-    launch passes the kernel's own (0 for every epcomm kernel). Without Triton's launcher internals
-    it is a plain launch (serial in the stream: correct)."""
-    pytest.importorskip("triton")
-    from epcomm.backends.gpu.launch import BoundKernel
-    calls = []
-    kernel = object.__new__(BoundKernel)
-    kernel._fallback, kernel._function, kernel._coop, kernel._pdl, kernel._metadata = None, "f", 0, 0, "m"
-    kernel._constexprs = ()
-    kernel._run = lambda *args: calls.append(args)
-    kernel.launch(5, 1, 7, "a", "b")
-    kernel.launch_dependent(5, 1, 7, "a", "b")
-    (plain, dependent) = calls
-    assert plain[:7] == (5, 1, 1, 7, "f", 0, 0) and dependent[:7] == (5, 1, 1, 7, "f", 0, 1)
-    assert plain[7:] == dependent[7:] and plain[-2:] == ("a", "b")
-    fallback = []
-
-    class Plain(BoundKernel):
-        __slots__ = ()
-
-        def launch(self, *args):
-            fallback.append(args)
-    kernel = object.__new__(Plain)
-    kernel._fallback = (None, {}, 4)
-    kernel.launch_dependent(5, 1, 7, "a")
-    assert fallback == [(5, 1, 7, "a")]

@@ -29,9 +29,6 @@ class _Kernel:
     def launch(self, grid, *args):
         self.launches.append((self.name, grid, args))
 
-    def launch_dependent(self, grid, *args):
-        self.launches.append((self.name + " (dependent)", grid, args))
-
 
 class _Mailbox(HostMailbox):
     """A HostMailbox whose count wait answers at once with ``counts`` (rows here, most tokens any
@@ -143,13 +140,11 @@ def test_a_batch_too_large_for_one_launch_stages_in_turn_without_a_doorbell(monk
     assert mailbox.rings == []
 
 
-def _dispatch_failing_at(monkeypatch, launches, where, doorbell, **choices):
+def _dispatch_failing_at(monkeypatch, launches, where, doorbell):
     """A full dispatch of 50 tokens whose host fails at ``where`` (a peer late in the count wait, or
     an allocation after it), checked to raise; returns its mailbox."""
     mailbox = _Mailbox(counts=(40, 60), fail=EPTimeoutError("late", [2]) if where == "the count wait" else None)
     mode = _mode(monkeypatch, launches, mailbox, doorbell=doorbell)
-    for name, value in choices.items():
-        setattr(mode, name, value)
     if where == "an allocation":
         def no_memory(*args, **kwargs):
             raise torch.cuda.OutOfMemoryError("no memory")
@@ -386,141 +381,6 @@ def test_small_one_launch_sets_full_one_launch_and_its_bound(monkeypatch):
     assert mode.full_one_launch and mode.one_launch_tokens == 0
     with pytest.raises(ValueError, match="0 \\(no bound\\) or more"):
         mode.one_launch_tokens = -1
-
-
-def _ep_dispatch_words(args):
-    """ep_dispatch's arguments of one recorded launch by parameter name (after the grid's y and the stream)."""
-    from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
-    names = [n for n, t in STAGE_PULL.signature.items() if t != "constexpr"]
-    assert len(args) == 2 + len(names)
-    return dict(zip(names, args[2:]))
-
-
-def test_dependent_pull_stages_before_the_wait_and_pulls_after_it_in_a_dependent_launch(monkeypatch):
-    """NormalMode.dependent_pull (bench --variants dependent-pull): the one launch's stage programs
-    alone (R list and stage_programs_per_sm x num_sms copy programs, as the stage in turn, whose
-    rate per program sets its pace: num_stage) before the count wait; after it the pull's
-    alone (num_stage 0, on pull_programs_per_sm x num_sms) as a programmatic dependent launch of
-    the same specialisation (DEPENDENT), with the rows and the outputs."""
-    launches = []
-    mode = _mode(monkeypatch, launches, _OrderedMailbox((400, 60), launches), doorbell=False)
-    mode.dependent_pull = True
-    result = mode.dispatch(_args(50))
-    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "wait", "ep_dispatch (dependent)"]
-    (_, stage_grid, stage_args), (_, pull_grid, pull_args) = launches[1], launches[3]
-    stage, pull = _ep_dispatch_words(stage_args), _ep_dispatch_words(pull_args)
-    assert stage_grid == stage["num_stage"] == R + min(2 * NUM_SMS, -(-50 // BLOCK_R))
-    assert pull_grid == 3 * NUM_SMS and pull["num_stage"] == 0  # (400 rows: 50 blocks, the default 3 x num_sms)
-    assert pull["num_rows"] == 400 and stage["sequence"] == pull["sequence"] == 0  # (no doorbell)
-    assert (pull["recv_x_ptr"], pull["recv_topk_ptr"], pull["recv_weights_ptr"], pull["src_idx_ptr"]) == \
-        (result.recv_x.data_ptr(), result.recv_topk_idx.data_ptr(), result.recv_topk_weights.data_ptr(),
-         result.handle.recv_src_idx.data_ptr())
-    assert stage["list_index_ptr"] == pull["list_index_ptr"] != 0 and result.recv_x.shape == (400, HIDDEN)
-    plan = mode._dispatch_plan_of(None)
-    assert {key[3] for key in plan.overlapped_full} == {True}  # (ALIGNED, L_P2, DOORBELL, DEPENDENT)
-    launches.clear()
-    mode.pull_programs_per_sm = 1
-    mode.dispatch(_args(50))
-    assert launches[3][1] == NUM_SMS
-
-
-def test_dependent_pull_stands_its_pull_down_where_the_group_needs_rounds(monkeypatch):
-    """This rank's 50 tokens fit one launch; another rank's 250 do not: the pull's launch goes with
-    no rows (its last program gives the verdict and stores the epoch), then round 0 (staged by the
-    stage's launch) is pulled in turn, rounds 1 and 2 staged and pulled."""
-    launches = []
-    mode = _mode(monkeypatch, launches, _OrderedMailbox((40, 250), launches), doorbell=False)
-    mode.dependent_pull = True
-    mode.dispatch(_args(50))
-    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "wait", "ep_dispatch (dependent)",
-                                                 "pull", "stage", "pull", "stage", "pull"]
-    assert launches[3][1] == 1 and _ep_dispatch_words(launches[3][2])["num_rows"] == 0
-
-
-def test_dependent_pull_stages_in_turn_a_batch_too_large_for_one_launch(monkeypatch):
-    launches = []
-    mode = _mode(monkeypatch, launches, _OrderedMailbox((40, 150), launches), doorbell=False)
-    mode.dependent_pull = True
-    mode.dispatch(_args(150))
-    assert [name for name, _, _ in launches] == ["notify", "stage", "wait", "pull", "stage", "pull"]
-
-
-@pytest.mark.parametrize("where", ["the count wait", "an allocation"])
-def test_dependent_pull_launches_its_pull_without_rows_when_the_host_raises(monkeypatch, where):
-    """The stage's launch has gone: a host error before the pull's launch (a peer late in the count
-    exchange, a failed allocation) must still launch it, with no rows, so that its last program
-    stores the epoch the stage's launch left to it; then the error is raised."""
-    launches = []
-    _dispatch_failing_at(monkeypatch, launches, where, doorbell=False, dependent_pull=True)
-    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "ep_dispatch (dependent)"]
-    assert _ep_dispatch_words(launches[2][2])["num_rows"] == 0
-
-
-def test_dependent_pull_launches_its_pull_without_rows_when_the_go_launch_raises(monkeypatch):
-    """A pull launch that raises enqueued nothing (Triton's launcher raises where the driver refused
-    it): the launch without rows must still follow the stage's, or this rank's epoch would stay
-    behind its peers' for good."""
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.dependent_pull = True
-    launch = mode._dispatch_overlapped
-
-    def refused(*args, **kwargs):
-        if kwargs.get("part") == M.PULL_PART and args[7] > 0:  # (num_rows: the launch with the rows)
-            raise RuntimeError("launch refused")
-        return launch(*args, **kwargs)
-    monkeypatch.setattr(mode, "_dispatch_overlapped", refused)
-    with pytest.raises(RuntimeError, match="launch refused"):
-        mode.dispatch(_args(50))
-    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch", "ep_dispatch (dependent)"]
-    assert _ep_dispatch_words(launches[2][2])["num_rows"] == 0
-
-
-def test_dependent_pull_is_a_bench_variant_and_needs_sm_90(monkeypatch):
-    from epcomm.errors import EPError
-    from epcomm.tools.bench import use_normal_variants
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    assert not mode.dependent_pull  # (off by default)
-    use_normal_variants(mode, ["dependent-pull"])
-    assert mode.dependent_pull
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(EPError, match="sm_90"):
-        mode._dispatch_plan(2 * HIDDEN, 0, K, 0)
-
-
-@pytest.mark.parametrize("other,value", [("doorbell_dispatch", True), ("full_one_launch", True),
-                                         ("pipelined_pull", True), ("overlapped_dispatch", False)])
-def test_dependent_pull_refuses_the_choices_that_launch_a_full_dispatch_otherwise(monkeypatch, other, value):
-    """Each of these decides the full dispatch's launches its own way (or leaves no one launch to
-    split): with dependent_pull too, a bench point named for it would measure something else."""
-    from epcomm.errors import EPError
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    mode.dependent_pull = True
-    setattr(mode, other, value)
-    with pytest.raises(EPError, match=f"dependent_pull does not go with {other}"):
-        mode._dispatch_plan(2 * HIDDEN, 0, K, 0)
-
-
-def test_ranks_that_disagree_on_dependent_pull_raise_naming_it(monkeypatch):
-    """A rank with dependent_pull waits for block flags that an in-turn stage never writes: the
-    field is in the full dispatch's fingerprint, so the waits end on the fingerprint rows and the
-    ranks raise naming it instead of timing out (the cached dispatch's is the same either way)."""
-    from epcomm.backends.gpu import agreement
-    from epcomm.errors import EPInputError
-    monkeypatch.setattr(M, "PULL", types.SimpleNamespace(bind=lambda **constexprs: constexprs))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.ws.dispatch_round_tokens = lambda row_bytes: ((0,) * len(row_bytes), ROUND_TOKENS)
-    mode.b.name = "nvlink"
-    plain = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    mode.dependent_pull = True
-    dependent = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    assert dependent.fingerprint_cached == plain.fingerprint_cached
-    assert dependent.fingerprint_full != plain.fingerprint_full
-    with pytest.raises(EPInputError) as err:
-        agreement.raise_disagreement({0: plain.fingerprint_full}, dependent.fingerprint_full, 2)
-    assert err.value.argument == "dependent_pull"
 
 
 def test_every_choice_has_a_default(monkeypatch):

@@ -93,27 +93,6 @@ def test_the_full_dispatch_with_its_pull_on_three_times_the_programs_fits_the_me
     assert estimate(2, 4096, 7168, 8, 256, 24, fitted)["every peer"]["full dispatch"] > 1.35 * 245
 
 
-def test_the_dependent_pull_is_predicted_no_faster_than_the_pull_in_turn_where_the_host_gates_its_launch(capsys):
-    """choices.dependent_pull (the one launch's stage during the count wait, its pull a dependent
-    launch beside it): the pull goes when the host has the counts and the outputs (about 40 µs after
-    them: as long as the stage in turn), so the model's full dispatch is the one in turn plus the
-    one launch's slower pull — as measured, 270 against 254 µs at 2 ranks, 665 against 634 at 4
-    (2026-11-28f); with an instant host it would be the one in turn less its stage."""
-    from epcomm.tools.one_node_model import DEPENDENT_FULL
-    rates = Rates(**dict(DEFAULTS.__dict__, push_programs_per_sm=2.0, duplex_link=300.0, pull_programs_per_sm=3.0,
-                         stage_in_turn=2940.0))
-    stage_in_turn_us = 4096 * (2 * 7168 + 12 * 8) * 2 / 2940.0 / 1e3
-    instant = Rates(**dict(rates.__dict__, host_after_count_us=0.0, one_launch_pull=1.0))
-    for R in (2, 4, 8):
-        est = estimate(R, 4096, 7168, 8, 256, 24, rates)["overlapped"]
-        assert est["full dispatch"] < est[DEPENDENT_FULL] < 1.1 * est["full dispatch"], R
-        est = estimate(R, 4096, 7168, 8, 256, 24, instant)["overlapped"]
-        assert est[DEPENDENT_FULL] == pytest.approx(est["full dispatch"] - stage_in_turn_us), R
-    assert cli.main(["model-one-node", "--ranks", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "dependent_pull" in out and f"{estimate(4, 4096, 7168, 8, 256, 24, rates)['overlapped'][DEPENDENT_FULL]:.0f} at 4" in out
-
-
 def test_the_stage_in_turn_on_more_programs_shortens_only_the_full_dispatch_by_its_stage_time():
     """stage_in_turn (the full dispatch's stage on STAGE_PROGRAMS_PER_SM x num_sms programs): the
     full dispatch's overlapped time falls by the stage's saved µs; the cached dispatch, whose stage

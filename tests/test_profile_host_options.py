@@ -30,10 +30,10 @@ def test_profile_host_refuses_options_that_do_not_go_together(capsys, argv, mess
 
 
 def test_profile_timeline_refuses_an_unknown_variant_before_any_gpu_work(capsys, monkeypatch):
-    """scripts/profile_timeline.py --variants (each variant's full dispatch on the timeline, e.g.
-    whether the dependent pull runs beside its stage) takes the bench's names, checked first."""
+    """scripts/profile_timeline.py --variants (each variant's full dispatch on the timeline: which
+    of its kernels run when) takes the bench's names, checked first."""
     import sys
-    monkeypatch.setattr(sys, "argv", ["profile_timeline.py", "--variants", "dependent-pull,nope"])
+    monkeypatch.setattr(sys, "argv", ["profile_timeline.py", "--variants", "full-one-launch,nope"])
     with pytest.raises(SystemExit) as exit_info:
         _script(SCRIPT.parent / "profile_timeline.py").main()
     assert exit_info.value.code == 2 and "unknown normal-mode variant" in capsys.readouterr().err

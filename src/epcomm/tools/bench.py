@@ -164,9 +164,7 @@ class NormalBenchSettings:
     # "pulled-lists" (each list left in its source's workspace and read from there remotely, the default
     # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS), "small-one-launch"
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
-    # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py),
-    # "dependent-pull" (a full dispatch's stage before the count wait and its pull after it as a
-    # programmatic dependent launch beside the stage: choices.py, dependent_pull)
+    # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py)
     variants: List[str] = field(default_factory=list)
 
 
@@ -473,7 +471,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists", "small-one-launch", "dependent-pull")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -506,7 +504,6 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.full_one_launch = "full-one-launch" in variants or "small-one-launch" in variants
     normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
-    normal.dependent_pull = "dependent-pull" in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
@@ -572,9 +569,7 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "stage-4x (the stage in turn's copy programs, likewise; default 2), pulled-lists (each "
                                  "token list left at its source, read remotely: the default before 2026-11-28d), "
                                  "small-one-launch (full-one-launch where every rank's batch is at most 1024 tokens, "
-                                 "larger ones staged during the count wait as by default), dependent-pull (a full "
-                                 "dispatch's stage before its count wait and its pull after it, a programmatic "
-                                 "dependent launch that may start beside the stage; sm_90 and newer); "
+                                 "larger ones staged during the count wait as by default); "
                                  "join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "

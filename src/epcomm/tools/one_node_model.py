@@ -85,14 +85,6 @@ class Rates:
     # GB/s of the full dispatch's stage in turn, on choices.STAGE_PROGRAMS_PER_SM x num_sms copy
     # programs (read + written); 0: ``local_copy``, the stage of the one-launch cached dispatch
     stage_in_turn: float = 0.0
-    # choices.dependent_pull: the host's µs from the counts to the pull's launch (the pull waits for
-    # it, not for the stage: 2 x H200 after a sync, wait 2.8 + glue 20.6 + the launch, 2026-11-28f),
-    # and the one launch's pull over the pull in turn (190 against 181 µs on the same timeline)
-    host_after_count_us: float = 40.0
-    one_launch_pull: float = 1.05
-
-
-DEPENDENT_FULL = "full dispatch, dependent pull"  # estimate()'s "overlapped" entry for choices.dependent_pull
 
 
 def rows_between(num_ranks: int, tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:
@@ -164,14 +156,7 @@ def estimate(num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, 
             out["overlapped"] = {"cached dispatch": rates.fixed_us + max(stage_us, pull),
                                  # (in turn: the stage runs in the host's count wait, then the pull)
                                  "full dispatch": rates.fixed_us + stage_in_turn_us + wide_pull + rates.count_wait_us,
-                                 "combine": rates.fixed_us + max(wide_push, reduce_us),
-                                 # (choices.dependent_pull: the one launch's stage from the count wait's
-                                 # start; its pull launched once the host has the counts and the outputs,
-                                 # beside the stage's rest; the pull cannot end before the stage.
-                                 # Measured: 270 against 254 µs in turn at 2 ranks, 665 against 634 at
-                                 # 4: the host's launch, not the stage, gates the pull)
-                                 DEPENDENT_FULL: rates.fixed_us + rates.count_wait_us +
-                                 max(rates.host_after_count_us + rates.one_launch_pull * wide_pull, stage_us)}
+                                 "combine": rates.fixed_us + max(wide_push, reduce_us)}
     remote_mb = float((rows.sum(0) - rows.diagonal()).max()) * x_bytes / 1e6
     out["bytes"] = {"remote MB in": remote_mb, "link floor us": remote_mb * 1e3 / (rates.duplex_link or rates.link)}
     return out
@@ -226,7 +211,6 @@ def run(args) -> int:
           "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28f, every peer, "
           "one launch) | DeepEP V1, same run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    dependent = []
     for R in args.ranks:
         if R < 1 or args.experts % R:
             print(f"skipped {R} ranks: {args.experts} experts do not split over them")
@@ -239,8 +223,4 @@ def run(args) -> int:
             print(f"| {R} | {call} | {est['bytes']['remote MB in']:.0f} | {est['bytes']['link floor us']:.0f} | "
                   f"{est['every peer'][call]:.0f} | {est['overlapped'][call]:.0f} | {est['rank order'][call]:.0f} | "
                   f"{measured} | {peer} | {now} | {peer_now} |")
-        dependent.append(f"{est['overlapped'][DEPENDENT_FULL]:.0f} at {R}")
-    if dependent:  # (measured 2026-11-28f: 270 at 2 ranks, 665 at 4)
-        print(f"full dispatch with its pull a dependent launch beside its stage (dependent_pull), µs: "
-              f"{', '.join(dependent)} ranks (measured, same runs as the default: 270 at 2, 665 at 4)")
     return 0

@@ -55,8 +55,7 @@ from .workspace import FLAGS_LL_COMBINE, FLAGS_NORMAL, FP_LL_COMBINE, FP_LL_DISP
 FIELDS = (
     (("call", 4), ("hidden", 24), ("x", 2), ("num_topk", 8), ("num_experts", 22), ("buffer", 3)),
     (("abort", 8), ("handle", 28), ("num_worst_tokens", 1), ("num_max_dispatch_tokens_per_rank", 20),
-     ("use_fp8", 1), ("round_scale", 1), ("use_ue8m0", 1), ("expert_major", 1), ("pushed_lists", 1),
-     ("dependent_pull", 1)),
+     ("use_fp8", 1), ("round_scale", 1), ("use_ue8m0", 1), ("expert_major", 1), ("pushed_lists", 1)),
 )
 CALLS = ("", "dispatch", "dispatch (cached)", "combine", "low_latency_dispatch", "low_latency_combine")
 CALL_DISPATCH, CALL_CACHED, CALL_COMBINE, CALL_LL_DISPATCH, CALL_LL_COMBINE = range(1, 6)

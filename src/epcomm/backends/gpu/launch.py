@@ -219,19 +219,6 @@ class BoundKernel:
             fn, constexprs, num_warps = self._fallback
             fn[(grid_x, grid_y, 1)](*args, num_warps=num_warps, **constexprs)
 
-    def launch_dependent(self, grid_x: int, grid_y: int, stream: int, *args) -> None:
-        """:meth:`launch` as a programmatic dependent launch (sm_90 and newer): it may start before
-        the kernel ahead of it in the stream ends, once that kernel's programs have all run
-        ``griddepcontrol.launch_dependents`` (Triton's ``gdc_launch_dependents``) or exited. Nothing
-        of that kernel's is visible to it except through flags it acquires, or after its own
-        ``griddepcontrol.wait`` (``gdc_wait``), which waits for that kernel's end and its memory.
-        Without Triton's launcher internals it is a plain launch (stream order: correct, serial)."""
-        if self._fallback is None:
-            self._run(grid_x, grid_y, 1, stream, self._function, self._coop, 1, None, None,
-                      self._metadata, None, None, None, *args, *self._constexprs)
-        else:
-            self.launch(grid_x, grid_y, stream, *args)
-
     # ------------------------------------------------------------------ all programs at once
     def resident_grid(self, items: int) -> int:
         """A 1-D grid for ``items`` work items whose programs can all run at once (one launch

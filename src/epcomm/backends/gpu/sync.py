@@ -173,26 +173,6 @@ def store_release_sys(address, value):
 
 
 @triton.jit
-def let_dependents_launch():
-    """``griddepcontrol.launch_dependents`` (sm_90 and newer): the next kernel in the stream, if
-    launched as a programmatic dependent (launch.BoundKernel.launch_dependent), may start once every
-    program of this one has run this or exited. It orders no memory: that kernel acquires what it
-    reads, or waits with :func:`wait_for_prerequisite`. A no-op for a kernel launched after it
-    without that attribute."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def wait_for_prerequisite():
-    """``griddepcontrol.wait`` (sm_90 and newer): in a programmatic dependent launch, wait until the
-    kernel ahead of this one in the stream has ended and its memory is visible here. A no-op in a
-    plain launch (stream order already waited)."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def publish(addresses, values, live, spare_address):
     """Step 3: RELEASE ``values`` into the int64 words at byte ``addresses`` (lanes where ``live``):
     one ``fence.acq_rel.sys`` per thread, then ``st.relaxed.sys`` stores. Dead lanes store into

@@ -5,9 +5,7 @@ Launches per call (one cross-rank barrier per launch pair, halves alternate by b
     get_dispatch_layout   ep_dispatch_layout                          1 launch
     dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
                           (doorbell_dispatch: ep_notify_dispatch ; ep_dispatch, its pull waiting for the
-                          doorbell ; [host polls, allocates, rings]; dependent_pull: ep_notify_dispatch ;
-                          ep_dispatch's stage programs ; [host polls] ; its pull programs, a programmatic
-                          dependent launch beside the stage; num_worst_tokens: one ep_dispatch)
+                          doorbell ; [host polls, allocates, rings]; num_worst_tokens: one ep_dispatch)
     dispatch (cached)     ep_dispatch (stage and pull overlapped)     1 launch
                           ep_dispatch_stage ; ep_dispatch_pull        2 launches: several rounds, expert-major
     combine               ep_combine (push and reduce overlapped)     1 launch

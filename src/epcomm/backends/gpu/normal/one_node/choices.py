@@ -7,10 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Tuple
 
-import torch
-
-from .....errors import EPError
-
 
 class Choice:
     """A NormalMode attribute whose setting converts the value (``convert``: ``bool`` for the
@@ -98,22 +94,9 @@ class KernelChoices:
         vars(self).update(
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
-            gathered_index=False, full_one_launch=False, one_launch_tokens=0, dependent_pull=False,
-            pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
+            gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
-
-    def _check_dependent_pull(self) -> None:
-        """dependent_pull runs the one launch's kernels in two launches (sm_90's programmatic
-        dependent launch): an EPError where the GPU lacks it, or where another choice would take
-        the full dispatch elsewhere (a bench point named for it would measure something else)."""
-        conflicts = [name for name in ("doorbell_dispatch", "full_one_launch", "pipelined_pull") if getattr(self, name)]
-        conflicts += [] if self.overlapped_dispatch else ["overlapped_dispatch=False"]
-        if conflicts:
-            raise EPError(f"dependent_pull does not go with {', '.join(conflicts)}: each decides the full dispatch's "
-                          f"launches in its own way")
-        if torch.cuda.get_device_capability(self.device)[0] < 9:
-            raise EPError("dependent_pull needs programmatic dependent launch: a GPU of sm_90 or newer")
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
@@ -151,17 +134,6 @@ class KernelChoices:
         SMALL_ONE_LAUNCH_TOKENS). doorbell_dispatch, where set, decides instead. Every rank of the
         group must set the same, as for full_one_launch.""",
         convert=token_count)
-    dependent_pull = Choice(
-        """An experiment for a lease (bench --variants dependent-pull; sm_90 and newer): a full
-        dispatch whose batch fits one launch runs the one launch's stage programs before the count
-        wait and its pull programs (pull_programs_per_sm x num_sms) after it, as a programmatic
-        dependent launch that may start beside the stage and takes each block of rows as it is
-        staged (dispatch.py, DEPENDENT), instead of the stage in turn then the pull in turn. Meant
-        to take the stage off the full dispatch's time over a cached one; measured slower (same
-        runs, T=4096: 270 against 254 µs on 2 H200s, 665 against 634 on 4; 2026-11-28f): the host
-        launches the pull when it has the counts and the outputs, about as late as the stage in
-        turn ends, and the one launch's pull is ~5 % slower than the pull in turn. Every rank of
-        the group must set the same, as for full_one_launch.""")
     pull_programs_per_sm = Choice(
         """Programs of the pull in turn per Config.num_sms (1 to 4, PULL_PROGRAMS_PER_SM; bench
         --variants pull-1x ... pull-4x): more bytes in flight where the rate per program, not the

@@ -22,8 +22,8 @@ from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
 from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, fingerprint_half, gave_up_here,
-                     let_dependents_launch, load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders,
-                     record_elsewhere, report_late, wait_for_prerequisite)
+                     load_acquire_sys, mailbox_words, now_ns, poll_epochs, poll_from_senders, record_elsewhere,
+                     report_late)
 from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import pull_expert_major, staged_topk, zero_padding_rows
 from .receive_index import gather_index, list_of
@@ -66,7 +66,7 @@ def _pull(pid, num_programs, epoch,
           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
           R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
           TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, SIDE_FIRST: tl.constexpr,
-          GATHER_INDEX: tl.constexpr, PUSHED_LISTS: tl.constexpr, DEPENDENT: tl.constexpr):
+          GATHER_INDEX: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # GATHER_INDEX (an experiment, off by default; a full dispatch's pull in turn): the receive
     # index is gathered before the items — every program a share of the rows, GATHER_ROWS list
     # entries in flight at once — then each item reads its entries here, as a
@@ -276,10 +276,6 @@ def _pull(pid, num_programs, epoch,
             if failed:
                 _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
                               0, 1, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
-            if DEPENDENT:  # the pull's own launch, started early: wait for the stage's launch to end
-                # (this rank's stage has signalled its end above, so its programs are leaving): this
-                # launch then ends after it, and what follows in the stream sees its writes (list_index)
-                wait_for_prerequisite()
             tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
 
 
@@ -366,8 +362,7 @@ def ep_dispatch_pull(
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
           mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
           INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
-          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX, PUSHED_LISTS=PUSHED_LISTS,
-          DEPENDENT=False)
+          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX, PUSHED_LISTS=PUSHED_LISTS)
 
 
 
@@ -388,15 +383,6 @@ def ep_dispatch_pull(
 #       cancel: (the group needs more rounds, or the host raised) the pull below with no rows:
 #               its last program still gives the verdict and stores the epoch, and the host pulls
 #               in turn after it (ep_dispatch_pull reads the epoch as its stage's)
-#   DEPENDENT (a full dispatch; NormalMode.dependent_pull): two launches of this kernel. Before the
-#       host's count wait the stage programs alone (grid = num_stage), each first letting the next
-#       launch start (griddepcontrol.launch_dependents: it orders nothing). After the wait the pull
-#       programs alone (num_stage = 0), a programmatic dependent launch: they may run beside the
-#       stage's tail, and take every list and row through the ACQUIREs below, as in one launch.
-#       Their last program waits for the stage's launch to end (griddepcontrol.wait) before it
-#       stores the epoch: the pull's launch ends after the stage's, and a later kernel sees both.
-#       (A group that needs rounds: the pull's launch has no rows; it gives the verdict and stores
-#       the epoch, and the host pulls round 0 in turn after it, as after a doorbell's cancel.)
 #   pull program q, for each of its items (source s, one block of s's rows here):
 #       INDEX: ACQUIRE block_flags[s][last] >= (epoch << 32) | the item's last entry + 1 (s's list
 #           for this rank, as far as this item's rows)
@@ -451,18 +437,14 @@ def ep_dispatch(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr, DOORBELL: tl.constexpr,
-        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr, DEPENDENT: tl.constexpr):
+        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
     # PUSHED_LISTS (the default: choices.py): where the lists live (receive_index.list_of).
-    # DEPENDENT (NormalMode.dependent_pull): launched twice, the stage's programs alone before the
-    # count wait, then the pull's alone (num_stage = 0) as a programmatic dependent launch.
     pid = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     if pid < num_stage:
-        if DEPENDENT:  # the pull's launch may start beside the stage: it acquires all it reads
-            let_dependents_launch()
         _stage(pid, num_stage, epoch,
                x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
                num_tokens, 0, num_tokens, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local, 0,
@@ -492,8 +474,8 @@ def ep_dispatch(
               block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
               INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
               EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False, PUSHED_LISTS=PUSHED_LISTS,
-              DEPENDENT=DEPENDENT)  # (the lists are waited for item by item here)
+              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False,
+              PUSHED_LISTS=PUSHED_LISTS)  # (the lists are waited for item by item here)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

@@ -29,9 +29,6 @@ from .plans import CombinePlan, DispatchPlan, PullState
 # would set their speed.
 EXPERT_MAJOR_SM_FACTOR = 6
 EXPERT_MAJOR_BLOCK_W = 1024  # words per row chunk of the expert-major pull (2048 spills registers)
-# Which programs of ep_dispatch a launch runs (NormalMode._dispatch_overlapped): all, or with
-# dependent_pull the stage's alone before the count wait, then the pull's alone.
-BOTH_PARTS, STAGE_PART, PULL_PART = "both", "stage", "pull"
 
 
 # ====================================================================== host side
@@ -74,8 +71,6 @@ class NormalMode(KernelChoices):
         width of the expert-major entries (0 = plain layout)."""
         if x_bytes % 8:
             raise EPInputError("x", f"the {self.b.name} backend needs rows of a multiple of 8 bytes (got {x_bytes})")
-        if self.dependent_pull:
-            self._check_dependent_pull()
         expert_major = expert_major_topk > 0
         # staged top-k row: [K] int64 ids, [K] float32 weights, expert-major [K] int32 positions
         topk_row_bytes = (num_topk * (16 if expert_major else 12) + 15) // 16 * 16
@@ -111,18 +106,14 @@ class NormalMode(KernelChoices):
                                       EXPERT_MAJOR=expert_major, **meta, **no_lists,
                                       **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
-                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL", "DEPENDENT"], COPY_WARPS, INDEX=True,
-                                WRITE_LISTS=True,
+                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
                                 LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **pushed),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, DEPENDENT=False, **meta, **overlapped,
-                                **no_lists),
-                            # (pushed_lists: ranks that disagree read lists where none were written;
-                            # dependent_pull: they wait for block flags an in-turn stage never writes. So
-                            # the full dispatch's fingerprint carries both, and they raise instead)
-                            agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists),
-                                           dependent_pull=int(self.dependent_pull), **words),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **no_lists),
+                            # (pushed_lists: ranks that disagree read lists where none were written, so
+                            # the full dispatch's fingerprint carries it and they raise instead)
+                            agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
                             agreement.pack(call=agreement.CALL_CACHED, **dict(words, num_topk=0)),
                             **self._fixed_arguments(offsets, topk_row_bytes))
 
@@ -244,20 +235,9 @@ class NormalMode(KernelChoices):
             bound = self.one_launch_tokens
             after_wait = self.full_one_launch and not worst and not doorbell and may_overlap and \
                 (not bound or num_tokens <= bound)
-            # dependent_pull, where this rank's batch fits one launch: the one launch's stage programs
-            # now, its pull programs after the wait as a programmatic dependent launch that may run
-            # beside the stage (dispatch.py, DEPENDENT) — with no rows where the group needs rounds
-            # or the host raises first (its last program still stores the epoch; round 0 is then
-            # pulled in turn below, as after a doorbell's cancel).
-            dependent = self.dependent_pull and not worst and not doorbell and not after_wait and may_overlap and \
-                self._one_launch(plan, num_tokens)
-            pull_launched = not dependent
             if doorbell:
                 self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
                                           (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
-            elif dependent:
-                self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
-                                          (prefix_address,) * 4, 0, stream, fp0, fp1, tag, 0, part=STAGE_PART)
             elif not overlapped and not after_wait:
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                             list_index)
@@ -272,22 +252,9 @@ class NormalMode(KernelChoices):
                     received = self._outputs(plan, x, is_fp8, num_rows, None)
                     rung = overlapped = True  # (ring writes the tag before it may raise: no cancel after it)
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
-                if dependent and self._one_launch(plan, max_tokens):  # the pull's launch, with the rows
-                    received = self._outputs(plan, x, is_fp8, num_rows, None)
-                    self._dispatch_overlapped(plan, args, x, x_aligned, scales,
-                                              (prefix_address, src_idx.data_ptr(), in_rank, list_index), received[4],
-                                              num_rows, stream, fp0, fp1, tag,
-                                              max(1, min(num_sms * self.pull_programs_per_sm,
-                                                         cdiv(num_rows, plan.block_r))), part=PULL_PART)
-                    # (only once it went: a launch that raised enqueued nothing, so the one below goes)
-                    pull_launched = overlapped = True
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
                     mailbox.ring(sequence, rank, b.timeout_s)
-                if not pull_launched:  # the pull's launch with no rows: rounds in turn below, or raised
-                    self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, prefix_address,
-                                              in_rank, list_index), (prefix_address,) * 4, 0, stream, fp0, fp1, tag,
-                                              1, part=PULL_PART)
             if after_wait:  # one launch where the group's batches fit one round (max_tokens: the same on every rank)
                 one_launch_pulls = num_sms * self.pull_programs_per_sm
                 overlapped = self._one_launch(plan, max_tokens) and (not bound or max_tokens <= bound)
@@ -378,7 +345,7 @@ class NormalMode(KernelChoices):
 
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
-                             pull_programs: int, sequence: int = 0, part: str = BOTH_PARTS) -> None:
+                             pull_programs: int, sequence: int = 0) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (in a full
         dispatch R list programs; then up to ``num_sms`` copy programs), then ``pull_programs``
         pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
@@ -386,31 +353,22 @@ class NormalMode(KernelChoices):
         ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
         index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
         dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
-        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring).
-        ``part`` (a full dispatch; dependent_pull): STAGE_PART launches the stage's programs alone
-        (stage_programs_per_sm x num_sms copy programs, as in turn), PULL_PART the pull's alone as a programmatic dependent launch (dispatch.py, DEPENDENT)."""
+        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring)."""
         num_tokens = x.shape[0]
         x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
-        # (STAGE_PART runs alone, as the stage in turn: as many copy programs, 2026-11-28f)
-        stage_per_sm = self.stage_programs_per_sm if part == STAGE_PART else 1
-        num_stage = max(1, min(args.config.num_sms * stage_per_sm, cdiv(num_tokens, plan.block_r)))
+        num_stage = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
         prefix, src_idx, in_rank, list_index = handle
         if cached:
             kernel = plan.overlapped_cached[aligned]
             per_rank = per_expert = in_rank
         else:
-            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0, part != BOTH_PARTS]
+            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
             num_stage += self.R
-        launch = kernel.launch
-        if part == STAGE_PART:
-            pull_programs = 0
-        elif part == PULL_PART:
-            num_stage, launch = 0, kernel.launch_dependent
-        launch(
+        kernel.launch(
             num_stage + pull_programs, 1, stream,
             x_address, scales_address, topk, weights, in_rank, list_index,
             per_rank, per_expert, prefix, src_idx or prefix, *outputs,  # tensors
