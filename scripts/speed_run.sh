@@ -19,7 +19,7 @@
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   trace        the pulls' items on the kernel clock (scripts/trace_items.py): a full dispatch's pull
-#                in turn beside a cached dispatch's one launch, per rank, at TOKENS (default 4096)
+#                in turn beside a cached dispatch's one launch, per rank, at TRACE_TOKENS (default 4096)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
@@ -68,9 +68,9 @@ for part in ${PARTS:-normal low-latency}; do
         | tee "$OUT/profile_timeline_r$ranks.txt" | tail -n 40
       (exit $(( host_rc ? host_rc : PIPESTATUS[0] ))) ;;
     trace)
-      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${TRACE_LIMIT_S:-150}" \
-        python3 scripts/trace_items.py --tokens "${TOKENS:-4096}" --ranks "$ranks" 2>&1 \
-        | tee "$OUT/trace_items_r$ranks.txt" | tail -n 12 ;;
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${TRACE_LIMIT_S:-200}" \
+        python3 scripts/trace_items.py --tokens "${TRACE_TOKENS:-4096}" --ranks "$ranks" 2>&1 \
+        | tee "$OUT/trace_items_r$ranks.txt" | tail -n $((2 * ranks + 4)) ;;
     suite)
       CUDA_VISIBLE_DEVICES="$gpus" EPCOMM_GPU_WORLD_SIZES="$ranks" \
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \

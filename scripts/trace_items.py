@@ -13,9 +13,6 @@ import sys
 import torch
 
 FOLDERS = [os.path.abspath(os.path.join(os.path.dirname(__file__), "..", folder)) for folder in ("src", "tests")]
-sys.path[:0] = FOLDERS
-# (the ranks' processes import the traced function's module too)
-os.environ["PYTHONPATH"] = os.pathsep.join(FOLDERS + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 
 def main() -> int:
@@ -29,10 +26,13 @@ def main() -> int:
     if world < 2 or torch.cuda.device_count() < world:
         print(f"trace_items.py needs {max(world, 2)} CUDA GPUs", file=sys.stderr)
         return 2
+    sys.path[:0] = FOLDERS
+    # (the ranks' processes import the traced function's module too)
+    os.environ["PYTHONPATH"] = os.pathsep.join(FOLDERS + [p for p in [os.environ.get("PYTHONPATH")] if p])
     from epcomm.testing import run_distributed
     import schedule_trace_cases
     per_rank = run_distributed(schedule_trace_cases.trace_dispatch_items, world, args.tokens, backend="nccl",
-                               timeout_s=300)
+                               timeout_s=180)  # (within speed_run.sh's 200 s)
     print(f"# items of the pulls, {world} ranks, T={args.tokens} (µs on each rank's own GPU clock)")
     print("\n".join(schedule_trace_cases.item_table(per_rank)))
     return 0

@@ -145,7 +145,7 @@ def trace_dispatch_items(num_tokens: int = 4096, hidden: int = 7168, num_experts
     barrier and a sync. An item's time is from the program taking it to its rows stored, waits
     included: what sets the pace of each pull (the full dispatch's pull in turn took 535 µs against
     the one launch's 491 on 4 H200s, 2026-11-28f)."""
-    rank, R = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
     normal = buffer._backend.normal

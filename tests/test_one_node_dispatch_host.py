@@ -140,11 +140,11 @@ def test_a_batch_too_large_for_one_launch_stages_in_turn_without_a_doorbell(monk
     assert mailbox.rings == []
 
 
-def _dispatch_failing_at(monkeypatch, launches, where, doorbell):
+def _dispatch_failing_at(monkeypatch, launches, where):
     """A full dispatch of 50 tokens whose host fails at ``where`` (a peer late in the count wait, or
     an allocation after it), checked to raise; returns its mailbox."""
     mailbox = _Mailbox(counts=(40, 60), fail=EPTimeoutError("late", [2]) if where == "the count wait" else None)
-    mode = _mode(monkeypatch, launches, mailbox, doorbell=doorbell)
+    mode = _mode(monkeypatch, launches, mailbox)
     if where == "an allocation":
         def no_memory(*args, **kwargs):
             raise torch.cuda.OutOfMemoryError("no memory")
@@ -160,7 +160,7 @@ def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, wher
     in the count exchange, a failed allocation) must stand its pull down, or it would wait out its
     timeout and the next call's launches would queue behind it."""
     launches = []
-    mailbox = _dispatch_failing_at(monkeypatch, launches, where, doorbell=True)
+    mailbox = _dispatch_failing_at(monkeypatch, launches, where)
     (tag, _), = mailbox.rings
     assert tag == 2 * 1  # cancel
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]

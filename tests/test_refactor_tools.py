@@ -84,8 +84,8 @@ def test_canonical_ptx_is_the_same_for_a_reordering_and_differs_for_a_change(tmp
 
 def test_canonical_ptx_ignores_the_debug_labels_of_an_inlined_helper():
     """A kernel body moved into a @triton.jit helper compiles to the same instructions with
-    ``$L__tmp`` labels (the debug sections' marks of inlined calls) in new places: notify.py's
-    _notify, 2026-11-28f. Those labels are not code."""
+    ``$L__tmp`` labels (the debug sections' marks of inlined calls) in new places (seen when a
+    kernel's body moved into a helper, 2026-11-28f). Those labels are not code."""
     tool = _script("ptx_fingerprint")
     plain = ".entry k(\n\t.param .u64 k_param_0\n)\n{\n\tld.param.u64 %rd1, [k_param_0];\n\tadd.s64 %rd2, %rd1, 8;\n\tret;\n}"
     inlined = plain.replace("\tadd.s64", "$L__tmp0:\n\tadd.s64").replace("\tret;", "$L__tmp1:\n\tret;")

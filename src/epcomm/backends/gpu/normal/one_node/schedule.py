@@ -25,7 +25,8 @@ side-by-side measurements; nothing else differs. A program's items only increase
 carried from one item to the next instead of searched (:func:`advance_round`).
 
 With ``TRACE`` the kernels record each item (:func:`trace_item`): program, source, rows and its
-``%globaltimer`` start and end, for scripts/trace_schedule.py.
+``%globaltimer`` start and end, for tests/schedule_trace_cases.py (the bed's schedule table) and
+scripts/trace_items.py (the pulls' items across GPUs).
 """
 from __future__ import annotations
 
