@@ -84,3 +84,8 @@ def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep()
     header, row = table.splitlines()[2:4]
     assert "epcomm entry-loop h/g/s" in header and header.index("epcomm entry-loop") < header.index("deep_ep h/g/s")
     assert row.split()[-5:] == ["1.00", "/", "1.33", "/", "1.25"]  # epcomm ÷ deep_ep
+    # any experiment's column shows, in the run's order (2026-11-28f: one was in the JSON only)
+    result["rows"][0]["epcomm other"] = loop
+    result["kernels_us_per_round_trip"]["epcomm other"] = []
+    header = bench.low_latency_table(result).splitlines()[2]
+    assert header.index("epcomm entry-loop") < header.index("epcomm other") < header.index("deep_ep h/g/s")

@@ -107,7 +107,8 @@ def plot_normal(result: Dict, path: str) -> None:
 
 def low_latency_table(result: Dict) -> str:
     s = result["settings"]
-    variants = [name for name in ("epcomm entry-loop",) if name in result["kernels_us_per_round_trip"]]
+    # every experiment's column ("epcomm <name>", LowLatencyBenchSettings), in the run's order
+    variants = [name for name in result["kernels_us_per_round_trip"] if name.startswith("epcomm ")]
     systems = ["epcomm"] + variants + ([result["peer"]] if result["peer"] else []) + ["nccl"]
     nodes = f", virtual nodes of {s['ranks_per_node']} rank(s)" if s.get("ranks_per_node") else ""
     title = (f"# epcomm bench low-latency: {result['world']} x {result['device']}, backend {result['backend']}{nodes}, "
