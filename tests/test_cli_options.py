@@ -10,7 +10,7 @@ import epcomm
 from epcomm.tools import bench
 from epcomm.tools.args import counted
 
-NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--variants")
+NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--variants", "--peer-configs")
 
 
 def test_version_prints_the_package_version():
@@ -89,3 +89,59 @@ def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep()
     result["kernels_us_per_round_trip"]["epcomm other"] = []
     header = bench.low_latency_table(result).splitlines()[2]
     assert header.index("epcomm entry-loop") < header.index("epcomm other") < header.index("deep_ep h/g/s")
+
+
+def test_bench_normal_can_run_deep_ep_on_its_own_recommended_configs():
+    """`--peer-configs recommended`: the peer's dispatch and combine take its own
+    get_dispatch_config / get_combine_config for the group's size (DeepEP's chunk sizes differ by
+    size and call: 24 / 10 tokens at 2 ranks, 6 / 4 at 8) on the same SMs as epcomm; "same" (the
+    default) gives both Config(sms, 8, 256). The combine gets its own config and the title says so."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["normal"]).peer_configs == "same"
+    assert parser.parse_args(["normal", "--peer-configs", "recommended"]).peer_configs == "recommended"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["low-latency", "--peer-configs", "recommended"])
+    calls = []
+
+    class Peer:
+        Config = staticmethod(lambda *fields: ("Config",) + fields)
+
+        class Buffer:
+            sms = 20
+
+            @classmethod
+            def set_num_sms(cls, sms):
+                cls.sms = sms
+
+            @classmethod
+            def get_dispatch_config(cls, num_ranks):
+                return ("dispatch", cls.sms, num_ranks)
+
+            @classmethod
+            def get_combine_config(cls, num_ranks):
+                return ("combine", cls.sms, num_ranks)
+    assert bench._peer_configs(Peer, "same", 24, 8) == (("Config", 24, 8, 256),) * 2
+    assert bench._peer_configs(Peer, "recommended", 24, 8) == (("dispatch", 24, 8), ("combine", 24, 8))
+
+    class Recording:
+        def get_dispatch_layout(self, topk_idx, num_experts):
+            return None, None, None, None, None
+
+        def dispatch(self, x, **kwargs):
+            calls.append(("dispatch", kwargs.get("config")))
+            return x, None, None, None, "handle", None
+
+        def combine(self, x, handle, config=None):
+            calls.append(("combine", config))
+    closures = bench._normal_calls(Recording(), "D", "x", "x8", None, None, 8, combine_config="C")[0]
+    closures["combine, BF16"]()
+    closures["dispatch, cached, BF16"]()
+    assert calls[-2:] == [("combine", "C"), ("dispatch", "D")]
+    settings = dict(hidden=7168, num_topk=8, num_experts=256, sms=24, peer_configs="recommended")
+    t = {"host": 1e-5, "gpu": 2e-5, "synced": 3e-5}
+    point = {"tokens": 4096, "sms": 24, "recv_tokens": 1, "checks": {},
+             "rows": [{"call": "dispatch, full, BF16", "epcomm": t, "deep_ep": t, "nccl": t}]}
+    result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "settings": settings,
+              "points": [point]}
+    assert "deep_ep: its recommended configs" in bench.normal_table(result).splitlines()[0]

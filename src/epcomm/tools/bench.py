@@ -143,6 +143,9 @@ class NormalBenchSettings:
     reps: int = 30
     num_nvl_bytes: int = 3 << 30
     peer: Optional[str] = None
+    # the peer's chunk sizes: "same" (Config(sms, 8, 256), as epcomm's), or "recommended" (its own
+    # Buffer.get_dispatch_config / get_combine_config for the group's size, on the same sms)
+    peer_configs: str = "same"
     seed: int = 0
     ranks_per_node: int = 0  # > 0: virtual nodes of this many ranks on the nvshmem backend
     send_parts: List[int] = field(default_factory=list)  # nvshmem: further send_parts settings, a point each
@@ -181,8 +184,20 @@ def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
     return {"rows": sent, "min_rows": min_network_rows(in_rank.cpu(), rank, topology)}
 
 
-def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts, extensions: bool = False):
-    """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API)."""
+def _peer_configs(peer, how: str, sms: int, num_ranks: int):
+    """``(dispatch config, combine config)`` of the peer library on ``sms`` SMs: its chunk sizes as
+    epcomm's (``how="same"``), or its own recommended ones for ``num_ranks`` (``"recommended"``)."""
+    if how == "same":
+        return peer.Config(sms, 8, 256), peer.Config(sms, 8, 256)
+    peer.Buffer.set_num_sms(sms)  # (the recommended configs take the class's SM count)
+    return peer.Buffer.get_dispatch_config(num_ranks), peer.Buffer.get_combine_config(num_ranks)
+
+
+def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts, extensions: bool = False,
+                  combine_config=None):
+    """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API);
+    ``combine_config``: the combine's, where it differs from the dispatch's ``config``."""
+    combine_config = combine_config or config
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     dispatch_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                          topk_idx=topk_idx, topk_weights=topk_weights, config=config)
@@ -194,7 +209,7 @@ def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts,
         "dispatch, full, BF16": lambda: buffer.dispatch(x, **dispatch_args),
         "dispatch, cached, BF16": lambda: buffer.dispatch(x, handle=handle, config=config),
         "dispatch, cached, FP8": lambda: buffer.dispatch(x_fp8, handle=fp8_handle, config=config),
-        "combine, BF16": lambda: buffer.combine(expert_out, handle, config=config),
+        "combine, BF16": lambda: buffer.combine(expert_out, handle, config=combine_config),
     }
     if extensions:  # epcomm's own: the expert-major layout's cost beside the plain one
         em_rows, _, _, _, em_handle, _ = buffer.dispatch(x, expert_major=True, **dispatch_args)
@@ -219,10 +234,11 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     checks: Dict[str, bool] = {}
     epcomm_recv = None
     inter_node = None
-    for name, (buffer, config_cls) in buffers.items():
-        config = config_cls(sms, 8, 256)
+    for name, (buffer, configs) in buffers.items():
+        config, combine_config = configs(sms)
         calls, recv_x, in_rank, handle = _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights,
-                                                       settings.num_experts, extensions=name == "epcomm")
+                                                       settings.num_experts, extensions=name == "epcomm",
+                                                       combine_config=combine_config)
         if name == "epcomm":
             epcomm_recv = recv_x
             if buffer.num_nodes > 1 and buffer.backend_name == "nvshmem":
@@ -266,12 +282,15 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
                              ranks_per_node=settings.ranks_per_node)
     else:
         fast = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=settings.num_nvl_bytes)
-    buffers = {"epcomm": (fast, epcomm.Config)}
+    buffers = {"epcomm": (fast, lambda sms: (epcomm.Config(sms, 8, 256),) * 2)}  # (dispatch, combine)
     # DeepEP's internode kernels need real RDMA NICs: no peer on virtual nodes
     peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
-        hint = peer.Config(settings.sms, 8, 256).get_nvl_buffer_size_hint(settings.hidden * 2, dist.get_world_size())
-        buffers[settings.peer] = (peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), peer.Config)
+        R = dist.get_world_size()
+        configs = lambda sms: _peer_configs(peer, settings.peer_configs, sms, R)  # noqa: E731
+        hint = max(config.get_nvl_buffer_size_hint(settings.hidden * 2, R)
+                   for sms in [settings.sms] + settings.more_sms for config in configs(sms))
+        buffers[settings.peer] = (peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), configs)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     result = {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
@@ -545,6 +564,11 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                              "synced: half as many single calls, at least 10)" + ("" if normal else " (at least 20)"))
     parser.add_argument("--peer", choices=["deep_ep"], default=None,
                         help="also run this library on the same data (needs it importable)")
+    if normal:
+        parser.add_argument("--peer-configs", choices=["same", "recommended"], default="same",
+                            help="the peer's chunk sizes: same (Config(sms, 8, 256), as epcomm's) or "
+                                 "recommended (its own get_dispatch_config / get_combine_config for the group's "
+                                 "size, on the same --sms)")
     parser.add_argument("--ranks", type=non_negative_int, default=0, help="ranks to use (0: all GPUs)")
     if normal:
         parser.add_argument("--send-parts", type=token_list, default="",
@@ -611,7 +635,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = NormalBenchSettings(tokens=args.tokens or 4096, hidden=args.hidden, reps=args.reps, sms=args.sms[0],
                                    more_sms=list(args.sms[1:]),
-                                   extra_tokens=list(args.extra_tokens), peer=args.peer,
+                                   extra_tokens=list(args.extra_tokens), peer=args.peer, peer_configs=args.peer_configs,
                                    ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts),
                                    p2p=list(args.p2p), variants=list(args.variants))
     if args.variants and args.ranks_per_node:

@@ -63,6 +63,8 @@ def normal_table(result: Dict) -> str:
         title = (f"# epcomm bench normal: {result['world']} x {result['device']}, backend {result['backend']}, "
                  f"T={point['tokens']} H={s['hidden']} K={s['num_topk']} E={s['num_experts']} "
                  f"Config({point.get('sms', s['sms'])}, 8, 256); "
+                 + (f"{result['peer']}: its recommended configs; "
+                    if result["peer"] and s.get("peer_configs") == "recommended" else "")
                  + (f"send_parts {point['send_parts']}, p2p {int(point['p2p'])}; " if point.get("send_parts") else "")
                  + (f"variant {point['variant']}; " if point.get("variant") else "")
                  + f"rank 0 receives {point['recv_tokens']} rows")
