@@ -90,9 +90,10 @@ def one_rank_bad_argument(device: str = "cpu"):
     return result[:2]
 
 
-def absent_rank(call: str, timeout: float = 2.0, device: str = "cpu"):
+def absent_rank(call: str, timeout: float = 2.0, device: str = "cpu", with_message: bool = False):
     """The last rank builds the buffer but never makes the call (stalled, crashed in expert code,
-    or skipped it): every other rank raises EPTimeoutError naming it, within timeout + 5 s."""
+    or skipped it): every other rank raises EPTimeoutError naming it, within timeout + 5 s.
+    ``with_message``: the error's message too, before the seconds."""
     R, rank = world()
     buffer = _reference_buffer(device, low_latency_mode=True, timeout=timeout)
     num_experts = 4 * R
@@ -108,7 +109,25 @@ def absent_rank(call: str, timeout: float = 2.0, device: str = "cpu"):
     else:
         y = torch.zeros(handle.num_recv_rows, 128, dtype=torch.bfloat16, device=x.device)
         result = _outcome(lambda: buffer.combine(y, handle))
-    return result[:2] + (time.monotonic() - started,)
+    return result[:3 if with_message else 2] + (time.monotonic() - started,)
+
+
+def late_rank_last_seen(timeout: float = 2.0):
+    """The last rank waits long in a dispatch (its peers come 0.5 s after it), then never makes the
+    next one: its peers' EPTimeoutError says where it last waited — that dispatch, a call they made.
+    Returns ``("absent",)`` on that rank, else ``(error class, peers, message)``."""
+    R, rank = world()
+    buffer = _reference_buffer("cpu", timeout=timeout)
+    num_experts = 4 * R
+    xs, topks, _ = make_routing(5, "uniform", R, num_experts, 2, 8, 128, fixed_tokens=8)
+    x, topk = xs[rank], topks[rank]
+    args = _layout_args(buffer, topk, num_experts)
+    if rank != R - 1:
+        time.sleep(0.5)
+    buffer.dispatch(x, **args)
+    if rank == R - 1:
+        return ("absent",)
+    return _outcome(lambda: buffer.dispatch(x, **args))
 
 
 def inconsistent_counts(case: str, device: str = "cpu"):

@@ -19,12 +19,26 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(pools):
 
 @pytest.mark.parametrize("call", ["dispatch", "combine"])
 def test_absent_rank_is_named_within_the_timeout(pools, call):
-    """Normal mode raises; low-latency mode masks instead (test_low_latency_masks_a_dead_rank...)."""
-    results = pools.get(3).run(failure_cases.absent_rank, call, timeout_s=120)
+    """Normal mode raises; low-latency mode masks instead (test_low_latency_masks_a_dead_rank...).
+    The error names the call and says where the late rank last waited, or that it never waited
+    long: a skipped or stalled call then reads apart from an exited process."""
+    results = pools.get(3).run(failure_cases.absent_rank, call, with_message=True, timeout_s=120)
     assert results[-1] == ("absent",)
-    for kind, peers, seconds in results[:-1]:
+    for kind, peers, message, seconds in results[:-1]:
         assert kind == "EPTimeoutError" and peers == [2], (kind, peers)
         assert seconds < 2.0 + 5.0, seconds
+        assert f"{call} (call " in message and "rank 2 has not waited long in any call" in message, message
+
+
+def test_a_late_ranks_error_says_where_it_last_waited(pools):
+    """A rank that waited long in a call and then never made the next one: the peers' error names
+    the call it last waited in (here a dispatch they made), which tells a stalled or skipped call
+    apart from an exited process (2026-11-28f: one CI run met such a timeout and said no more)."""
+    results = pools.get(3).run(failure_cases.late_rank_last_seen, timeout_s=120)
+    assert results[-1] == ("absent",)
+    for kind, peers, message in results[:-1]:
+        assert kind == "EPTimeoutError" and peers == [2], (kind, peers, message)
+        assert "rank 2 last waited in dispatch (Buffer #" in message, message
 
 
 def _processes(target, world_size: int, args: tuple, num_results: int) -> list:

@@ -158,7 +158,7 @@ class StoreAgreement:
                     raise EPInputError("call", verdict["message"]) from None
         if verdict is None and missing:  # this wait gave up: masked (shrink) or late, unless a peer saw them
             verdict = self._seal(call, {"made": True, "masked": missing} if rank_mask is not None else
-                                 {"late": missing, "waiter": self.rank, "kind": kind})
+                                 {"late": missing, "waiter": self.rank, "kind": kind, "seen": self._last_seen(missing)})
         if verdict is not None:
             present = self._act_on(verdict, kind, call, present, rank_mask)
             unposted = [r for r in present if not self.store.check([self._key(call, r)])]
@@ -187,8 +187,9 @@ class StoreAgreement:
                 raise EPTimeoutError(f"rank {self.rank}: {kind} (call {call}) came after rank {verdict['waiter']} gave up "
                                      f"waiting for ranks {late} ({self.timeout_s:g} s): the call is void on every rank, "
                                      f"and each rank's next call pairs again", late)
-            raise EPTimeoutError(f"rank {self.rank}: {kind} waited for ranks {late}, which did not make the call within "
-                                 f"{self.timeout_s:g} s (stalled, exited, or skipped it); no data was exchanged", late)
+            raise EPTimeoutError(f"rank {self.rank}: {kind} (call {call}) waited for ranks {late}, which did not make "
+                                 f"the call within {self.timeout_s:g} s (stalled, exited, or skipped it); no data was "
+                                 f"exchanged" + (f". {verdict['seen']}" if verdict.get("seen") else ""), late)
         gone = verdict.get("masked", ())
         if gone:
             if self.rank in gone:  # the peers went on without this rank
@@ -245,6 +246,21 @@ class StoreAgreement:
                 return missing, None
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 2, _MAX_PAUSE_S)
+
+    def _last_seen(self, ranks: Sequence[int]) -> str:
+        """Where ``ranks`` last waited, from their posts of where a wait lasted (:meth:`_post_where`),
+        for a late call's error: a rank waiting in another call, or in an older one of this Buffer,
+        tells a skipped or stalled call apart from an exited process."""
+        seen = []
+        for r in ranks:
+            key = f"{self._where_prefix}/{r}"
+            try:
+                post = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:  # (a dead store: nothing to tell)
+                post = None
+            seen.append(f"rank {r} last waited in {post[3]} (Buffer #{post[1]}, call {post[2]})" if post else
+                        f"rank {r} has not waited long in any call")
+        return "; ".join(seen)
 
     def _post_where(self, kind: str, call: int) -> None:
         """Post where this rank waits, once per call and only when a wait lasts (the fast path
