@@ -39,6 +39,34 @@ def _records(trace: torch.Tensor) -> List[List[int]]:
     return out
 
 
+def _routing(buffer, seed: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int):
+    """``(x, topk_idx, weights, layout)`` on this rank's GPU at DeepEP's routing (scores' top-k);
+    ``layout``: get_dispatch_layout's num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    scores = torch.randn(num_tokens, num_experts, device=device, generator=g).abs() + 1
+    topk_idx = scores.topk(num_topk, dim=-1).indices
+    weights = torch.rand(num_tokens, num_topk, device=device, generator=g)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    return x, topk_idx, weights, (per_rank, in_rank, per_expert)
+
+
+def _traced(normal, calls) -> Dict[str, List[List[int]]]:
+    """``{name: records}`` of each of ``calls`` (name -> a call), each alone after a sync and a
+    barrier, into the trace buffer ``normal.trace`` emptied first."""
+    traced = {}
+    for name, call in calls:
+        torch.cuda.synchronize()
+        dist.barrier()
+        normal.trace.zero_()
+        normal.trace[1] = TRACE_CAPACITY
+        call()
+        torch.cuda.synchronize()
+        traced[name] = _records(normal.trace)
+    return traced
+
+
 def trace_calls(num_tokens: int = 1024, hidden: int = 7168, num_experts: int = 256, num_topk: int = 8,
                 num_sms: int = 0, num_nvl_bytes: int = 1 << 30) -> Dict[str, Dict[str, List[List[int]]]]:
     """On every rank of the group: ``{order: {"pull": records, "push": records}}`` for the orders
@@ -49,12 +77,8 @@ def trace_calls(num_tokens: int = 1024, hidden: int = 7168, num_experts: int = 2
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)  # (one round at the default sizes)
     normal = buffer._backend.normal
     config = epcomm.Config(num_sms or epcomm.Buffer.get_dispatch_config(R).num_sms, 8, 256)
-    g = torch.Generator(device=device).manual_seed(100 + rank)
-    x = torch.randn(num_tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-    scores = torch.randn(num_tokens, num_experts, device=device, generator=g).abs() + 1
-    topk_idx = scores.topk(num_topk, dim=-1).indices
-    weights = torch.rand(num_tokens, num_topk, device=device, generator=g)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    x, topk_idx, weights, (per_rank, in_rank, per_expert) = _routing(buffer, 100 + rank, num_tokens, hidden,
+                                                                      num_experts, num_topk)
     result = {}
     for order, every_peer in (("rank order", False), ("every peer", True)):
         normal.every_peer = every_peer
@@ -65,17 +89,8 @@ def trace_calls(num_tokens: int = 1024, hidden: int = 7168, num_experts: int = 2
         normal.trace = _trace_buffer(device)  # (compiles the traced kernels: one untimed call each)
         buffer.dispatch(x, handle=handle, config=config)
         buffer.combine(recv_x, handle, config=config)
-        traced = {}
-        for kernel, call in (("pull", lambda: buffer.dispatch(x, handle=handle, config=config)),
-                             ("push", lambda: buffer.combine(recv_x, handle, config=config))):
-            torch.cuda.synchronize()
-            dist.barrier()
-            normal.trace.zero_()
-            normal.trace[1] = TRACE_CAPACITY
-            call()
-            torch.cuda.synchronize()
-            traced[kernel] = _records(normal.trace)
-        result[order] = traced
+        result[order] = _traced(normal, (("pull", lambda: buffer.dispatch(x, handle=handle, config=config)),
+                                         ("push", lambda: buffer.combine(recv_x, handle, config=config))))
     normal.trace = None
     normal.every_peer = True
     buffer.destroy()
@@ -145,32 +160,18 @@ def trace_dispatch_items(num_tokens: int = 4096, hidden: int = 7168, num_experts
     barrier and a sync. An item's time is from the program taking it to its rows stored, waits
     included: what sets the pace of each pull (the full dispatch's pull in turn took 535 µs against
     the one launch's 491 on 4 H200s, 2026-11-28f)."""
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
     normal = buffer._backend.normal
-    g = torch.Generator(device=device).manual_seed(200 + rank)
-    x = torch.randn(num_tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-    scores = torch.randn(num_tokens, num_experts, device=device, generator=g).abs() + 1
-    topk_idx = scores.topk(num_topk, dim=-1).indices
-    weights = torch.rand(num_tokens, num_topk, device=device, generator=g)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-    normal.trace = _trace_buffer(device)
+    x, topk_idx, weights, (per_rank, in_rank, per_expert) = _routing(buffer, 200 + dist.get_rank(), num_tokens,
+                                                                      hidden, num_experts, num_topk)
+    normal.trace = _trace_buffer(torch.device("cuda", torch.cuda.current_device()))
 
     def full():
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)[4]
     handle = full()  # (compiles the traced kernels: one untimed call each)
     buffer.dispatch(x, handle=handle)
-    traced = {}
-    for call, run in (("full dispatch", full), ("cached dispatch", lambda: buffer.dispatch(x, handle=handle))):
-        torch.cuda.synchronize()
-        dist.barrier()
-        normal.trace.zero_()
-        normal.trace[1] = TRACE_CAPACITY
-        run()
-        torch.cuda.synchronize()
-        traced[call] = _records(normal.trace)
+    traced = _traced(normal, (("full dispatch", full), ("cached dispatch", lambda: buffer.dispatch(x, handle=handle))))
     normal.trace = None
     buffer.destroy()
     return traced

@@ -134,7 +134,7 @@ def test_bench_normal_can_run_deep_ep_on_its_own_recommended_configs():
 
         def combine(self, x, handle, config=None):
             calls.append(("combine", config))
-    closures = bench._normal_calls(Recording(), "D", "x", "x8", None, None, 8, combine_config="C")[0]
+    closures = bench._normal_calls(Recording(), "D", "C", "x", "x8", None, None, 8)[0]
     closures["combine, BF16"]()
     closures["dispatch, cached, BF16"]()
     assert calls[-2:] == [("combine", "C"), ("dispatch", "D")]

@@ -193,11 +193,10 @@ def _peer_configs(peer, how: str, sms: int, num_ranks: int):
     return peer.Buffer.get_dispatch_config(num_ranks), peer.Buffer.get_combine_config(num_ranks)
 
 
-def _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights, num_experts, extensions: bool = False,
-                  combine_config=None):
-    """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API);
-    ``combine_config``: the combine's, where it differs from the dispatch's ``config``."""
-    combine_config = combine_config or config
+def _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx, topk_weights, num_experts,
+                  extensions: bool = False):
+    """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API):
+    the dispatches on ``config``, the combine on ``combine_config``."""
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     dispatch_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                          topk_idx=topk_idx, topk_weights=topk_weights, config=config)
@@ -236,9 +235,8 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     inter_node = None
     for name, (buffer, configs) in buffers.items():
         config, combine_config = configs(sms)
-        calls, recv_x, in_rank, handle = _normal_calls(buffer, config, x, x_fp8, topk_idx, topk_weights,
-                                                       settings.num_experts, extensions=name == "epcomm",
-                                                       combine_config=combine_config)
+        calls, recv_x, in_rank, handle = _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx,
+                                                       topk_weights, settings.num_experts, extensions=name == "epcomm")
         if name == "epcomm":
             epcomm_recv = recv_x
             if buffer.num_nodes > 1 and buffer.backend_name == "nvshmem":
