@@ -72,8 +72,10 @@ def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep()
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["low-latency", "--entry-loop-reduce"]).entry_loop_reduce
-    with pytest.raises(SystemExit):
-        parser.parse_args(["normal", "--entry-loop-reduce"])
+    assert parser.parse_args(["low-latency", "--two-launch"]).two_launch
+    for option in ("--entry-loop-reduce", "--two-launch"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["normal", option])
     t, loop = {"host": 2e-5, "gpu": 4e-5, "synced": 5e-5}, {"host": 1e-5, "gpu": 2e-5, "synced": 2e-5}
     peer = {"host": 2e-5, "gpu": 3e-5, "synced": 4e-5}
     result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "checks": {}, "decode_loop": {},

@@ -48,10 +48,11 @@ def test_no_module_below_the_buffer_reads_the_environment():
 
 
 def test_tuning_defaults_are_the_measured_choices_and_bad_values_are_named():
-    assert Tuning() == Tuning(ll_send_messages=0, ll_one_launch=False, ll_receive_programs=0, nvshmem_send_parts=1,
+    assert Tuning() == Tuning(ll_send_messages=0, ll_one_launch=None, ll_receive_programs=0, nvshmem_send_parts=1,
                               nvshmem_p2p=True)
     for field, value in (("nvshmem_send_parts", 0), ("ll_receive_programs", -1), ("ll_send_messages", 1.5),
-                         ("ll_one_launch", 1), ("nvshmem_p2p", "yes")):
+                         ("ll_one_launch", 1), ("ll_one_launch", "auto"), ("nvshmem_p2p", "yes"),
+                         ("nvshmem_p2p", None)):
         with pytest.raises(EPInputError) as raised:
             Tuning(**{field: value})
         assert raised.value.argument == f"tuning.{field}", raised.value
@@ -133,7 +134,9 @@ def test_both_gpu_backends_hand_the_low_latency_settings_to_their_mode():
 
     from epcomm.backends.gpu.low_latency import mode
     parameters = inspect.signature(mode.LowLatencyMode).parameters
-    assert parameters["messages_per_program"].default == 0 and parameters["one_launch"].default is False
-    for backend_name in ("nvlink", "nvshmem"):
+    assert parameters["messages_per_program"].default == 0 and parameters["one_launch"].default is None
+    # nvlink hands the setting on as it is (None: auto); nvshmem takes two launches for None (the
+    # one launch is not measured across nodes)
+    for backend_name, handed in (("nvlink", "one_launch=ll_one_launch)"), ("nvshmem", "one_launch=bool(ll_one_launch))")):
         source = open(os.path.join(SRC, "backends", backend_name, "backend.py")).read()
-        assert "messages_per_program=ll_send_messages, one_launch=ll_one_launch" in source, backend_name
+        assert "messages_per_program=ll_send_messages," in source and handed in source, backend_name

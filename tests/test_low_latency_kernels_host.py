@@ -35,7 +35,9 @@ class _Launches:
         self.log.append((self.key, grid_x, args))
 
 
-def _mode(monkeypatch, fits=True, **kwargs):
+def _mode(monkeypatch, fits=True, capturing=False, **kwargs):
+    """A LowLatencyMode over stand-ins, its launches recorded in ``log``; ``capturing``: what the
+    mode is told of the current stream's CUDA graph capture."""
     log = []
 
     class Recording(dict):
@@ -49,6 +51,7 @@ def _mode(monkeypatch, fits=True, **kwargs):
 
     monkeypatch.setattr(mode_module, "Specialisations", Recording)
     monkeypatch.setattr(mode_module, "current_stream", lambda index: 0)
+    monkeypatch.setattr(mode_module, "stream_capturing", lambda: capturing)
 
     def ll_layout(E, M, hidden, K, use_fp8, use_ue8m0):
         if not fits:
@@ -79,7 +82,7 @@ def test_enable_shrink_reaches_every_low_latency_launch(monkeypatch, shrink):
     """Without enable_shrink the kernels report a late peer (the host raises EPTimeoutError at the
     next call) and the combine writes NaN rows for what did not land; with it they mask it. The
     flag is a run-time argument of both kernels, in every launch of a call."""
-    mode, log = _mode(monkeypatch, shrink=shrink)
+    mode, log = _mode(monkeypatch, shrink=shrink, one_launch=False)
     args = _dispatch_args()
     mode.check_dispatch(args)
     recv_x, _, handle, hook = mode.dispatch(args)
@@ -99,7 +102,7 @@ def test_low_latency_grids_keep_the_caps_of_ranks_sharing_a_gpu(monkeypatch):
     ``receive_programs``, whatever the call's size; without caps, one program per item."""
     for caps, want in (({}, (M * 1, E // R * R, R * E // R, M)), ({"send_programs": 3, "receive_programs": 2},
                                                                    (3, 2, 3, 2))):
-        mode, log = _mode(monkeypatch, **caps)
+        mode, log = _mode(monkeypatch, one_launch=False, **caps)
         args = _dispatch_args()
         mode.check_dispatch(args)
         _, _, handle, _ = mode.dispatch(args)
@@ -114,6 +117,65 @@ def test_low_latency_grids_keep_the_caps_of_ranks_sharing_a_gpu(monkeypatch):
     mode.check_dispatch(args)
     mode.dispatch(args)
     assert [grid for _, grid, _ in log] == [5]
+
+
+def _round_trip_launches(mode, log, hook=False):
+    """The (kernel, (SEND, RECEIVE)) of each launch of one dispatch + combine (hooks called)."""
+    del log[:]
+    args = _dispatch_args()
+    args.return_recv_hook = hook
+    mode.check_dispatch(args)
+    _, _, handle, receive = mode.dispatch(args)
+    if receive is not None:
+        receive()
+    combine = LowLatencyCombineArgs(torch.zeros(E // R, R * M, H, dtype=torch.bfloat16), args.topk_idx,
+                                    torch.ones(M, K), handle, None, None, hook, args.rank_mask)
+    mode.check_combine(combine)
+    _, receive = mode.combine(combine)
+    if receive is not None:
+        receive()
+    return [(name, key[:2]) for (name, key), _, _ in log]
+
+
+ONE = [("ep_ll_dispatch", (True, True)), ("ep_ll_combine", (True, True))]
+TWO = [("ep_ll_dispatch", (True, False)), ("ep_ll_dispatch", (False, True)),
+       ("ep_ll_combine", (True, False)), ("ep_ll_combine", (False, True))]
+
+
+@pytest.mark.parametrize("one_launch, capturing, want", [
+    (None, False, ONE), (None, True, TWO), (True, False, ONE), (True, True, ONE), (False, False, TWO),
+    (False, True, TWO)])
+def test_auto_launches_a_call_once_eagerly_and_twice_while_a_cuda_graph_is_captured(monkeypatch, one_launch,
+                                                                                   capturing, want):
+    """``one_launch=None`` (auto, Tuning's default): a call without a hook runs both phases in one
+    cooperative launch, except while the stream is captured into a graph, where the phases are two
+    launches (eager decode waits for the host, one launch less is host time saved; a graph replays
+    without the host, and two launches replay as fast or faster). True and False force one way."""
+    mode, log = _mode(monkeypatch, capturing=capturing, one_launch=one_launch)
+    assert _round_trip_launches(mode, log) == want
+
+
+@pytest.mark.parametrize("one_launch", [None, True, False])
+def test_a_call_with_a_hook_takes_two_launches_whatever_the_setting(monkeypatch, one_launch):
+    mode, log = _mode(monkeypatch, one_launch=one_launch)
+    assert _round_trip_launches(mode, log, hook=True) == TWO
+
+
+def test_auto_compiles_the_two_launches_of_a_captured_call_at_its_first_eager_call(monkeypatch):
+    """Compiling and loading a kernel inside a CUDA graph capture is not safe: in auto mode the
+    first eager call of a kind also binds the two specialisations a captured call of that kind
+    launches, so a capture after an eager warm-up compiles nothing."""
+    mode, log = _mode(monkeypatch, one_launch=None)
+    _round_trip_launches(mode, log)
+    dispatch_plan = next(iter(mode._dispatch_plans.values()))
+    combine_plan = next(iter(mode._combine_plans.values()))
+    bound = {(key[0], key[1]) for key in dispatch_plan.kernels}, {(key[0], key[1]) for key in combine_plan.kernels}
+    assert bound == ({(True, True), (True, False), (False, True)},) * 2
+    with monkeypatch.context() as patched:
+        patched.setattr(mode_module, "stream_capturing", lambda: True)
+        before = (dict(dispatch_plan.kernels), dict(combine_plan.kernels))
+        assert _round_trip_launches(mode, log) == TWO
+        assert (dict(dispatch_plan.kernels), dict(combine_plan.kernels)) == before  # nothing new bound
 
 
 def test_an_undersized_low_latency_workspace_is_named_num_rdma_bytes(monkeypatch):

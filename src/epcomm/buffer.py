@@ -31,6 +31,7 @@ DEFAULT_TIMEOUT_S = 100.0
 TUNING_VARIABLES = {"ll_send_messages": "EPCOMM_LL_SEND_MESSAGES", "ll_one_launch": "EPCOMM_LL_ONE_LAUNCH",
                     "ll_receive_programs": "EPCOMM_LL_RECEIVE_PROGRAMS",
                     "nvshmem_send_parts": "EPCOMM_NVSHMEM_SEND_PARTS", "nvshmem_p2p": "EPCOMM_NVSHMEM_P2P"}
+SWITCHES = ("ll_one_launch", "nvshmem_p2p")  # the Tuning fields whose variables read 0 or 1
 _INLINE_SCOPE = StreamScope(None, None, False)  # a synchronous call without previous_event (events.py)
 
 
@@ -647,7 +648,7 @@ def tuning_from_environment(tuning: Tuning) -> Tuning:
         text = os.environ.get(variable, "").strip()
         if not text:
             continue
-        switch = isinstance(getattr(tuning, field), bool)
+        switch = field in SWITCHES
         if (switch and text not in ("0", "1")) or not text.isdigit():
             raise EPInputError(variable, f"must be {'0 or 1' if switch else 'a whole number'}, got {text!r}")
         changes[field] = bool(int(text)) if switch else int(text)

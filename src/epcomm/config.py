@@ -138,9 +138,13 @@ class Tuning:
     Args:
         ll_send_messages: messages of one token a low-latency send item carries (0: all its top-k,
             one FP8 cast per token).
-        ll_one_launch: low-latency calls without a hook run their send and receive phases in one
-            cooperative launch (one launch less of host time) instead of two (faster in a CUDA graph
-            on 2 x H200: 74-75 against 79-80 us per round trip).
+        ll_one_launch: how a low-latency call without a hook runs its send and receive phases.
+            None (auto, the default): in one cooperative launch, except while the stream is captured
+            into a CUDA graph, where they are two launches. Eagerly the host is what decode waits
+            for, and one launch less is ~5 us less host time per call; a graph replays without the
+            host, and there two launches are as fast or faster. True: always one launch; False:
+            always two. The nvshmem backend takes two launches for None (one has not been
+            measured across nodes).
         ll_receive_programs: at most this many programs per low-latency receive phase (0: no cap).
             Ranks sharing one GPU get a cap anyway (backends/gpu/shared_grids.py); a smaller one here wins.
         nvshmem_send_parts: programs per (channel, node) of the nvshmem backend's puts between
@@ -151,7 +155,7 @@ class Tuning:
     """
 
     ll_send_messages: int = 0
-    ll_one_launch: bool = False
+    ll_one_launch: Optional[bool] = None
     ll_receive_programs: int = 0
     nvshmem_send_parts: int = 1
     nvshmem_p2p: bool = True
@@ -161,9 +165,10 @@ class Tuning:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise EPInputError(f"tuning.{name}", f"must be an int >= {lowest}, got {value!r}")
-        for name in ("ll_one_launch", "nvshmem_p2p"):
-            if not isinstance(getattr(self, name), bool):
-                raise EPInputError(f"tuning.{name}", f"must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.nvshmem_p2p, bool):
+            raise EPInputError("tuning.nvshmem_p2p", f"must be a bool, got {self.nvshmem_p2p!r}")
+        if self.ll_one_launch is not None and not isinstance(self.ll_one_launch, bool):
+            raise EPInputError("tuning.ll_one_launch", f"must be None (auto) or a bool, got {self.ll_one_launch!r}")
 
 
 # Default SM count for new configs; Buffer.set_num_sms changes it.

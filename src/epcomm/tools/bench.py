@@ -337,6 +337,9 @@ class LowLatencyBenchSettings:
     # one node: a further epcomm column, "epcomm entry-loop", its combine's receive summing a token's
     # K rows one at a time (LowLatencyMode.entry_loop_reduce, low_latency/combine.py ENTRY_LOOP)
     entry_loop_reduce: bool = False
+    # one node: a further epcomm column, "epcomm two-launch", every call's phases in two launches
+    # (Tuning(ll_one_launch=False)) where the default runs an eager call in one
+    two_launch: bool = False
 
 
 def _ll_expert_out(recv):
@@ -412,6 +415,9 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
         if settings.entry_loop_reduce:  # the experiment beside the default, in the same run
             buffers["epcomm entry-loop"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
             buffers["epcomm entry-loop"]._backend.low_latency.entry_loop_reduce = True
+        if settings.two_launch:
+            buffers["epcomm two-launch"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
+                                                         tuning=epcomm.Tuning(ll_one_launch=False))
     peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
@@ -601,6 +607,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
         parser.add_argument("--entry-loop-reduce", action="store_true",
                             help="one node: a further epcomm column in the same run, the combine's receive summing "
                                  "a token's top-k rows one at a time (an experiment, off by default)")
+        parser.add_argument("--two-launch", action="store_true",
+                            help="one node: a further epcomm column in the same run, every call's send and receive "
+                                 "phases in two launches (the default runs an eager call in one)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0,
                         help="virtual nodes of this many ranks, on the nvshmem backend" +
                              ("" if normal else ", with nvlink on one node beside it") + "; 0: one node")
@@ -618,11 +627,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
                                            peer=args.peer, ranks_per_node=args.ranks_per_node,
-                                           entry_loop_reduce=args.entry_loop_reduce)
-        if args.entry_loop_reduce and args.ranks_per_node:
-            print("--entry-loop-reduce is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
-                  file=sys.stderr)
-            return 2
+                                           entry_loop_reduce=args.entry_loop_reduce, two_launch=args.two_launch)
+        for option, asked in (("--entry-loop-reduce", args.entry_loop_reduce), ("--two-launch", args.two_launch)):
+            if asked and args.ranks_per_node:
+                print(f"{option} is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
+                      file=sys.stderr)
+                return 2
         result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -287,6 +287,12 @@ def current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (cheap: one runtime query,
+    no Stream object)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def launch_mode() -> str:
     """``"bound"`` when kernels launch through their C launchers directly, else ``"jit"``."""
     try:

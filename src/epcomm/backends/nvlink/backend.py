@@ -14,6 +14,7 @@ gpu/shared_grids.py).
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ class NVLinkBackend(GpuBackend):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_ll_bytes: int = 0,
                  timeout_s: float = 100.0, ll_receive_programs: int = 0, shrink: bool = False,
-                 ll_send_messages: int = 0, ll_one_launch: bool = False):
+                 ll_send_messages: int = 0, ll_one_launch: Optional[bool] = None):
         """``ll_receive_programs``: at most this many programs per low-latency receive phase
         (0: no cap; ranks sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the
         Buffer's ``enable_shrink``; ``ll_send_messages``, ``ll_one_launch``: its ``Tuning``

@@ -88,7 +88,8 @@ class NvshmemBackend(GpuBackend):
             no cap). Ranks sharing one GPU (CUDA MPS) get caps of every grid anyway
             (GpuBackend.share_gpu), this one winning where smaller.
         ll_send_messages, ll_one_launch: the low-latency kernels' settings (the Buffer's ``Tuning``;
-            LowLatencyMode).
+            LowLatencyMode). ``ll_one_launch=None`` is two launches here: the one launch has not
+            been measured or run across nodes.
         shrink: the Buffer's ``enable_shrink``: a late rank is masked in low-latency mode and the
             calls go on; otherwise the next call raises EPTimeoutError (LowLatencyMode).
     """
@@ -103,7 +104,7 @@ class NvshmemBackend(GpuBackend):
                  ranks_per_node: int, timeout_s: float = 100.0, transport: Optional[Transport] = None,
                  num_ll_bytes: int = 0, ll_ranks_per_node: Optional[int] = None, send_parts: int = 1,
                  p2p: bool = True, ll_receive_programs: int = 0, shrink: bool = False, ll_send_messages: int = 0,
-                 ll_one_launch: bool = False):
+                 ll_one_launch: Optional[bool] = None):
         if transport is None:
             if num_rdma_bytes <= 0:
                 raise EPInputError("num_rdma_bytes", "the nvshmem backend needs num_rdma_bytes > 0 (its workspace; "
@@ -147,7 +148,8 @@ class NvshmemBackend(GpuBackend):
                                               *self._ll_reach, LOOPBACK_LL_PROGRAMS if self.loopback else 0,
                                               receive_programs=caps.ll_receive_programs, board=self.seat,
                                               send_programs=caps.ll_send_programs, shrink=shrink,
-                                              messages_per_program=ll_send_messages, one_launch=ll_one_launch)
+                                              messages_per_program=ll_send_messages,
+                                              one_launch=bool(ll_one_launch))
 
     def _make_board(self, group: Optional[dist.ProcessGroup]) -> call_board.CallBoard:
         """The group's call board in symmetric memory (NVSHMEM, or the loopback world's)."""

@@ -1,12 +1,13 @@
-"""Low-latency mode (decode) on the GPU layer: two launches per call (or one), kernels beside their launches.
+"""Low-latency mode (decode) on the GPU layer: one launch per call or two, kernels beside their launches.
 
     low_latency_dispatch   ep_ll_dispatch   send messages + counts  ->  wait + pack
     low_latency_combine    ep_ll_combine    push rows + signal      ->  wait + reduce
 
-Each call launches the send phase, then the receive phase (``return_recv_hook=True`` returns
-after the first; ``hook()`` issues the second). With ``Tuning(ll_one_launch=True)`` a call without a
-hook runs both phases in one cooperative launch no larger than the GPU holds at once (launch.py):
-all programs are resident, so the receive phase's spin cannot starve the send phase it waits for.
+A call runs the send phase, then the receive phase. Eagerly (``Tuning.ll_one_launch``'s auto) a
+call without a hook runs both in one cooperative launch no larger than the GPU holds at once
+(launch.py): all programs are resident, so the receive phase's spin cannot starve the send phase
+it waits for. While a CUDA graph is captured, and with ``return_recv_hook=True`` (the call returns
+after the send phase; ``hook()`` issues the receive phase), the phases are two launches.
 
 Dispatch: the programs take the tokens in turn; each casts its token (FP8 fused) and stores one
 message per top-k expert (no dedup) into the receiver's fixed ``[E_local][R][M]`` slots — slot

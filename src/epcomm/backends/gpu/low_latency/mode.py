@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -10,7 +11,7 @@ from ....handle import LowLatencyHandle
 from .. import agreement, sync
 from ..call_board import unseated
 from ..copy import for_word_copies
-from ..launch import Specialisations, current_stream, p2
+from ..launch import Specialisations, current_stream, p2, stream_capturing
 from ..reach.modes import PEERS_BY_STORES
 from ..workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_ROW_BYTES
 from .combine import COMBINE
@@ -88,14 +89,17 @@ class LowLatencyMode:
             EPTimeoutError naming it at the next call, and the combine rows it did not deliver are
             NaN (its dispatch rows are left out of ``recv_count``: their number never arrived).
         messages_per_program: messages of one token a send item carries (0: all its top-k, one
-            FP8 cast per token); one_launch: calls without a hook in one cooperative launch (the
-            Buffer's ``Tuning``: ``ll_send_messages``, ``ll_one_launch``).
+            FP8 cast per token).
+        one_launch: how a call without a hook runs its two phases. None (auto): in one cooperative
+            launch, except while the current stream is captured into a CUDA graph, where they are
+            two launches. True: always one; False: always two (a call with a hook always takes two).
+            (The Buffer's ``Tuning``: ``ll_send_messages``, ``ll_one_launch``.)
     """
 
     def __init__(self, ws, state: torch.Tensor, mailbox, timeout_ns: int, device: torch.device,
                  remote: int = PEERS_BY_STORES, ranks_per_node: int = 0, num_sms: int = 0,
                  receive_programs: int = 0, board=None, send_programs: int = 0, shrink: bool = False,
-                 messages_per_program: int = 0, one_launch: bool = False):
+                 messages_per_program: int = 0, one_launch: Optional[bool] = None):
         self.ws = ws
         self.board = board if board is not None else unseated(device, ws.num_ranks)
         # what this mode's handles carry to name it (not the mode itself: a handle kept in a plan
@@ -126,11 +130,12 @@ class LowLatencyMode:
         self._counters = {}  # num_experts -> [E] int32 slot counters (zero between calls)
         # Messages per send item: all K of a token by default (0: one cast per token).
         self.messages_per_program = messages_per_program
-        # Calls without a hook run the two phases as two launches by default: measured on 2 x H200,
-        # the round trip in a CUDA graph took 74-75 us that way against 79-80 us with both phases in
-        # one cooperative launch (whose receive phase spins while other programs still send).
-        # one_launch picks the one launch (one launch less of host time per call).
-        self.one_launch = bool(one_launch)
+        # Why auto. Eager decode is host-bound: the GPU waits for the host's launches, and one
+        # launch less per call is ~5 us less host time (2026-11-28g: eager round trip 111 against
+        # 134-155 us at 2 ranks, 124 against 148-171 at 4). A graph replays without the host: there
+        # the two launches are as fast or faster (73.5 against 75.5 us at 2 ranks), because the
+        # one launch's receive phase spins on SMs while other programs still send.
+        self.one_launch = None if one_launch is None else bool(one_launch)
         self._entry_loop_reduce = False
 
     @property
@@ -144,6 +149,14 @@ class LowLatencyMode:
     def entry_loop_reduce(self, value: bool) -> None:
         self._entry_loop_reduce = bool(value)
         self._combine_plans = {}
+
+    def _two_launches(self, hook: bool) -> bool:
+        """Whether this call runs its phases as two launches (see ``one_launch``)."""
+        if hook:
+            return True
+        if self.one_launch is None:
+            return stream_capturing()
+        return not self.one_launch
 
     def check_dispatch(self, args) -> None:
         """This backend's limits (hidden % 128, the buffer's size for this shape): EPInputError."""
@@ -229,7 +242,7 @@ class LowLatencyMode:
             (self.board.bases_address, self.board.tag())
         send_items = num_tokens * plan.send_groups
         stream = current_stream(self.dev_index)
-        two_launches = args.return_recv_hook or not self.one_launch
+        two_launches = self._two_launches(args.return_recv_hook)
         if two_launches:
             # The send phase writes only into the receivers' workspaces, not into recv_x: it is
             # launched before the outputs are allocated, so the GPU starts while the host allocates
@@ -251,7 +264,11 @@ class LowLatencyMode:
             def receive(_keep=(recv_x, scales, stats, wait_stats)) -> None:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return packed, per_half.recv_count, handle, receive
-        kernel = plan.kernels[True, True, stats is not None, wait_stats is not None, x_address & 15 == 0]
+        key = (True, True, stats is not None, wait_stats is not None, x_address & 15 == 0)
+        if key not in plan.kernels and self.one_launch is None:
+            # the two launches a captured call of this kind takes: compiled now, not inside a capture
+            plan.kernels[True, False, False, False, key[4]], plan.kernels[False, True, key[2], key[3], False]
+        kernel = plan.kernels[key]
         grid = min(kernel.resident_grid(max(send_items, num_local * self.R)), self.receive_cap)  # (all spin)
         kernel.launch_resident(grid, stream, *launch_args)
         return packed, per_half.recv_count, handle, None
@@ -322,7 +339,7 @@ class LowLatencyMode:
                 self.board.bases_address, self.board.tag())
         pairs = x.shape[0] * self.R
         stream = current_stream(self.dev_index)
-        two_launches = args.return_recv_hook or not self.one_launch
+        two_launches = self._two_launches(args.return_recv_hook)
         if two_launches:
             # The send phase pushes rows into the homes' workspaces, not into out: it is launched
             # before out is allocated (dispatch says why; its out pointer is a placeholder: the
@@ -344,7 +361,10 @@ class LowLatencyMode:
             def receive(_keep=(x, out, topk, args.topk_weights, wait_stats)) -> None:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return out, receive
-        kernel = plan.kernels[True, True, wait_stats is not None, aligned]
+        key = (True, True, wait_stats is not None, aligned)
+        if key not in plan.kernels and self.one_launch is None:  # (as in dispatch)
+            plan.kernels[True, False, False, x_aligned], plan.kernels[False, True, key[2], aligned]
+        kernel = plan.kernels[key]
         kernel.launch_resident(min(kernel.resident_grid(max(pairs, num_tokens)), self.receive_cap), stream,
                                *launch_args)
         return out, None
