@@ -45,7 +45,9 @@ class NVLinkBackend(GpuBackend):
         """``ll_receive_programs``: at most this many programs per low-latency receive phase
         (0: no cap; ranks sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the
         Buffer's ``enable_shrink``; ``ll_send_messages``, ``ll_one_launch``: its ``Tuning``
-        (LowLatencyMode)."""
+        (LowLatencyMode). Ranks sharing one GPU (the many-rank test bed) take two launches for
+        ``ll_one_launch=None``, as they always have: one cooperative launch per rank under CUDA MPS
+        has not been run there."""
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
         places = gpu_places(group)  # (collective)
@@ -63,7 +65,8 @@ class NVLinkBackend(GpuBackend):
         self.low_latency = LowLatencyMode(self.ws, self.state, self.mailbox, self.timeout_ns, device,
                                           receive_programs=caps.ll_receive_programs, board=self.seat,
                                           send_programs=caps.ll_send_programs, shrink=shrink,
-                                          messages_per_program=ll_send_messages, one_launch=ll_one_launch)
+                                          messages_per_program=ll_send_messages,
+                                          one_launch=False if ll_one_launch is None and caps.shared else ll_one_launch)
 
     def _symmetric(self, num_bytes: int):
         """``((buffer, bases, barrier), transport)``: ``num_bytes`` of symmetric memory on every rank
