@@ -10,7 +10,7 @@
 #                first, so a part cut by its limit keeps those; VARIANTS= for none) at T=4096, each a
 #                table of its own
 #   low-latency  epcomm bench low-latency beside DeepEP, with LL_ARGS' experiments as columns
-#                (default --entry-loop-reduce; LL_ARGS= for none)
+#                (default --two-launch: every call in two launches beside the default; LL_ARGS= for none)
 #   profile      the full dispatch's host split (scripts/profile_host.py --full-only; with
 #                PROFILE_VARIANTS, a comma list of up to 4 bench variants, also the full and cached
 #                dispatch's host time with each beside the defaults, interleaved, and each one's full
@@ -50,7 +50,7 @@ for part in ${PARTS:-normal low-latency}; do
         | tee "$OUT/bench_normal_r$ranks.txt" ;;
     low-latency)
       timeout -k 10 "${LL_LIMIT_S:-180}" python3 -m epcomm bench low-latency --ranks "$ranks" ${peer[@]+"${peer[@]}"} \
-        ${LL_ARGS---entry-loop-reduce} --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
+        ${LL_ARGS---two-launch} --out "$OUT" 2>"$OUT/bench_ll_progress_r$ranks.log" \
         | tee "$OUT/bench_ll_r$ranks.txt" ;;
     profile)
       host_limit="${PROFILE_LIMIT_S:-$([ -n "${PROFILE_VARIANTS:-}" ] && echo 240 || echo 120)}"  # (variants: a Buffer each)
