@@ -1,7 +1,8 @@
-"""scripts/profile_host.py's options are checked before any GPU work: ``--variants`` (the full and
-cached dispatch's host time per one-node variant) goes with ``--full-only`` and takes only names
-``epcomm bench normal --variants`` knows, so a lease's profile part fails at once, not after its
-processes started."""
+"""The measuring scripts' own logic, checked before any GPU work: scripts/profile_host.py's
+``--variants`` (the full and cached dispatch's host time per one-node variant) goes with
+``--full-only`` and takes only names ``epcomm bench normal --variants`` knows, so a lease's
+profile part fails at once, not after its processes started; scripts/ll_back_to_back.py groups a
+round trip's kernels and refuses names it does not know."""
 import importlib.util
 import pathlib
 
@@ -52,3 +53,31 @@ def test_trace_items_refuses_a_bad_count_and_a_missing_gpu_before_starting_ranks
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert _script(SCRIPT.parent / "trace_items.py").main() == 2
     assert "needs 4 CUDA GPUs" in capsys.readouterr().err
+
+
+def test_ll_back_to_back_groups_each_round_trips_kernels_and_reads_the_gaps_between_them():
+    """scripts/ll_back_to_back.py: a round trip starts at a dispatch kernel that follows another
+    kernel, whatever each call launches (epcomm's one or two per call, DeepEP's one, a torch kernel
+    between); ``period`` is start to start, ``busy`` the kernels' durations, ``idle`` the rest."""
+    script = _script(SCRIPT.parent / "ll_back_to_back.py")
+    kernels, now = [], 0
+    for _ in range(6):  # two dispatch launches, a torch kernel, two combine launches; 3 µs between
+        for name, length in (("ep_ll_dispatch", 10), ("ep_ll_dispatch", 20), ("vectorized", 1),
+                             ("ep_ll_combine", 10), ("ep_ll_combine", 15)):
+            kernels.append((now * 1000, length * 1000, name))
+            now += length + 3
+    trips = script._round_trips(kernels, "ep_ll_dispatch")
+    assert len(trips) == 6 and all(len(trip) == 5 for trip in trips)
+    assert script._steady(trips, 1) == {"period": 71.0, "kernels": 5, "busy": 56.0, "idle": 15.0}
+    one = [(i * 50_000, 20_000, name) for i, name in enumerate(["dispatch<true>", "combine<false>"] * 3)]
+    assert [len(trip) for trip in script._round_trips(one, "dispatch<")] == [2, 2, 2]
+
+
+def test_ll_back_to_back_refuses_an_unknown_name_before_any_gpu_work(capsys, monkeypatch):
+    import sys
+    script = _script(SCRIPT.parent / "ll_back_to_back.py")
+    for order in ("epcomm,nope", "epcomm+later"):
+        monkeypatch.setattr(sys, "argv", ["ll_back_to_back.py", "--order", order])
+        with pytest.raises(SystemExit) as exit_info:
+            script.main()
+        assert exit_info.value.code == 2 and "unknown --order names" in capsys.readouterr().err
