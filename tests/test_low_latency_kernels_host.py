@@ -178,6 +178,29 @@ def test_auto_compiles_the_two_launches_of_a_captured_call_at_its_first_eager_ca
         assert (dict(dispatch_plan.kernels), dict(combine_plan.kernels)) == before  # nothing new bound
 
 
+def test_auto_binds_the_combines_send_launch_for_each_alignment_of_x(monkeypatch):
+    """The combine's one-launch key counts x's and out's alignment together, its send launch x's
+    alone: an eager combine whose x is misaligned after one whose x was aligned (out misaligned in
+    both, so the one-launch key is the same) still binds the send launch a capture would take."""
+    mode, log = _mode(monkeypatch, one_launch=None)
+    args = _dispatch_args()
+    mode.check_dispatch(args)
+    _, _, handle, _ = mode.dispatch(args)
+    shape, n = (E // R, R * M, H), (E // R) * R * M * H
+
+    def misaligned(count):  # 8 bytes past a 16-byte boundary: word copies, not 16-byte ones
+        return torch.zeros(count + 4, dtype=torch.bfloat16)[4:]
+    assert misaligned(8).data_ptr() % 16 == 8
+    for x in (torch.zeros(shape, dtype=torch.bfloat16), misaligned(n).view(shape)):
+        combine = LowLatencyCombineArgs(x, args.topk_idx, torch.ones(M, K), handle, misaligned(M * H).view(M, H), None,
+                                        False, args.rank_mask)
+        mode.check_combine(combine)
+        mode.combine(combine)
+    plan = next(iter(mode._combine_plans.values()))
+    assert {key for key in plan.kernels if key[:2] == (True, False)} == {(True, False, False, True),
+                                                                        (True, False, False, False)}
+
+
 def test_an_undersized_low_latency_workspace_is_named_num_rdma_bytes(monkeypatch):
     mode, _ = _mode(monkeypatch, fits=False)
     with pytest.raises(EPInputError) as raised:

@@ -362,8 +362,9 @@ class LowLatencyMode:
                 receive_kernel.launch(receive_programs, 1, current_stream(self.dev_index), *launch_args)
             return out, receive
         key = (True, True, wait_stats is not None, aligned)
-        if key not in plan.kernels and self.one_launch is None:  # (as in dispatch)
-            plan.kernels[True, False, False, x_aligned], plan.kernels[False, True, key[2], aligned]
+        send_key = (True, False, False, x_aligned)  # (aligned also counts out's address: not in key alone)
+        if self.one_launch is None and (key not in plan.kernels or send_key not in plan.kernels):  # (as in dispatch)
+            plan.kernels[send_key], plan.kernels[False, True, key[2], aligned]
         kernel = plan.kernels[key]
         kernel.launch_resident(min(kernel.resident_grid(max(pairs, num_tokens)), self.receive_cap), stream,
                                *launch_args)
