@@ -151,7 +151,9 @@ class LowLatencyMode:
         self._combine_plans = {}
 
     def _two_launches(self, hook: bool) -> bool:
-        """Whether this call runs its phases as two launches (see ``one_launch``)."""
+        """Whether this call runs its phases as two launches (see ``one_launch``). Auto asks about
+        the current device's stream: a capture on this Buffer's device entered from another current
+        device would take the one launch, which replays correctly too (only slower)."""
         if hook:
             return True
         if self.one_launch is None:
