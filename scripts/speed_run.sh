@@ -20,6 +20,9 @@
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   trace        the pulls' items on the kernel clock (scripts/trace_items.py): a full dispatch's pull
 #                in turn beside a cached dispatch's one launch, per rank, at TRACE_TOKENS (default 4096)
+#   ll-gaps      the eager low-latency round trip per rank (scripts/ll_back_to_back.py): host and gpu
+#                per round trip and the kernels' busy and idle time, eager and in one CUDA graph, for
+#                LL_ORDER (default epcomm,two-launch,deep_ep,epcomm,deep_ep; deep_ep needs the wheel)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
@@ -30,8 +33,8 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 for part in ${PARTS:-normal low-latency}; do  # (a misspelt part: an error before any work)
-  case "$part" in normal|low-latency|profile|trace|suite) ;;
-    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, trace, suite)" >&2; exit 2 ;;
+  case "$part" in normal|low-latency|profile|trace|ll-gaps|suite) ;;
+    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, trace, ll-gaps, suite)" >&2; exit 2 ;;
   esac
 done
 use_peer
@@ -71,6 +74,12 @@ for part in ${PARTS:-normal low-latency}; do
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${TRACE_LIMIT_S:-200}" \
         python3 scripts/trace_items.py --tokens "${TRACE_TOKENS:-4096}" --ranks "$ranks" 2>&1 \
         | tee "$OUT/trace_items_r$ranks.txt" | tail -n $((2 * ranks + 4)) ;;
+    ll-gaps)
+      order="${LL_ORDER:-epcomm,two-launch,deep_ep,epcomm,deep_ep}"
+      [ -n "${peer[*]:-}" ] || order="$(echo "$order" | tr ',' '\n' | grep -v '^deep_ep' | paste -sd, -)"
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${LL_GAPS_LIMIT_S:-150}" \
+        python3 scripts/ll_back_to_back.py --order "$order" 2>&1 | grep -v -i "warn" \
+        | tee "$OUT/ll_gaps_r$ranks.txt" | tail -n $((2 * $(echo "$order" | tr ',' '\n' | wc -l) + 2)) ;;
     suite)
       CUDA_VISIBLE_DEVICES="$gpus" EPCOMM_GPU_WORLD_SIZES="$ranks" \
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \
