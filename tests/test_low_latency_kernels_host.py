@@ -35,10 +35,11 @@ class _Launches:
         self.log.append((self.key, grid_x, args))
 
 
-def _mode(monkeypatch, fits=True, capturing=False, **kwargs):
+def _mode(monkeypatch, fits=True, capturing=False, launcher="bound", **kwargs):
     """A LowLatencyMode over stand-ins, its launches recorded in ``log``; ``capturing``: what the
-    mode is told of the current stream's CUDA graph capture."""
+    mode is told of the current stream's CUDA graph capture; ``launcher``: launch.launch_mode()."""
     log = []
+    monkeypatch.setattr(mode_module, "launch_mode", lambda: launcher)
 
     class Recording(dict):
         def __init__(self, spec, flags, num_warps, **fixed):
@@ -153,6 +154,13 @@ def test_auto_launches_a_call_once_eagerly_and_twice_while_a_cuda_graph_is_captu
     without the host, and two launches replay as fast or faster). True and False force one way."""
     mode, log = _mode(monkeypatch, capturing=capturing, one_launch=one_launch)
     assert _round_trip_launches(mode, log) == want
+
+
+def test_auto_takes_two_launches_where_the_launcher_cannot_launch_cooperatively(monkeypatch):
+    """Triton's own launcher (launch.py's fallback, "jit") launches no cooperative grid: a one-launch
+    call's programs would not be sure to run at once, so auto keeps the two launches there."""
+    mode, log = _mode(monkeypatch, launcher="jit", one_launch=None)
+    assert _round_trip_launches(mode, log) == TWO
 
 
 @pytest.mark.parametrize("one_launch", [None, True, False])

@@ -11,7 +11,7 @@ from ....handle import LowLatencyHandle
 from .. import agreement, sync
 from ..call_board import unseated
 from ..copy import for_word_copies
-from ..launch import Specialisations, current_stream, p2, stream_capturing
+from ..launch import Specialisations, current_stream, launch_mode, p2, stream_capturing
 from ..reach.modes import PEERS_BY_STORES
 from ..workspace import FP_LL_COMBINE, FP_LL_DISPATCH, FP_ROW_BYTES
 from .combine import COMBINE
@@ -136,6 +136,9 @@ class LowLatencyMode:
         # the two launches are as fast or faster (73.5 against 75.5 us at 2 ranks), because the
         # one launch's receive phase spins on SMs while other programs still send.
         self.one_launch = None if one_launch is None else bool(one_launch)
+        # Auto's one launch needs a cooperative launch (all programs resident, or refused): Triton's
+        # own launcher (launch.py's fallback) has none, so auto takes two launches there.
+        self._cooperative = launch_mode() == "bound"
         self._entry_loop_reduce = False
 
     @property
@@ -157,7 +160,7 @@ class LowLatencyMode:
         if hook:
             return True
         if self.one_launch is None:
-            return stream_capturing()
+            return not self._cooperative or stream_capturing()
         return not self.one_launch
 
     def check_dispatch(self, args) -> None:
