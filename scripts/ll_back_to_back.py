@@ -24,7 +24,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -77,32 +76,16 @@ def _steady(trips, skip: int):
             "busy": med(busy), "idle": med([p - b for p, b in zip(periods, busy)])}
 
 
-def _timed(fn, count: int, batches: int = 3):
-    """Unprofiled, µs per call of ``count`` calls issued back to back after a barrier: host and gpu
-    the least over ``batches`` (the bench's columns), and the median and 90th percentile of the
-    single calls' host times over all batches (a slow call now and then, a collector's pass or a
-    blocked launch, shows as a p90 far above the median)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = gpu = float("inf")
+def _timed(fn, count: int):
+    """Unprofiled, µs per call of ``count`` calls issued back to back: host and gpu as the bench's
+    columns (bench.back_to_back), and the median and 90th percentile of the single calls' host
+    times over its batches (a slow call now and then, a collector's pass or a blocked launch, shows
+    as a p90 far above the median)."""
+    from epcomm.tools.bench import back_to_back
     singles = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        start.record()
-        previous = started
-        for _ in range(count):
-            fn()
-            now = time.perf_counter()
-            singles.append(now - previous)
-            previous = now
-        host = min(host, (time.perf_counter() - started) / count * 1e6)
-        end.record()
-        torch.cuda.synchronize()
-        gpu = min(gpu, start.elapsed_time(end) * 1e3 / count)
+    host, gpu = back_to_back(fn, count, each=singles)
     singles.sort()
-    return {"host": host, "gpu": gpu, "host p50": statistics.median(singles) * 1e6,
+    return {"host": host * 1e6, "gpu": gpu * 1e6, "host p50": statistics.median(singles) * 1e6,
             "host p90": singles[int(0.9 * len(singles))] * 1e6}
 
 
@@ -128,14 +111,11 @@ LIBRARIES = ("epcomm", "one-launch", "two-launch", "entry-loop", "deep_ep")
 
 def rank_main(order, tokens, round_trips, skip):
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import _capture, load_peer
+    from epcomm.tools.bench import _capture, load_peer, random_batch
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256
-    g = torch.Generator(device=dev).manual_seed(5 + rank)
-    x = torch.randn(tokens, H, device=dev, generator=g).to(torch.bfloat16)
-    topk = (torch.randn(tokens, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices.to(torch.int64)
-    weights = torch.rand(tokens, K, device=dev, generator=g)
+    x, topk, weights = random_batch(tokens, H, K, E, 5 + rank, dev)
     peer = load_peer("deep_ep") if "deep_ep" in order else None
     made = {}  # name: (round trip, its graph): one Buffer per name, so a repeat differs only by its place
     rows = []

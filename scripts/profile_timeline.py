@@ -159,14 +159,11 @@ def _variant_timelines(variants, x, topk, weights, iterations, results):
 def rank_main(peer_name, iterations, ll_tokens, tokens, out, variants=()):
     import epcomm
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import load_peer
+    from epcomm.tools.bench import load_peer, random_batch
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256
-    g = torch.Generator(device=dev).manual_seed(11 + rank)
-    x = torch.randn(tokens, H, device=dev, generator=g).to(torch.bfloat16)
-    topk = (torch.randn(tokens, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices.to(torch.int64)
-    weights = torch.rand(tokens, K, device=dev, generator=g)
+    x, topk, weights = random_batch(tokens, H, K, E, 11 + rank, dev)
     lx, ltopk, lw = x[:ll_tokens].contiguous(), topk[:ll_tokens].contiguous(), weights[:ll_tokens].contiguous()
     peer = load_peer(peer_name)
     libraries = {"epcomm": epcomm}

@@ -39,3 +39,21 @@ def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
     assert len(barriers) == 3 + 10  # one per batch, one per synced call: every rank alike
     assert result["host"] < 0.005 and result["gpu"] < 0.005  # not the stalled batch's 5 ms per call
     assert result["synced"] < 0.05
+
+
+def test_back_to_back_hands_every_calls_own_host_time_to_each(monkeypatch):
+    """``back_to_back(..., each=list)`` (scripts/ll_back_to_back.py's host p50 / p90): one entry per
+    call of every batch, the stalled call among them, while host and gpu stay the least batch's."""
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(bench, "dist", types.SimpleNamespace(barrier=lambda: None))
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.05)
+    each = []
+    host, gpu = bench.back_to_back(call, 10, batches=3, each=each)
+    assert len(each) == 30 and max(each) >= 0.05 and sorted(each)[15] < 0.005
+    assert host < 0.005 and gpu < 0.005

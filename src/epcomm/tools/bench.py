@@ -38,12 +38,10 @@ from .bench_tables import low_latency_table, normal_table, plot_normal, with_eve
 BATCHES = 3  # batches of back-to-back calls per point; host and gpu are each the least of them
 
 
-def measure(fn: Callable, reps: int, flush: torch.Tensor, warmup: int = 3, batches: int = BATCHES) -> Dict[str, float]:
-    """host / gpu / synced seconds of ``fn`` (collective: every rank runs the same calls): host and
-    gpu the least over ``batches`` batches of ``reps`` calls back to back, synced the median of
-    single calls."""
-    for _ in range(warmup):
-        fn()
+def back_to_back(fn: Callable, reps: int, batches: int = BATCHES, each: Optional[list] = None):
+    """``(host, gpu)`` seconds per call of ``fn`` (collective: every rank runs the same calls), each
+    the least over ``batches`` batches of ``reps`` calls issued back to back after a barrier.
+    ``each``: a list that also receives every call's own host seconds."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host = gpu = float("inf")
     for _ in range(batches):
@@ -52,12 +50,41 @@ def measure(fn: Callable, reps: int, flush: torch.Tensor, warmup: int = 3, batch
         torch.cuda.synchronize()
         started = time.perf_counter()
         start.record()
-        for _ in range(reps):
-            fn()
+        if each is None:
+            for _ in range(reps):
+                fn()
+        else:
+            previous = started
+            for _ in range(reps):
+                fn()
+                now = time.perf_counter()
+                each.append(now - previous)
+                previous = now
         host = min(host, (time.perf_counter() - started) / reps)
         end.record()
         torch.cuda.synchronize()
         gpu = min(gpu, start.elapsed_time(end) / 1e3 / reps)
+    return host, gpu
+
+
+def random_batch(tokens: int, hidden: int, num_topk: int, num_experts: int, seed: int, device):
+    """A benchmark's batch on ``device``: ``(x, topk_idx, topk_weights)``, bf16 ``[T, H]``, int64
+    ``[T, K]`` distinct experts of ``num_experts``, float32 ``[T, K]``, drawn from ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    scores = torch.randn(tokens, num_experts, device=device, generator=g).abs() + 1
+    topk_idx = scores.topk(num_topk, dim=-1).indices.to(torch.int64)
+    return x, topk_idx, torch.rand(tokens, num_topk, device=device, generator=g)
+
+
+def measure(fn: Callable, reps: int, flush: torch.Tensor, warmup: int = 3, batches: int = BATCHES) -> Dict[str, float]:
+    """host / gpu / synced seconds of ``fn`` (collective: every rank runs the same calls): host and
+    gpu the least over ``batches`` batches of ``reps`` calls back to back, synced the median of
+    single calls."""
+    for _ in range(warmup):
+        fn()
+    host, gpu = back_to_back(fn, reps, batches)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     synced = []
     for _ in range(max(reps // 2, 10)):
         flush.zero_()
@@ -423,10 +450,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
         buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
                                              num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(T, H, R, E))
     reference = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, backend="torch_dist")
-    g = torch.Generator(device=dev).manual_seed(settings.seed * 7919 + rank)
-    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
-    topk_idx = (torch.randn(T, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices.to(torch.int64)
-    topk_weights = torch.rand(T, K, device=dev, generator=g)
+    x, topk_idx, topk_weights = random_batch(T, H, K, E, settings.seed * 7919 + rank, dev)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
 
     def round_trip(buf, expert_out=None):
