@@ -5,7 +5,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--variants serial-combine,tile-reduce,...] [--lanes 8]
                                                     [--phases full,cached,combine,low-latency,full-no-topk]
-                                                    [--entry-loop-reduce] [--ll-tokens 128]
+                                                    [--ll-tokens 128]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
 stage 57, reduce 42 µs on one H200 before the schedule change). For a before/after table, run it
@@ -26,9 +26,7 @@ top-k rows, so beside ``full`` it shows what that check costs the stage.
 
 The ``low-latency`` phase (not among the defaults) times a low-latency round trip's kernels at
 ``--ll-tokens`` per rank, top-8 of 256, FP8 dispatch and BF16 combine, on a low-latency Buffer of
-its own; ``--entry-loop-reduce`` sets its combine's experiment (LowLatencyMode.entry_loop_reduce:
-the receive sums a token's K rows one at a time, where the [K, BLOCK_C] tile splits them over the
-warps at K = 8, whatever the ranks).
+its own.
 """
 import argparse
 import socket
@@ -50,8 +48,6 @@ def main() -> int:
                              "combined here: e.g. serial-combine,tile-reduce)")
     parser.add_argument("--phases", default="full,cached,combine",
                         help="the phases timed, of full, cached, combine, low-latency and full-no-topk (a comma list)")
-    parser.add_argument("--entry-loop-reduce", action="store_true",
-                        help="the low-latency combine's receive summing a token's top-k rows one by one")
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank of the low-latency phase")
     parser.add_argument("--lanes", type=int, default=1,
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
@@ -59,8 +55,6 @@ def main() -> int:
     timed = args.phases.split(",")
     if not set(timed) <= {"full", "cached", "combine", "low-latency", "full-no-topk"}:
         parser.error(f"--phases takes full, cached, combine, low-latency and full-no-topk (got {args.phases})")
-    if args.entry_loop_reduce and "low-latency" not in timed:
-        parser.error("--entry-loop-reduce is the low-latency phase's: add low-latency to --phases")
     import epcomm
     from epcomm.tools.bench import normal_variants, use_normal_variants
     try:
@@ -140,8 +134,6 @@ def _low_latency_round_trip(args, dev, g):
     T, E, K = args.ll_tokens, 256, 8
     ll = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True,
                        num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, args.hidden, 1, E))
-    if args.entry_loop_reduce:
-        ll._backend.low_latency.entry_loop_reduce = True
     x = torch.randn(T, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     topk = (torch.randn(T, E, device=dev, generator=g).abs() + 1).topk(K, dim=-1).indices
     weights = torch.rand(T, K, device=dev, generator=g)

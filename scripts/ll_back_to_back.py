@@ -97,15 +97,13 @@ def _buffer(name: str, peer, tokens: int, H: int, R: int, E: int):
                            num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(tokens, H, R, E))
     size = epcomm.Buffer.get_low_latency_rdma_size_hint(tokens, H, R, E)
     tuning = epcomm.Tuning(ll_one_launch={"one-launch": True, "two-launch": False}.get(name))
-    buffer = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size, tuning=tuning)
-    buffer._backend.low_latency.entry_loop_reduce = name == "entry-loop"
-    return buffer
+    return epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size, tuning=tuning)
 
 
 # --order's names: epcomm's default (Tuning(ll_one_launch=None): one launch per call eagerly, two
-# in a graph), its calls always in one launch or always in two (ll_one_launch=True / False), its
-# entry-loop combine (the bench's --entry-loop-reduce column), and DeepEP V1
-LIBRARIES = ("epcomm", "one-launch", "two-launch", "entry-loop", "deep_ep")
+# in a graph), its calls always in one launch or always in two (ll_one_launch=True / False), and
+# DeepEP V1
+LIBRARIES = ("epcomm", "one-launch", "two-launch", "deep_ep")
 # A name with "+nogc" is measured with Python's cyclic collector off (gc.disable) for its rows.
 
 

@@ -1,10 +1,10 @@
 """The low-latency combine's receive reduce (gpu/low_latency/combine.py, _reduce_tokens) run by
-Triton's interpreter on the CPU, in both forms: the [K_P2, BLOCK_C] tile summed over its entries,
-and ENTRY_LOOP's sum one entry's row at a time. Run as ``TRITON_INTERPRET=1 python
+Triton's interpreter on the CPU: the sum of a token's weighted rows one entry's row at a time. Run
+as ``TRITON_INTERPRET=1 python
 tests/ll_reduce_cases.py`` (the interpreter must be chosen before Triton is imported, hence its own
 process; test_low_latency_reduce.py runs it and compares).
 
-It prints one JSON line per case: the case, and the bits of each form's bf16 rows and of a float32
+It prints one JSON line per case: the case, and the bits of the kernel's bf16 rows and of a float32
 reference (NaN rows where a contribution is lost)."""
 import json
 import sys
@@ -18,15 +18,13 @@ from epcomm.backends.gpu.low_latency.combine import _reduce_tokens
 
 @triton.jit
 def _reduce(topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_ptr, gone_ptr, num_tokens, hidden, num_topk,
-            num_local, num_ranks, shrink, K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr,
-            ENTRY_LOOP: tl.constexpr):
+            num_local, num_ranks, shrink, K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr):
     ranks = tl.arange(0, R_P2)
     gone = tl.load(gone_ptr + ranks, mask=ranks < num_ranks, other=0) != 0
     any_gone = tl.max(gone.to(tl.int32), axis=0) != 0
     slots_address = slots_ptr.to(tl.int64)  # (the kernel takes the slots' address, as its launch passes it)
     _reduce_tokens(tl.program_id(0), tl.num_programs(0), topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address,
-                   num_tokens, hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C,
-                   ENTRY_LOOP)
+                   num_tokens, hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C)
 
 
 # K below K_P2 (masked lanes), several column blocks, invalid ids (-1), a masked rank with and
@@ -53,13 +51,11 @@ def run(ranks, num_topk, hidden, block_c, masked=(), shrink=0, gone=(), tokens=6
     present = valid & (mask[owner] == 0)
     # the slots of entries not received hold whatever an earlier call left (NaN here): never read
     slots[~present.reshape(-1)] = float("nan")
-    results = {}
-    for entry_loop in (False, True):
-        out = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
-        _reduce[(2,)](topk, weights, mask, out, slots, gone_lanes, tokens, hidden, num_topk, num_local,
-                      ranks, shrink, K_P2=triton.next_power_of_2(num_topk), BLOCK_C=block_c,
-                      R_P2=triton.next_power_of_2(ranks), ENTRY_LOOP=entry_loop)
-        results[str(entry_loop)] = out.view(torch.int16).tolist()
+    out = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    _reduce[(2,)](topk, weights, mask, out, slots, gone_lanes, tokens, hidden, num_topk, num_local,
+                  ranks, shrink, K_P2=triton.next_power_of_2(num_topk), BLOCK_C=block_c,
+                  R_P2=triton.next_power_of_2(ranks))
+    results = {"kernel": out.view(torch.int16).tolist()}
     # the reference: float32 sums of the weighted rows of valid entries on unmasked ranks; NaN rows
     # for a token with an entry on a rank gone, or masked without shrink
     lost = valid & ((gone_lanes[owner] != 0) | ((mask[owner] != 0) & (shrink == 0)))

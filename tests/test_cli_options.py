@@ -66,31 +66,29 @@ def test_a_bench_variant_joined_by_plus_sets_each_part_in_one_point():
     assert normal.side_loads_first and not normal.gathered_index and normal.pull_programs_per_sm == 3
 
 
-def test_bench_low_latency_shows_the_entry_loop_beside_the_default_and_deep_ep():
-    """`epcomm bench low-latency --entry-loop-reduce` runs the combine's experiment as a further
-    epcomm column in the same run; the ratio column stays the default's against DeepEP's."""
+def test_bench_low_latency_shows_the_two_launch_column_beside_the_default_and_deep_ep():
+    """`epcomm bench low-latency --two-launch` runs every call in two launches as a further epcomm
+    column in the same run; the ratio column stays the default's against DeepEP's."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    assert parser.parse_args(["low-latency", "--entry-loop-reduce"]).entry_loop_reduce
     assert parser.parse_args(["low-latency", "--two-launch"]).two_launch
-    for option in ("--entry-loop-reduce", "--two-launch"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["normal", option])
-    t, loop = {"host": 2e-5, "gpu": 4e-5, "synced": 5e-5}, {"host": 1e-5, "gpu": 2e-5, "synced": 2e-5}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["normal", "--two-launch"])
+    t, two = {"host": 2e-5, "gpu": 4e-5, "synced": 5e-5}, {"host": 1e-5, "gpu": 2e-5, "synced": 2e-5}
     peer = {"host": 2e-5, "gpu": 3e-5, "synced": 4e-5}
     result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "checks": {}, "decode_loop": {},
-              "rows": [{"call": "low_latency_combine", "epcomm": t, "epcomm entry-loop": loop, "deep_ep": peer}],
-              "kernels_us_per_round_trip": {"epcomm": [], "epcomm entry-loop": [], "deep_ep": []},
+              "rows": [{"call": "low_latency_combine", "epcomm": t, "epcomm two-launch": two, "deep_ep": peer}],
+              "kernels_us_per_round_trip": {"epcomm": [], "epcomm two-launch": [], "deep_ep": []},
               "settings": {"tokens": 128, "hidden": 7168, "num_topk": 8, "num_experts": 256}}
     table = bench.low_latency_table(result)
     header, row = table.splitlines()[2:4]
-    assert "epcomm entry-loop h/g/s" in header and header.index("epcomm entry-loop") < header.index("deep_ep h/g/s")
+    assert "epcomm two-launch h/g/s" in header and header.index("epcomm two-launch") < header.index("deep_ep h/g/s")
     assert row.split()[-5:] == ["1.00", "/", "1.33", "/", "1.25"]  # epcomm ÷ deep_ep
     # any experiment's column shows, in the run's order (2026-11-28f: one was in the JSON only)
-    result["rows"][0]["epcomm other"] = loop
+    result["rows"][0]["epcomm other"] = two
     result["kernels_us_per_round_trip"]["epcomm other"] = []
     header = bench.low_latency_table(result).splitlines()[2]
-    assert header.index("epcomm entry-loop") < header.index("epcomm other") < header.index("deep_ep h/g/s")
+    assert header.index("epcomm two-launch") < header.index("epcomm other") < header.index("deep_ep h/g/s")
 
 
 def test_bench_normal_can_run_deep_ep_on_its_own_recommended_configs():

@@ -64,7 +64,7 @@ def _cases():
     for (send, receive), wait_stats, al in itertools.product([(True, True), (True, False), (False, True)],
                                                              [False, True], [False, True]):
         yield L.COMBINE, dict(SEND=send, RECEIVE=receive, HAS_WAIT_STATS=wait_stats, BLOCK_W=2048, K_P2=8,
-                              BLOCK_C=1024, R_P2=8, ALIGNED=al, REMOTE=0, ENTRY_LOOP=wait_stats != al), 8
+                              BLOCK_C=1024, R_P2=8, ALIGNED=al, REMOTE=0), 8
 
 
 def _access_widths(spec, constexprs, num_warps):
@@ -128,7 +128,7 @@ def test_low_latency_kernels_with_far_peers_compile(remote):
         assert ("nvshmemx_putmem_nbi_block" in compiled.asm["ptx"]) == (remote == 1 and send)
     for send, receive in ((True, False), (False, True), (True, True)):
         compiled = L.COMBINE.compile(dict(SEND=send, RECEIVE=receive, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8,
-                                          BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=remote, ENTRY_LOOP=False), 8,
+                                          BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=remote), 8,
                                      target=target,
                                      **options)
         assert ("nvshmemx_signal_op" in compiled.asm["ptx"]) == (remote == 1 and send)
@@ -143,7 +143,7 @@ def test_low_latency_kernels_with_far_peers_compile(remote):
 def test_nvlink_kernels_hold_no_nvshmem_call():
     target = GPUTarget("cuda", 90, 32)
     ptx = L.COMBINE.compile(dict(SEND=True, RECEIVE=False, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024,
-                                 R_P2=8, ALIGNED=False, REMOTE=0, ENTRY_LOOP=False), 8, target=target).asm["ptx"]
+                                 R_P2=8, ALIGNED=False, REMOTE=0), 8, target=target).asm["ptx"]
     assert "nvshmem" not in ptx
 
 
@@ -185,9 +185,9 @@ def test_nvshmem_backend_channel_limit():
                       BLOCK_E=256, HAS_STATS=False, HAS_WAIT_STATS=False, BLOCK_X=1024, BLOCK_S=64, BLOCK_M=4,
                       R_P2=2, REMOTE=0), 8),
     (L.COMBINE, dict(SEND=True, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=2,
-                     REMOTE=0, ENTRY_LOOP=False), 8),
+                     REMOTE=0), 8),
     (L.COMBINE, dict(SEND=False, RECEIVE=True, HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=8,
-                     REMOTE=0, ENTRY_LOOP=True), 8),
+                     REMOTE=0), 8),
 ], ids=lambda v: v.name if hasattr(v, "name") else None)
 def test_aligned_copies_use_16_byte_accesses(spec, constexprs, num_warps):
     def wide(counts):  # vector accesses

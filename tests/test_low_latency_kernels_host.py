@@ -235,8 +235,7 @@ def test_the_combine_kernel_writes_nan_rows_for_lost_contributions():
     """The receive phase's reduction has a NaN path (a token with an entry on a rank that was late
     without shrink, in another call, or with another fingerprint); the send phase has none."""
     from triton.backends.compiler import GPUTarget
-    flags = dict(HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=0,
-                 ENTRY_LOOP=False)
+    flags = dict(HAS_WAIT_STATS=False, BLOCK_W=2048, K_P2=8, BLOCK_C=1024, R_P2=8, ALIGNED=False, REMOTE=0)
     receive = L.COMBINE.compile(dict(SEND=False, RECEIVE=True, **flags), 8, target=GPUTarget("cuda", 90, 32))
     send = L.COMBINE.compile(dict(SEND=True, RECEIVE=False, **flags), 8, target=GPUTarget("cuda", 90, 32))
     assert "0x7FC00000" in receive.asm["ttir"] and "0x7FC00000" not in send.asm["ttir"]

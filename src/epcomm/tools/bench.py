@@ -361,9 +361,6 @@ class LowLatencyBenchSettings:
     seed: int = 0
     ranks_per_node: int = 0  # > 0: epcomm on nvshmem over virtual nodes, beside nvlink on one node
     decode_pairs: int = 100  # iterations of the decode-loop row
-    # one node: a further epcomm column, "epcomm entry-loop", its combine's receive summing a token's
-    # K rows one at a time (LowLatencyMode.entry_loop_reduce, low_latency/combine.py ENTRY_LOOP)
-    entry_loop_reduce: bool = False
     # one node: a further epcomm column, "epcomm two-launch", every call's phases in two launches
     # (Tuning(ll_one_launch=False)) where the default runs an eager call in one
     two_launch: bool = False
@@ -439,9 +436,6 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
             checks[f"nvlink beside nvshmem ({type(exc).__name__}: {str(exc)[:120]})"] = False
     else:
         buffers = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)}
-        if settings.entry_loop_reduce:  # the experiment beside the default, in the same run
-            buffers["epcomm entry-loop"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size)
-            buffers["epcomm entry-loop"]._backend.low_latency.entry_loop_reduce = True
         if settings.two_launch:
             buffers["epcomm two-launch"] = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, num_rdma_bytes=size,
                                                          tuning=epcomm.Tuning(ll_one_launch=False))
@@ -628,9 +622,6 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
                                  "and put, as between hosts)")
     if not normal:
-        parser.add_argument("--entry-loop-reduce", action="store_true",
-                            help="one node: a further epcomm column in the same run, the combine's receive summing "
-                                 "a token's top-k rows one at a time (an experiment, off by default)")
         parser.add_argument("--two-launch", action="store_true",
                             help="one node: a further epcomm column in the same run, every call's send and receive "
                                  "phases in two launches (the default runs an eager call in one)")
@@ -651,12 +642,11 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
                                            peer=args.peer, ranks_per_node=args.ranks_per_node,
-                                           entry_loop_reduce=args.entry_loop_reduce, two_launch=args.two_launch)
-        for option, asked in (("--entry-loop-reduce", args.entry_loop_reduce), ("--two-launch", args.two_launch)):
-            if asked and args.ranks_per_node:
-                print(f"{option} is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
-                      file=sys.stderr)
-                return 2
+                                           two_launch=args.two_launch)
+        if args.two_launch and args.ranks_per_node:
+            print("--two-launch is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
+                  file=sys.stderr)
+            return 2
         result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -56,21 +56,19 @@ def _push_rows(l, s, x_ptr, layout_ptr, slot_info_ptr, mask_ptr, bases_ptr, num_
 
 @triton.jit
 def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens, hidden,
-                   num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2: tl.constexpr, BLOCK_C: tl.constexpr,
-                   ENTRY_LOOP: tl.constexpr):
+                   num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[t] = Σ_k w[t, k] · slot(t, k) in float32 over entries whose expert id is valid and
     whose rank is not masked, for this program's tokens. A token with an entry whose contribution
     did not land is a NaN row instead: an entry on a rank in ``gone`` ([R_P2] lanes: found in
     another call, or with another fingerprint; ``any_gone``: any lane set) or, without ``shrink``,
     on a masked rank (a late one: without enable_shrink nothing else is masked).
 
-    ENTRY_LOOP (an experiment, off by default: LowLatencyMode.entry_loop_reduce): the sum over
-    entries one [BLOCK_C] row at a time, in k order, unrolled so every entry's load is in flight at
-    once; each entry's weight and presence are taken from the token's [K_P2] vectors, which every
-    warp holds whole (shuffles, no barrier). The [K_P2, BLOCK_C] tile splits its entries over the
-    warps at K = 8, and its sum meets them through shared memory per column block (the one-node
-    reduce's tile did the same at 8 ranks: 4.8x slower there). The float32 order differs (k order,
-    against the tile's tree)."""
+    The sum runs over the entries one [BLOCK_C] row at a time, in k order, unrolled so every
+    entry's load is in flight at once; each entry's weight and presence are taken from the token's
+    [K_P2] vectors, which every warp holds whole (shuffles, no barrier), so the column loop never
+    meets the other warps. A [K_P2, BLOCK_C] tile summed over its entries splits them over the warps
+    at K = 8 and meets them through shared memory per column block: its round trip took 6–7 µs more
+    in one CUDA graph at 2 and 4 ranks (performance-log, 2026-11-28h)."""
     slots = ptr_at(slots_address, tl.bfloat16, True)  # slots are 16-byte aligned, hidden % 128 == 0
     ks = tl.arange(0, K_P2)
     cols = tl.arange(0, BLOCK_C)
@@ -88,21 +86,15 @@ def _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, 
         token_lost = tl.max(lost.to(tl.int32), axis=0) != 0
         present = valid & (masked == 0)
         weight = tl.load(weights_ptr + t64 * num_topk + ks, mask=present, other=0.0)
-        slot = t64 * num_topk + ks
         for c0 in range(0, hidden, BLOCK_C):
             c = c0 + cols
             cm = c < hidden
-            if ENTRY_LOOP:
-                acc = tl.zeros([BLOCK_C], tl.float32)
-                for k in tl.static_range(K_P2):
-                    here = tl.max(tl.where(ks == k, present.to(tl.int32), 0), axis=0) != 0
-                    w = tl.sum(tl.where(ks == k, weight, 0.0), axis=0)
-                    row = tl.load(slots + (t64 * num_topk + k) * hidden + c, mask=cm & here, other=0.0)
-                    acc += row.to(tl.float32) * w
-            else:
-                rows = tl.load(slots + slot[:, None] * hidden + c[None, :], mask=present[:, None] & cm[None, :],
-                               other=0.0)
-                acc = tl.sum(rows.to(tl.float32) * weight[:, None], axis=0)
+            acc = tl.zeros([BLOCK_C], tl.float32)
+            for k in tl.static_range(K_P2):
+                here = tl.max(tl.where(ks == k, present.to(tl.int32), 0), axis=0) != 0
+                w = tl.sum(tl.where(ks == k, weight, 0.0), axis=0)
+                row = tl.load(slots + (t64 * num_topk + k) * hidden + c, mask=cm & here, other=0.0)
+                acc += row.to(tl.float32) * w
             acc = tl.where(token_lost, float("nan"), acc)  # no plausible row for a lost contribution
             tl.store(out_ptr + t64 * hidden + c, acc.to(tl.bfloat16), mask=cm)
 
@@ -155,10 +147,9 @@ def ep_ll_combine(
                   # meta-parameters
                   SEND: tl.constexpr, RECEIVE: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, BLOCK_W: tl.constexpr,
                   K_P2: tl.constexpr, BLOCK_C: tl.constexpr, R_P2: tl.constexpr, ALIGNED: tl.constexpr,
-                  REMOTE: tl.constexpr, ENTRY_LOOP: tl.constexpr):
+                  REMOTE: tl.constexpr):
     # One launch holds both phases only as a cooperative grid, all resident (see ep_ll_dispatch).
     # Rows are a multiple of 16 bytes (hidden % 128 == 0); ALIGNED: x and out are 16-byte aligned.
-    # ENTRY_LOOP: _reduce_tokens.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     hidden = multiple(hidden, 128, True)
@@ -219,7 +210,7 @@ def ep_ll_combine(
         # (a vote: each warp reduced its own readings, and the branch it guards meets the other warps)
         any_gone = cta_any(tl.max(gone.to(tl.int32), axis=0)) != 0
         _reduce_tokens(pid, num_programs, topk_ptr, weights_ptr, mask_ptr, out_ptr, slots_address, num_tokens,
-                       hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C, ENTRY_LOOP)
+                       hidden, num_topk, num_local, num_ranks, shrink, gone, any_gone, K_P2, BLOCK_C)
 
 
 COMBINE = KernelSpec(ep_ll_combine, aligned_if={"ALIGNED": ["x_ptr", "out_ptr"]}, **FAR_LIBRARY)

@@ -139,19 +139,6 @@ class LowLatencyMode:
         # Auto's one launch needs a cooperative launch (all programs resident, or refused): Triton's
         # own launcher (launch.py's fallback) has none, so auto takes two launches there.
         self._cooperative = launch_mode() == "bound"
-        self._entry_loop_reduce = False
-
-    @property
-    def entry_loop_reduce(self) -> bool:
-        """An experiment for a lease (off by default; low_latency/combine.py, ENTRY_LOOP): the combine's
-        receive sums a token's top-k rows one row at a time, nothing meeting the other warps, where
-        the [K, BLOCK_C] tile splits its entries over the warps. Setting it drops the combine plans."""
-        return self._entry_loop_reduce
-
-    @entry_loop_reduce.setter
-    def entry_loop_reduce(self, value: bool) -> None:
-        self._entry_loop_reduce = bool(value)
-        self._combine_plans = {}
 
     def _two_launches(self, hook: bool) -> bool:
         """Whether this call runs its phases as two launches (see ``one_launch``). Auto asks about
@@ -295,7 +282,7 @@ class LowLatencyMode:
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2,
-                                  REMOTE=self.remote, ENTRY_LOOP=self.entry_loop_reduce)
+                                  REMOTE=self.remote)
         per_half = []
         for half in (0, 1):
             half_offset = self.ws.ll_offset + half * self.ws.ll_half
