@@ -365,7 +365,9 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
         if worst:
             assert (f_recv[1][n:] == -1).all(), f"{what}: padding rows"
         assert f_recv[3] == r_recv[3], f"{what}: per-expert counts"
-        assert torch.equal(f_recv[4][0], r_recv[4][0]), f"{what}: rank_prefix_matrix"
+        # (by name: DeepEP's field order differs across nodes, where handle[0] is is_token_in_rank)
+        assert torch.equal(f_recv[4].rank_prefix_matrix, r_recv[4].rank_prefix_matrix), f"{what}: rank_prefix_matrix"
+        assert torch.equal(f_recv[4].is_token_in_rank, r_recv[4].is_token_in_rank), f"{what}: is_token_in_rank"
         assert torch.equal(f_recv[4].recv_src_idx[:n], r_recv[4].recv_src_idx[:n]), f"{what}: recv_src_idx"
         torch.testing.assert_close(f_comb[0], r_comb[0], rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: combine {m}")
         torch.testing.assert_close(f_comb[1], r_comb[1], rtol=1e-5, atol=1e-5)
