@@ -10,6 +10,7 @@ import torch
 import handle_cases
 from epcomm.handle import INTERNODE_FIELDS, INTRANODE_FIELDS, DispatchHandle, LowLatencyHandle, channel_prefix, \
     channel_slots
+from epcomm.testing.sweeps import assert_same_handle
 
 
 def _handle(num_tokens=10, R=4, seed=0, rank=1):
@@ -44,6 +45,18 @@ def test_a_handle_across_nodes_has_deep_eps_ten_fields_in_order():
     assert handle[7].dtype == torch.uint8 and handle[7].shape == (handle.recv_src_idx.shape[0], 8)
     sources = torch.searchsorted(handle.rank_prefix_matrix[:, 2].long(), torch.arange(meta.shape[0]), right=True)
     assert torch.equal(meta[:, 0].long(), sources // 2) and (meta[:, 1] == 1).all()  # rank 2: bit 0 of node 1
+
+
+def test_handles_of_the_same_dispatch_compare_equal_across_layouts():
+    """The GPU suite's check of a virtual-nodes dispatch against the one-node reference
+    (sweeps.assert_same_handle) compares fields by name: the two handles' [0] differ in meaning."""
+    one_node = _handle(R=4, rank=2).laid_out(rank=2, ranks_per_node=4, num_channels=2)
+    across = _handle(R=4, rank=2).laid_out(rank=2, ranks_per_node=1, num_channels=2)
+    assert one_node[0] is one_node.rank_prefix_matrix and across[0] is across.is_token_in_rank
+    assert_same_handle(across, one_node, "virtual nodes")
+    other = _handle(R=4, rank=2, seed=1).laid_out(rank=2, ranks_per_node=4, num_channels=2)
+    with pytest.raises(AssertionError, match="rank_prefix_matrix"):
+        assert_same_handle(other, one_node)
 
 
 def test_channel_fields_follow_deep_eps_channel_split():

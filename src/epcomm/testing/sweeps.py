@@ -317,6 +317,17 @@ def _valid_rows(payload, n):
     return payload[:n]
 
 
+def assert_same_handle(got, want, what: str = "") -> None:
+    """Two dispatches' handles hold the same layout: rank_prefix_matrix, is_token_in_rank and the
+    received rows' recv_src_idx, compared by name. (Not by index: a handle across nodes is DeepEP's
+    internode tuple, whose ``[0]`` is is_token_in_rank, where a one-node handle's is
+    rank_prefix_matrix; comparing ``[0]`` failed every virtual-nodes run against a one-node reference.)"""
+    n = int(want.num_recv_tokens)
+    for name in ("rank_prefix_matrix", "is_token_in_rank"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{what}: {name}"
+    assert torch.equal(got.recv_src_idx[:n], want.recv_src_idx[:n]), f"{what}: recv_src_idx"
+
+
 def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats: int = 1, ranks_per_node: int = 0):
     """For each (scenario, tokens, hidden, use_fp8, num_worst) config: nvlink (or, with
     ``ranks_per_node``, nvshmem on virtual nodes) == torch_dist on the same inputs — bitwise for
@@ -365,10 +376,7 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
         if worst:
             assert (f_recv[1][n:] == -1).all(), f"{what}: padding rows"
         assert f_recv[3] == r_recv[3], f"{what}: per-expert counts"
-        # (by name: DeepEP's field order differs across nodes, where handle[0] is is_token_in_rank)
-        assert torch.equal(f_recv[4].rank_prefix_matrix, r_recv[4].rank_prefix_matrix), f"{what}: rank_prefix_matrix"
-        assert torch.equal(f_recv[4].is_token_in_rank, r_recv[4].is_token_in_rank), f"{what}: is_token_in_rank"
-        assert torch.equal(f_recv[4].recv_src_idx[:n], r_recv[4].recv_src_idx[:n]), f"{what}: recv_src_idx"
+        assert_same_handle(f_recv[4], r_recv[4], what)
         torch.testing.assert_close(f_comb[0], r_comb[0], rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: combine {m}")
         torch.testing.assert_close(f_comb[1], r_comb[1], rtol=1e-5, atol=1e-5)
         checked += 1
