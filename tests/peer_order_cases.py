@@ -1,9 +1,9 @@
 """The peer orders of the low-latency kernels and of the two-level mode's hops (DESIGN's scale
 rule), run by Triton's interpreter on the CPU: run as ``TRITON_INTERPRET=1 python
 tests/peer_order_cases.py`` (the interpreter must be chosen before Triton is imported, hence its own
-process; test_peer_order.py runs it). The kernels' own device functions: ``peer_after`` (both
-packages' copies), the low-latency count release's ``expert_after``, and the hop-2 kernels'
-``hop2_program``.
+process; test_peer_order.py runs it). The kernels' own device functions: ``peer_after``
+(gpu/walk.py, the walk both packages take), the low-latency count release's ``expert_after``, and
+the hop-2 kernels' ``hop2_program``.
 
 Prints one JSON object: per case, what each rank's programs map to."""
 import json
@@ -14,21 +14,16 @@ import triton
 import triton.language as tl
 
 from epcomm.backends.gpu.low_latency.dispatch import expert_after
-from epcomm.backends.gpu.low_latency.dispatch import peer_after as ll_peer_after
 from epcomm.backends.gpu.normal.two_level.channels import hop2_program
-from epcomm.backends.gpu.normal.two_level.channels import peer_after as two_level_peer_after
+from epcomm.backends.gpu.walk import peer_after
 
 
 @triton.jit
-def _walks(out_ptr, n, steps, I_P2: tl.constexpr, TWO_LEVEL: tl.constexpr):
+def _walks(out_ptr, n, steps, I_P2: tl.constexpr):
     """Program ``me``: the first ``steps`` places of its walk."""
     me = tl.program_id(0)
     i = tl.arange(0, I_P2)
-    if TWO_LEVEL:
-        peers = two_level_peer_after(i, me, n)
-    else:
-        peers = ll_peer_after(i, me, n)
-    tl.store(out_ptr + me * steps + i, peers, mask=i < steps)
+    tl.store(out_ptr + me * steps + i, peer_after(i, me, n), mask=i < steps)
 
 
 @triton.jit
@@ -54,9 +49,9 @@ def _hop2(peer_bases_ptr, out_ptr, rank, ranks_per_node):
     tl.store(row + 4, base)
 
 
-def walks(n, steps, two_level):
+def walks(n, steps):
     out = torch.full((n, steps), -1, dtype=torch.int32)
-    _walks[(n,)](out, n, steps, I_P2=triton.next_power_of_2(steps), TWO_LEVEL=two_level)
+    _walks[(n,)](out, n, steps, I_P2=triton.next_power_of_2(steps))
     return out.tolist()
 
 
@@ -77,8 +72,7 @@ def hop2(num_ranks, ranks_per_node, channels):
     return per_rank
 
 
-WALKS = [dict(n=n, steps=steps, two_level=two_level) for n in (1, 2, 3, 8) for steps in (n, 3 * n)
-         for two_level in (False, True)]
+WALKS = [dict(n=n, steps=steps) for n in (1, 2, 3, 8) for steps in (n, 3 * n)]
 EXPERTS = [dict(num_local=2, num_ranks=4, block_e=4), dict(num_local=8, num_ranks=16, block_e=32),
            dict(num_local=3, num_ranks=5, block_e=8)]
 HOP2 = [dict(num_ranks=8, ranks_per_node=4, channels=2), dict(num_ranks=16, ranks_per_node=8, channels=1),

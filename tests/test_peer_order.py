@@ -19,7 +19,7 @@ def orders():
 
 
 def test_peer_after_starts_each_rank_on_the_next_and_keeps_the_ranks_on_different_peers(orders):
-    """Both copies (low_latency/dispatch.py, two_level/channels.py): rank r's walk is r + 1, r + 2,
+    """gpu/walk.py's walk (the low-latency kernels', the two-level hops'): rank r's walk is r + 1, r + 2,
     ... (mod n), each peer once per n steps, and at every step the n ranks are on n different peers."""
     for entry in orders["walks"]:
         n, steps = entry["case"]["n"], entry["case"]["steps"]
@@ -34,7 +34,7 @@ def test_peer_after_starts_each_rank_on_the_next_and_keeps_the_ranks_on_differen
 def test_low_latency_combine_pushes_to_the_same_homes_as_before(orders):
     """ep_ll_combine's send items (local expert l, home peer_after(item, rank, R)): the rotation
     it had inline, (item + rank + 1) % R, over items of several experts (item = l * R + i)."""
-    entry = next(e for e in orders["walks"] if e["case"] == dict(n=8, steps=24, two_level=False))
+    entry = next(e for e in orders["walks"] if e["case"] == dict(n=8, steps=24))
     for rank, walk in enumerate(entry["walks"]):
         assert walk == [(item + rank + 1) % 8 for item in range(24)]
 

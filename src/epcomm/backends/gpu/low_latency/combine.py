@@ -14,8 +14,8 @@ from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_
                           release_words, same_node)
 from ..sync import (arrive, fingerprint_half, fingerprints_settled, live_peers, mailbox_words,
                     poll_epochs_or_other_call, record_elsewhere, report_late)
+from ..walk import peer_after
 from ..warps import cta_any
-from .dispatch import peer_after
 
 
 # ====================================================================== combine

@@ -14,21 +14,13 @@ from ..reach.modes import (FAR_LIBRARY, far_complete, far_send_bytes, post_call_
                           release_words, same_node)
 from ..sync import (FP_ROW, arrive, fingerprint_half, fingerprints_settled, mailbox_words, poll_epochs_or_other_call,
                     record_elsewhere, report_dropped, report_late)
+from ..walk import peer_after
 
 # Messages the dispatch's receive phase packs per step.
 LL_PULL_MESSAGES = 4
 
 
 # ====================================================================== dispatch
-@triton.jit
-def peer_after(i, me, n):
-    """The ``i``-th of ``n`` ranks in a walk that starts on the one after ``me``: ``(me + 1 + i) % n``
-    (DESIGN's scale rule; gpu/normal/two_level/channels.py walks its hops the same way). A
-    bijection of ``0..n-1`` for each ``me``, and at each ``i`` the ranks are all on different
-    peers: a rank-order walk would have put every rank on peer ``i`` at once."""
-    return (me + 1 + i) % n
-
-
 @triton.jit
 def expert_after(walk, rank, num_local, num_ranks):
     """The expert at place ``walk`` of ``rank``'s walk over all experts: the experts of the rank

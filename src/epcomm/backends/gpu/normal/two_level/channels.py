@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ...reach.modes import far_complete, far_deliver, far_send_bytes
 from ...sync import arrive, store_release_sys
+from ...walk import peer_after
 from .areas import MAX_CHANNELS
 
 # Signal and flag words are indexed [node][channel] with this stride whatever the call's channel
@@ -22,15 +23,6 @@ def channel_range(prefix_row, c):
     """``[lo, hi)`` of channel ``c`` from an inclusive prefix row over channels."""
     lo = tl.load(prefix_row + c - 1, mask=c > 0, other=0)
     return lo, tl.load(prefix_row + c)
-
-
-@triton.jit
-def peer_after(i, me, n):
-    """The ``i``-th of ``n`` peers in a walk that starts on the one after ``me``: ``(me + 1 + i) % n``
-    (DESIGN's scale rule). For each ``me`` it is a bijection of ``0..n-1``, and at each ``i`` the
-    ``n`` values of ``me`` give ``n`` different peers: where every rank took peer ``i`` at step ``i``
-    (a rank-order walk), all of them loaded one GPU's links at once while the others idled."""
-    return (me + 1 + i) % n
 
 
 @triton.jit
