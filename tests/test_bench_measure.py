@@ -57,3 +57,23 @@ def test_back_to_back_hands_every_calls_own_host_time_to_each(monkeypatch):
     host, gpu = bench.back_to_back(call, 10, batches=3, each=each)
     assert len(each) == 30 and max(each) >= 0.05 and sorted(each)[15] < 0.005
     assert host < 0.005 and gpu < 0.005
+
+
+def test_every_column_is_measured_before_any_columns_kernels_are_profiled():
+    """The low-latency bench profiles kernels (torch.profiler) only after every column and the NCCL
+    baseline were timed: a profile can leave later launches slower on the host, and a column timed
+    after another's profile would carry that (each column was profiled right after its own timing)."""
+    events = []
+
+    def column(name):
+        def measure_it():
+            events.append(("measure", name))
+            return lambda: name
+        return measure_it
+
+    kernels = bench.profiled_last({"epcomm": column("epcomm"), "deep_ep": column("deep_ep")},
+                                  lambda fn: events.append(("profile", fn())) or [fn()],
+                                  then=lambda: events.append(("measure", "nccl")))
+    assert events == [("measure", "epcomm"), ("measure", "deep_ep"), ("measure", "nccl"),
+                      ("profile", "epcomm"), ("profile", "deep_ep")]
+    assert kernels == {"epcomm": ["epcomm"], "deep_ep": ["deep_ep"]}

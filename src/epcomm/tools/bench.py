@@ -20,6 +20,7 @@ epcomm itself never imports ``deep_ep``; only this benchmark's ``--peer deep_ep`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -410,6 +411,17 @@ def _kernel_times(fn, repeats: int = 5):
     return sorted(kernels, reverse=True)[:8]
 
 
+def profiled_last(columns: Dict[str, Callable[[], Callable]], kernel_times: Callable[[Callable], list],
+                  then: Optional[Callable[[], None]] = None) -> Dict[str, list]:
+    """Every column measured (``columns[name]()`` returns the call to profile), then ``then()``, and
+    only then each column's ``kernel_times``: a torch.profiler session (CUPTI) can leave later
+    launches slower on the host (until 2026-11-28h every column but the first was timed after one)."""
+    measured = {name: column() for name, column in columns.items()}
+    if then is not None:
+        then()
+    return {name: kernel_times(fn) for name, fn in measured.items()}
+
+
 def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     """LL dispatch (FP8) / combine (BF16) / round trip eager and in a CUDA graph, beside the NCCL
     baseline and the peer, checked against the torch_dist reference backend on the same data."""
@@ -454,9 +466,10 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
 
     want = round_trip(reference)
     rows: Dict[str, Dict] = {}
-    kernels: Dict[str, list] = {}
     decode_loop: Dict[str, Dict[str, float]] = {}
-    for name, buffer in buffers.items():
+
+    def measure_column(name, buffer):
+        """The column's rows, decode loop and graph; returns its eager round trip (for its kernels)."""
         out = round_trip(buffer)
         error = float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
         checks[f"{name} round trip vs reference (rel. error {error:.1e})"] = error < 1e-2
@@ -481,13 +494,18 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
                 measure(timed.replay, settings.reps, flush)
         except Exception as exc:  # reported, not hidden
             checks[f"{name} graph capture ({type(exc).__name__}: {str(exc)[:120]})"] = False
-        kernels[name] = _kernel_times(lambda: round_trip(buffer, expert_out))
-    in_rank = torch.zeros(T, R, dtype=torch.bool, device=dev)
-    in_rank.scatter_(1, topk_idx // (E // R), True)
-    baseline = NCCLBaseline(x, in_rank)
-    base_recv = baseline.dispatch()
-    rows["low_latency_dispatch"]["nccl"] = measure(baseline.dispatch, settings.reps, flush)
-    rows["low_latency_combine"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
+        return lambda: round_trip(buffer, expert_out)
+
+    def measure_nccl():  # (the baseline's rows, also before any profile)
+        in_rank = torch.zeros(T, R, dtype=torch.bool, device=dev)
+        in_rank.scatter_(1, topk_idx // (E // R), True)
+        baseline = NCCLBaseline(x, in_rank)
+        base_recv = baseline.dispatch()
+        rows["low_latency_dispatch"]["nccl"] = measure(baseline.dispatch, settings.reps, flush)
+        rows["low_latency_combine"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
+
+    columns = {name: functools.partial(measure_column, name, buffer) for name, buffer in buffers.items()}
+    kernels = profiled_last(columns, _kernel_times, then=measure_nccl)
     ok = torch.tensor([int(all(v for k, v in checks.items() if k.startswith("epcomm")))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     second = settings.peer if peer is not None else "nvlink" if "nvlink" in buffers else None
