@@ -17,9 +17,11 @@ library and mode, medians over the steady round trips (the first ``--skip`` drop
 
 Run on a machine with 2+ GPUs: ``python3 scripts/ll_back_to_back.py [--order epcomm,deep_ep,epcomm]
 [--tokens 128]`` (DeepEP's wheel importable for ``deep_ep``). ``host`` and ``gpu`` are the
-bench's columns for the same calls, unprofiled.
+bench's columns for the same calls, unprofiled: every place in ``--order`` is timed before any
+place's kernels are recorded (a profile can leave later launches slower on the host).
 """
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -109,18 +111,17 @@ LIBRARIES = ("epcomm", "one-launch", "two-launch", "deep_ep")
 
 def rank_main(order, tokens, round_trips, skip):
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import _capture, load_peer, random_batch
+    from epcomm.tools.bench import _capture, load_peer, profiled_last, random_batch
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256
     x, topk, weights = random_batch(tokens, H, K, E, 5 + rank, dev)
     peer = load_peer("deep_ep") if "deep_ep" in order else None
     made = {}  # name: (round trip, its graph): one Buffer per name, so a repeat differs only by its place
-    rows = []
-    for position, name in enumerate(order):
-        name, _, suffix = name.partition("+")
-        if name == "deep_ep" and peer is None:
-            continue
+    timed = {}  # (position, mode): the unprofiled figures
+
+    def time_one(position, name, mode, nogc):
+        """The unprofiled figures of ``name`` at ``position`` in ``mode``; returns the call to profile."""
         if name not in made:
             buffer = _buffer(name, peer, tokens, H, R, E)
             recv, _, _, _, _ = buffer.low_latency_dispatch(x, topk, tokens, E, use_fp8=True)
@@ -132,24 +133,38 @@ def rank_main(order, tokens, round_trips, skip):
             for _ in range(5):
                 round_trip()
             made[name] = (round_trip, _capture(round_trip)[0])
-        round_trip, graph = made[name]
-        dispatch_key = "dispatch<" if name == "deep_ep" else "ep_ll_dispatch"
-        for mode, fn in (("eager", round_trip), ("graph", graph.replay)):
-            if suffix == "nogc":
-                gc.disable()
-            timed = _timed(fn, round_trips)
-            gc.enable()
-            trips = _round_trips(_kernels(fn, round_trips), dispatch_key)
-            gathered = [None] * R
-            dist.all_gather_object(gathered, (dict(_steady(trips, skip), **timed),
-                                              [t[0][0] for t in trips]))
-            if rank == 0:
-                spread = [(max(s[i] for _, s in gathered) - min(s[i] for _, s in gathered)) / 1e3
-                          for i in range(skip, min(len(s) for _, s in gathered))]
-                rows.append((f"{position}:{name}{'+' + suffix if suffix else ''}", mode, [g[0] for g in gathered],
-                             statistics.median(spread) if spread else float("nan")))
+        fn = made[name][0] if mode == "eager" else made[name][1].replay
+        if nogc:
+            gc.disable()
+        timed[position, mode] = _timed(fn, round_trips)
+        gc.enable()
         torch.cuda.synchronize()
         dist.barrier()
+        return fn
+
+    places = {}  # (position, mode): the row's label and its dispatch kernel's name
+    columns = {}
+    for position, entry in enumerate(order):
+        name, _, suffix = entry.partition("+")
+        if name == "deep_ep" and peer is None:
+            continue
+        for mode in ("eager", "graph"):
+            places[position, mode] = (f"{position}:{entry}", "dispatch<" if name == "deep_ep" else "ep_ll_dispatch")
+            columns[position, mode] = functools.partial(time_one, position, name, mode, suffix == "nogc")
+    # every place timed first, then every place's kernels recorded (bench.profiled_last: a profile
+    # can leave later launches slower on the host)
+    kernels = profiled_last(columns, lambda fn: _kernels(fn, round_trips))
+    rows = []
+    for (position, mode), recorded in kernels.items():
+        label, dispatch_key = places[position, mode]
+        trips = _round_trips(recorded, dispatch_key)
+        gathered = [None] * R
+        dist.all_gather_object(gathered, (dict(_steady(trips, skip), **timed[position, mode]),
+                                          [t[0][0] for t in trips]))
+        if rank == 0:
+            spread = [(max(s[i] for _, s in gathered) - min(s[i] for _, s in gathered)) / 1e3
+                      for i in range(skip, min(len(s) for _, s in gathered))]
+            rows.append((label, mode, [g[0] for g in gathered], statistics.median(spread) if spread else float("nan")))
     return rows
 
 
