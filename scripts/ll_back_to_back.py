@@ -106,7 +106,7 @@ def _buffer(name: str, peer, tokens: int, H: int, R: int, E: int):
 # in a graph), its calls always in one launch or always in two (ll_one_launch=True / False), and
 # DeepEP V1
 LIBRARIES = ("epcomm", "one-launch", "two-launch", "deep_ep")
-# A name with "+nogc" is measured with Python's cyclic collector off (gc.disable) for its rows.
+# A name with "+nogc" is timed with Python's cyclic collector off (gc.disable): its host and gpu columns.
 
 
 def rank_main(order, tokens, round_trips, skip):

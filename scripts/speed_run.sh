@@ -19,7 +19,8 @@
 #                log and limit FUNCTIONS_LIMIT_S, default 180 s; it does not fail the part) and both
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   trace        the pulls' items on the kernel clock (scripts/trace_items.py): a full dispatch's pull
-#                in turn beside a cached dispatch's one launch, per rank, at TRACE_TOKENS (default 4096)
+#                in turn beside a cached dispatch's one launch, and the full dispatch with each of
+#                TRACE_VARIANTS (default claimed-tail), per rank, at TRACE_TOKENS (default 4096)
 #   ll-gaps      the eager low-latency round trip per rank (scripts/ll_back_to_back.py): host and gpu
 #                per round trip and the kernels' busy and idle time, eager and in one CUDA graph, for
 #                LL_ORDER (default epcomm,two-launch,deep_ep,epcomm,deep_ep; deep_ep needs the wheel)
@@ -40,7 +41,7 @@ done
 use_peer
 ranks="${RANKS:-4}"
 gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
-variants="${VARIANTS-small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
+variants="${VARIANTS-claimed-tail,small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()
@@ -72,8 +73,9 @@ for part in ${PARTS:-normal low-latency}; do
       (exit $(( host_rc ? host_rc : PIPESTATUS[0] ))) ;;
     trace)
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${TRACE_LIMIT_S:-200}" \
-        python3 scripts/trace_items.py --tokens "${TRACE_TOKENS:-4096}" --ranks "$ranks" 2>&1 \
-        | tee "$OUT/trace_items_r$ranks.txt" | tail -n $((2 * ranks + 4)) ;;
+        python3 scripts/trace_items.py --tokens "${TRACE_TOKENS:-4096}" --ranks "$ranks" \
+        --variants "${TRACE_VARIANTS-claimed-tail}" 2>&1 \
+        | tee "$OUT/trace_items_r$ranks.txt" | tail -n $((3 * ranks + 4)) ;;
     ll-gaps)
       order="${LL_ORDER:-epcomm,two-launch,deep_ep,epcomm,deep_ep}"
       [ -n "${peer[*]:-}" ] || order="$(echo "$order" | tr ',' '\n' | grep -v '^deep_ep' | paste -sd, -)"

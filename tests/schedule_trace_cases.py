@@ -11,7 +11,7 @@ several GPUs the clocks of different GPUs agree only roughly, so read the per-ra
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,14 +152,17 @@ def schedule_table(per_rank: List[Dict[str, Dict[str, List[List[int]]]]], quarte
 
 
 def trace_dispatch_items(num_tokens: int = 4096, hidden: int = 7168, num_experts: int = 256, num_topk: int = 8,
-                         num_nvl_bytes: int = 1 << 30) -> Dict[str, List[List[int]]]:
+                         num_nvl_bytes: int = 1 << 30, variants: Sequence[str] = ()) -> Dict[str, List[List[int]]]:
     """On every rank: ``{call: records}`` (:func:`_records`) of one traced full dispatch (its pull in
     turn, ``ep_dispatch_pull`` with the receive index) and one traced cached dispatch (the pull
     programs of the one launch ``ep_dispatch``, whose items also wait for each block as it is
     staged), at DeepEP's routing with the default Config and kernel choices; each call after a
     barrier and a sync. An item's time is from the program taking it to its rows stored, waits
     included: what sets the pace of each pull (the full dispatch's pull in turn took 535 µs against
-    the one launch's 491 on 4 H200s, 2026-11-28f)."""
+    the one launch's 491 on 4 H200s, 2026-11-28f). ``variants``: names of bench.NORMAL_VARIANTS, each
+    a further traced full dispatch ("full dispatch, NAME") with that variant set, after the defaults'."""
+    from epcomm.tools.bench import normal_variants, use_normal_variants
+    normal_variants(",".join(variants))  # (a misspelt name: a ValueError before any work)
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes)
     normal = buffer._backend.normal
     x, topk_idx, weights, (per_rank, in_rank, per_expert) = _routing(buffer, 200 + dist.get_rank(), num_tokens,
@@ -172,6 +175,11 @@ def trace_dispatch_items(num_tokens: int = 4096, hidden: int = 7168, num_experts
     handle = full()  # (compiles the traced kernels: one untimed call each)
     buffer.dispatch(x, handle=handle)
     traced = _traced(normal, (("full dispatch", full), ("cached dispatch", lambda: buffer.dispatch(x, handle=handle))))
+    for name in variants:
+        use_normal_variants(normal, [name])  # (drops the plans, keeps the trace: the next call compiles, untimed)
+        full()
+        traced.update(_traced(normal, ((f"full dispatch, {name}", full),)))
+        use_normal_variants(normal, [])
     normal.trace = None
     buffer.destroy()
     return traced
@@ -187,7 +195,7 @@ def item_table(per_rank: List[Dict[str, List[List[int]]]]) -> List[str]:
              "end spread  rows/us"]
     for call in per_rank[0]:
         for rank, result in enumerate(per_rank):
-            recs = result[call]
+            recs = [rec for rec in result[call] if rec[2] > 0]  # (a claim past the last item: no rows)
             if not recs:
                 lines.append(f"{call:17s} {rank:4d}  (no items)")
                 continue

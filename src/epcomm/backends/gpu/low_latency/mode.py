@@ -281,6 +281,7 @@ class LowLatencyMode:
         layout = self._layout(E, M, hidden, K, False, False)
         kernels = Specialisations(COMBINE, ["SEND", "RECEIVE", "HAS_WAIT_STATS", "ALIGNED"], 8,
                                   BLOCK_W=min(4096, p2(hidden // 4)), K_P2=p2(K),
+                                  # (BLOCK_C: K rows of it in flight per token, as the [K, BLOCK_C] tile had)
                                   BLOCK_C=min(p2(hidden), max(8192 // p2(K), 16)), R_P2=self.R_P2,
                                   REMOTE=self.remote)
         per_half = []

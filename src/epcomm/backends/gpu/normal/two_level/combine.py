@@ -43,7 +43,8 @@ from ...launch import KernelSpec
 from ...sync import call_failed, mailbox_words, poll_epochs, report_late, store_release_sys
 from ...warps import cta_any
 from ...reach.modes import FAR_LIBRARY
-from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
+from ...walk import peer_after
+from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows,
                        peer_reach)
 
 

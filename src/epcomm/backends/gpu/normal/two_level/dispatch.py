@@ -23,7 +23,8 @@ from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
 from ...sync import arrive, call_failed, load_acquire_sys, mailbox_words, now_ns, poll_epochs, report_late, store_release_sys
 from ...reach.modes import FAR_LIBRARY, far_deliver
-from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows, peer_after,
+from ...walk import peer_after
+from .channels import (SIGNAL_STRIDE, node_block_start, channel_range, hand_off, hop2_program, part_rows,
                        peer_reach)
 from .areas import MAX_CHANNELS
 

@@ -38,8 +38,9 @@ from ...launch import KernelSpec
 from ...sync import (ABORT_EPOCH, check_fingerprints, mailbox_words, poll_epochs_or_other_call, record_elsewhere,
                      report_late)
 from ...reach.modes import FAR_LIBRARY, far_complete, far_deliver, post_call_any
+from ...walk import peer_after
 from ...warps import cta_any
-from .channels import SIGNAL_STRIDE, peer_after
+from .channels import SIGNAL_STRIDE
 
 
 @triton.jit
