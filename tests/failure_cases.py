@@ -418,6 +418,48 @@ def rejected_layout_stands_in(num_steps: int = 3):
     return seen
 
 
+def dropped_round_then_rejected_layout():
+    """On two Buffers of the group (normal mode on ``a``, low latency on ``b``): the last rank drops
+    a normal round on ``a`` (its peers raise naming ``call``, finding it in the low-latency round on
+    ``b``), everyone makes that low-latency round, then the last rank's get_dispatch_layout on ``a``
+    rejects its top-k. Its stand-in must meet the peers' dispatch of that layout, so they raise
+    naming topk_idx and the rank, and the next round on ``a`` is right on every rank. (Its stand-in
+    met the dropped round's given-up call instead, so its next dispatch met the peers' skipped one:
+    a disagreement every rank raised, 2026-11-28h; the random sequence found it at seed 100.)"""
+    from epcomm.testing import reference_dispatch
+    R, rank = world()
+    one = R - 1
+    a = epcomm.Buffer(dist.group.WORLD, timeout=20)
+    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
+    E, M, H = 2 * R, 8, 128
+    xs, topks, ws = make_routing(44, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    seen = []
+
+    def normal_round(topk=None):
+        topk = topks[rank] if topk is None else topk
+        return buffer_dispatch(_layout_args(a, topk, E), topk)
+
+    def buffer_dispatch(args, topk):
+        return a.dispatch(xs[rank], topk_idx=topk, topk_weights=ws[rank], **args)[0]
+
+    def named(outcome):  # (kind, argument, names the last rank) of an error; ("ok", None, False)
+        return (outcome[0], None, False) if outcome[0] == "ok" else (*outcome[:2], f"rank {one}" in outcome[2])
+
+    if rank != one:  # the dropped round: the last rank makes none of its calls
+        seen.append(named(_outcome(normal_round))[:2])
+    recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
+    b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)  # (values unchecked)
+    bad = topks[rank].clone()
+    bad[0, 0] = E + 1
+    if rank == one:
+        seen.append(named(_outcome(lambda: a.get_dispatch_layout(bad, E)))[:2])
+    else:  # (without the stand-in here this dispatch met the last rank's next one: "ok", with that call's rows)
+        seen.append(named(_outcome(normal_round)))
+    recv_x = normal_round()
+    seen.append(("ok", torch.equal(recv_x, reference_dispatch(xs, topks, ws, E)[rank]["recv_x"])))
+    return seen
+
+
 def low_latency_combine_topk_idx(case: str):
     """low_latency_combine given a topk_idx other than its dispatch's, on one rank: every rank
     raises EPInputError naming topk_idx before anything is exchanged; the next round trip works."""

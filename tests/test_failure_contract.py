@@ -120,6 +120,12 @@ def test_random_sequence_with_skipped_calls_on_two_buffers(pools):
         assert results[0].get(key, 0) > 0, results[0]
 
 
+def test_a_rejected_layout_after_a_dropped_round_stands_in_for_its_own_call(pools):
+    results = pools.get(4).run(failure_cases.dropped_round_then_rejected_layout, timeout_s=120)
+    peer = [("EPInputError", "call"), ("EPInputError", "topk_idx", True), ("ok", True)]
+    assert results == [peer] * 3 + [[("EPInputError", "topk_idx"), ("ok", True)]], results
+
+
 def test_rejected_layout_then_clean_low_latency_buffer(pools):
     """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
     results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)

@@ -389,6 +389,7 @@ class Buffer(RankMasking, LowLatencyCalls):
                 checks.check_topk_values("topk_idx", topk_idx, num_experts)
         except EPInputError as err:
             self._rejected_layout = err  # the next collective call stands in for the skipped one
+            self._backend.pass_given_up_calls()  # (so that the stand-in meets that call, not an older one)
             raise
         if previous_event is None and not async_finish:  # on the caller's stream: no scope to enter (events.py)
             per_rank, per_rdma_rank, per_expert, in_rank = self._backend.dispatch_layout(topk_idx, num_experts,

@@ -142,6 +142,11 @@ class Backend(abc.ABC):
         next exchanging call. Default: :meth:`agree` with the error."""
         self.agree(kind, None, error, rank_mask)
 
+    def pass_given_up_calls(self) -> None:
+        """This rank is about to skip a call (a rejected layout): pass the calls its peers already
+        gave up for it (an earlier skipped call), so that its stand-in meets the call it skips now.
+        Default: nothing (the GPU backends pair calls through the call board)."""
+
     # Backend-specific limits of one call (row sizes, buffer capacity, handles of another backend),
     # checked before anything is exchanged: Buffer calls these inside its argument validation, so a
     # rejection on one rank reaches every rank through agree(kind, None, error). Raise EPInputError

@@ -101,6 +101,27 @@ class StoreAgreement:
                 return
             # that call number was given up by the peers while this rank was elsewhere: the next one
 
+    def pass_given_up(self) -> None:
+        """Take, without posting, the call numbers whose verdict is already sealed void for this
+        rank: calls its peers gave up while it was elsewhere (it dropped them), which its next call
+        would otherwise pass one by one. Buffer calls it (backend.pass_given_up_calls) when a
+        rejected layout makes this rank skip a call: its stand-in (``agree(..., stand_in=True)``)
+        then meets the call it skips, where without this it met an older given-up call, took it
+        for the skipped one and posted nothing, and the rank's next call met the skipped one
+        (2026-11-28h: a drop, then a rejected layout on the same Buffer). A given-up call whose
+        verdict is not sealed yet is left: the peers are still in it, and the stand-in meets it."""
+        while True:
+            key = f"{self.prefix}/{self.calls}/verdict"
+            try:
+                verdict = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+            except Exception:  # (a dead store: the next call names it)
+                return
+            if self.rank not in verdict.get("void_for", ()):
+                return
+            if self.calls >= 2:
+                self.store.delete_key(self._key(self.calls - 2, self.rank))  # (as a post of this number would)
+            self.calls += 1
+
     def _agree_once(self, kind, fingerprint, error, rank_mask) -> bool:
         """One call number; False when it is void for this rank (it skipped it: take the next).
 

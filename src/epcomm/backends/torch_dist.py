@@ -64,6 +64,9 @@ class TorchDistBackend(Backend):
     def stand_in(self, kind, error, rank_mask=None) -> None:
         self.agreement.agree(kind, None, error, rank_mask, stand_in=True)
 
+    def pass_given_up_calls(self) -> None:
+        self.agreement.pass_given_up()
+
     # ---------------------------------------------------------------- collectives
     def _finish(self, work, what: str, timeout_s: Optional[float] = None) -> None:
         """Wait for a gloo collective, bounded by ``timeout_s`` (default: the timeout); name the
