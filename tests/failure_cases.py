@@ -460,6 +460,35 @@ def dropped_round_then_rejected_layout():
     return seen
 
 
+def dropped_rounds_in_a_row(drops: int = 3, timeout: float = 10.0):
+    """Rank 0 drops ``drops`` normal rounds on Buffer ``a`` in a row, each time going on to a
+    low-latency round on ``b`` (its peers raise naming ``call`` in each dropped dispatch, finding
+    it there), then every rank makes a normal round on ``a``: it pairs and is right on every rank.
+    Rank 0 comes back ``drops`` calls behind on ``a``: the verdicts of those calls must still be in
+    the store (it waited for deleted ones until its timeout, 2026-11-28h)."""
+    from epcomm.testing import reference_dispatch
+    R, rank = world()
+    a = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
+    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
+    E, M, H = 2 * R, 8, 128
+    xs, topks, ws = make_routing(45, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    seen = []
+
+    def normal_round():
+        args = _layout_args(a, topks[rank], E)
+        return a.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=ws[rank], **args)[0]
+
+    for _ in range(drops):
+        if rank != 0:
+            seen.append(_outcome(normal_round)[:2])
+        recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
+        b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)  # (values unchecked)
+    outcome = _outcome(normal_round)
+    want = reference_dispatch(xs, topks, ws, E)[rank]["recv_x"]
+    seen.append(("ok", torch.equal(outcome[1], want)) if outcome[0] == "ok" else outcome[:2])
+    return seen
+
+
 def low_latency_combine_topk_idx(case: str):
     """low_latency_combine given a topk_idx other than its dispatch's, on one rank: every rank
     raises EPInputError naming topk_idx before anything is exchanged; the next round trip works."""

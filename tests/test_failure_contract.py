@@ -126,6 +126,11 @@ def test_a_rejected_layout_after_a_dropped_round_stands_in_for_its_own_call(pool
     assert results == [peer] * 3 + [[("EPInputError", "topk_idx"), ("ok", True)]], results
 
 
+def test_a_rank_that_dropped_rounds_in_a_row_pairs_again_when_it_comes_back(pools):
+    results = pools.get(4).run(failure_cases.dropped_rounds_in_a_row, timeout_s=120)
+    assert results == [[("ok", True)]] + [[("EPInputError", "call")] * 3 + [("ok", True)]] * 3, results
+
+
 def test_rejected_layout_then_clean_low_latency_buffer(pools):
     """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
     results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)
