@@ -2,6 +2,7 @@
 argument or the rank, instead of hangs, aborts or wrong results."""
 import pytest
 
+import dropped_round_cases
 import failure_cases
 
 
@@ -121,13 +122,13 @@ def test_random_sequence_with_skipped_calls_on_two_buffers(pools):
 
 
 def test_a_rejected_layout_after_a_dropped_round_stands_in_for_its_own_call(pools):
-    results = pools.get(4).run(failure_cases.dropped_round_then_rejected_layout, timeout_s=120)
+    results = pools.get(4).run(dropped_round_cases.dropped_round_then_rejected_layout, timeout_s=120)
     peer = [("EPInputError", "call"), ("EPInputError", "topk_idx", True), ("ok", True)]
     assert results == [peer] * 3 + [[("EPInputError", "topk_idx"), ("ok", True)]], results
 
 
 def test_a_rank_that_dropped_rounds_in_a_row_pairs_again_when_it_comes_back(pools):
-    results = pools.get(4).run(failure_cases.dropped_rounds_in_a_row, timeout_s=120)
+    results = pools.get(4).run(dropped_round_cases.dropped_rounds_in_a_row, timeout_s=120)
     assert results == [[("ok", True)]] + [[("EPInputError", "call")] * 3 + [("ok", True)]] * 3, results
 
 
