@@ -1,7 +1,8 @@
 """Rank bodies for the failure-contract tests of dropped rounds (tests/test_failure_contract.py):
 a rank that drops whole rounds on one Buffer of the group, going on to another Buffer's call,
 then comes back — its calls must pair again with its peers' (the reference backend's call
-agreement, store_agreement.py)."""
+agreement, store_agreement.py). Each case is a sequence the random two-Buffer fault sequence
+(sequence_cases.py) failed on, one pool's seeds after another's."""
 from __future__ import annotations
 
 import torch
@@ -80,4 +81,43 @@ def dropped_rounds_in_a_row(drops: int = 3, timeout: float = 10.0):
     outcome = _outcome(normal_round)
     want = reference_dispatch(xs, topks, ws, E)[rank]["recv_x"]
     seen.append(("ok", torch.equal(outcome[1], want)) if outcome[0] == "ok" else outcome[:2])
+    return seen
+
+
+def rejected_layout_then_dropped_round(timeout: float = 10.0):
+    """Rank 2's layout on Buffer ``a`` rejects its top-k (its next call: a low-latency round on
+    ``b``), then it drops a normal round on ``a``; then rank 1 drops a normal round on ``a`` while
+    rank 2 takes part. Rank 2's stand-in comes to the first call on ``a`` after its peers sealed it
+    void and went two calls on: it must act on that verdict, not read its peers' posts of it (they
+    were deleting them: it read an empty post, or waited for a deleted one, 2026-11-28h).
+    Returns per rank what each call gave: every error names ``call`` or topk_idx, every
+    low-latency round works."""
+    R, rank = world()
+    a = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
+    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
+    E, M, H = 2 * R, 8, 128
+    xs, topks, ws = make_routing(46, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    seen = []
+
+    def normal_round():
+        args = _layout_args(a, topks[rank], E)
+        return a.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=ws[rank], **args)[0]
+
+    def ll_round():
+        recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
+        return b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)[0]
+
+    if rank == 2:
+        bad = topks[rank].clone()
+        bad[0, 0] = E + 1
+        seen.append(_outcome(lambda: a.get_dispatch_layout(bad, E))[:2])
+    else:
+        seen.append(_outcome(normal_round)[:2])
+    seen.append(_outcome(ll_round)[0])
+    if rank != 2:  # rank 2 drops this round
+        seen.append(_outcome(normal_round)[:2])
+    seen.append(_outcome(ll_round)[0])
+    if rank != 1:  # rank 1 drops this one; rank 2's stand-in first
+        seen.append(_outcome(normal_round)[:2])
+    seen.append(_outcome(ll_round)[0])
     return seen

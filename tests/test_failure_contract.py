@@ -132,6 +132,14 @@ def test_a_rank_that_dropped_rounds_in_a_row_pairs_again_when_it_comes_back(pool
     assert results == [[("ok", True)]] + [[("EPInputError", "call")] * 3 + [("ok", True)]] * 3, results
 
 
+def test_a_stand_in_that_comes_after_its_call_was_given_up_acts_on_the_verdict(pools):
+    results = pools.get(4).run(dropped_round_cases.rejected_layout_then_dropped_round, timeout_s=120)
+    call = ("EPInputError", "call")
+    assert results == [[call, "ok", call, "ok", call, "ok"], [call, "ok", call, "ok", "ok"],
+                       [("EPInputError", "topk_idx"), "ok", "ok", call, "ok"], [call, "ok", call, "ok", call, "ok"]], \
+        results
+
+
 def test_rejected_layout_then_clean_low_latency_buffer(pools):
     """The stand-in comes before a collective clean too (no barrier against peers still in the call)."""
     results = pools.get(3).run(failure_cases.rejected_layout_then_clean, timeout_s=120)

@@ -121,11 +121,7 @@ class StoreAgreement:
         layout on the same Buffer). A given-up call whose verdict is not sealed yet is left: the
         peers are still in it, and the call (or the stand-in) meets it."""
         while True:
-            key = f"{self.prefix}/{self.calls}/verdict"
-            try:
-                verdict = json.loads(self.store.get(key)) if self.store.check([key]) else {}
-            except Exception:  # (a dead store: the next call names it)
-                return
+            verdict = self._sealed_verdict(self.calls)
             if self.rank not in verdict.get("void_for", ()):
                 return
             if self.calls >= 2:
@@ -175,6 +171,11 @@ class StoreAgreement:
         (:meth:`_act_on`); :class:`_Void` when the call is void for this rank."""
         if len(present) == 1:
             return {self.rank: mine}
+        sealed = self._sealed_verdict(call)
+        if "void_for" in sealed:  # given up before this rank came (a stand-in's call): the posts may be gone
+            if self.rank in sealed["void_for"]:
+                raise _Void()
+            raise EPInputError("call", sealed["message"])
         while True:
             try:
                 missing, verdict = self._wait_for(kind, call, [r for r in present if r != self.rank])
@@ -229,6 +230,14 @@ class StoreAgreement:
                 raise EPTimeoutError(f"rank {self.rank}: {kind}: ranks {list(gone)} did not arrive in time", gone)
             rank_mask[list(gone)] = 1  # low-latency mode goes on without them (enable_shrink)
         return [r for r in present if r not in gone]
+
+    def _sealed_verdict(self, call: int) -> dict:
+        """The verdict sealed for ``call`` so far; empty if none (or the store is gone)."""
+        key = f"{self.prefix}/{call}/verdict"
+        try:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else {}
+        except Exception:
+            return {}
 
     def _seal(self, call: int, verdict: dict) -> dict:
         """The call's verdict — made, or void for the ranks that were elsewhere — the first one
@@ -326,11 +335,7 @@ class StoreAgreement:
         rank waits at a call this rank never made — it can only be waiting for this rank there, as
         this rank waits for it here — and this call was waited in longer, so it gives way (the
         other call then meets this rank's next one)."""
-        try:
-            sealed = self.store.check([f"{self.prefix}/{call}/verdict"])
-            verdict = json.loads(self.store.get(f"{self.prefix}/{call}/verdict")) if sealed else {}
-        except Exception:
-            verdict = {}
+        verdict = self._sealed_verdict(call)
         if "void_for" in verdict:
             raise _Desync(verdict["void_for"], verdict["message"], verdict)
         if verdict:
