@@ -13,6 +13,41 @@ from epcomm.testing.sweeps import make_routing, world
 from failure_cases import _layout_args, _outcome
 
 
+class _Rounds:
+    """Two Buffers of the group (normal mode on ``a``, low latency on ``b``) and one batch per rank
+    (routing ``seed``, E = 2R experts, top-2, 8 tokens of 128): ``normal()`` a layout and full
+    dispatch on ``a`` (its received rows), ``low_latency()`` a round trip on ``b``."""
+
+    def __init__(self, seed: int, timeout: float):
+        self.R, self.rank = world()
+        self.a = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
+        self.b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
+        self.E, self.M = 2 * self.R, 8
+        self.xs, self.topks, self.ws = make_routing(seed, "uniform", self.R, self.E, 2, self.M, 128,
+                                                    fixed_tokens=self.M)
+
+    def normal(self):
+        rank, topk = self.rank, self.topks[self.rank]
+        args = _layout_args(self.a, topk, self.E)
+        return self.a.dispatch(self.xs[rank], topk_idx=topk, topk_weights=self.ws[rank], **args)[0]
+
+    def low_latency(self):
+        rank = self.rank
+        recv, _, handle, _, _ = self.b.low_latency_dispatch(self.xs[rank], self.topks[rank], self.M, self.E,
+                                                            use_fp8=False)
+        return self.b.low_latency_combine(recv.to(torch.bfloat16), self.topks[rank], self.ws[rank], handle)[0]
+
+    def bad_topk(self):
+        """This rank's top-k with an expert id out of range (get_dispatch_layout rejects it)."""
+        bad = self.topks[self.rank].clone()
+        bad[0, 0] = self.E + 1
+        return bad
+
+    def received_right(self, recv_x) -> bool:
+        from epcomm.testing import reference_dispatch
+        return torch.equal(recv_x, reference_dispatch(self.xs, self.topks, self.ws, self.E)[self.rank]["recv_x"])
+
+
 def dropped_round_then_rejected_layout():
     """On two Buffers of the group (normal mode on ``a``, low latency on ``b``): the last rank drops
     a normal round on ``a`` (its peers raise naming ``call``, finding it in the low-latency round on
@@ -21,37 +56,21 @@ def dropped_round_then_rejected_layout():
     naming topk_idx and the rank, and the next round on ``a`` is right on every rank. (Its stand-in
     met the dropped round's given-up call instead, so its next dispatch met the peers' skipped one:
     a disagreement every rank raised, 2026-11-28h; the random sequence found it at seed 100.)"""
-    from epcomm.testing import reference_dispatch
-    R, rank = world()
-    one = R - 1
-    a = epcomm.Buffer(dist.group.WORLD, timeout=20)
-    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=20)
-    E, M, H = 2 * R, 8, 128
-    xs, topks, ws = make_routing(44, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    rounds = _Rounds(44, timeout=20)
+    rank, one = rounds.rank, rounds.R - 1
     seen = []
-
-    def normal_round(topk=None):
-        topk = topks[rank] if topk is None else topk
-        return buffer_dispatch(_layout_args(a, topk, E), topk)
-
-    def buffer_dispatch(args, topk):
-        return a.dispatch(xs[rank], topk_idx=topk, topk_weights=ws[rank], **args)[0]
 
     def named(outcome):  # (kind, argument, names the last rank) of an error; ("ok", None, False)
         return (outcome[0], None, False) if outcome[0] == "ok" else (*outcome[:2], f"rank {one}" in outcome[2])
 
     if rank != one:  # the dropped round: the last rank makes none of its calls
-        seen.append(named(_outcome(normal_round))[:2])
-    recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
-    b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)  # (values unchecked)
-    bad = topks[rank].clone()
-    bad[0, 0] = E + 1
+        seen.append(named(_outcome(rounds.normal))[:2])
+    rounds.low_latency()  # (values unchecked)
     if rank == one:
-        seen.append(named(_outcome(lambda: a.get_dispatch_layout(bad, E)))[:2])
+        seen.append(named(_outcome(lambda: rounds.a.get_dispatch_layout(rounds.bad_topk(), rounds.E)))[:2])
     else:  # (without the stand-in here this dispatch met the last rank's next one: "ok", with that call's rows)
-        seen.append(named(_outcome(normal_round)))
-    recv_x = normal_round()
-    seen.append(("ok", torch.equal(recv_x, reference_dispatch(xs, topks, ws, E)[rank]["recv_x"])))
+        seen.append(named(_outcome(rounds.normal)))
+    seen.append(("ok", rounds.received_right(rounds.normal())))
     return seen
 
 
@@ -61,26 +80,14 @@ def dropped_rounds_in_a_row(drops: int = 3, timeout: float = 10.0):
     it there), then every rank makes a normal round on ``a``: it pairs and is right on every rank.
     Rank 0 comes back ``drops`` calls behind on ``a``: the verdicts of those calls must still be in
     the store (it waited for deleted ones until its timeout, 2026-11-28h)."""
-    from epcomm.testing import reference_dispatch
-    R, rank = world()
-    a = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
-    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
-    E, M, H = 2 * R, 8, 128
-    xs, topks, ws = make_routing(45, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    rounds = _Rounds(45, timeout)
     seen = []
-
-    def normal_round():
-        args = _layout_args(a, topks[rank], E)
-        return a.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=ws[rank], **args)[0]
-
     for _ in range(drops):
-        if rank != 0:
-            seen.append(_outcome(normal_round)[:2])
-        recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
-        b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)  # (values unchecked)
-    outcome = _outcome(normal_round)
-    want = reference_dispatch(xs, topks, ws, E)[rank]["recv_x"]
-    seen.append(("ok", torch.equal(outcome[1], want)) if outcome[0] == "ok" else outcome[:2])
+        if rounds.rank != 0:
+            seen.append(_outcome(rounds.normal)[:2])
+        rounds.low_latency()  # (values unchecked)
+    outcome = _outcome(rounds.normal)
+    seen.append(("ok", rounds.received_right(outcome[1])) if outcome[0] == "ok" else outcome[:2])
     return seen
 
 
@@ -92,32 +99,18 @@ def rejected_layout_then_dropped_round(timeout: float = 10.0):
     were deleting them: it read an empty post, or waited for a deleted one, 2026-11-28h).
     Returns per rank what each call gave: every error names ``call`` or topk_idx, every
     low-latency round works."""
-    R, rank = world()
-    a = epcomm.Buffer(dist.group.WORLD, timeout=timeout)
-    b = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, timeout=timeout)
-    E, M, H = 2 * R, 8, 128
-    xs, topks, ws = make_routing(46, "uniform", R, E, 2, M, H, fixed_tokens=M)
+    rounds = _Rounds(46, timeout)
+    rank = rounds.rank
     seen = []
-
-    def normal_round():
-        args = _layout_args(a, topks[rank], E)
-        return a.dispatch(xs[rank], topk_idx=topks[rank], topk_weights=ws[rank], **args)[0]
-
-    def ll_round():
-        recv, _, handle, _, _ = b.low_latency_dispatch(xs[rank], topks[rank], M, E, use_fp8=False)
-        return b.low_latency_combine(recv.to(torch.bfloat16), topks[rank], ws[rank], handle)[0]
-
     if rank == 2:
-        bad = topks[rank].clone()
-        bad[0, 0] = E + 1
-        seen.append(_outcome(lambda: a.get_dispatch_layout(bad, E))[:2])
+        seen.append(_outcome(lambda: rounds.a.get_dispatch_layout(rounds.bad_topk(), rounds.E))[:2])
     else:
-        seen.append(_outcome(normal_round)[:2])
-    seen.append(_outcome(ll_round)[0])
+        seen.append(_outcome(rounds.normal)[:2])
+    seen.append(_outcome(rounds.low_latency)[0])
     if rank != 2:  # rank 2 drops this round
-        seen.append(_outcome(normal_round)[:2])
-    seen.append(_outcome(ll_round)[0])
+        seen.append(_outcome(rounds.normal)[:2])
+    seen.append(_outcome(rounds.low_latency)[0])
     if rank != 1:  # rank 1 drops this one; rank 2's stand-in first
-        seen.append(_outcome(normal_round)[:2])
-    seen.append(_outcome(ll_round)[0])
+        seen.append(_outcome(rounds.normal)[:2])
+    seen.append(_outcome(rounds.low_latency)[0])
     return seen
