@@ -51,8 +51,9 @@ _FIRST_SLICE_S, _WAIT_SLICE_S = 0.1, 1.0
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.0005, 0.05  # the polling pauses of a wait
 # A call's verdict stays in the store for this many later calls of its Buffer: a rank that dropped
 # several calls in a row (each given up while it was in another Buffer's call) finds their verdicts
-# when it comes back, and passes them (StoreAgreement.pass_given_up). With two kept, a rank three
-# calls behind waited for verdicts and posts already deleted, until its timeout (2026-11-28h).
+# when it comes back, and passes them (StoreAgreement._posts_of reads a call's verdict first). With
+# two kept, a rank three calls behind waited for verdicts and posts already deleted, until its
+# timeout (2026-11-28h).
 _KEPT_VERDICTS = 1024
 
 
@@ -100,10 +101,8 @@ class StoreAgreement:
 
         ``stand_in``: this abort stands in for a call this rank skipped (Buffer: a rejected layout);
         if the peers already gave that call up (this rank was found waiting on another Buffer), there
-        is nothing left to stand in for: return without posting. Any other call first passes the
-        calls already given up for this rank (:meth:`pass_given_up`)."""
-        if not stand_in:  # (a stand-in's own call may be one of them: it finds that out by posting)
-            self.pass_given_up()
+        is nothing left to stand in for: return without posting. A call number already given up
+        for this rank is passed at once (its verdict is read before any wait: :meth:`_posts_of`)."""
         while not self._agree_once(kind, fingerprint, error, rank_mask):
             if stand_in:
                 return
@@ -112,14 +111,12 @@ class StoreAgreement:
     def pass_given_up(self) -> None:
         """Take, without posting, the call numbers whose verdict is already sealed void for this
         rank: calls its peers gave up while it was elsewhere (it dropped them), which its next call
-        would otherwise wait in one by one (for posts its peers may have deleted since: a call's
-        posts are kept for two calls, its verdict for _KEPT_VERDICTS). :meth:`agree` calls it first,
-        and Buffer calls it (backend.pass_given_up_calls) when a rejected layout makes this rank
-        skip a call: its stand-in (``agree(..., stand_in=True)``) then meets the call it skips,
+        would otherwise post and pass one by one. Buffer calls it (backend.pass_given_up_calls)
+        when a rejected layout makes this rank skip a call: its stand-in (``agree(..., stand_in=True)``) then meets the call it skips,
         where without this it met an older given-up call, took it for the skipped one and posted
         nothing, and the rank's next call met the skipped one (2026-11-28h: a drop, then a rejected
         layout on the same Buffer). A given-up call whose verdict is not sealed yet is left: the
-        peers are still in it, and the call (or the stand-in) meets it."""
+        peers are still in it, and the stand-in meets it."""
         while True:
             verdict = self._sealed_verdict(self.calls)
             if self.rank not in verdict.get("void_for", ()):
