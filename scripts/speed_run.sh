@@ -20,7 +20,7 @@
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   trace        the pulls' items on the kernel clock (scripts/trace_items.py): a full dispatch's pull
 #                in turn beside a cached dispatch's one launch, and the full dispatch with each of
-#                TRACE_VARIANTS (default claimed-tail), per rank, at TRACE_TOKENS (default 4096)
+#                TRACE_VARIANTS (a comma list of bench variants, default none), per rank, at TRACE_TOKENS (default 4096)
 #   ll-gaps      the eager low-latency round trip per rank (scripts/ll_back_to_back.py): host and gpu
 #                per round trip and the kernels' busy and idle time, eager and in one CUDA graph, for
 #                LL_ORDER (default epcomm,two-launch,deep_ep,epcomm,deep_ep; deep_ep needs the wheel)
@@ -41,7 +41,7 @@ done
 use_peer
 ranks="${RANKS:-4}"
 gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
-variants="${VARIANTS-claimed-tail,small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
+variants="${VARIANTS-small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()
@@ -74,7 +74,7 @@ for part in ${PARTS:-normal low-latency}; do
     trace)
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${TRACE_LIMIT_S:-200}" \
         python3 scripts/trace_items.py --tokens "${TRACE_TOKENS:-4096}" --ranks "$ranks" \
-        --variants "${TRACE_VARIANTS-claimed-tail}" 2>&1 \
+        --variants "${TRACE_VARIANTS:-}" 2>&1 \
         | tee "$OUT/trace_items_r$ranks.txt" | tail -n $((3 * ranks + 4)) ;;
     ll-gaps)
       order="${LL_ORDER:-epcomm,two-launch,deep_ep,epcomm,deep_ep}"

@@ -5,7 +5,7 @@ programs' busy share, and how far apart they started and ended (tests/schedule_t
 item_table). It says where the full dispatch's pull in turn loses to the one launch across GPUs.
 
 Run on a machine with 2+ GPUs: ``python3 scripts/trace_items.py [--tokens 4096] [--ranks N]
-[--variants claimed-tail,...]`` (each variant's full dispatch traced too, after the defaults').
+[--variants NAME,...]`` (each variant's full dispatch traced too, after the defaults').
 """
 import argparse
 import os
@@ -20,9 +20,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
     parser.add_argument("--ranks", type=int, default=0, help="ranks, one per GPU (default: every GPU)")
-    parser.add_argument("--variants", default="claimed-tail",
+    parser.add_argument("--variants", default="",
                         help="comma list of `epcomm bench normal --variants` names: a further traced full dispatch "
-                             "with each (default claimed-tail; '' for none)")
+                             "with each (default none)")
     args = parser.parse_args()
     if args.tokens < 1 or args.ranks < 0:
         parser.error("--tokens must be positive and --ranks 0 or more")

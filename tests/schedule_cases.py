@@ -11,55 +11,39 @@ import torch
 import triton
 import triton.language as tl
 
-from epcomm.backends.gpu.normal.one_node.schedule import (TAIL_ROUNDS, TAIL_SLACK, advance_round, claimed_item,
-                                                          item_block, source_blocks)
+from epcomm.backends.gpu.normal.one_node.schedule import advance_round, item_block, source_blocks
 
 
 @triton.jit
-def _walk(prefix_ptr, out_ptr, claims_ptr, rank, num_ranks, num_rows, max_items, BLOCK_R: tl.constexpr,
-          R_P2: tl.constexpr, EVERY_PEER: tl.constexpr, CLAIMED_TAIL: tl.constexpr):
-    """The pull's item loop (dispatch.py, _pull) with its items recorded instead of pulled."""
+def _walk(prefix_ptr, out_ptr, rank, num_ranks, num_rows, max_items, BLOCK_R: tl.constexpr, R_P2: tl.constexpr,
+          EVERY_PEER: tl.constexpr):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
     starts, ends, blocks = source_blocks(prefix_ptr, rank, num_ranks, num_rows, BLOCK_R, R_P2)
-    num_items = tl.sum(blocks, axis=0)
     round_idx = 0
     round_start = 0
     round_size = tl.sum((blocks > 0).to(tl.int32), axis=0)
     n = 0
-    loop_end = num_items
-    if CLAIMED_TAIL:
-        tail_start = tl.maximum(num_items - TAIL_ROUNDS * num_programs, 0)
-        loop_end = num_items + TAIL_SLACK * num_programs
-    for step in range(pid, loop_end, num_programs):
-        item = step
-        if CLAIMED_TAIL:
-            item = claimed_item(step, tail_start, claims_ptr)
+    for item in range(pid, tl.sum(blocks, axis=0), tl.num_programs(0)):
         round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
         source, first, end, _ = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
                                            blocks, BLOCK_R, R_P2, EVERY_PEER)
-        if item < num_items:  # (a claim past the last item: the pull's item with no rows)
-            record = out_ptr + (pid * max_items + n) * 4
-            tl.store(record, source)
-            tl.store(record + 1, first)
-            tl.store(record + 2, end)
-            tl.store(record + 3, item)
-            n += 1
+        record = out_ptr + (pid * max_items + n) * 3
+        tl.store(record, source)
+        tl.store(record + 1, first)
+        tl.store(record + 2, end)
+        n += 1
 
 
-def walk(rows_per_source, rank, programs, block_r, every_peer, num_rows=None, claimed=False):
-    """Each program's items for a receiver with ``rows_per_source[s]`` rows from source s, as
-    (source, first row, end row, item); ``claimed``: with the claimed tail (the interpreter runs the
-    programs one after another, so the first ones to reach the tail claim it)."""
+def walk(rows_per_source, rank, programs, block_r, every_peer, num_rows=None):
+    """Each program's items for a receiver with ``rows_per_source[s]`` rows from source s."""
     R = len(rows_per_source)
     prefix = torch.zeros(R, R, dtype=torch.int32)
     prefix[:, rank] = torch.tensor(rows_per_source, dtype=torch.int32).cumsum(0)
     total = int(prefix[-1, rank])
     max_items = sum((n + block_r - 1) // block_r for n in rows_per_source) + 1
-    out = torch.full((programs, max_items, 4), -1, dtype=torch.int32)
-    claims = torch.zeros(1, dtype=torch.int64)  # (a state word, as the pull's)
-    _walk[(programs,)](prefix, out, claims, rank, R, total if num_rows is None else num_rows, max_items,
-                       BLOCK_R=block_r, R_P2=triton.next_power_of_2(R), EVERY_PEER=every_peer, CLAIMED_TAIL=claimed)
+    out = torch.full((programs, max_items, 3), -1, dtype=torch.int32)
+    _walk[(programs,)](prefix, out, rank, R, total if num_rows is None else num_rows, max_items, BLOCK_R=block_r,
+                       R_P2=triton.next_power_of_2(R), EVERY_PEER=every_peer)
     return [[tuple(item) for item in items.tolist() if item[0] >= 0] for items in out]
 
 
@@ -75,10 +59,6 @@ CASES = [
     dict(rows_per_source=[100, 0, 0, 0, 0, 0, 0, 0], rank=0, programs=24, block_r=2, every_peer=True),
     # block counts 32, 4, 4, 20, 0: rounds of four, then two, then one source
     dict(rows_per_source=[64, 8, 7, 40, 0], rank=4, programs=5, block_r=2, every_peer=True),
-    # the claimed tail: more items than 2 per program, fewer, none
-    dict(rows_per_source=[33, 0, 7, 100, 1, 64, 0, 15], rank=5, programs=3, block_r=8, every_peer=True, claimed=True),
-    dict(rows_per_source=[9, 9, 9], rank=2, programs=5, block_r=4, every_peer=True, num_rows=20, claimed=True),
-    dict(rows_per_source=[0, 0, 0], rank=1, programs=2, block_r=4, every_peer=True, claimed=True),
 ]
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def item_table(per_rank: List[Dict[str, List[List[int]]]]) -> List[str]:
              "end spread  rows/us"]
     for call in per_rank[0]:
         for rank, result in enumerate(per_rank):
-            recs = [rec for rec in result[call] if rec[2] > 0]  # (a claim past the last item: no rows)
+            recs = result[call]
             if not recs:
                 lines.append(f"{call:17s} {rank:4d}  (no items)")
                 continue

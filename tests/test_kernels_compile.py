@@ -36,13 +36,7 @@ def _cases():
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al,
-                           GATHER_INDEX=lists and fp8 != al, PUSHED_LISTS=lists and topk == fp8, CLAIMED_TAIL=False,
-                           **copy), 16
-    # the claimed tail (an experiment): a full and a cached dispatch's pull in turn, traced and not
-    for lists, al in ((True, True), (False, False)):
-        yield N.PULL, dict(INDEX=lists, HAS_SCALES=not lists, HAS_TOPK=lists, ALIGNED=al, EXPERT_MAJOR=False,
-                           EVERY_PEER=True, TRACE=al, PIPELINE=False, SIDE_FIRST=True, GATHER_INDEX=False,
-                           PUSHED_LISTS=lists, CLAIMED_TAIL=True, **copy), 16
+                           GATHER_INDEX=lists and fp8 != al, PUSHED_LISTS=lists and topk == fp8, **copy), 16
     for (index, fp8, topk), al in itertools.product([(True, False, True), (True, True, True), (True, False, False),
                                                     (False, False, False), (False, True, False)], [False, True]):
         # (DOORBELL: a full dispatch launched before the count wait; without, a num_worst_tokens one)
@@ -173,16 +167,13 @@ def test_nvshmem_backend_channel_limit():
                    POSITION_SUB=1), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
                   EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False,
-                  GATHER_INDEX=False, PUSHED_LISTS=False, CLAIMED_TAIL=False), 16),
-    (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
-                  EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False,
-                  GATHER_INDEX=False, PUSHED_LISTS=False, CLAIMED_TAIL=True), 16),
+                  GATHER_INDEX=False, PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=4, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
                   EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True, SIDE_FIRST=False, GATHER_INDEX=False,
-                  PUSHED_LISTS=False, CLAIMED_TAIL=False), 16),
+                  PUSHED_LISTS=False), 16),
     (N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=False, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8,
                   EXPERT_MAJOR=True, EVERY_PEER=True, TRACE=False, PIPELINE=False, SIDE_FIRST=False, GATHER_INDEX=False,
-                  PUSHED_LISTS=False, CLAIMED_TAIL=False), 16),
+                  PUSHED_LISTS=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=False, EVERY_PEER=True,
                   TRACE=False), 16),
     (N.PUSH, dict(HAS_WEIGHTS=False, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, EXPERT_MAJOR=True, EVERY_PEER=True,
@@ -381,8 +372,7 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
     registers and no stack on sm_90 (at the full BLOCK_R it would spill, which the plan avoids)."""
     usage = _sm90_resource_usage(N.PULL, dict(INDEX=False, HAS_SCALES=False, HAS_TOPK=True, ALIGNED=True,
                                               EXPERT_MAJOR=False, EVERY_PEER=True, TRACE=False, PIPELINE=True,
-                                              SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False,
-                                              CLAIMED_TAIL=False, BLOCK_R=4,
+                                              SIDE_FIRST=False, GATHER_INDEX=False, PUSHED_LISTS=False, BLOCK_R=4,
                                               BLOCK_W=2048, S_P2=64, K_P2=8, R_P2=8), 16)
     assert "STACK:0 " in usage and "REG:128 " in usage, usage
 
@@ -390,13 +380,12 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
 # The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
 _PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8, PUSHED_LISTS=False)
 _ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
-_IN_TURN = dict(_PULL, CLAIMED_TAIL=False)
 
 
 @pytest.mark.parametrize("spec,constexprs", [
-    (N.PULL, dict(_IN_TURN, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=False,
+    (N.PULL, dict(_PULL, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=False,
                   HAS_TOPK=True, BLOCK_R=8, BLOCK_W=2048, S_P2=1)),
-    (N.PULL, dict(_IN_TURN, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=True,
+    (N.PULL, dict(_PULL, EXPERT_MAJOR=False, PIPELINE=False, GATHER_INDEX=False, INDEX=True, HAS_SCALES=True,
                   HAS_TOPK=True, BLOCK_R=16, BLOCK_W=1024, S_P2=64)),
     (N.STAGE_PULL, dict(_ONE_LAUNCH, INDEX=False, WRITE_LISTS=False, HAS_SCALES=True, HAS_TOPK=False, L_P2=1,
                         BLOCK_R=16, BLOCK_W=1024, S_P2=64)),

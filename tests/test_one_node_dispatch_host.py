@@ -280,24 +280,6 @@ def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
     assert err.value.argument == "pushed_lists"
 
 
-def test_the_claimed_tail_is_the_pulls_in_turn_alone_and_no_field_of_the_fingerprint(monkeypatch):
-    """NormalMode.claimed_tail (bench --variants claimed-tail) compiles both pulls in turn with
-    CLAIMED_TAIL; the one launch never claims. The claims are each rank's own (its pull's counter):
-    ranks that differ on it meet nowhere, so the fingerprints do not carry it."""
-    monkeypatch.setattr(M, "PULL", types.SimpleNamespace(bind=lambda **constexprs: constexprs))
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.ws.dispatch_round_tokens = lambda row_bytes: ((0,) * len(row_bytes), ROUND_TOKENS)
-    mode.b.name = "nvlink"
-    assert not mode.claimed_tail  # (the default)
-    dealt = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    mode.claimed_tail = True
-    claimed = M.NormalMode._dispatch_plan(mode, 2 * HIDDEN, 0, K, 0)
-    assert claimed.pull_index["CLAIMED_TAIL"] and claimed.pull["CLAIMED_TAIL"]
-    assert not dealt.pull_index["CLAIMED_TAIL"] and not dealt.pull["CLAIMED_TAIL"]
-    assert "CLAIMED_TAIL" not in claimed.overlapped_full.fixed and "CLAIMED_TAIL" not in claimed.overlapped_cached.fixed
-    assert (claimed.fingerprint_full, claimed.fingerprint_cached) == (dealt.fingerprint_full, dealt.fingerprint_cached)
-
-
 def test_the_doorbell_words_land_before_the_tag_and_a_go_after_the_device_stood_down_raises():
     box = HostMailbox(R, 2, pinned=False)
     index = box._doorbell

@@ -20,7 +20,7 @@ def _rows_taken(case, items):
     num_rows = case.get("num_rows", sum(counts))
     taken = Counter()
     for program in items:
-        for source, first, end, _ in program:
+        for source, first, end in program:
             start = sum(counts[:source])
             assert start <= first < end <= min(start + counts[source], num_rows), (source, first, end)
             assert end - first <= case["block_r"]
@@ -59,8 +59,8 @@ def test_every_peer_items_follow_the_rotation_rule(walks):
     shared-memory round per item) deals exactly the items of schedule.py's rule, skewed and empty
     sources and clipped totals included."""
     for walk in walks:
-        if walk["case"]["every_peer"] and not walk["case"].get("claimed"):
-            assert [[tuple(item[:3]) for item in program] for program in walk["items"]] == _rotation(walk["case"]), \
+        if walk["case"]["every_peer"]:
+            assert [[tuple(item) for item in program] for program in walk["items"]] == _rotation(walk["case"]), \
                 walk["case"]
 
 
@@ -83,32 +83,10 @@ def test_every_peer_order_keeps_all_sources_busy_at_every_step(walks):
 def test_every_peer_order_deals_a_skewed_routing_evenly_over_the_programs(walks):
     """A hot source (100 rows of 220) and empty ones: no program gets more than one block more
     than another, and the hot source's blocks are spread over every program."""
-    walk = next(w for w in walks if w["case"]["every_peer"] and w["case"]["rank"] == 5 and not w["case"].get("claimed"))
+    walk = next(w for w in walks if w["case"]["every_peer"] and w["case"]["rank"] == 5)
     sizes = [len(program) for program in walk["items"]]
     assert max(sizes) - min(sizes) <= 1
-    assert all(any(source == 3 for source, *_ in program) for program in walk["items"])
-
-
-def test_the_claimed_tail_deals_the_first_items_and_lets_a_program_take_more_of_the_rest(walks):
-    """CLAIMED_TAIL (schedule.py, claimed_item): items below the last TAIL_ROUNDS x P are dealt as
-    without it; the rest go to whichever program claims them (the interpreter runs the programs one
-    after another, so the first claims its share and TAIL_SLACK more); each program's items increase,
-    as advance_round needs, and every row is taken once (the test above covers these cases too)."""
-    claimed = [w for w in walks if w["case"].get("claimed")]
-    assert claimed
-    for walk in claimed:
-        case, programs = walk["case"], walk["items"]
-        P = case["programs"]
-        num_items = sum(len(program) for program in programs)
-        tail_start = max(num_items - 2 * P, 0)
-        dealt = _rotation(case)
-        for p, program in enumerate(programs):
-            items = [item[3] for item in program]
-            assert items == sorted(items) and len(set(items)) == len(items), case
-            assert [tuple(i[:3]) for i in program if i[3] < tail_start] == \
-                [i for v, i in zip(range(p, num_items, P), dealt[p]) if v < tail_start], case
-        if num_items - tail_start > 2 + 2:  # more tail items than one program's claims
-            assert len([i for i in programs[0] if i[3] >= tail_start]) == 4, case
+    assert all(any(source == 3 for source, _, _ in program) for program in walk["items"])
 
 
 def test_setting_a_schedule_diagnostic_drops_the_plans_made_without_it():

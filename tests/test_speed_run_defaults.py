@@ -1,4 +1,4 @@
-"""scripts/speed_run.sh's defaults name only what their tools know (VARIANTS, TRACE_VARIANTS: `epcomm bench normal
+"""scripts/speed_run.sh's defaults name only what their tools know (VARIANTS: `epcomm bench normal
 --variants`; LL_ORDER: scripts/ll_back_to_back.py): a name removed from a tool (or misspelt in the
 script) would otherwise surface only on a multi-GPU lease, as a failed part."""
 import pathlib
@@ -25,8 +25,3 @@ def test_the_speed_runs_default_ll_order_names_only_what_ll_back_to_back_knows()
     order = re.search(r'\$\{LL_ORDER:-([^}]*)\}', SCRIPT.read_text()).group(1).split(",")
     assert order and set(order) <= set(script.LIBRARIES), order
 
-
-def test_the_speed_runs_default_trace_variants_are_bench_variants():
-    """The trace part's TRACE_VARIANTS default (scripts/trace_items.py --variants)."""
-    defaults = re.search(r'\$\{TRACE_VARIANTS-([^}]*)\}', SCRIPT.read_text()).group(1)
-    assert normal_variants(defaults) == defaults.split(",")

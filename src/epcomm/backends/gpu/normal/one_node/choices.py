@@ -95,7 +95,7 @@ class KernelChoices:
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
             gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
-            stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS, claimed_tail=False,
+            stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
     def _choice_changed(self) -> None:
@@ -115,11 +115,6 @@ class KernelChoices:
         both in flight together (dispatch.py, SIDE_FIRST); False: after them, a second remote round
         trip per item (bench --variants side-loads-after, the default before 2026-11-28: across 4
         H200s the FP8 cached dispatch took 344-362 µs against 301-307 first).""")
-    claimed_tail = Choice(
-        """An experiment for a multi-GPU lease (bench --variants claimed-tail): the pull in turn's
-        programs claim their last items one at a time instead of taking them dealt (schedule.py,
-        claimed_item; dispatch.py, CLAIMED_TAIL), so they end closer together (at 4 ranks they ended
-        up to 70 µs apart, 2026-11-28g). Ranks may differ on it: the claims are each pull's own.""")
     gathered_index = Choice(
         """An experiment for a lease (bench --variants gathered-index): a full dispatch's pull in turn
         gathers its receive index before its items, then reads each item's entries locally

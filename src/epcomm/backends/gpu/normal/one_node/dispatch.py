@@ -28,7 +28,7 @@ from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import pull_expert_major, staged_topk, zero_padding_rows
 from .receive_index import gather_index, list_of
 from .stage import _stage
-from .schedule import TAIL_ROUNDS, TAIL_SLACK, advance_round, claimed_item, item_block, source_blocks, trace_item
+from .schedule import advance_round, item_block, source_blocks, trace_item
 
 
 # The overlapped pull looks at every source's end of stage once every this many items it waited for.
@@ -66,7 +66,7 @@ def _pull(pid, num_programs, epoch,
           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
           R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
           TRACE: tl.constexpr, PIPELINE: tl.constexpr, OVERLAP: tl.constexpr, SIDE_FIRST: tl.constexpr,
-          GATHER_INDEX: tl.constexpr, PUSHED_LISTS: tl.constexpr, CLAIMED_TAIL: tl.constexpr):
+          GATHER_INDEX: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # GATHER_INDEX (an experiment, off by default; a full dispatch's pull in turn): the receive
     # index is gathered before the items — every program a share of the rows, GATHER_ROWS list
     # entries in flight at once — then each item reads its entries here, as a
@@ -90,9 +90,6 @@ def _pull(pid, num_programs, epoch,
     # no remote round trip before the rows they name — after the same acquires (the stage's end,
     # or with OVERLAP the list's word: both released by the source after its remote list stores).
     # ALIGNED: rows are a multiple of 16 bytes (copy.py; the buffers are aligned).
-    # CLAIMED_TAIL (an experiment, off by default; the pull in turn, not OVERLAP): the last items are
-    # claimed one at a time instead of dealt (schedule.py, claimed_item), and the last program out
-    # zeroes the claims for the next pull.
     # OVERLAP (ep_dispatch, plain layout): no barrier first; each item waits for the blocks its rows
     # were staged in (and, INDEX, for its source's list), and the last program gives the verdict.
     # Where every warp holds an item's row lanes whole (BLOCK_R <= 32 rows, R_P2 <= 32 peers: every
@@ -142,21 +139,12 @@ def _pull(pid, num_programs, epoch,
         held = tl.zeros([BLOCK_R, BLOCK_W], tl.int64)
         held_rows = tl.zeros([BLOCK_R], tl.int64)
         held_live = tl.arange(0, BLOCK_R) < 0
-    loop_end = num_items
-    if CLAIMED_TAIL:  # (steps past the items: claims, which may find none left)
-        tail_start = tl.maximum(num_items - TAIL_ROUNDS * num_programs, 0)
-        loop_end = num_items + TAIL_SLACK * num_programs
-    for step in range(pid, loop_end, num_programs):
-        item = step
-        if CLAIMED_TAIL:
-            item = claimed_item(step, tail_start, state_ptr + sync.PULL_CLAIMS)
+    for item in range(pid, num_items, num_programs):
         if TRACE:
             started = now_ns()
         round_idx, round_start, round_size = advance_round(item, round_idx, round_start, round_size, blocks)
         src, first, end, src_start = item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts, ends,
                                                 blocks, BLOCK_R, R_P2, EVERY_PEER)
-        if CLAIMED_TAIL:
-            end = tl.where(item < num_items, end, first)  # a claim past the last item: no rows
         rows = first + tl.arange(0, BLOCK_R)
         in_out = rows < end
         staged = tl.load(normal_bases_ptr + src) + half_offset
@@ -272,9 +260,6 @@ def _pull(pid, num_programs, epoch,
         if zero_padding != 0:
             zero_padding_rows(table_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr, num_ranks, num_local,
                           num_em_rows, x_words, num_scales, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2)
-    if CLAIMED_TAIL:  # every claim of this launch precedes the arrivals; the next pull follows in stream order
-        if arrive(state_ptr + sync.ARRIVE_CLAIMS, num_programs):
-            tl.store(state_ptr + sync.PULL_CLAIMS, 0)
     # -- OVERLAP: the last program to arrive gives the call's verdict, and stores the epoch
     if OVERLAP:
         if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):
@@ -368,7 +353,7 @@ def ep_dispatch_pull(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, ALIGNED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, EVERY_PEER: tl.constexpr,
         TRACE: tl.constexpr, PIPELINE: tl.constexpr, SIDE_FIRST: tl.constexpr, GATHER_INDEX: tl.constexpr,
-        PUSHED_LISTS: tl.constexpr, CLAIMED_TAIL: tl.constexpr):
+        PUSHED_LISTS: tl.constexpr):
     # The pull alone (the dispatch in turn): every source's stage acquired first.
     _pull(tl.program_id(0), tl.num_programs(0), tl.load(state_ptr + sync.EPOCH_NORMAL),
           prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
@@ -377,8 +362,7 @@ def ep_dispatch_pull(
           lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, 0, 0,
           mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
           INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, ALIGNED, EXPERT_MAJOR, EVERY_PEER, TRACE,
-          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX, PUSHED_LISTS=PUSHED_LISTS,
-          CLAIMED_TAIL=CLAIMED_TAIL)
+          PIPELINE, OVERLAP=False, SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=GATHER_INDEX, PUSHED_LISTS=PUSHED_LISTS)
 
 
 
@@ -490,8 +474,8 @@ def ep_dispatch(
               block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
               INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
               EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False, PUSHED_LISTS=PUSHED_LISTS,
-              CLAIMED_TAIL=False)  # (the lists are waited for item by item here)
+              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False,
+              PUSHED_LISTS=PUSHED_LISTS)  # (the lists are waited for item by item here)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

@@ -88,8 +88,7 @@ class NormalMode(KernelChoices):
                     S_P2=p2(num_scales), K_P2=p2(max(num_topk, expert_major_topk)), R_P2=self.R_P2)
         pushed, no_lists = dict(PUSHED_LISTS=self.pushed_lists), dict(PUSHED_LISTS=False)  # (with lists, without)
         schedule = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, PIPELINE=pipeline,
-                        SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index,
-                        CLAIMED_TAIL=self.claimed_tail)
+                        SIDE_FIRST=self.side_loads_first, GATHER_INDEX=self.gathered_index)
         overlapped = dict(EVERY_PEER=self.every_peer, TRACE=self.trace is not None, SIDE_FIRST=self.side_loads_first)
         positions = dict(EXPERT_MAJOR=expert_major and num_topk > 0, POSITION_TOKENS=POSITION_TOKENS)
         rows_aligned = x_bytes % 16 == 0  # 16-byte accesses (copy.py) where x itself is aligned too

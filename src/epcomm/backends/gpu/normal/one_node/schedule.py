@@ -24,11 +24,6 @@ has blocks in more rounds, so skewed routings keep every program busy::
 side-by-side measurements; nothing else differs. A program's items only increase, so the round is
 carried from one item to the next instead of searched (:func:`advance_round`).
 
-With ``CLAIMED_TAIL`` (an experiment, off by default; the pull in turn) the last ``TAIL_ROUNDS``
-items per program are claimed instead of dealt (:func:`claimed_item`): a program that ends its
-dealt items early takes the next unclaimed one, so the programs end closer together (at 4 ranks the
-pull in turn's programs ended up to 70 µs apart, the cached dispatch's one launch within 17).
-
 With ``TRACE`` the kernels record each item (:func:`trace_item`): program, source, rows and its
 ``%globaltimer`` start and end, for tests/schedule_trace_cases.py (the bed's schedule table) and
 scripts/trace_items.py (the pulls' items across GPUs).
@@ -39,12 +34,6 @@ import triton
 import triton.language as tl
 
 from ...sync import now_ns
-
-# The claimed tail (CLAIMED_TAIL): the last TAIL_ROUNDS x P items of P programs are claimed one at a
-# time; each program makes TAIL_ROUNDS + TAIL_SLACK claims at most, so one that finishes early can
-# take TAIL_SLACK items more than its share (a claim past the last item is an item with no rows).
-TAIL_ROUNDS = tl.constexpr(2)
-TAIL_SLACK = tl.constexpr(2)
 
 # The trace buffer (int64): [count, capacity], then `capacity` records of (program << 32 | source),
 # rows, start ns, end ns.
@@ -114,23 +103,6 @@ def item_block(item, round_idx, round_start, round_size, rank, num_ranks, starts
     end = tl.sum(tl.where(peers == source, ends, 0), axis=0)
     first_row = start + block * BLOCK_R
     return source, first_row, tl.minimum(first_row + BLOCK_R, end), start
-
-
-@triton.jit
-def claimed_item(step, tail_start, claims_ptr):
-    """The item a program takes at loop step ``step`` (its steps are ``pid, pid + P, ...`` up to
-    ``num_items + TAIL_SLACK * P``): ``step`` itself below ``tail_start``, else the next unclaimed
-    item from ``tail_start`` on (``claims_ptr``: the pull's int64 counter, zero at its launch). A
-    program's items only increase, as :func:`advance_round` needs: its claims come after its dealt
-    items, and the counter only grows. The caller treats an item at or past the last as empty.
-
-    Ordering: none needed. The claim only divides the work; the rows were acquired before the loop
-    (the pull in turn's acquire_and_agree), so a relaxed atomic suffices, and the counter is zeroed
-    for the next pull by this pull's last program, which the next launch follows in stream order."""
-    item = step
-    if step >= tail_start:
-        item = tail_start + tl.atomic_add(claims_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)
-    return item
 
 
 @triton.jit
