@@ -135,10 +135,9 @@ def test_both_gpu_backends_hand_the_low_latency_settings_to_their_mode():
     from epcomm.backends.gpu.low_latency import mode
     parameters = inspect.signature(mode.LowLatencyMode).parameters
     assert parameters["messages_per_program"].default == 0 and parameters["one_launch"].default is None
-    # nvlink hands the setting on as it is (None: auto) unless ranks share its GPU, where None is two
-    # launches (the bed's tested form); nvshmem takes two launches for None (not measured across nodes)
-    for backend_name, handed in (("nvlink", "one_launch=False if ll_one_launch is None and caps.shared else "
-                                            "ll_one_launch)"),
+    # nvlink hands the setting on as it is (None: auto), ranks sharing its GPU too (the bed runs the
+    # default users get); nvshmem takes two launches for None (not measured across nodes)
+    for backend_name, handed in (("nvlink", "one_launch=ll_one_launch)"),
                                  ("nvshmem", "one_launch=bool(ll_one_launch))")):
         source = open(os.path.join(SRC, "backends", backend_name, "backend.py")).read()
         assert "messages_per_program=ll_send_messages," in source and handed in source, backend_name

@@ -143,8 +143,8 @@ class Tuning:
             into a CUDA graph, where they are two launches. Eagerly the host is what decode waits
             for, and one launch less is ~5 us less host time per call; a graph replays without the
             host, and there two launches are as fast or faster. True: always one launch; False:
-            always two. For None the nvshmem backend, ranks sharing one GPU and Triton's own
-            launcher (no cooperative launch: ``launch_mode() == "jit"``) take two launches.
+            always two. For None the nvshmem backend and Triton's own launcher (no cooperative
+            launch: ``launch_mode() == "jit"``) take two launches.
         ll_receive_programs: at most this many programs per low-latency receive phase (0: no cap).
             Ranks sharing one GPU get a cap anyway (backends/gpu/shared_grids.py); a smaller one here wins.
         nvshmem_send_parts: programs per (channel, node) of the nvshmem backend's puts between

@@ -45,9 +45,9 @@ class NVLinkBackend(GpuBackend):
         """``ll_receive_programs``: at most this many programs per low-latency receive phase
         (0: no cap; ranks sharing a GPU get a cap anyway, GpuBackend.share_gpu). ``shrink``: the
         Buffer's ``enable_shrink``; ``ll_send_messages``, ``ll_one_launch``: its ``Tuning``
-        (LowLatencyMode). Ranks sharing one GPU (the many-rank test bed) take two launches for
-        ``ll_one_launch=None``, as they always have: one cooperative launch per rank under CUDA MPS
-        has not been run there."""
+        (LowLatencyMode), as given: ranks sharing one GPU (the many-rank test bed) take the same
+        auto default, one cooperative launch per eager call (8 ranks under CUDA MPS passed the bed's
+        nvlink and nvlink-faults presets with it forced on, 9 of 9 and 36 of 36, 2026-11-28i)."""
         super().__init__(group, device)
         self.timeout_s = float(timeout_s)
         places = gpu_places(group)  # (collective)
@@ -66,7 +66,7 @@ class NVLinkBackend(GpuBackend):
                                           receive_programs=caps.ll_receive_programs, board=self.seat,
                                           send_programs=caps.ll_send_programs, shrink=shrink,
                                           messages_per_program=ll_send_messages,
-                                          one_launch=False if ll_one_launch is None and caps.shared else ll_one_launch)
+                                          one_launch=ll_one_launch)
 
     def _symmetric(self, num_bytes: int):
         """``((buffer, bases, barrier), transport)``: ``num_bytes`` of symmetric memory on every rank
