@@ -31,35 +31,34 @@ from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_wor
 #               RELEASE mailbox.sequence = sequence         (the host's one wait polls it, then raises
 #                                                            any disagreement the mailbox holds)
 @triton.jit
-def notify_counts(
-        peer, epoch,  # this program's peer; the call's epoch (EPOCH_NORMAL + 1 when the notify runs alone)
+def ep_notify_dispatch(
         # the call's counts, and what this kernel computes from every rank's
-        per_rank_ptr, per_expert_ptr,  # this rank's [R] / [E] int32 send counts
-        prefix_ptr,  # out [R, R] int32 rank_prefix_matrix
-        recv_info_ptr,  # out [2] int32 (device): rows received, most tokens any rank sends
-        table_ptr,  # out [R + 2, L] int32 (write_table): the expert-major group table, below
+        per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # this rank's [R] / [E] int32 send counts
+        prefix_ptr: "*i32",  # out [R, R] int32 rank_prefix_matrix
+        recv_info_ptr: "*i32",  # out [2] int32 (device): rows received, most tokens any rank sends
+        table_ptr: "*i32",  # out [R + 2, L] int32 (write_table): the expert-major group table, below
         # sizes
-        num_tokens, num_experts, expert_alignment, write_table,
+        num_tokens: "i32", num_experts: "i32", expert_alignment: "i32", write_table: "i32",
         # this rank and the workspaces (offsets are from a workspace base)
-        rank, num_ranks,
-        normal_bases_ptr,  # [R] int64: each rank's workspace base
-        flag_bases_ptr,  # [R] int64: each rank's flag region
-        state_ptr,  # [16] int64 local: epochs and arrival counters (sync.py)
-        half_bytes, counts_offset,
+        rank: "i32", num_ranks: "i32",
+        normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base
+        flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
+        state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
+        half_bytes: "i64", counts_offset: "i64",
         # the host: its mailbox (sync.py), the sequence number it polls for, the timeout of a wait
-        mailbox_address, sequence, timeout_ns,
+        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
         # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
-        fp_offset, fp0, fp1,
-        board_bases_ptr,  # [R] int64: each rank's call board
-        call_tag,  # this call's number and Buffer on the board (0: not posted, not checked)
-        # meta-parameters; STORE_EPOCH: the last notify program stores EPOCH_NORMAL = epoch (alone;
-        # notify_stage.py's launch stores its own once all its programs have read the old one)
-        R_P2: tl.constexpr, BLOCK: tl.constexpr, STORE_EPOCH: tl.constexpr):
-    """The notify's program for ``peer`` (the diagram above), with the epoch given."""
+        fp_offset: "i64", fp0: "i64", fp1: "i64",
+        board_bases_ptr: "*i64",  # [R] int64: each rank's call board
+        call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
+        # meta-parameters
+        R_P2: tl.constexpr, BLOCK: tl.constexpr):
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
     # -- program p: this rank's count row and fingerprint to peer p, released
+    peer = tl.program_id(0)
+    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
     row_len = num_ranks + num_experts + 1
     dst = (tl.load(normal_bases_ptr + peer) + half_offset).to(tl.pointer_type(tl.int32)) + rank * row_len
@@ -93,8 +92,7 @@ def notify_counts(
                fp1, epoch, agreement, num_ranks)
     # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
-        if STORE_EPOCH:
-            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
         src = tl.arange(0, R_P2)
         dst_r = tl.arange(0, R_P2)
@@ -127,23 +125,6 @@ def notify_counts(
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
-
-
-@triton.jit
-def ep_notify_dispatch(
-        per_rank_ptr: "*i32", per_expert_ptr: "*i32", prefix_ptr: "*i32", recv_info_ptr: "*i32", table_ptr: "*i32",
-        num_tokens: "i32", num_experts: "i32", expert_alignment: "i32", write_table: "i32",
-        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
-        half_bytes: "i64", counts_offset: "i64",
-        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
-        fp_offset: "i64", fp0: "i64", fp1: "i64", board_bases_ptr: "*i64", call_tag: "i64",
-        R_P2: tl.constexpr, BLOCK: tl.constexpr):
-    # The notify alone (grid = R programs; notify_counts names the arguments): program p for peer p.
-    notify_counts(tl.program_id(0), tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
-                  per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr,
-                  num_tokens, num_experts, expert_alignment, write_table, rank, num_ranks, normal_bases_ptr,
-                  flag_bases_ptr, state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns,
-                  fp_offset, fp0, fp1, board_bases_ptr, call_tag, R_P2, BLOCK, STORE_EPOCH=True)
 
 
 NOTIFY = KernelSpec(ep_notify_dispatch)

@@ -63,19 +63,18 @@ def _check_expert_counts(per_expert, per_expert_ptr, dest, num_local, state_ptr,
 
 
 @triton.jit
-def stage_rows(pid, num_programs, epoch,
-               x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
-               num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local,
-               num_position_programs,
-               rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap,
-               x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
-               fp_offset, fp0, fp1, board_bases_ptr, call_tag,
-               HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-               R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-               EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-               E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
-    """One staging program's work (the diagram above), without the stage's end (stage_end)."""
+def _stage(pid, num_programs, epoch,
+           x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
+           num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local,
+           num_position_programs,
+           rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap, x_offset,
+           scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
+           fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+           R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+           EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
     # Staging is local (HBM speed): x rows, scales (row-major), top-k rows [K int64 ids][K float32
     # weights] (+ [K int32] positions, EXPERT_MAJOR). ALIGNED: x and its rows are 16-byte aligned (copy.py).
     # OVERLAP (ep_dispatch): each list and each block of staged rows is released on its own, to the
@@ -152,57 +151,19 @@ def stage_rows(pid, num_programs, epoch,
                 tl.store((row + num_topk * 8).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], weights, mask=m)
             if OVERLAP:  # RELEASE: this block's rows -> every receiver's pull programs (word `block` of this row)
                 publish_to_peers_from_one_thread(flag_bases_ptr, my_flag_row + block * 8, num_ranks, epoch)
-
-
-@triton.jit
-def stage_end(epoch, rank, num_ranks, flag_bases_ptr, state_ptr, fp_offset, fp0, fp1,
-              WRITE_LISTS: tl.constexpr, R_P2: tl.constexpr, STORE_EPOCH: tl.constexpr):
-    """The stage's end, in the program that arrived last (every staging program's stores acquired
-    through the arrivals): EPOCH_NORMAL = epoch (STORE_EPOCH), a count error posted as the call's
-    abort, then the epoch released to every peer."""
-    if STORE_EPOCH:
-        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
-    if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
-        count_error = tl.load(state_ptr + sync.COUNT_ERROR)
-        if count_error != 0:
-            tl.store(state_ptr + sync.COUNT_ERROR, 0)
-            post_fingerprint_to_peers(flag_bases_ptr, fingerprint_half(fp_offset, epoch % 2, num_ranks), rank,
-                                      num_ranks, state_ptr, fp0, fp1 | count_error, epoch, HAS_MASK=False, R_P2=R_P2)
-    signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
-                 (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
-                 R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
-
-
-@triton.jit
-def _stage(pid, num_programs, epoch,
-           x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
-           num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local,
-           num_position_programs,
-           rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap, x_offset,
-           scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
-           fp_offset, fp0, fp1, board_bases_ptr, call_tag,
-           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
-           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
-           R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
-           EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
-           E_P2: tl.constexpr, OVERLAP: tl.constexpr, PUSHED_LISTS: tl.constexpr):
-    """A staging program (stage_rows), then the last one to arrive ends the stage (stage_end;
-    OVERLAP: the pull's last program stores the epoch, once every program has read it)."""
-    stage_rows(pid, num_programs, epoch,
-               x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
-               num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk,
-               num_local, num_position_programs, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr,
-               half_bytes, lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes,
-               block_flags_offset, block_flag_cap, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
-               HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-               EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP, PUSHED_LISTS)
+    # -- the last program to arrive releases the epoch
     if arrive(state_ptr + sync.ARRIVE_STAGE, num_programs):
-        if OVERLAP:
-            stage_end(epoch, rank, num_ranks, flag_bases_ptr, state_ptr, fp_offset, fp0, fp1, WRITE_LISTS, R_P2,
-                      STORE_EPOCH=False)
-        else:
-            stage_end(epoch, rank, num_ranks, flag_bases_ptr, state_ptr, fp_offset, fp0, fp1, WRITE_LISTS, R_P2,
-                      STORE_EPOCH=True)
+        if not OVERLAP:  # (overlapped: the pull's last program stores it, once every program has read it)
+            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        if WRITE_LISTS:  # acquired through the arrivals; posted again with the abort field set
+            count_error = tl.load(state_ptr + sync.COUNT_ERROR)
+            if count_error != 0:
+                tl.store(state_ptr + sync.COUNT_ERROR, 0)
+                post_fingerprint_to_peers(flag_bases_ptr, fp_rows, rank, num_ranks, state_ptr, fp0, fp1 | count_error,
+                                          epoch, HAS_MASK=False, R_P2=R_P2)
+        signal_peers(flag_bases_ptr, sync.FLAGS_NORMAL * num_ranks * 8, rank, num_ranks, epoch, state_ptr,
+                     (state_ptr + sync.SPARE).to(tl.int64), HAS_MASK=False,
+                     R_P2=R_P2)  # RELEASE: staged rows, lists, fingerprint -> every rank
 
 
 @triton.jit
