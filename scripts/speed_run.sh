@@ -24,6 +24,9 @@
 #   ll-gaps      the eager low-latency round trip per rank (scripts/ll_back_to_back.py): host and gpu
 #                per round trip and the kernels' busy and idle time, eager and in one CUDA graph, for
 #                LL_ORDER (default epcomm,two-launch,deep_ep,epcomm,deep_ep; deep_ep needs the wheel)
+#   ll-host      the eager low-latency calls' host time by part, per rank, beside DeepEP's whole calls
+#                (scripts/ll_host_split.py: the front end, the launch, the allocations, the backend's
+#                other Python; which calls run slow)
 #   suite        the one-node GPU tests (nvlink) at RANKS ranks, one per GPU, each named as it passes
 #                (a part cut by its limit still says which ran); SUITE_K: a pytest -k
 #                expression to run part of them
@@ -34,8 +37,8 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 for part in ${PARTS:-normal low-latency}; do  # (a misspelt part: an error before any work)
-  case "$part" in normal|low-latency|profile|trace|ll-gaps|suite) ;;
-    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, trace, ll-gaps, suite)" >&2; exit 2 ;;
+  case "$part" in normal|low-latency|profile|trace|ll-gaps|ll-host|suite) ;;
+    *) echo "speed_run.sh: unknown part '$part' (normal, low-latency, profile, trace, ll-gaps, ll-host, suite)" >&2; exit 2 ;;
   esac
 done
 use_peer
@@ -82,6 +85,10 @@ for part in ${PARTS:-normal low-latency}; do
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${LL_GAPS_LIMIT_S:-150}" \
         python3 scripts/ll_back_to_back.py --order "$order" 2>&1 | grep -v -i "warn" \
         | tee "$OUT/ll_gaps_r$ranks.txt" | tail -n $((2 * $(echo "$order" | tr ',' '\n' | wc -l) + 2)) ;;
+    ll-host)
+      CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${LL_HOST_LIMIT_S:-120}" \
+        python3 scripts/ll_host_split.py --ranks "$ranks" ${peer[@]+"${peer[@]}"} 2>&1 | grep -v -i "warn" \
+        | tee "$OUT/ll_host_r$ranks.txt" | tail -n $((6 * ranks + 2)) ;;
     suite)
       CUDA_VISIBLE_DEVICES="$gpus" EPCOMM_GPU_WORLD_SIZES="$ranks" \
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \

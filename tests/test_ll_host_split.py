@@ -1,0 +1,46 @@
+"""scripts/ll_host_split.py's bookkeeping, on the CPU: what it stamps per call and how it sums the
+stamps (a wrong part here would send the next lease after the wrong cost)."""
+import importlib.util
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ll_host_split.py"
+
+
+@pytest.fixture(scope="module")
+def split():
+    spec = importlib.util.spec_from_file_location("ll_host_split_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_stamp_counts_its_time_inclusive_even_when_the_call_raises(split):
+    """A launch inside the backend's method counts in both ("launch" is inside "mode"), and a call
+    that raises is stamped too."""
+    stamps = split._Stamps()
+
+    def failing():
+        raise RuntimeError("refused")
+    launch = stamps.wrap("launch", lambda: sum(range(2000)))
+    mode = stamps.wrap("mode", lambda: launch())
+    mode()
+    assert stamps.spent["mode"] >= stamps.spent["launch"] > 0
+    spent = stamps.spent["alloc"]
+    with pytest.raises(RuntimeError):
+        stamps.wrap("alloc", failing)()
+    assert stamps.spent["alloc"] > spent
+
+
+def test_the_summary_gives_median_p90_max_and_the_slow_calls_excess_by_part(split):
+    """Calls over 1.5 x the median call are the slow ones; each part's excess is their mean over
+    that part's own median: here the slow calls' extra time is all in the launch."""
+    fast = [dict(call=20.0, front=5.0, launch=5.0, alloc=5.0, rest=5.0)] * 9
+    slow = [dict(call=60.0, front=5.0, launch=45.0, alloc=5.0, rest=5.0)]
+    stats, num_slow, excess = split._summary(fast + slow)
+    assert stats["call"] == (20.0, 20.0, 60.0)
+    assert stats["launch"][0] == 5.0 and stats["launch"][2] == 45.0
+    assert num_slow == 1
+    assert excess == pytest.approx(dict(call=40.0, front=0.0, launch=40.0, alloc=0.0, rest=0.0))
+    assert split.PARTS == ("call", "front", "launch", "alloc", "rest")
