@@ -51,12 +51,13 @@ MEASURED = {
 # The every-peer kernels in one launch (push on 2 x num_sms), the full dispatch's pull in turn on
 # 3 x num_sms programs with the side rows loaded first and the lists pushed to their receivers
 # (the defaults since 67cd161), gpu / synced µs on rank 0, DeepEP V1's gpu µs in the same run:
-# 2 x H200 and 4 x H200, 2026-11-28f (notes/runs/2026-11-28f_x2_h200_call1_*, _x4_h200_call7_*).
+# 2 x H200 and 4 x H200, 2026-11-28i (notes/runs/2026-11-28i_x4_h200_call3_* at 2 ranks and _call1_* at 4,
+# both on one x4 machine; 2026-11-28f's gpu figures were within 2 % of these).
 MEASURED_NOW = {
-    2: {"full dispatch": ("242 / 428", "427"), "cached dispatch": ("201 / 323", "379"),
-        "combine": ("199 / 316", "403")},
-    4: {"full dispatch": ("634 / 715", "853"), "cached dispatch": ("522 / 604", "819"),
-        "combine": ("530 / 599", "610")},
+    2: {"full dispatch": ("242 / 328", "420"), "cached dispatch": ("198 / 319", "376"),
+        "combine": ("195 / 242", "399")},
+    4: {"full dispatch": ("627 / 734", "857"), "cached dispatch": ("524 / 607", "819"),
+        "combine": ("533 / 581", "614")},
 }
 
 
@@ -208,7 +209,7 @@ def run(args) -> int:
           f"link {args.link_gbps:g} GB/s one way, {args.duplex_link_gbps:g} each way both ways, per program {args.program_local_gbps:g} local / {args.program_load_gbps:g} "
           f"remote loads / {args.program_store_gbps:g} remote stores GB/s; busiest rank, BF16")
     print("| ranks | call | remote MB in | link floor µs | every peer µs | + phases overlapped µs | rank order µs | "
-          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28f, every peer, "
+          "measured gpu / synced (7562a92, rank order) | DeepEP V1 | measured gpu / synced (2026-11-28i, every peer, "
           "one launch) | DeepEP V1, same run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for R in args.ranks:
