@@ -80,10 +80,10 @@ def _steady(trips, skip: int):
 
 def _timed(fn, count: int):
     """Unprofiled, µs per call of ``count`` calls issued back to back: host and gpu as the bench's
-    columns (bench.back_to_back), and the median and 90th percentile of the single calls' host
+    columns (measure.back_to_back), and the median and 90th percentile of the single calls' host
     times over its batches (a slow call now and then, a collector's pass or a blocked launch, shows
     as a p90 far above the median)."""
-    from epcomm.tools.bench import back_to_back
+    from epcomm.tools.measure import back_to_back
     singles = []
     host, gpu = back_to_back(fn, count, each=singles)
     singles.sort()
@@ -111,7 +111,8 @@ LIBRARIES = ("epcomm", "one-launch", "two-launch", "deep_ep")
 
 def rank_main(order, tokens, round_trips, skip):
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import _capture, load_peer, profiled_last, random_batch
+    from epcomm.tools.bench import _capture, profiled_last
+    from epcomm.tools.measure import load_peer, random_batch
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256

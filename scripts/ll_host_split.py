@@ -92,7 +92,7 @@ def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
     import epcomm
     from epcomm.backends.gpu.launch import BoundKernel
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import load_peer, random_batch
+    from epcomm.tools.measure import load_peer, random_batch
     R = dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256

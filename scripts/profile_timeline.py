@@ -159,7 +159,7 @@ def _variant_timelines(variants, x, topk, weights, iterations, results):
 def rank_main(peer_name, iterations, ll_tokens, tokens, out, variants=()):
     import epcomm
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.bench import load_peer, random_batch
+    from epcomm.tools.measure import load_peer, random_batch
     R, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256

@@ -1,11 +1,11 @@
-"""``epcomm bench``'s measuring (tools/bench.py, ``measure``), with CUDA's events and the group's
-barrier stood in for on the CPU: host and gpu are the least of BATCHES batches of back-to-back calls,
+"""``epcomm bench``'s measuring (tools/measure.py; the column order in tools/bench.py), with CUDA's
+events and the group's barrier stood in for on the CPU: host and gpu are the least of BATCHES batches of back-to-back calls,
 so a batch that a shared host slowed (one call stalled) does not set the figure; every rank makes
 the same calls (the barriers pair up)."""
 import time
 import types
 
-from epcomm.tools import bench
+from epcomm.tools import bench, measure
 
 
 class _Event:
@@ -23,9 +23,9 @@ class _Event:
 
 def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
     barriers = []
-    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
-    monkeypatch.setattr(bench, "dist", types.SimpleNamespace(barrier=lambda: barriers.append(1)))
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(measure.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(measure, "dist", types.SimpleNamespace(barrier=lambda: barriers.append(1)))
     calls = []
 
     def call():
@@ -34,7 +34,7 @@ def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
             time.sleep(0.05)
 
     flush = types.SimpleNamespace(zero_=lambda: None)
-    result = bench.measure(call, reps=10, flush=flush, warmup=3, batches=3)
+    result = measure.measure(call, reps=10, flush=flush, warmup=3, batches=3)
     assert len(calls) == 3 + 3 * 10 + 10  # warm-up, three batches, ten synced calls
     assert len(barriers) == 3 + 10  # one per batch, one per synced call: every rank alike
     assert result["host"] < 0.005 and result["gpu"] < 0.005  # not the stalled batch's 5 ms per call
@@ -44,9 +44,9 @@ def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
 def test_back_to_back_hands_every_calls_own_host_time_to_each(monkeypatch):
     """``back_to_back(..., each=list)`` (scripts/ll_back_to_back.py's host p50 / p90): one entry per
     call of every batch, the stalled call among them, while host and gpu stay the least batch's."""
-    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
-    monkeypatch.setattr(bench, "dist", types.SimpleNamespace(barrier=lambda: None))
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(measure.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(measure, "dist", types.SimpleNamespace(barrier=lambda: None))
     calls = []
 
     def call():
@@ -54,7 +54,7 @@ def test_back_to_back_hands_every_calls_own_host_time_to_each(monkeypatch):
         if len(calls) == 1:
             time.sleep(0.05)
     each = []
-    host, gpu = bench.back_to_back(call, 10, batches=3, each=each)
+    host, gpu = measure.back_to_back(call, 10, batches=3, each=each)
     assert len(each) == 30 and max(each) >= 0.05 and sorted(each)[15] < 0.005
     assert host < 0.005 and gpu < 0.005
 
