@@ -2,6 +2,7 @@
 stamps (a wrong part here would send the next lease after the wrong cost)."""
 import importlib.util
 import pathlib
+import time
 
 import pytest
 
@@ -17,8 +18,8 @@ def split():
 
 
 def test_a_stamp_counts_its_time_inclusive_even_when_the_call_raises(split):
-    """A launch inside the backend's method counts in both ("launch" is inside "mode"), and a call
-    that raises is stamped too."""
+    """A launch inside the backend's method counts in both ("launch" is inside "mode"), a part
+    inside itself once, and a call that raises is stamped too."""
     stamps = split._Stamps()
 
     def failing():
@@ -27,6 +28,12 @@ def test_a_stamp_counts_its_time_inclusive_even_when_the_call_raises(split):
     mode = stamps.wrap("mode", lambda: launch())
     mode()
     assert stamps.spent["mode"] >= stamps.spent["launch"] > 0
+    inner = stamps.wrap("launch", lambda: sum(range(2000)))
+    outer = stamps.wrap("launch", lambda: inner())  # (launch_resident falling back to launch)
+    before = stamps.spent["launch"]
+    started = time.perf_counter_ns()
+    outer()
+    assert stamps.spent["launch"] - before <= time.perf_counter_ns() - started  # counted once
     spent = stamps.spent["alloc"]
     with pytest.raises(RuntimeError):
         stamps.wrap("alloc", failing)()
