@@ -3,15 +3,17 @@ kernel launch, an output's allocation, the backend's other Python), and which ca
 
 ``scripts/ll_back_to_back.py`` shows the eager round trip following the slowest rank's host
 (2026-11-28i: epcomm's hosts 57-113 us per round trip, DeepEP's 45-69).
-This script issues ``--batches`` batches of ``--round-trips`` round trips back to back (after a
-barrier, as the bench does) and stamps every call with perf_counter_ns: the whole call, the time in
-the Buffer's front end (the call less the backend's ``LowLatencyMode`` method), and inside the
-backend its kernel launches (``BoundKernel.launch`` and ``launch_resident``), its ``new_empty`` /
-``new_empty_strided`` allocations and the rest of its Python. Per rank and call it prints the median,
-90th percentile and largest of each, and for the slow calls (over 1.5 x the median) the mean excess
-of each part, so a blocked launch, a slow allocation and a slow interpreter tell apart. With
-``--peer deep_ep`` (DeepEP's wheel importable) its whole calls are stamped the same way, after
-epcomm's, for their spread.
+This script first times whole calls, unstamped: ``--batches`` batches of ``--round-trips`` round
+trips back to back (after a barrier, as the bench does), every library twice in turn (epcomm and,
+with ``--peer deep_ep``, DeepEP: neither always first), with the GPU time per round trip. Then
+epcomm's calls again with every call stamped by part (perf_counter_ns, rows marked ``*``): the
+Buffer's front end (the call less the backend's ``LowLatencyMode`` method), and inside the backend
+its kernel launches (``BoundKernel.launch`` and ``launch_resident``), its ``new_empty`` /
+``new_empty_strided`` allocations and the rest of its Python. The stamps cost each stamped call
+about a microsecond per stamped function, so compare libraries on the unstamped rows. Per rank and
+call it prints the median, 90th percentile and largest of each part, and for the slow calls (over
+1.5 x the median) the mean excess of each, so a blocked launch, a slow allocation and a slow
+interpreter tell apart.
 
 Run on a machine with 2+ GPUs (``--ranks 1``: one rank alone, its chain without peers' waits):
 ``python3 scripts/ll_host_split.py [--ranks 2] [--tokens 128]
@@ -56,30 +58,36 @@ class _Stamps:
 
 def _split(calls, stamps, round_trips: int, batches: int):
     """Per call name: a list of {part: µs} over every call of every batch; and the least GPU time
-    per round trip of a batch (µs, between two events: what the bench's eager row reads)."""
+    per round trip of a batch (µs, between two events). ``stamps`` None: the whole calls alone,
+    their times kept as raw clock readings until the batch ends (nothing else in the timed window:
+    what the bench's eager row reads); else every part, whose bookkeeping runs between the calls."""
     found = {name: [] for name in calls}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     gpu = float("inf")
+    clock = time.perf_counter_ns
     for _ in range(batches):
         torch.cuda.synchronize()
         dist.barrier()
         torch.cuda.synchronize()
+        readings = []  # (name, ns, spent or None)
         start.record()
         for _ in range(round_trips):
             carried = None
             for name, fn in calls.items():
-                stamps.spent = {"mode": 0, "launch": 0, "alloc": 0}
-                started = time.perf_counter_ns()
+                if stamps is not None:
+                    stamps.spent = {"mode": 0, "launch": 0, "alloc": 0}
+                started = clock()
                 carried = fn(carried)
-                whole = time.perf_counter_ns() - started
-                mode, launch, alloc = stamps.spent["mode"], stamps.spent["launch"], stamps.spent["alloc"]
-                if not mode:  # (a library without the patched backend: its whole call is its front)
-                    mode = launch + alloc
-                found[name].append({"call": whole / 1e3, "front": (whole - mode) / 1e3, "launch": launch / 1e3,
-                                    "alloc": alloc / 1e3, "rest": (mode - launch - alloc) / 1e3})
+                readings.append((name, clock() - started, None if stamps is None else stamps.spent))
         end.record()
         torch.cuda.synchronize()
         gpu = min(gpu, start.elapsed_time(end) * 1e3 / round_trips)
+        for name, whole, spent in readings:
+            spent = spent or {"mode": 0, "launch": 0, "alloc": 0}
+            # (mode 0: no patched backend (DeepEP, or the unstamped pass): the whole call is its front)
+            mode = spent["mode"] or spent["launch"] + spent["alloc"]
+            found[name].append({"call": whole / 1e3, "front": (whole - mode) / 1e3, "launch": spent["launch"] / 1e3,
+                                "alloc": spent["alloc"] / 1e3, "rest": (mode - spent["launch"] - spent["alloc"]) / 1e3})
     return found, gpu
 
 
@@ -91,6 +99,34 @@ def _summary(records):
     slow = [r for r in records if r["call"] > 1.5 * stats["call"][0]]
     excess = {part: (statistics.fmean(r[part] for r in slow) - stats[part][0]) if slow else 0.0 for part in PARTS}
     return stats, len(slow), excess
+
+
+def _measure(calls_of, stamps, patched, round_trips: int, batches: int):
+    """``{library: {"unstamped": {call: summary}, "gpu": µs, and for epcomm "stamped": {call:
+    summary}}}`` of ``calls_of`` ({library: {call: fn}}, warmed up): whole calls unstamped, the
+    libraries in turn twice (A B A B: neither always first), then epcomm's parts stamped (each stamp
+    costs its call about a microsecond, which DeepEP's calls, whose launches and allocations are
+    its C++'s, would not carry). ``patched``: {(owner, name): part}, wrapped for the stamped pass
+    only and restored after it, also on an error."""
+    whole = {name: ({call: [] for call in calls}, []) for name, calls in calls_of.items()}
+    for _ in range(2):
+        for name, calls in calls_of.items():
+            found, gpu = _split(calls, None, round_trips, batches)
+            for call, records in found.items():
+                whole[name][0][call] += records
+            whole[name][1].append(gpu)
+    rows = {name: {"unstamped": {call: _summary(records) for call, records in found.items()}, "gpu": min(gpus)}
+            for name, (found, gpus) in whole.items()}
+    originals = {key: getattr(*key) for key in patched}
+    try:
+        for key, part in patched.items():
+            setattr(*key, stamps.wrap(part, originals[key]))
+        found, _ = _split(calls_of["epcomm"], stamps, round_trips, batches)
+        rows["epcomm"]["stamped"] = {call: _summary(records) for call, records in found.items()}
+    finally:
+        for key in patched:
+            setattr(*key, originals[key])
+    return rows
 
 
 def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
@@ -113,25 +149,16 @@ def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
     patched = {(LowLatencyMode, "dispatch"): "mode", (LowLatencyMode, "combine"): "mode",
                (BoundKernel, "launch"): "launch", (BoundKernel, "launch_resident"): "launch",
                (torch.Tensor, "new_empty"): "alloc", (torch.Tensor, "new_empty_strided"): "alloc"}
-    originals = {key: getattr(*key) for key in patched}
-    rows = {}
-    try:
-        for key, part in patched.items():
-            setattr(*key, stamps.wrap(part, originals[key]))
-        for name, buffer in libraries.items():
-            recv, _, _, _, _ = buffer.low_latency_dispatch(x, topk, tokens, E, use_fp8=True)
-            expert_out = per_token_cast_back(recv[0], recv[1])
-            calls = {
-                "dispatch": lambda _, b=buffer: b.low_latency_dispatch(x, topk, tokens, E, use_fp8=True)[2],
-                "combine": lambda handle, b=buffer, out=expert_out: b.low_latency_combine(out, topk, weights, handle),
-            }
-            _split(calls, stamps, 5, 1)  # (warm: every kind compiled and bound)
-            found, gpu = _split(calls, stamps, round_trips, batches)
-            rows[name] = {call: _summary(records) for call, records in found.items()}
-            rows[name]["gpu"] = gpu
-    finally:
-        for key in patched:
-            setattr(*key, originals[key])
+    calls_of = {}
+    for name, buffer in libraries.items():
+        recv, _, _, _, _ = buffer.low_latency_dispatch(x, topk, tokens, E, use_fp8=True)
+        expert_out = per_token_cast_back(recv[0], recv[1])
+        calls_of[name] = {
+            "dispatch": lambda _, b=buffer: b.low_latency_dispatch(x, topk, tokens, E, use_fp8=True)[2],
+            "combine": lambda handle, b=buffer, out=expert_out: b.low_latency_combine(out, topk, weights, handle),
+        }
+        _split(calls_of[name], None, 5, 1)  # (warm: every kind compiled and bound)
+    rows = _measure(calls_of, stamps, patched, round_trips, batches)
     gathered = [None] * R
     dist.all_gather_object(gathered, rows)
     return gathered
@@ -153,17 +180,18 @@ def main() -> int:
     per_rank = run_distributed(rank_main, world, args.tokens, args.round_trips, args.batches, args.peer,
                                backend="nccl", timeout_s=300)[0]
     print(f"# {world} ranks, T={args.tokens}, {args.batches} batches of {args.round_trips} round trips back to back; "
-          "host µs per call: median / p90 / max; slow: calls over 1.5 x the median, each part's mean excess")
-    print(f"{'library':8s} {'rank':>4s} {'call':9s} " + " ".join(f"{p:>17s}" for p in PARTS) + "   slow  excess "
+          "host µs per call: median / p90 / max; slow: calls over 1.5 x the median, each part's mean excess; "
+          "a call without * timed whole (every library twice, in turn), with * epcomm's parts stamped after")
+    print(f"{'library':8s} {'rank':>4s} {'call':11s} " + " ".join(f"{p:>17s}" for p in PARTS) + "   slow  excess "
           + " ".join(f"{p:>6s}" for p in PARTS))
     for rank, rows in enumerate(per_rank):
-        for library, calls in rows.items():
-            gpu = calls.pop("gpu")
-            for call, (stats, num_slow, excess) in calls.items():
-                cells = " ".join(f"{m:5.1f} /{p:5.1f} /{x:5.0f}" for m, p, x in (stats[part] for part in PARTS))
-                print(f"{library:8s} {rank:4d} {call:9s} {cells} {num_slow:6d}        "
-                      + " ".join(f"{excess[part]:6.1f}" for part in PARTS))
-            print(f"{library:8s} {rank:4d} gpu per round trip (least of the batches): {gpu:.1f}")
+        for library, kinds in rows.items():
+            for kind in ("unstamped", "stamped"):
+                for call, (stats, num_slow, excess) in kinds.get(kind, {}).items():
+                    cells = " ".join(f"{m:5.1f} /{p:5.1f} /{x:5.0f}" for m, p, x in (stats[part] for part in PARTS))
+                    print(f"{library:8s} {rank:4d} {call + (' *' if kind == 'stamped' else ''):11s} {cells} "
+                          f"{num_slow:6d}        " + " ".join(f"{excess[part]:6.1f}" for part in PARTS))
+            print(f"{library:8s} {rank:4d} gpu per round trip, unstamped (least of the batches): {kinds['gpu']:.1f}")
     return 0
 
 

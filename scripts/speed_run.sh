@@ -88,7 +88,7 @@ for part in ${PARTS:-normal low-latency}; do
     ll-host)
       CUDA_VISIBLE_DEVICES="$gpus" timeout -k 10 "${LL_HOST_LIMIT_S:-120}" \
         python3 scripts/ll_host_split.py --ranks "$ranks" ${peer[@]+"${peer[@]}"} 2>&1 | grep -v -i "warn" \
-        | tee "$OUT/ll_host_r$ranks.txt" | tail -n $((6 * ranks + 2)) ;;
+        | tee "$OUT/ll_host_r$ranks.txt" | tail -n $((8 * ranks + 2)) ;;
     suite)
       CUDA_VISIBLE_DEVICES="$gpus" EPCOMM_GPU_WORLD_SIZES="$ranks" \
         timeout -k 10 "${SUITE_LIMIT_S:-300}" python3 -m pytest -v -m gpu tests/test_gpu.py \

@@ -51,3 +51,54 @@ def test_the_summary_gives_median_p90_max_and_the_slow_calls_excess_by_part(spli
     assert num_slow == 1
     assert excess == pytest.approx(dict(call=40.0, front=0.0, launch=40.0, alloc=0.0, rest=0.0))
     assert split.PARTS == ("call", "front", "launch", "alloc", "rest")
+
+
+class _Event:
+    """A CUDA event stood in for by the host clock."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):  # milliseconds, as CUDA's
+        return (end.at - self.at) * 1e3
+
+
+class _Backend:
+    """Stands in for the patched backend method and launch of one library."""
+
+    def method(self, carried):
+        return self.launch(carried)
+
+    def launch(self, carried):
+        return carried
+
+
+def test_libraries_are_timed_unstamped_in_turn_and_only_epcomm_then_stamped(split, monkeypatch):
+    """Whole calls of every library first, unstamped, A B A B; then epcomm's calls with the parts
+    stamped, the patches restored after (also the stamps see only the stamped pass)."""
+    monkeypatch.setattr(split.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(split.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(split, "dist", type("D", (), {"barrier": staticmethod(lambda: None)}))
+    order, backend = [], _Backend()
+    original, original_launch = _Backend.method, _Backend.launch
+
+    def calls(name):
+        return {"dispatch": lambda carried: order.append((name, _Backend.method is original)) or backend.method(7),
+                "combine": lambda handle: backend.method(handle)}
+    stamps = split._Stamps()
+    rows = split._measure({"epcomm": calls("epcomm"), "deep_ep": calls("deep_ep")}, stamps,
+                          {(_Backend, "method"): "mode", (_Backend, "launch"): "launch"}, round_trips=3, batches=2)
+    runs = [name for name, _ in order]
+    assert runs == ["epcomm"] * 6 + ["deep_ep"] * 6 + ["epcomm"] * 6 + ["deep_ep"] * 6 + ["epcomm"] * 6
+    assert all(unpatched for _, unpatched in order[:24]) and not any(unpatched for _, unpatched in order[24:])
+    assert _Backend.method is original and _Backend.launch is original_launch  # restored
+    assert set(rows) == {"epcomm", "deep_ep"} and "stamped" not in rows["deep_ep"]
+    assert set(rows["epcomm"]["unstamped"]) == set(rows["epcomm"]["stamped"]) == {"dispatch", "combine"}
+    stats, _, _ = rows["epcomm"]["stamped"]["dispatch"]
+    assert stats["launch"][0] > 0 and stats["rest"][0] >= 0  # (the launch inside the method: stamped)
+    stats, _, _ = rows["deep_ep"]["unstamped"]["dispatch"]
+    assert stats["launch"] == (0.0, 0.0, 0.0) and stats["front"] == stats["call"]
+    assert rows["epcomm"]["gpu"] > 0

@@ -35,7 +35,6 @@ class GridCaps:
     num_sms: int = 0  # normal mode's Config.num_sms (even)
     ll_send_programs: int = 0  # each low-latency send phase
     ll_receive_programs: int = 0  # each low-latency receive phase (and a one-launch call's grid)
-    shared: bool = False  # ranks share this GPU (the caps above are theirs)
 
 
 def grid_caps(device_sms: int, ranks_on_gpu: int, backend: str, receive_programs: int = 0) -> GridCaps:
@@ -53,7 +52,7 @@ def grid_caps(device_sms: int, ranks_on_gpu: int, backend: str, receive_programs
     receive = max(2, device_sms * 3 // (4 * n))
     if receive_programs > 0:
         receive = min(receive, receive_programs)
-    return GridCaps(num_sms, max(1, device_sms // (4 * n)), receive, shared=True)
+    return GridCaps(num_sms, max(1, device_sms // (4 * n)), receive)
 
 
 def sharing(places: Sequence[Tuple[str, str, int]]) -> Tuple[int, int]:
