@@ -8,7 +8,8 @@ import time
 from epcomm.backends.gpu.compile_lock import compile_lock
 
 
-def _hold(folder, key, seconds, queue):
+def _hold(folder, key, seconds, queue, ready):
+    ready.wait(timeout=120)  # every process imported (seconds apart on a loaded host) before any lock
     with compile_lock(key, folder):
         start = time.monotonic()
         time.sleep(seconds)
@@ -17,8 +18,8 @@ def _hold(folder, key, seconds, queue):
 
 def _spans(folder, keys, seconds=0.3):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_hold, args=(folder, key, seconds, queue)) for key in keys]
+    queue, ready = ctx.Queue(), ctx.Barrier(len(keys))
+    procs = [ctx.Process(target=_hold, args=(folder, key, seconds, queue, ready)) for key in keys]
     for proc in procs:
         proc.start()
     spans = sorted(queue.get(timeout=60) for _ in procs)
