@@ -164,6 +164,23 @@ def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
     return gathered
 
 
+def _report(per_rank, tokens: int, round_trips: int, batches: int) -> None:
+    """Print every rank's rows (rank_main's results, rank order)."""
+    print(f"# {len(per_rank)} ranks, T={tokens}, {batches} batches of {round_trips} round trips back to back; "
+          "host µs per call: median / p90 / max; slow: calls over 1.5 x the median, each part's mean excess; "
+          "a call without * timed whole (every library twice, in turn), with * epcomm's parts stamped after")
+    print(f"{'library':8s} {'rank':>4s} {'call':11s} " + " ".join(f"{p:>17s}" for p in PARTS) + "   slow  excess "
+          + " ".join(f"{p:>6s}" for p in PARTS))
+    for rank, rows in enumerate(per_rank):
+        for library, kinds in rows.items():
+            for kind in ("unstamped", "stamped"):
+                for call, (stats, num_slow, excess) in kinds.get(kind, {}).items():
+                    cells = " ".join(f"{m:5.1f} /{p:5.1f} /{x:5.0f}" for m, p, x in (stats[part] for part in PARTS))
+                    print(f"{library:8s} {rank:4d} {call + (' *' if kind == 'stamped' else ''):11s} {cells} "
+                          f"{num_slow:6d}        " + " ".join(f"{excess[part]:6.1f}" for part in PARTS))
+            print(f"{library:8s} {rank:4d} gpu per round trip, unstamped (least of the batches): {kinds['gpu']:.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=0, help="ranks, one per GPU (default: every GPU)")
@@ -179,19 +196,7 @@ def main() -> int:
     from epcomm.testing import run_distributed
     per_rank = run_distributed(rank_main, world, args.tokens, args.round_trips, args.batches, args.peer,
                                backend="nccl", timeout_s=300)[0]
-    print(f"# {world} ranks, T={args.tokens}, {args.batches} batches of {args.round_trips} round trips back to back; "
-          "host µs per call: median / p90 / max; slow: calls over 1.5 x the median, each part's mean excess; "
-          "a call without * timed whole (every library twice, in turn), with * epcomm's parts stamped after")
-    print(f"{'library':8s} {'rank':>4s} {'call':11s} " + " ".join(f"{p:>17s}" for p in PARTS) + "   slow  excess "
-          + " ".join(f"{p:>6s}" for p in PARTS))
-    for rank, rows in enumerate(per_rank):
-        for library, kinds in rows.items():
-            for kind in ("unstamped", "stamped"):
-                for call, (stats, num_slow, excess) in kinds.get(kind, {}).items():
-                    cells = " ".join(f"{m:5.1f} /{p:5.1f} /{x:5.0f}" for m, p, x in (stats[part] for part in PARTS))
-                    print(f"{library:8s} {rank:4d} {call + (' *' if kind == 'stamped' else ''):11s} {cells} "
-                          f"{num_slow:6d}        " + " ".join(f"{excess[part]:6.1f}" for part in PARTS))
-            print(f"{library:8s} {rank:4d} gpu per round trip, unstamped (least of the batches): {kinds['gpu']:.1f}")
+    _report(per_rank, args.tokens, args.round_trips, args.batches)
     return 0
 
 

@@ -102,3 +102,19 @@ def test_libraries_are_timed_unstamped_in_turn_and_only_epcomm_then_stamped(spli
     stats, _, _ = rows["deep_ep"]["unstamped"]["dispatch"]
     assert stats["launch"] == (0.0, 0.0, 0.0) and stats["front"] == stats["call"]
     assert rows["epcomm"]["gpu"] > 0
+
+
+def test_the_report_prints_both_passes_and_the_gpu_line_per_library_and_rank(split, monkeypatch, capsys):
+    """One line per call and pass (stamped ones marked *), one gpu line per library, two header lines:
+    speed_run.sh's ll-host part keeps the last 8 x ranks + 2 lines (epcomm 2 + 2 + 1, DeepEP 2 + 1)."""
+    monkeypatch.setattr(split.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(split.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(split, "dist", type("D", (), {"barrier": staticmethod(lambda: None)}))
+    backend = _Backend()
+    calls = {"dispatch": lambda carried: backend.method(7), "combine": lambda handle: backend.method(handle)}
+    rows = split._measure({"epcomm": calls, "deep_ep": dict(calls)}, split._Stamps(),
+                          {(_Backend, "launch"): "launch"}, round_trips=2, batches=1)
+    split._report([rows, rows], tokens=128, round_trips=2, batches=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8 * 2 + 2
+    assert sum("dispatch *" in line for line in lines) == 2 and sum("gpu per round trip" in line for line in lines) == 4
