@@ -6,25 +6,14 @@ import time
 import types
 
 from epcomm.tools import bench, measure
+from host_clock import HostClockEvent
 
-
-class _Event:
-    """A CUDA event stood in for by the host clock (a host-bound call: the GPU keeps pace)."""
-
-    def __init__(self, enable_timing=False):
-        self.at = None
-
-    def record(self):
-        self.at = time.perf_counter()
-
-    def elapsed_time(self, end):  # milliseconds, as CUDA's
-        return (end.at - self.at) * 1e3
 
 
 def test_host_and_gpu_are_the_least_of_the_batches(monkeypatch):
     barriers = []
     monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(measure.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(measure.torch.cuda, "Event", HostClockEvent)
     monkeypatch.setattr(measure, "dist", types.SimpleNamespace(barrier=lambda: barriers.append(1)))
     calls = []
 
@@ -45,7 +34,7 @@ def test_back_to_back_hands_every_calls_own_host_time_to_each(monkeypatch):
     """``back_to_back(..., each=list)`` (scripts/ll_back_to_back.py's host p50 / p90): one entry per
     call of every batch, the stalled call among them, while host and gpu stay the least batch's."""
     monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(measure.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(measure.torch.cuda, "Event", HostClockEvent)
     monkeypatch.setattr(measure, "dist", types.SimpleNamespace(barrier=lambda: None))
     calls = []
 

@@ -5,6 +5,7 @@ import pathlib
 import time
 
 import pytest
+from host_clock import HostClockEvent
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ll_host_split.py"
 
@@ -53,18 +54,6 @@ def test_the_summary_gives_median_p90_max_and_the_slow_calls_excess_by_part(spli
     assert split.PARTS == ("call", "front", "launch", "alloc", "rest")
 
 
-class _Event:
-    """A CUDA event stood in for by the host clock."""
-
-    def __init__(self, enable_timing=False):
-        self.at = None
-
-    def record(self):
-        self.at = time.perf_counter()
-
-    def elapsed_time(self, end):  # milliseconds, as CUDA's
-        return (end.at - self.at) * 1e3
-
 
 class _Backend:
     """Stands in for the patched backend method and launch of one library."""
@@ -80,7 +69,7 @@ def test_libraries_are_timed_unstamped_in_turn_and_only_epcomm_then_stamped(spli
     """Whole calls of every library first, unstamped, A B A B; then epcomm's calls with the parts
     stamped, the patches restored after (also the stamps see only the stamped pass)."""
     monkeypatch.setattr(split.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(split.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(split.torch.cuda, "Event", HostClockEvent)
     monkeypatch.setattr(split, "dist", type("D", (), {"barrier": staticmethod(lambda: None)}))
     order, backend = [], _Backend()
     original, original_launch = _Backend.method, _Backend.launch
@@ -108,7 +97,7 @@ def test_the_report_prints_both_passes_and_the_gpu_line_per_library_and_rank(spl
     """One line per call and pass (stamped ones marked *), one gpu line per library, two header lines:
     speed_run.sh's ll-host part keeps the last 8 x ranks + 2 lines (epcomm 2 + 2 + 1, DeepEP 2 + 1)."""
     monkeypatch.setattr(split.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(split.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(split.torch.cuda, "Event", HostClockEvent)
     monkeypatch.setattr(split, "dist", type("D", (), {"barrier": staticmethod(lambda: None)}))
     backend = _Backend()
     calls = {"dispatch": lambda carried: backend.method(7), "combine": lambda handle: backend.method(handle)}
