@@ -191,7 +191,8 @@ def main() -> int:
     args = parser.parse_args()
     world = args.ranks or torch.cuda.device_count()
     if world < 1 or torch.cuda.device_count() < world or args.round_trips < 2 or args.batches < 1:
-        print(f"ll_host_split.py needs {max(world, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1", file=sys.stderr)
+        print(f"ll_host_split.py needs {max(world, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1",
+              file=sys.stderr)
         return 2
     from epcomm.testing import run_distributed
     per_rank = run_distributed(rank_main, world, args.tokens, args.round_trips, args.batches, args.peer,

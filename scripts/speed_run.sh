@@ -20,7 +20,8 @@
 #                libraries on one timeline (scripts/profile_timeline.py), at TOKENS (default 512)
 #   trace        the pulls' items on the kernel clock (scripts/trace_items.py): a full dispatch's pull
 #                in turn beside a cached dispatch's one launch, and the full dispatch with each of
-#                TRACE_VARIANTS (a comma list of bench variants, default none), per rank, at TRACE_TOKENS (default 4096)
+#                TRACE_VARIANTS (a comma list of bench variants, default none), per rank, at TRACE_TOKENS
+#                (default 4096)
 #   ll-gaps      the eager low-latency round trip per rank (scripts/ll_back_to_back.py): host and gpu
 #                per round trip and the kernels' busy and idle time, eager and in one CUDA graph, for
 #                LL_ORDER (default epcomm,two-launch,deep_ep,epcomm,deep_ep; deep_ep needs the wheel)

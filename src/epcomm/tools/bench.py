@@ -7,8 +7,8 @@ Every call is reported with three figures (as docs/PERFORMANCE.md defines them),
 - **host**: host time per call, calls issued back to back without waiting for the GPU;
 - **gpu**: per-call time of ``reps`` calls queued back to back between two CUDA events (a call
   is host-bound when host >= gpu: then this is the host's pace, not the kernels'); host and gpu
-  are each the least of ``BATCHES`` such batches (measure.py), since a shared host's interference only adds
-  time (a host-bound call's ratio moved by 0.3 between runs of one lease with one batch);
+  are each the least of ``BATCHES`` such batches (measure.py), since a shared host's interference
+  only adds time (a host-bound call's ratio moved by 0.3 between runs of one lease with one batch);
 - **synced**: median of single calls, each started on an idle, synchronised GPU (L2 flushed, ranks
   aligned): what a layer sees right after a host sync, and what decode sees.
 
