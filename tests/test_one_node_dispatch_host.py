@@ -391,3 +391,20 @@ def test_every_choice_has_a_default(monkeypatch):
     names = {name for name, value in vars(KernelChoices).items() if isinstance(value, Choice)}
     assert names and names <= set(vars(mode))
     assert all(not isinstance(getattr(mode, name), Choice) for name in names)
+
+
+@pytest.mark.parametrize("doorbell, full_one_launch, num_tokens, counts", [
+    (False, False, 50, (40, 60)), (False, False, 150, (40, 150)), (True, False, 50, (40, 60)),
+    (False, True, 50, (40, 60))])
+def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch, doorbell, full_one_launch,
+                                                                      num_tokens, counts):
+    """A tensor handed to a launch makes Triton's launcher call its data_ptr() and ask the driver
+    about the pointer (cuPointerGetAttribute), on every call's host path: the notify took two."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=counts), doorbell=doorbell)
+    mode.full_one_launch = full_one_launch
+    mode.dispatch(_args(num_tokens))
+    assert launches
+    for name, _, args in launches:
+        tensors = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
+        assert not tensors, f"{name} got tensors at arguments {tensors}"

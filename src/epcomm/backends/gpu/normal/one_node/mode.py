@@ -211,7 +211,7 @@ class NormalMode(KernelChoices):
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
             NOTIFY_BOUND[self.R_P2].launch(
                 R, 1, stream,
-                args.num_tokens_per_rank, args.num_tokens_per_expert, prefix_address, recv_info,
+                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), prefix_address, recv_info,
                 table.data_ptr(),  # counts
                 num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
                 rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
