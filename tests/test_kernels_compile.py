@@ -34,6 +34,10 @@ def _cases():
             yield N.STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=lists, LIST_BLOCK=1024, L_P2=128,
                                 PUSHED_LISTS=lists and topk != al,
                                 ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128, E_P2=256, POSITION_SUB=16, **copy), 16
+            if lists and fp8 == al:  # (a full dispatch's round 0, with its count exchange)
+                yield N.NOTIFY_STAGE, dict(HAS_SCALES=fp8, HAS_TOPK=topk, WRITE_LISTS=True, LIST_BLOCK=1024, L_P2=128,
+                                           PUSHED_LISTS=topk or em, ALIGNED=al, EXPERT_MAJOR=em, POSITION_TOKENS=128,
+                                           E_P2=256, POSITION_SUB=16, BLOCK=256, **copy), 16
         yield N.PULL, dict(INDEX=lists, HAS_SCALES=fp8, HAS_TOPK=topk, ALIGNED=al, EXPERT_MAJOR=em, EVERY_PEER=True,
                            TRACE=lists and al, PIPELINE=not em and fp8 == al, SIDE_FIRST=topk != al,
                            GATHER_INDEX=lists and fp8 != al, PUSHED_LISTS=lists and topk == fp8, **copy), 16
@@ -276,7 +280,7 @@ def test_kernel_names_say_which_call_they_belong_to():
     from epcomm.backends.gpu.normal.two_level import combine as MC
     from epcomm.backends.gpu.normal.two_level import dispatch as MN
     from epcomm.backends.gpu.normal.two_level import step as MS
-    calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.STAGE, N.PULL, N.STAGE_PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
+    calls = {"dispatch": [L.DISPATCH, N.NOTIFY, N.NOTIFY_STAGE, N.STAGE, N.PULL, N.STAGE_PULL, MN.SEND_LAYOUT, MN.NOTIFY, MN.SEND, MN.FORWARD,
                           MS.STEPS["dispatch"], EM.EXPAND],
              "combine": [L.COMBINE, N.PUSH, N.REDUCE, N.PUSH_REDUCE, MC.PUSH, MC.FORWARD, MC.REDUCE, MS.STEPS["combine"], EM.FOLD]}
     for call, specs in calls.items():

@@ -57,6 +57,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     mode.b = types.SimpleNamespace(mailbox=mailbox, timeout_ns=1, timeout_s=1.0)
     mode.R, mode.R_P2, mode.rank, mode.device, mode.dev_index = R, R, RANK, torch.device("cpu"), 0
     mode.expert_major_programs = 132
+    mode.shares_gpu = False
     mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0, lists_offset=0,
                                     list_cap=0, counts_offset=0)
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
@@ -70,6 +71,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     plan = M.DispatchPlan(x_words=HIDDEN // 4, num_scales=0, num_topk=K, entry_topk=K, topk_row_bytes=32,
                           offsets=(0, 0, 0), round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
                           expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
+                          notify_stage=kernels("notify+stage"),
                           pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
                           overlapped_full=kernels("ep_dispatch"), overlapped_cached=kernels("ep_dispatch"),
                           fingerprint_full=(0, 0), fingerprint_cached=(0, 0),
@@ -93,12 +95,18 @@ def _doorbell_arg(args):
 
 
 def test_by_default_a_full_dispatch_stages_before_the_wait_and_pulls_after_it(monkeypatch):
+    """The count exchange and the stage go in one launch (ep_dispatch_notify_stage) before the wait; with
+    notify_with_stage off (bench --variants notify-apart) in two."""
     launches = []
     mailbox = _Mailbox(counts=(40, 60))
     mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
     result = mode.dispatch(_args(50))
-    assert [name for name, _, _ in launches] == ["notify", "stage", "pull"]
+    assert [name for name, _, _ in launches] == ["notify+stage", "pull"]
     assert mailbox.rings == [] and result.recv_x.shape == (40, HIDDEN)
+    launches.clear()
+    mode.notify_with_stage = False
+    mode.dispatch(_args(50))
+    assert [name for name, _, _ in launches] == ["notify", "stage", "pull"]
 
 
 def test_a_full_dispatch_that_fits_one_launch_goes_before_the_wait_and_rings_go_with_its_outputs(monkeypatch):
@@ -136,7 +144,7 @@ def test_a_batch_too_large_for_one_launch_stages_in_turn_without_a_doorbell(monk
     mailbox = _Mailbox(counts=(40, 150))
     mode = _mode(monkeypatch, launches, mailbox)
     mode.dispatch(_args(150))
-    assert [name for name, _, _ in launches] == ["notify", "stage", "pull", "stage", "pull"]
+    assert [name for name, _, _ in launches] == ["notify+stage", "pull", "stage", "pull"]
     assert mailbox.rings == []
 
 
@@ -221,8 +229,8 @@ def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_program
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 150)), doorbell=False)
     mode.stage_programs_per_sm = per_sm
     mode.dispatch(_args(150))  # (150 tokens: 19 blocks of 8, one round of 100 then 50)
-    stages = [grid for name, grid, _ in launches if name == "stage"]
-    assert stages == [R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)),
+    stages = [grid for name, grid, _ in launches if name.endswith("stage")]
+    assert stages == [R + R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)),  # (with the R notify programs)
                       min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
 
 
@@ -235,8 +243,8 @@ def test_a_full_dispatch_stages_on_r_list_programs_and_stage_programs_per_sm_cop
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
     assert mode.stage_programs_per_sm == choices.STAGE_PROGRAMS_PER_SM == 2
     mode.dispatch(_args(100))  # (100 tokens: 13 blocks of 8, more than num_sms)
-    (stage_grid,) = [grid for name, grid, _ in launches if name == "stage"]
-    assert stage_grid == R + min(2 * NUM_SMS, -(-100 // BLOCK_R))
+    (stage_grid,) = [grid for name, grid, _ in launches if name == "notify+stage"]
+    assert stage_grid == R + R + min(2 * NUM_SMS, -(-100 // BLOCK_R))  # (the R notify programs first)
     launches.clear()
     mode.full_one_launch = True
     mode.dispatch(_args(100))
@@ -299,6 +307,7 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     argument at its kernel parameter's position: each launch's count and the workspace, host and
     identity words read by the parameters' names."""
     from epcomm.backends.gpu.normal.one_node.dispatch import PULL
+    from epcomm.backends.gpu.normal.one_node.notify import NOTIFY, NOTIFY_STAGE
     from epcomm.backends.gpu.normal.one_node.stage import STAGE
     launches = []
     mailbox = _Mailbox(counts=(40, 60))
@@ -309,13 +318,17 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     plan = mode._dispatch_plan_of(None)
     plan = dataclasses.replace(plan, offsets=(16, 32, 48), **M.NormalMode._fixed_arguments(mode, (16, 32, 48), 32))
     mode._dispatch_plan_of = lambda args: plan
-    mode.dispatch(_args(50))
+    call = _args(50)
+    mode.dispatch(call)
+    mode.notify_with_stage = False  # (the stage alone too; a choice set drops the plans: the stand-in stays)
+    mode.dispatch(call)
     named = {name: dict(zip([n for n, t in spec.signature.items() if t != "constexpr"], args[2:]))
-             for name, spec in (("stage", STAGE), ("pull", PULL))
+             for name, spec in (("stage", STAGE), ("pull", PULL), ("notify+stage", NOTIFY_STAGE))
              for launch, _, args in launches if launch == name
              if len(args) == 2 + sum(t != "constexpr" for t in spec.signature.values())}
-    assert set(named) == {"stage", "pull"}  # (the grid's y and the stream first, then every parameter)
-    for kernel in ("stage", "pull"):
+    # (the grid's y and the stream first, then every parameter)
+    assert set(named) == {"stage", "pull", "notify+stage"}
+    for kernel in ("stage", "pull", "notify+stage"):
         words = named[kernel]
         assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
         assert (words["half_bytes"], words["lists_offset"], words["list_cap"]) == (1 << 20, 512, 77)
@@ -323,6 +336,19 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
             (16, 32, 48, 32)
         assert words["fp_offset"] == 24
     assert (named["pull"]["mailbox_address"], named["pull"]["timeout_ns"]) == (mailbox.address, 123_456)
+    # ep_dispatch_notify_stage: the stage's words, then the notify's, each as the kernel alone gets it (the
+    # second call's own allocations and notify number apart)
+    both = named["notify+stage"]
+    per_call = ("list_index_ptr", "prefix_ptr", "recv_info_ptr", "table_ptr", "sequence")
+    assert {name: value for name, value in both.items() if name in named["stage"] and name not in per_call} == \
+        {name: value for name, value in named["stage"].items() if name not in per_call}
+    notify, = [args for launch, _, args in launches if launch == "notify"]
+    alone = dict(zip([n for n, t in NOTIFY.signature.items() if t != "constexpr"], notify[2:]))
+    assert len(notify) == 2 + len(alone) and set(alone) <= set(both)
+    assert {name: both[name] for name in alone if name not in per_call} == \
+        {name: value for name, value in alone.items() if name not in per_call}
+    assert (both["sequence"], alone["sequence"]) == (1, 2) and both["timeout_ns"] == 123_456
+    assert (both["mailbox_address"], both["counts_offset"], both["num_experts"]) == (mailbox.address, 0, E)
     assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40
     # the one launch (DispatchPlan.overlapped_fixed), here after the count wait (full_one_launch)
     from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
@@ -357,7 +383,7 @@ class _OrderedMailbox(_Mailbox):
 @pytest.mark.parametrize("num_tokens,max_tokens,launched", [
     (50, 60, ["notify", "wait", "ep_dispatch"]),  # every batch within the bound: one launch
     (50, 61, ["notify", "wait", "stage", "pull"]),  # another rank's is not: in turn, staged after the wait
-    (61, 61, ["notify", "stage", "wait", "pull"]),  # this one is not: staged during the wait, as by default
+    (61, 61, ["notify+stage", "wait", "pull"]),  # this one is not: staged during the wait, as by default
 ])
 def test_one_launch_tokens_splits_full_one_launch_so_every_rank_picks_alike(monkeypatch, num_tokens, max_tokens,
                                                                            launched):
@@ -408,3 +434,24 @@ def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch
     for name, _, args in launches:
         tensors = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
         assert not tensors, f"{name} got tensors at arguments {tensors}"
+
+
+@pytest.mark.parametrize("num_sms, together", [(6, True), (2, False)])
+def test_ranks_sharing_a_gpu_launch_notify_and_stage_together_only_where_their_waiting_programs_fit(
+        monkeypatch, num_sms, together):
+    """In ep_dispatch_notify_stage every program waits (the notify's for the peers, the stage's for the
+    notify): where ranks share a GPU it goes only where its grid is within the 4 x num_sms waiting
+    programs shared_grids.py counts per rank (R notify + R list + copy programs); a rank whose
+    peers' programs could not find room would wait out the timeout. Elsewhere two launches."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+    mode.shares_gpu = True
+    call = _args(50)
+    call.config.num_sms = num_sms
+    mode.dispatch(call)
+    copies = min(2 * num_sms, -(-50 // BLOCK_R))
+    assert (R + R + copies <= 4 * num_sms) == together
+    if together:
+        assert [(name, grid) for name, grid, _ in launches][:1] == [("notify+stage", R + R + copies)]
+    else:
+        assert [(name, grid) for name, grid, _ in launches][:2] == [("notify", R), ("stage", R + copies)]

@@ -407,7 +407,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists", "small-one-launch")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch", "notify-apart")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -440,6 +440,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.full_one_launch = "full-one-launch" in variants or "small-one-launch" in variants
     normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
+    normal.notify_with_stage = "notify-apart" not in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
@@ -510,8 +511,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "stage-4x (the stage in turn's copy programs, likewise; default 2), pulled-lists (each "
                                  "token list left at its source, read remotely: the default before 2026-11-28d), "
                                  "small-one-launch (full-one-launch where every rank's batch is at most 1024 tokens, "
-                                 "larger ones staged during the count wait as by default); "
-                                 "join several with + for one table")
+                                 "larger ones staged during the count wait as by default), notify-apart (a full "
+                                 "dispatch's count exchange and its stage as two launches, the default before "
+                                 "2026-11-29); join several with + for one table")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "

@@ -3,9 +3,11 @@
 Launches per call (one cross-rank barrier per launch pair, halves alternate by barrier epoch)::
 
     get_dispatch_layout   ep_dispatch_layout                          1 launch
-    dispatch (full)       ep_notify_dispatch ; ep_dispatch_stage ; [host polls the mailbox] ; ep_dispatch_pull
-                          (doorbell_dispatch: ep_notify_dispatch ; ep_dispatch, its pull waiting for the
-                          doorbell ; [host polls, allocates, rings]; num_worst_tokens: one ep_dispatch)
+    dispatch (full)       ep_dispatch_notify_stage ; [host polls the mailbox] ; ep_dispatch_pull
+                          (notify_with_stage off, or ranks sharing a GPU whose grids would not fit:
+                          ep_notify_dispatch ; ep_dispatch_stage ; ...; doorbell_dispatch:
+                          ep_notify_dispatch ; ep_dispatch, its pull waiting for the doorbell ; [host
+                          polls, allocates, rings]; num_worst_tokens: ep_notify_dispatch ; ep_dispatch)
     dispatch (cached)     ep_dispatch (stage and pull overlapped)     1 launch
                           ep_dispatch_stage ; ep_dispatch_pull        2 launches: several rounds, expert-major
     combine               ep_combine (push and reduce overlapped)     1 launch
@@ -31,6 +33,7 @@ from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import PULL, STAGE_PULL
 from .stage import STAGE
 from .mode import NormalMode
-from .notify import NOTIFY
+from .notify import NOTIFY, NOTIFY_STAGE
 
-__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "STAGE", "PULL", "STAGE_PULL", "PUSH", "REDUCE", "PUSH_REDUCE"]
+__all__ = ["NormalMode", "LAYOUT", "NOTIFY", "NOTIFY_STAGE", "STAGE", "PULL", "STAGE_PULL", "PUSH", "REDUCE",
+           "PUSH_REDUCE"]

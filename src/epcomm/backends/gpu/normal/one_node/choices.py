@@ -95,7 +95,7 @@ class KernelChoices:
             every_peer=True, trace=None, pipelined_pull=False, overlapped_combine=True, overlapped_dispatch=True,
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
             gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
-            stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS,
+            stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS, notify_with_stage=True,
             combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
     def _choice_changed(self) -> None:
@@ -144,6 +144,13 @@ class KernelChoices:
         its entries locally (receive_index.py, list_of; default PUSHED_LISTS); False: each list stays
         at its source and the pull reads it remotely (bench --variants pulled-lists, the default
         before 2026-11-28d). Every rank of the group must set the same.""")
+    notify_with_stage = Choice(
+        """A full dispatch's count exchange and its stage in turn go as one launch (notify.py,
+        ep_dispatch_notify_stage; where ranks share a GPU, only where its waiting programs fit the grid caps):
+        one launch less on the host's path, which sets a small batch's pace (2 H200s, T=512: the full
+        dispatch's host time over a cached one 58 µs against DeepEP V1's 53, with three launches
+        against its two). False: two launches (bench --variants notify-apart, the default before
+        2026-11-29). Each rank may choose alone: the launch signals its peers as the two did.""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; default
         STAGE_PROGRAMS_PER_SM; bench --variants stage-1x ... stage-4x): the stage is local copies at

@@ -20,7 +20,7 @@ from .dispatch import PULL, STAGE_PULL
 from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
 from .stage import STAGE
 from ..layout_kernel import LayoutKernel
-from .notify import NOTIFY_BOUND
+from .notify import NOTIFY_BLOCK, NOTIFY_BOUND, NOTIFY_STAGE
 from .plans import CombinePlan, DispatchPlan, PullState
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
@@ -50,6 +50,7 @@ class NormalMode(KernelChoices):
         # of ranks sharing a GPU (gpu/shared_grids.py; its arithmetic counts num_sms programs each)
         self.expert_major_programs = getattr(backend, "max_num_sms", 0) or \
             torch.cuda.get_device_properties(backend.device).multi_processor_count
+        self.shares_gpu = bool(getattr(backend, "max_num_sms", 0))  # ranks share this GPU: grids are capped
         # persistent tensors go to the launcher as plain addresses
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
@@ -100,6 +101,9 @@ class NormalMode(KernelChoices):
                                             WRITE_LISTS=True, LIST_BLOCK=1024, **meta, **positions, **pushed),
                             Specialisations(STAGE, ["ALIGNED", "E_P2", "POSITION_SUB"], COPY_WARPS, WRITE_LISTS=False,
                                             LIST_BLOCK=1024, L_P2=1, **meta, **positions, **no_lists),
+                            Specialisations(NOTIFY_STAGE, ["ALIGNED", "L_P2", "E_P2", "POSITION_SUB"], COPY_WARPS,
+                                            WRITE_LISTS=True, LIST_BLOCK=1024, BLOCK=NOTIFY_BLOCK, **meta,
+                                            **positions, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=True, ALIGNED=rows_aligned, EXPERT_MAJOR=expert_major,
                                       **meta, **schedule, **pushed),
                             PULL.bind(num_warps=COPY_WARPS, INDEX=False, ALIGNED=rows_aligned,
@@ -209,14 +213,8 @@ class NormalMode(KernelChoices):
             fp0, fp1 = plan.fingerprint_full
             fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
             fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
-            NOTIFY_BOUND[self.R_P2].launch(
-                R, 1, stream,
-                args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), prefix_address, recv_info,
-                table.data_ptr(),  # counts
-                num_tokens, num_experts, args.expert_alignment, int(expert_major),  # sizes
-                rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes, ws.counts_offset,  # workspace
-                mailbox.address, sequence, b.timeout_ns,  # host
-                self.fingerprints, fp0, fp1, board, tag)  # identity
+            notify_args = (prefix_address, recv_info, table.data_ptr(), num_experts, args.expert_alignment,
+                           int(expert_major), ws.counts_offset, mailbox.address, sequence, b.timeout_ns)
             # Round 0 is staged during the host's count wait: in turn (the pull launched after the
             # wait), or (doorbell_dispatch, where this rank's batch allows: the group's is known only
             # after the wait) in one launch with the pull, whose programs wait for the doorbell the
@@ -235,12 +233,23 @@ class NormalMode(KernelChoices):
             bound = self.one_launch_tokens
             after_wait = self.full_one_launch and not worst and not doorbell and may_overlap and \
                 (not bound or num_tokens <= bound)
-            if doorbell:
-                self._dispatch_overlapped(plan, args, x, x_aligned, scales, (prefix_address, 0, in_rank, list_index),
-                                          (prefix_address,) * 4, 0, stream, fp0, fp1, tag, num_sms, sequence)
-            elif not overlapped and not after_wait:
-                self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
-                            list_index)
+            # The stage in turn goes with the count exchange in one launch (notify.py, ep_dispatch_notify_stage:
+            # one launch less on this path) where _stage finds it fits; else the notify goes alone.
+            if doorbell or overlapped or after_wait or not self._stage(
+                    plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag, list_index,
+                    notify_args):
+                NOTIFY_BOUND[self.R_P2].launch(
+                    R, 1, stream,
+                    args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), *notify_args[:3],
+                    num_tokens, *notify_args[3:6], rank, R, self.bases, self.bases, self.state, ws.normal_half_bytes,
+                    *notify_args[6:], self.fingerprints, fp0, fp1, board, tag)
+                if doorbell:
+                    self._dispatch_overlapped(plan, args, x, x_aligned, scales,
+                                              (prefix_address, 0, in_rank, list_index), (prefix_address,) * 4, 0,
+                                              stream, fp0, fp1, tag, num_sms, sequence)
+                elif not overlapped and not after_wait:
+                    self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
+                                list_index)
             rung = not doorbell
             try:
                 if worst:
@@ -380,9 +389,15 @@ class NormalMode(KernelChoices):
             self.trace_address)
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
-               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0) -> None:
+               write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0,
+               notify: tuple = ()) -> bool:
         """Launch the stage of tokens [lo, hi); ``write_lists``: a full dispatch's round 0, which also
-        writes the token lists and ``list_index`` (the address of the handle's [T, R] int32)."""
+        writes the token lists and ``list_index`` (the address of the handle's [T, R] int32).
+        ``notify``: ep_dispatch_notify_stage's own arguments (after the stage's, from prefix_ptr on): launch
+        the count exchange with it (notify.py) where ``notify_with_stage`` is set and the launch fits,
+        else launch nothing. Returns whether it launched. Fits: on a GPU of its own always; where
+        ranks share a GPU, where its R notify and its stage programs, which all wait, are at most the
+        4 x num_sms waiting programs that shared_grids.py counts per rank."""
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms * self.stage_programs_per_sm, cdiv(rows, plan.block_r)))
@@ -396,9 +411,14 @@ class NormalMode(KernelChoices):
             num_position_programs = cdiv(rows, POSITION_TOKENS)
             programs += num_position_programs
         if write_lists:  # a full dispatch: the token lists and the count checks
-            kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
             in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
                 args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
+            if notify:
+                if not self.notify_with_stage or (self.shares_gpu and self.R + programs > 4 * args.config.num_sms):
+                    return False
+                kernel, programs = plan.notify_stage[aligned, p2(num_local), e_p2, sub], programs + self.R
+            else:
+                kernel = plan.stage_lists[aligned, p2(num_local), e_p2, sub]
         else:
             kernel = plan.stage[aligned, e_p2, sub]
             in_rank = per_rank = per_expert = args.handle.backend_state.addresses[5] if args.handle is not None \
@@ -410,7 +430,9 @@ class NormalMode(KernelChoices):
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
             plan.num_topk, num_local, num_position_programs,
             *plan.stage_fixed,  # workspace, fingerprint set
-            fp0, fp1, self.seat.bases_address, tag)  # identity
+            fp0, fp1, self.seat.bases_address, tag,  # identity
+            *notify)  # (ep_dispatch_notify_stage: its counts' outputs, sizes, workspace offset and host words)
+        return True
 
     # ------------------------------------------------------------------ combine
     def _combine_plan(self, hidden: int, num_topk: int, num_bias: int, expert_major_topk: int) -> CombinePlan:

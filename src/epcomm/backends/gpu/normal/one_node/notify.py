@@ -10,8 +10,10 @@ from ... import sync
 from ...agreement import abort_covers, check_rows
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
-from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_words, post_call_to_peers,
-                    post_fingerprint, store_release_sys, wait_peers)
+from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_words, poll_epochs, post_call_to_peers,
+                    post_fingerprint, report_late, store_release_sys, wait_peers)
+from ...warps import cta_any
+from .stage import _stage
 
 
 # ====================================================================== notify (count exchange)
@@ -43,7 +45,7 @@ def ep_notify_dispatch(
         rank: "i32", num_ranks: "i32",
         normal_bases_ptr: "*i64",  # [R] int64: each rank's workspace base
         flag_bases_ptr: "*i64",  # [R] int64: each rank's flag region
-        state_ptr: "*i64",  # [16] int64 local: epochs and arrival counters (sync.py)
+        state_ptr: "*i64",  # [NUM_STATE_WORDS] int64 local: epochs and arrival counters (sync.py)
         half_bytes: "i64", counts_offset: "i64",
         # the host: its mailbox (sync.py), the sequence number it polls for, the timeout of a wait
         mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
@@ -53,11 +55,23 @@ def ep_notify_dispatch(
         call_tag: "i64",  # this call's number and Buffer on the board (0: not posted, not checked)
         # meta-parameters
         R_P2: tl.constexpr, BLOCK: tl.constexpr):
+    _notify(tl.program_id(0), per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr, num_tokens,
+            num_experts, expert_alignment, write_table, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr,
+            half_bytes, counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr,
+            call_tag, R_P2, BLOCK, WITH_STAGE=False)
+
+
+@triton.jit
+def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr, num_tokens, num_experts,
+            expert_alignment, write_table, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
+            counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+            R_P2: tl.constexpr, BLOCK: tl.constexpr, WITH_STAGE: tl.constexpr):
+    """Program ``peer`` of the count exchange (the outline above); WITH_STAGE: the first R programs
+    of ep_dispatch_notify_stage, whose last program also RELEASEs NOTIFIED to the stage programs after them."""
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
     # -- program p: this rank's count row and fingerprint to peer p, released
-    peer = tl.program_id(0)
     epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
     half_offset = (epoch % 2) * half_bytes + counts_offset
     row_len = num_ranks + num_experts + 1
@@ -125,16 +139,96 @@ def ep_notify_dispatch(
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
+        if WITH_STAGE:  # RELEASE -> this launch's stage programs (gpu scope: the same GPU)
+            tl.atomic_xchg(state_ptr + sync.NOTIFIED, sequence, sem="release", scope="gpu")
 
 
 NOTIFY = KernelSpec(ep_notify_dispatch)
+NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
+
+
+# ====================================================================== notify and stage in one launch
+# ep_dispatch_notify_stage: a full dispatch's count exchange and its round-0 stage (stage.py) in one launch,
+# one launch less on the host's path than ep_notify_dispatch ; ep_dispatch_stage; grid = R notify
+# programs, then the stage's programs.
+#
+#   programs p < R:  ep_notify_dispatch's program p (the outline above); the last to arrive, after
+#                    the mailbox release: RELEASE NOTIFIED = sequence (gpu scope)
+#   the others:      ACQUIRE NOTIFIED >= sequence, then the stage of epoch EPOCH_NORMAL + 1
+#
+# Why the stage waits. It writes into its workspace half of epoch e + 1, the half the previous full
+# dispatch staged into (the notify takes e, the stage e + 1: two epochs a call). Peers may still be
+# pulling from it until they signal e, which each does after its previous pull (stream order); the
+# notify programs acquire those signals. In turn, stream order put the stage after them; here the
+# chain is: peer's pull -> its RELEASE of e -> a notify program's ACQUIRE -> the arrival (acq_rel)
+# -> the last program's RELEASE of NOTIFIED -> the stage programs' ACQUIRE -> their stores. The
+# stage's own release of e + 1 into the peers' flags then follows every notify program's release of
+# e there, so the flag words only grow. The stage programs spin while the notify programs wait for
+# the peers: the notify programs have the lowest ids, so they are placed first, and the host takes
+# this launch only where every rank's waiting programs fit the GPU at once (mode.py: ranks sharing
+# a GPU count them as shared_grids.py does). A stage program that waits past 3 x timeout_ns (the
+# notify programs never ran) stages nothing and reports this rank late: the host's count wait
+# raises (the mailbox's sequence never came either).
+@triton.jit
+def ep_dispatch_notify_stage(
+        # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the
+        # call's identity), in its order
+        x_ptr: "*i8", scales_ptr: "*fp32", topk_ptr: "*i64", weights_ptr: "*fp32", in_rank_ptr: "*i8",
+        list_index_ptr: "*i32", per_rank_ptr: "*i32", per_expert_ptr: "*i32",
+        num_tokens: "i32", token_lo: "i32", token_hi: "i32", x_words: "i32", num_scales: "i32",
+        scale_stride_t: "i64", scale_stride_c: "i64", num_topk: "i32", num_local: "i32",
+        num_position_programs: "i32",
+        rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
+        half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
+        topk_offset: "i64", topk_row_bytes: "i64",
+        fp_offset: "i64", fp0: "i64", fp1: "i64", board_bases_ptr: "*i64", call_tag: "i64",
+        # then the notify's own (ep_notify_dispatch's, the same meaning)
+        prefix_ptr: "*i32", recv_info_ptr: "*i32", table_ptr: "*i32",
+        num_experts: "i32", expert_alignment: "i32", write_table: "i32", counts_offset: "i64",
+        mailbox_address: "i64", sequence: "i64", timeout_ns: "i64",
+        # meta-parameters: ep_dispatch_stage's with WRITE_LISTS, then the notify's block
+        HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, WRITE_LISTS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
+        R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
+        EXPERT_MAJOR: tl.constexpr, POSITION_TOKENS: tl.constexpr, POSITION_SUB: tl.constexpr,
+        E_P2: tl.constexpr, PUSHED_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < num_ranks:
+        _notify(pid, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr, num_tokens, num_experts,
+                expert_alignment, write_table, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr,
+                half_bytes, counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1,
+                board_bases_ptr, call_tag, R_P2, BLOCK, WITH_STAGE=True)
+    else:
+        lanes = tl.arange(0, R_P2)
+        # ACQUIRE: the notify's end (the chain above); a vote, whose barrier also orders the polling
+        # threads' acquire before every thread's stores
+        _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, sequence,
+                                            3 * timeout_ns, EPOCH_SHIFT=0)
+        if cta_any(tl.max(late.to(tl.int32), axis=0)) != 0:
+            report_late(lanes == 0, rank + lanes * 0, state_ptr,
+                        mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
+                        MASK_ON_TIMEOUT=False)
+        else:
+            _stage(pid - num_ranks, tl.num_programs(0) - num_ranks, tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
+                   x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr,
+                   per_expert_ptr, num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t,
+                   scale_stride_c, num_topk, num_local, num_position_programs, rank, num_ranks, normal_bases_ptr,
+                   flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap, x_offset, scales_offset,
+                   topk_offset, topk_row_bytes, 0, 0, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+                   HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
+                   EXPERT_MAJOR, POSITION_TOKENS, POSITION_SUB, E_P2, OVERLAP=False, PUSHED_LISTS=PUSHED_LISTS)
+
+
+# (its parameters up to call_tag are ep_dispatch_stage's: the host hands both the same arguments,
+# then the notify's; a host test checks the order)
+NOTIFY_STAGE = KernelSpec(ep_dispatch_notify_stage, aligned_if={"ALIGNED": ["x_ptr"]})
 
 
 class _NotifyKernels(dict):
     """NOTIFY bound per R_P2, looked up without keyword building."""
 
     def __missing__(self, r_p2):
-        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=256)
+        self[r_p2] = NOTIFY.bind(num_warps=4, R_P2=r_p2, BLOCK=NOTIFY_BLOCK)
         return self[r_p2]
 
 

@@ -43,6 +43,7 @@ class DispatchPlan:
     stage_lists: Specialisations  # (ALIGNED, L_P2, E_P2, POSITION_SUB) -> stage + token lists (a full
     # dispatch's round 0); E_P2, POSITION_SUB: the expert-major positions' shape (1, 1 in the plain layout)
     stage: Specialisations  # (ALIGNED, E_P2, POSITION_SUB) -> stage
+    notify_stage: Specialisations  # stage_lists' keys -> the count exchange and that stage in one launch (notify.py)
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
     # stage and pull in one launch (dispatch.py, ep_dispatch; one round, plain layout), or None:
