@@ -241,3 +241,20 @@ def test_the_combine_kernel_writes_nan_rows_for_lost_contributions():
     assert "0x7FC00000" in receive.asm["ttir"] and "0x7FC00000" not in send.asm["ttir"]
     for spec in (L.DISPATCH, L.COMBINE):
         assert spec.signature["shrink"] == "i32"
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_call_asks_the_capture_state_once_and_its_board_tag_follows_it(monkeypatch, capturing):
+    """The capture query costs about 0.7 µs on a GPU host: each low-latency call asks it once, for
+    both its launches and its call board tag (0, nothing posted, in a capture: call_board.Seat)."""
+    from epcomm.backends.gpu.call_board import Seat
+    mode, log = _mode(monkeypatch, one_launch=None)
+    asked = []
+    monkeypatch.setattr(mode_module, "stream_capturing", lambda: asked.append(1) or capturing)
+    board = types.SimpleNamespace(number=0, era=0, bases_address=0)
+    mode.board = Seat(board, slot=1)
+    mode.board._capturing = lambda: pytest.fail("the seat asked again")
+    launches = _round_trip_launches(mode, log)
+    assert len(asked) == 2  # one dispatch, one combine
+    assert launches == (TWO if capturing else ONE)
+    assert board.number == (0 if capturing else 2)

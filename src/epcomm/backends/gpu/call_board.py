@@ -241,13 +241,16 @@ class Seat:
         self.board, self.slot = board, slot
         self._zeros = zeros
         self.bases_address = board.bases_address if board is not None else zeros.data_ptr()
-        self._capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else (lambda: False)
+        # (the runtime's query itself: torch.cuda.is_current_stream_capturing wraps it in Python, on
+        # every call's host path)
+        self._capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda.is_available() else (lambda: False)
 
-    def tag(self) -> int:
+    def tag(self, capturing: Optional[bool] = None) -> int:
         """The next call's tag: a new call number with this Buffer's slot; 0 (nothing posted or
-        checked) in a CUDA graph capture, or without a board."""
+        checked) in a CUDA graph capture, or without a board. ``capturing``: whether the current
+        stream is being captured, where the caller asked already (None: asked here)."""
         board = self.board
-        if board is None or self._capturing():
+        if board is None or (self._capturing() if capturing is None else capturing):
             return 0
         board.number += 1
         # The era above the count: a post still in flight from before a resync or a join (a signal

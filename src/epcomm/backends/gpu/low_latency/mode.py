@@ -140,14 +140,15 @@ class LowLatencyMode:
         # own launcher (launch.py's fallback) has none, so auto takes two launches there.
         self._cooperative = launch_mode() == "bound"
 
-    def _two_launches(self, hook: bool) -> bool:
-        """Whether this call runs its phases as two launches (see ``one_launch``). Auto asks about
-        the current device's stream: a capture on this Buffer's device entered from another current
-        device would take the one launch, which replays correctly too (only slower)."""
+    def _two_launches(self, hook: bool, capturing: bool) -> bool:
+        """Whether this call runs its phases as two launches (see ``one_launch``). Auto asks whether
+        the current device's stream is being captured (``capturing``: stream_capturing(), asked
+        once per call): a capture on this Buffer's device entered from another current device would
+        take the one launch, which replays correctly too (only slower)."""
         if hook:
             return True
         if self.one_launch is None:
-            return not self._cooperative or stream_capturing()
+            return not self._cooperative or capturing
         return not self.one_launch
 
     def check_dispatch(self, args) -> None:
@@ -227,14 +228,15 @@ class LowLatencyMode:
         wait_stats = args.dispatch_wait_recv_cost_stats
         x_address = x.data_ptr()
         src_info, slot_info, recv_layout, recv_count = per_half.indices
+        capturing = stream_capturing()  # (asked once: the call board's tag and the launches depend on it)
         head = (x_address, topk.data_ptr(), plan.counters_address, args.rank_mask.data_ptr(), self.bases, self.state,
                 self.mailbox_address)
         tail = (src_info, slot_info, recv_layout, recv_count, recv_count if stats is None else stats.data_ptr(),
                 recv_layout if wait_stats is None else wait_stats.data_ptr(), num_tokens) + per_half.sizes + \
-            (self.board.bases_address, self.board.tag())
+            (self.board.bases_address, self.board.tag(capturing))
         send_items = num_tokens * plan.send_groups
         stream = current_stream(self.dev_index)
-        two_launches = self._two_launches(args.return_recv_hook)
+        two_launches = self._two_launches(args.return_recv_hook, capturing)
         if two_launches:
             # The send phase writes only into the receivers' workspaces, not into recv_x: it is
             # launched before the outputs are allocated, so the GPU starts while the host allocates
@@ -328,11 +330,12 @@ class LowLatencyMode:
         # Pointers as addresses (see _dispatch_half).
         head = (x.data_ptr(), *state.addresses, topk.data_ptr(), args.topk_weights.data_ptr(), args.rank_mask.data_ptr(),
                 self.bases, self.state)
+        capturing = stream_capturing()  # (asked once, as in dispatch)
         tail = (self.state if wait_stats is None else wait_stats.data_ptr(), *areas, num_tokens, *sizes, fp0, fp1,
-                self.board.bases_address, self.board.tag())
+                self.board.bases_address, self.board.tag(capturing))
         pairs = x.shape[0] * self.R
         stream = current_stream(self.dev_index)
-        two_launches = self._two_launches(args.return_recv_hook)
+        two_launches = self._two_launches(args.return_recv_hook, capturing)
         if two_launches:
             # The send phase pushes rows into the homes' workspaces, not into out: it is launched
             # before out is allocated (dispatch says why; its out pointer is a placeholder: the
