@@ -45,7 +45,7 @@ done
 use_peer
 ranks="${RANKS:-4}"
 gpus="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ranks - 1)))}"  # (the profile and the suite use all they see)
-variants="${VARIANTS-small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
+variants="${VARIANTS-notify-apart,small-one-launch,pulled-lists,full-one-launch,stage-1x,full-one-launch+pull-1x,pull-1x,side-loads-after,single-push,gathered-index,rank-order,serial-combine,serial-dispatch,doorbell-dispatch,pipelined-pull,tile-reduce,reduce-warps-apart}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 summary=()
