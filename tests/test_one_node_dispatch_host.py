@@ -184,6 +184,18 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
     assert result.recv_x.shape == (80, HIDDEN)
 
 
+def test_num_worst_tokens_in_turn_keeps_the_notify_apart(monkeypatch):
+    """A num_worst_tokens dispatch waits on nothing on the host, so a CUDA graph may capture it;
+    ep_dispatch_notify_stage's stage programs wait for the host's notify number, which a replay
+    would find already there. In turn (here: overlapped_dispatch off) the notify goes alone."""
+    launches = []
+    mailbox = _Mailbox(counts=None, fail=AssertionError("no count wait with num_worst_tokens"))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    mode.overlapped_dispatch = False
+    mode.dispatch(_args(50, num_worst_tokens=80))
+    assert [name for name, _, _ in launches] == ["notify", "stage", "pull"]
+
+
 def test_full_one_launch_launches_stage_and_pull_together_after_the_wait(monkeypatch):
     """NormalMode.full_one_launch (bench --variants full-one-launch): nothing staged before the
     count wait; after it, one ep_dispatch (lists, copy and pull programs, the pull on
@@ -319,7 +331,8 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     plan = dataclasses.replace(plan, offsets=(16, 32, 48), **M.NormalMode._fixed_arguments(mode, (16, 32, 48), 32))
     mode._dispatch_plan_of = lambda args: plan
     call = _args(50)
-    mode.dispatch(call)
+    call.expert_alignment = 3
+    fused = mode.dispatch(call)
     mode.notify_with_stage = False  # (the stage alone too; a choice set drops the plans: the stand-in stays)
     mode.dispatch(call)
     named = {name: dict(zip([n for n, t in spec.signature.items() if t != "constexpr"], args[2:]))
@@ -349,6 +362,11 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
         {name: value for name, value in alone.items() if name not in per_call}
     assert (both["sequence"], alone["sequence"]) == (1, 2) and both["timeout_ns"] == 123_456
     assert (both["mailbox_address"], both["counts_offset"], both["num_experts"]) == (mailbox.address, 0, E)
+    assert (both["expert_alignment"], both["write_table"]) == (3, 0)  # (the plain layout: no table)
+    prefix = fused.handle.rank_prefix_matrix.data_ptr()
+    index_info = fused.handle.backend_state.index_info.data_ptr()
+    assert (both["prefix_ptr"], both["table_ptr"]) == (prefix, prefix)  # (no table: prefix's address)
+    assert (both["list_index_ptr"], both["recv_info_ptr"]) == (index_info, index_info + 4 * 50 * R)
     assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40
     # the one launch (DispatchPlan.overlapped_fixed), here after the count wait (full_one_launch)
     from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
@@ -436,21 +454,25 @@ def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch
         assert not tensors, f"{name} got tensors at arguments {tensors}"
 
 
-@pytest.mark.parametrize("num_sms, together", [(6, True), (2, False)])
+@pytest.mark.parametrize("shares_gpu, num_sms, num_tokens, together", [
+    (True, 6, 50, True), (True, 2, 50, False),
+    (True, 4, 64, True), (True, 4, 65, False),  # (the bound: 4 + 4 + 8 copies = 16 = 4 x num_sms; 9 copies: 17)
+    (False, 2, 150, True)])  # (a GPU of its own: any grid, its programs wait for nobody else's)
 def test_ranks_sharing_a_gpu_launch_notify_and_stage_together_only_where_their_waiting_programs_fit(
-        monkeypatch, num_sms, together):
+        monkeypatch, shares_gpu, num_sms, num_tokens, together):
     """In ep_dispatch_notify_stage every program waits (the notify's for the peers, the stage's for the
     notify): where ranks share a GPU it goes only where its grid is within the 4 x num_sms waiting
     programs shared_grids.py counts per rank (R notify + R list + copy programs); a rank whose
     peers' programs could not find room would wait out the timeout. Elsewhere two launches."""
     launches = []
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.shares_gpu = True
-    call = _args(50)
+    mode.shares_gpu = shares_gpu
+    mode.stage_programs_per_sm = 4
+    call = _args(num_tokens)
     call.config.num_sms = num_sms
     mode.dispatch(call)
-    copies = min(2 * num_sms, -(-50 // BLOCK_R))
-    assert (R + R + copies <= 4 * num_sms) == together
+    copies = min(4 * num_sms, -(-min(num_tokens, ROUND_TOKENS) // BLOCK_R))
+    assert (not shares_gpu or R + R + copies <= 4 * num_sms) == together
     if together:
         assert [(name, grid) for name, grid, _ in launches][:1] == [("notify+stage", R + R + copies)]
     else:

@@ -167,8 +167,11 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # the peers: the notify programs have the lowest ids, so they are placed first, and the host takes
 # this launch only where every rank's waiting programs fit the GPU at once (mode.py: ranks sharing
 # a GPU count them as shared_grids.py does). A stage program that waits past 3 x timeout_ns (the
-# notify programs never ran) stages nothing and reports this rank late: the host's count wait
-# raises (the mailbox's sequence never came either).
+# notify programs never ran) stages nothing, does not arrive and reports this rank late; the
+# host's count wait has raised long before (after timeout_s + 1 s: the mailbox's sequence never
+# came either), and the resync that follows zeroes the arrival counter. The wait compares with
+# the host's notify number (``sequence``), so a CUDA graph could not replay it: the host takes this
+# launch only for dispatches that wait on the host, never for a num_worst_tokens one.
 @triton.jit
 def ep_dispatch_notify_stage(
         # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the
