@@ -148,9 +148,9 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 
 
 # ====================================================================== notify and stage in one launch
-# ep_dispatch_notify_stage: a full dispatch's count exchange and its round-0 stage (stage.py) in one launch,
-# one launch less on the host's path than ep_notify_dispatch ; ep_dispatch_stage; grid = R notify
-# programs, then the stage's programs.
+# ep_dispatch_notify_stage: a full dispatch's count exchange and its round-0 stage (stage.py) in
+# one launch, one launch less on the host's path than ep_notify_dispatch ; ep_dispatch_stage;
+# grid = R notify programs, then the stage's programs.
 #
 #   programs p < R:  ep_notify_dispatch's program p (the outline above); the last to arrive, after
 #                    the mailbox release: RELEASE NOTIFIED = sequence (gpu scope)
@@ -169,9 +169,10 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # a GPU count them as shared_grids.py does). A stage program that waits past 3 x timeout_ns (the
 # notify programs never ran) stages nothing, does not arrive and reports this rank late; the
 # host's count wait has raised long before (after timeout_s + 1 s: the mailbox's sequence never
-# came either), and the resync that follows zeroes the arrival counter. The wait compares with
-# the host's notify number (``sequence``), so a CUDA graph could not replay it: the host takes this
-# launch only for dispatches that wait on the host, never for a num_worst_tokens one.
+# came either), and a timeout is sticky: the Buffer is made anew, its state words zeroed. The
+# wait compares with the host's notify number (``sequence``), so a CUDA graph could not replay
+# it: the host takes this launch only for dispatches that wait on the host, never for a
+# num_worst_tokens one.
 @triton.jit
 def ep_dispatch_notify_stage(
         # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the
