@@ -477,3 +477,22 @@ def test_ranks_sharing_a_gpu_launch_notify_and_stage_together_only_where_their_w
         assert [(name, grid) for name, grid, _ in launches][:1] == [("notify+stage", R + R + copies)]
     else:
         assert [(name, grid) for name, grid, _ in launches][:2] == [("notify", R), ("stage", R + copies)]
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, expert_major):
+    """The expert-major stage runs position programs beside its list and copy programs, and they
+    wait in ep_dispatch_notify_stage too: counted, they take this grid past 4 x num_sms."""
+    from epcomm.backends.gpu.normal.one_node.expert_major_rows import POSITION_TOKENS
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+    plan = dataclasses.replace(mode._dispatch_plan_of(None), expert_major=expert_major)
+    mode._dispatch_plan_of = lambda args: plan
+    mode.shares_gpu = True
+    call = _args(50)
+    call.config.num_sms = 4
+    mode.dispatch(call)
+    copies, positions = min(2 * 4, -(-50 // BLOCK_R)), -(-50 // POSITION_TOKENS) if expert_major else 0
+    assert R + R + copies <= 4 * 4 < R + R + copies + positions or not expert_major  # (the case this test needs)
+    names = [name for name, _, _ in launches]
+    assert names[:2] == (["notify", "stage"] if expert_major else ["notify+stage", "pull"])
