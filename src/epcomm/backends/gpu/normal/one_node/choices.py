@@ -146,10 +146,11 @@ class KernelChoices:
         before 2026-11-28d). Every rank of the group must set the same.""")
     notify_with_stage = Choice(
         """A full dispatch's count exchange and its stage in turn go as one launch (notify.py,
-        ep_dispatch_notify_stage; where ranks share a GPU, only where its waiting programs fit the grid caps):
-        one launch less on the host's path, which sets a small batch's pace (2 H200s, T=512: the full
-        dispatch's host time over a cached one 58 µs against DeepEP V1's 53, with three launches
-        against its two). False: two launches (bench --variants notify-apart, the default before
+        ep_dispatch_notify_stage; where ranks share a GPU, only where its waiting programs fit the
+        grid caps; never for num_worst_tokens, which a CUDA graph may capture): one launch less on
+        the host's path, which sets a small batch's pace. Same run on 2 H200s, T=512: the full
+        dispatch took 115 µs host against 137 with two launches (DeepEP V1 85-89; performance-log,
+        2026-11-29). False: two launches (bench --variants notify-apart, the default before
         2026-11-29). Each rank may choose alone: the launch signals its peers as the two did.""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; default
