@@ -387,6 +387,54 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
     return replays
 
 
+def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = "", num_tokens: int = 256):
+    """A normal-mode step (layout, a num_worst_tokens dispatch, a stand-in expert, the combine)
+    captured in one CUDA graph and replayed on fresh inputs; each replay == the torch_dist reference
+    run eagerly on the same inputs. ``variant`` (bench.NORMAL_VARIANTS names, set on every rank)
+    picks the one-node path: "serial-dispatch" is the dispatch in turn, whose count exchange and
+    stage go in one launch (ep_dispatch_notify_stage) that must wait on device epochs only: a wait
+    on the host's notify number would pass at once in a replay."""
+    from epcomm.backends.gpu.normal.one_node.mode import NormalMode
+    from epcomm.tools.bench import use_normal_variants
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, k = 8 * R, min(8, 8 * R)
+    fast, reference = _buffers_on_gpu(1 << 28)
+    assert isinstance(fast._backend.normal, NormalMode), fast.backend_name
+    use_normal_variants(fast._backend.normal, [variant] if variant else [])
+    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
+    topk = torch.zeros(num_tokens, k, dtype=torch.int64, device=dev)
+    weights = torch.zeros(num_tokens, k, dtype=torch.float32, device=dev)
+    worst = R * num_tokens
+
+    def step(buffer=fast):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                               num_worst_tokens=worst)
+        expert_out = (recv[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
+        return recv, buffer.combine(expert_out, recv[4], topk_weights=recv[2])
+
+    def load(seed):
+        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
+        x.copy_(xs[rank])
+        topk.copy_(topks[rank])
+        weights.copy_(ws[rank])
+
+    seeds = [0] + [200 + replay for replay in range(replays)]
+    for replay, (_, (recv, combined)) in enumerate(cuda_graph_replays(step, load, seeds)):
+        want, want_combined = step(reference)
+        n = int(want[4].num_recv_tokens)
+        what = f"replay {replay} ({variant or 'defaults'})"
+        assert int(recv[4].num_recv_tokens) == n, what
+        assert torch.equal(recv[0][:n], want[0][:n]), f"{what}: recv_x"
+        assert torch.equal(recv[1][:n], want[1][:n]) and torch.equal(recv[2][:n], want[2][:n]), f"{what}: top-k"
+        torch.testing.assert_close(combined[0], want_combined[0], rtol=1e-2, atol=1e-2,
+                                   msg=lambda m: f"{what}: combine {m}")
+    fast.destroy()
+    return replays
+
+
 def gpu_low_latency_dead_rank(hidden: int = 2048, backend=None, ranks_per_node=None):
     """The last rank stops taking part: the others time out once, mask it themselves, and every
     call (that one included) returns correct results for the live ranks; later calls do not wait."""

@@ -138,6 +138,13 @@ def test_low_latency_cuda_graph(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_low_latency_graph, timeout_s=300) == [4] * gpu_pool.world_size
 
 
+@pytest.mark.parametrize("variant", ["", "serial-dispatch"])
+def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
+    """Layout, a num_worst_tokens dispatch and the combine replayed from one CUDA graph match the
+    reference; serial-dispatch: the dispatch in turn, its count exchange and stage in one launch."""
+    assert gpu_pool.run(ep_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
+
+
 def test_low_latency_handle_of_another_buffer_raises(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_low_latency_foreign_handle, timeout_s=120) == ["raised"] * gpu_pool.world_size
 

@@ -184,14 +184,20 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
     assert result.recv_x.shape == (80, HIDDEN)
 
 
-def test_num_worst_tokens_in_turn_keeps_the_notify_apart(monkeypatch):
+def test_num_worst_tokens_in_turn_takes_the_single_launch(monkeypatch):
     """A num_worst_tokens dispatch waits on nothing on the host, so a CUDA graph may capture it;
-    ep_dispatch_notify_stage's stage programs wait for the host's notify number, which a replay
-    would find already there. In turn (here: overlapped_dispatch off) the notify goes alone."""
+    ep_dispatch_notify_stage waits on device epochs only (notify.py), so a replay waits as the first
+    run did and the dispatch in turn (here: overlapped_dispatch off) takes it as any other; with
+    notify_with_stage off the notify goes alone."""
     launches = []
     mailbox = _Mailbox(counts=None, fail=AssertionError("no count wait with num_worst_tokens"))
     mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
     mode.overlapped_dispatch = False
+    result = mode.dispatch(_args(50, num_worst_tokens=80))
+    assert [name for name, _, _ in launches] == ["notify+stage", "pull"]
+    assert result.recv_x.shape == (80, HIDDEN)
+    launches.clear()
+    mode.notify_with_stage = False
     mode.dispatch(_args(50, num_worst_tokens=80))
     assert [name for name, _, _ in launches] == ["notify", "stage", "pull"]
 

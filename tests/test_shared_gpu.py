@@ -172,6 +172,12 @@ def test_low_latency_cuda_graph(shared_pool):
         [4] * shared_pool.world_size
 
 
+@pytest.mark.skipif(BACKEND != "nvlink", reason="the one-node normal mode's paths (the nvlink backend)")
+@pytest.mark.parametrize("variant", ["", "serial-dispatch"])
+def test_num_worst_tokens_step_in_a_cuda_graph(shared_pool, variant):
+    assert _all(shared_pool, ep_cases.gpu_normal_worst_graph, 4, 2048, variant) == [4] * shared_pool.world_size
+
+
 # ------------------------------------------------------------------ training
 def test_autograd_and_moe_layer_match_dense(shared_pool):
     errors = _all(shared_pool, training_cases.autograd_against_dense, 3, 256, "cuda")

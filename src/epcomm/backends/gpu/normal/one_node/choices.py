@@ -147,8 +147,9 @@ class KernelChoices:
     notify_with_stage = Choice(
         """A full dispatch's count exchange and its stage in turn go as one launch (notify.py,
         ep_dispatch_notify_stage; where ranks share a GPU, only where its waiting programs fit the
-        grid caps; never for num_worst_tokens, which a CUDA graph may capture): one launch less on
-        the host's path, which sets a small batch's pace. Same run on 2 H200s, T=512: the full
+        grid caps; its waits are on device epochs, so a captured num_worst_tokens dispatch replays
+        correctly too): one launch less on the host's path, which sets a small batch's pace. Same
+        run on 2 H200s, T=512: the full
         dispatch took 115 µs host against 137 with two launches (DeepEP V1 85-89; performance-log,
         2026-11-29). False: two launches (bench --variants notify-apart, the default before
         2026-11-29). Each rank may choose alone: the launch signals its peers as the two did.""")

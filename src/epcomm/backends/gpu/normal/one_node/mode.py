@@ -234,11 +234,10 @@ class NormalMode(KernelChoices):
             after_wait = self.full_one_launch and not worst and not doorbell and may_overlap and \
                 (not bound or num_tokens <= bound)
             # The stage in turn goes with the count exchange in one launch (notify.py, ep_dispatch_notify_stage:
-            # one launch less on this path) where _stage finds it fits; else the notify goes alone. Not
-            # with num_worst_tokens: nothing waits on the host there, so a CUDA graph may capture it, and
-            # the stage programs wait for the notify's host-given number, which a replay would find
-            # already there (they would stage into a half peers may still read).
-            if doorbell or overlapped or after_wait or worst or not self._stage(
+            # one launch less on this path) where _stage finds it fits; else the notify goes alone. (With
+            # num_worst_tokens too: a CUDA graph may capture that dispatch, and the launch's waits are on
+            # device epochs, which a replay advances as the first run did.)
+            if doorbell or overlapped or after_wait or not self._stage(
                     plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag, list_index,
                     notify_args):
                 NOTIFY_BOUND[self.R_P2].launch(

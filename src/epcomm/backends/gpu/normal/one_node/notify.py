@@ -67,7 +67,8 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
             counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
             R_P2: tl.constexpr, BLOCK: tl.constexpr, WITH_STAGE: tl.constexpr):
     """Program ``peer`` of the count exchange (the outline above); WITH_STAGE: the first R programs
-    of ep_dispatch_notify_stage, whose last program also RELEASEs NOTIFIED to the stage programs after them."""
+    of ep_dispatch_notify_stage, whose last program also RELEASEs NOTIFIED to the stage programs after them
+    (on arriving) and leaves EPOCH_NORMAL to the stage."""
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
@@ -106,7 +107,16 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
                fp1, epoch, agreement, num_ranks)
     # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
-        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+        if WITH_STAGE:
+            # RELEASE -> this launch's stage programs (gpu scope: the same GPU), at once: the arrival
+            # (acq_rel) acquired every notify program's wait for its peer, which is all the stage
+            # needs; the prefix, the table and the mailbox below are the host's and the pull's. The
+            # epoch, not the host's number, so that a CUDA graph's replay waits as the first run
+            # did. EPOCH_NORMAL is left to the stage's last arrival (e + 1): the stage programs read
+            # it as the wait's base, so no program of this launch may change it before they all did.
+            tl.atomic_xchg(state_ptr + sync.NOTIFIED, epoch, sem="release", scope="gpu")
+        else:
+            tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
         src = tl.arange(0, R_P2)
         dst_r = tl.arange(0, R_P2)
@@ -139,8 +149,6 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
-        if WITH_STAGE:  # RELEASE -> this launch's stage programs (gpu scope: the same GPU)
-            tl.atomic_xchg(state_ptr + sync.NOTIFIED, sequence, sem="release", scope="gpu")
 
 
 NOTIFY = KernelSpec(ep_notify_dispatch)
@@ -152,16 +160,20 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # one launch, one launch less on the host's path than ep_notify_dispatch ; ep_dispatch_stage;
 # grid = R notify programs, then the stage's programs.
 #
-#   programs p < R:  ep_notify_dispatch's program p (the outline above); the last to arrive, after
-#                    the mailbox release: RELEASE NOTIFIED = sequence (gpu scope)
-#   the others:      ACQUIRE NOTIFIED >= sequence, then the stage of epoch EPOCH_NORMAL + 1
+#   e - 1 = EPOCH_NORMAL (the previous call's last epoch; the notify takes e, the stage e + 1)
+#   programs p < R:  ep_notify_dispatch's program p (the outline above), but the last to arrive
+#                    RELEASEs NOTIFIED = e (gpu scope) as it arrives, before the prefix, the table
+#                    and the mailbox, and leaves EPOCH_NORMAL to the stage's last arrival
+#   the others:      read e - 1, ACQUIRE NOTIFIED >= e, then the stage of epoch e + 1
 #
 # Why the stage waits. It writes into its workspace half of epoch e + 1, the half the previous full
-# dispatch staged into (the notify takes e, the stage e + 1: two epochs a call). Peers may still be
-# pulling from it until they signal e, which each does after its previous pull (stream order); the
-# notify programs acquire those signals. In turn, stream order put the stage after them; here the
-# chain is: peer's pull -> its RELEASE of e -> a notify program's ACQUIRE -> the arrival (acq_rel)
-# -> the last program's RELEASE of NOTIFIED -> the stage programs' ACQUIRE -> their stores. The
+# dispatch staged into (two epochs a call). Peers may still be pulling from it until they signal e,
+# which each does after its previous pull (stream order); the notify programs acquire those
+# signals. In turn, stream order put the stage after them; here the chain is: peer's pull -> its
+# RELEASE of e -> a notify program's ACQUIRE -> the arrival (acq_rel) -> the last program's RELEASE
+# of NOTIFIED -> the stage programs' ACQUIRE -> their stores. The stage needs nothing else of the
+# notify (the prefix and the table are the pull's, the mailbox the host's), so it starts while the
+# last notify program writes them. The
 # stage's own release of e + 1 into the peers' flags then follows every notify program's release of
 # e there, so the flag words only grow. The stage programs spin while the notify programs wait for
 # the peers: the notify programs have the lowest ids, so they are placed first, and the host takes
@@ -170,9 +182,10 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # notify programs never ran) stages nothing, does not arrive and reports this rank late; the
 # host's count wait has raised long before (after timeout_s + 1 s: the mailbox's sequence never
 # came either), and a timeout is sticky: the Buffer is made anew, its state words zeroed. The
-# wait compares with the host's notify number (``sequence``), so a CUDA graph could not replay
-# it: the host takes this launch only for dispatches that wait on the host, never for a
-# num_worst_tokens one.
+# words waited on are device epochs, not the host's notify number (``sequence``): a CUDA graph's
+# replay of a num_worst_tokens dispatch (nothing waits on the host there) waits as its first run
+# did. Before this launch's release NOTIFIED is below e: an earlier launch released its own e',
+# and its stage then took e' + 1 <= e - 1.
 @triton.jit
 def ep_dispatch_notify_stage(
         # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the
@@ -204,16 +217,19 @@ def ep_dispatch_notify_stage(
                 board_bases_ptr, call_tag, R_P2, BLOCK, WITH_STAGE=True)
     else:
         lanes = tl.arange(0, R_P2)
-        # ACQUIRE: the notify's end (the chain above); a vote, whose barrier also orders the polling
-        # threads' acquire before every thread's stores
-        _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, sequence,
+        # The previous call's last epoch e - 1: stable until this stage's last arrival, which needs
+        # this program's arrival first (the notify programs, who read it too, arrived before NOTIFIED).
+        last_epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+        # ACQUIRE: the notify's arrival (the chain above); a vote, whose barrier also orders the
+        # polling threads' acquire before every thread's stores
+        _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, last_epoch + 1,
                                             3 * timeout_ns, EPOCH_SHIFT=0)
         if cta_any(tl.max(late.to(tl.int32), axis=0)) != 0:
             report_late(lanes == 0, rank + lanes * 0, state_ptr,
                         mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
                         MASK_ON_TIMEOUT=False)
         else:
-            _stage(pid - num_ranks, tl.num_programs(0) - num_ranks, tl.load(state_ptr + sync.EPOCH_NORMAL) + 1,
+            _stage(pid - num_ranks, tl.num_programs(0) - num_ranks, last_epoch + 2,
                    x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr,
                    per_expert_ptr, num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t,
                    scale_stride_c, num_topk, num_local, num_position_programs, rank, num_ranks, normal_bases_ptr,
