@@ -435,6 +435,39 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
     return replays
 
 
+def gpu_full_dispatch_capture_raises(hidden: int = 512, num_tokens: int = 64):
+    """A full dispatch without num_worst_tokens inside a CUDA graph capture raises EPError naming
+    num_worst_tokens at once (it would wait on the host for counts the capture never computes);
+    the Buffer then dispatches eagerly as before. Returns "raised"."""
+    from epcomm.errors import EPError
+    R, rank = world()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    num_experts, k = 8 * R, min(8, 8 * R)
+    fast, reference = _buffers_on_gpu(1 << 26)
+    xs, topks, ws = make_routing(5, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
+    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+
+    def dispatch(buffer, **extra):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, **extra)
+
+    dispatch(fast)  # (compiled outside the capture)
+    torch.cuda.synchronize()
+    graph, raised = torch.cuda.CUDAGraph(), None
+    try:
+        with torch.cuda.graph(graph):
+            dispatch(fast)
+    except EPError as err:
+        raised = err
+    assert raised is not None and "num_worst_tokens" in str(raised), raised
+    got, want = dispatch(fast), dispatch(reference)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and got[3] == want[3], "the eager dispatch after the refused capture"
+    fast.destroy()
+    return "raised"
+
+
 def gpu_low_latency_dead_rank(hidden: int = 2048, backend=None, ranks_per_node=None):
     """The last rank stops taking part: the others time out once, mask it themselves, and every
     call (that one included) returns correct results for the live ranks; later calls do not wait."""

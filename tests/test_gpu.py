@@ -145,6 +145,10 @@ def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
     assert gpu_pool.run(ep_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
 
 
+def test_a_full_dispatch_captured_in_a_cuda_graph_raises(gpu_pool):
+    assert gpu_pool.run(ep_cases.gpu_full_dispatch_capture_raises, timeout_s=120) == ["raised"] * gpu_pool.world_size
+
+
 def test_low_latency_handle_of_another_buffer_raises(gpu_pool):
     assert gpu_pool.run(ep_cases.gpu_low_latency_foreign_handle, timeout_s=120) == ["raised"] * gpu_pool.world_size
 

@@ -30,15 +30,19 @@ def _wired(cls, low_latency=True):
 
 
 @pytest.mark.parametrize("backend_name", ["nvlink", "nvshmem"])
-def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name):
+def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name, monkeypatch):
+    from epcomm.backends.gpu import wiring
     from epcomm.backends.nvlink.backend import NVLinkBackend
     from epcomm.backends.nvshmem.backend import NvshmemBackend
     cls = NVLinkBackend if backend_name == "nvlink" else NvshmemBackend
     assert not cls.__abstractmethods__
     backend, calls = _wired(cls)
+    monkeypatch.setattr(wiring, "stream_capturing", lambda: False)
     assert backend.dispatch("args") == ("normal", "dispatch")
     assert backend.combine("x", "handle", "w", (), "config") == ("normal", "combine")
-    backend.check_dispatch("args")
+    dispatch_args = types.SimpleNamespace(handle="handle", num_worst_tokens=0, capturing=None)
+    backend.check_dispatch(dispatch_args)
+    assert dispatch_args.capturing is False  # (the answer kept for the mode's call-board tag: asked once a call)
     backend.check_combine("x", "handle", "w", ())
     assert backend.low_latency_dispatch("ll") == ("low_latency", "dispatch")
     assert backend.low_latency_combine("ll") == ("low_latency", "combine")
@@ -51,6 +55,28 @@ def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name):
         ("normal", "dispatch"), ("normal", "combine"), ("normal", "check_dispatch"), ("normal", "check_combine"),
         ("low_latency", "dispatch"), ("low_latency", "combine"), ("low_latency", "check_dispatch"),
         ("low_latency", "check_combine"), ("board", "raise_pending"), ("board", "resync")]
+
+
+@pytest.mark.parametrize("backend_name", ["nvlink", "nvshmem"])
+def test_a_full_dispatch_captured_in_a_cuda_graph_raises_before_any_launch(backend_name, monkeypatch):
+    """A full dispatch waits on the host for its counts; under a CUDA graph capture that wait would
+    end in a timeout. Without num_worst_tokens it raises EPError (not EPInputError, whose abort
+    would be captured) before its mode sees it; with num_worst_tokens or a handle it goes on."""
+    from epcomm.backends.gpu import wiring
+    from epcomm.backends.nvlink.backend import NVLinkBackend
+    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    from epcomm.errors import EPError, EPInputError
+    backend, calls = _wired(NVLinkBackend if backend_name == "nvlink" else NvshmemBackend)
+    monkeypatch.setattr(wiring, "stream_capturing", lambda: True)
+    with pytest.raises(EPError, match="num_worst_tokens") as raised:
+        backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0))
+    assert not isinstance(raised.value, EPInputError) and calls == []
+    backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=64))
+    backend.check_dispatch(types.SimpleNamespace(handle="handle", num_worst_tokens=0))
+    assert [method for _, method, _ in calls] == ["check_dispatch", "check_dispatch"]
+    monkeypatch.setattr(wiring, "stream_capturing", lambda: False)
+    backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0))
+    assert len(calls) == 3
 
 
 def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():

@@ -61,7 +61,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0, lists_offset=0,
                                     list_cap=0, counts_offset=0)
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
-    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda: 0)
+    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda capturing=None: 0)
     mode._default_choices()
     vars(mode)["doorbell_dispatch"] = doorbell  # (as the defaults: no plans to drop yet)
     mode._dispatch_plans, mode._combine_plans = {}, {}  # (a choice set drops them)
@@ -86,7 +86,7 @@ def _args(num_tokens, num_worst_tokens=0):
         num_tokens_per_rank=torch.zeros(R, dtype=torch.int32), num_tokens_per_expert=torch.zeros(E, dtype=torch.int32),
         is_token_in_rank=torch.zeros(num_tokens, R, dtype=torch.bool), topk_idx=torch.zeros(num_tokens, K, dtype=torch.int64),
         topk_weights=torch.zeros(num_tokens, K), expert_alignment=1, num_worst_tokens=num_worst_tokens,
-        config=types.SimpleNamespace(num_sms=NUM_SMS), expert_major=False)
+        config=types.SimpleNamespace(num_sms=NUM_SMS), expert_major=False, capturing=None)
 
 
 def _doorbell_arg(args):
@@ -182,6 +182,20 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
     assert _doorbell_arg(launches[1][2]) == 0 and mailbox.rings == []
     assert result.recv_x.shape == (80, HIDDEN)
+
+
+@pytest.mark.parametrize("capturing", [None, False, True])
+def test_the_call_board_tag_gets_the_capture_answer_check_dispatch_kept(monkeypatch, capturing):
+    """GpuBackend.check_dispatch asks whether the stream is being captured and keeps the answer in
+    the arguments; the dispatch hands it to its call-board tag, which then asks no more (None: not
+    asked, the tag asks)."""
+    launches, asked = [], []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(400, 60)))
+    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda capturing=None: asked.append(capturing) or 0)
+    args = _args(50, num_worst_tokens=80 if capturing else 0)
+    args.capturing = capturing
+    mode.dispatch(args)
+    assert asked == [capturing]
 
 
 def test_num_worst_tokens_in_turn_takes_the_single_launch(monkeypatch):

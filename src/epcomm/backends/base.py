@@ -35,6 +35,7 @@ class DispatchArgs:
     config: Config
     expert_major: bool = False  # rows grouped by local expert (expert_major.py), full or cached
     plan: object = None  # what the backend's check_dispatch worked out for this call (its own type)
+    capturing: Optional[bool] = None  # whether the stream is being captured, where check_dispatch asked (None: not)
 
 
 @dataclass(slots=True)

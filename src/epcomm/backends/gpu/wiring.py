@@ -4,7 +4,9 @@ resync) and the calls handed on to the normal mode (``self.normal``: one_node.No
 two_level.TwoLevelMode) and the low-latency mode (:meth:`GpuBackend._low_latency`)."""
 from __future__ import annotations
 
+from ...errors import EPError
 from ..base import Backend, DispatchArgs, DispatchResult
+from .launch import stream_capturing
 from .shared_grids import GridCaps, grid_caps, sharing
 
 
@@ -51,6 +53,16 @@ class GpuBackend(Backend):
 
     # ------------------------------------------------------------------ normal mode
     def check_dispatch(self, args: DispatchArgs) -> None:
+        """The mode's limits (EPInputError); EPError where a full dispatch without num_worst_tokens
+        is being captured into a CUDA graph: it waits on the host for the counts, which a capture
+        never runs (the wait would end in a timeout naming no real cause). Raised before anything is
+        launched, and not as an EPInputError, whose abort would go into the graph: every rank that
+        captures the same step raises it alike."""
+        capturing = args.capturing = stream_capturing()  # (asked once a call: the mode's call-board tag reads it)
+        if capturing and args.handle is None and not args.num_worst_tokens:
+            raise EPError("a full dispatch (no handle) waits on the host for the receive counts, so it cannot be "
+                          "captured in a CUDA graph: pass num_worst_tokens (outputs padded to it, no host wait), "
+                          "or capture a cached dispatch (handle=...)")
         self.normal.check_dispatch(args)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:

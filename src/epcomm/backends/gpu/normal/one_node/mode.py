@@ -177,7 +177,7 @@ class NormalMode(KernelChoices):
         stream = current_stream(self.dev_index)
         round_tokens = plan.round_tokens
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // R
-        board, tag = self.seat.bases_address, self.seat.tag()  # this call on the group's call board
+        board, tag = self.seat.bases_address, self.seat.tag(args.capturing)  # this call on the group's call board
         expert_major = plan.expert_major
         num_sms = args.config.num_sms
         if expert_major:
