@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 
 import epcomm
-from epcomm import fp8
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
     reference_low_latency_dispatch
-from epcomm.testing.sweeps import (SCENARIOS, _buffers_on_gpu, _ll_rows, cuda_graph_replays, expert_fn,  # noqa: F401
+from epcomm.testing.sweeps import (SCENARIOS, _buffers_on_gpu, _ll_rows, expert_fn,  # noqa: F401
                                    gpu_normal_against_reference, low_latency_sweep, make_routing, normal_mode_sweep,
                                    rank_fn, to_fp8_input, world)
 
@@ -353,121 +352,6 @@ def gpu_timeout_names_peer():
     return "no error"
 
 
-def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ranks_per_node=None):
-    """Dispatch + stand-in expert + combine captured in one CUDA graph; each replay on fresh inputs
-    (copied into the captured tensors) matches the reference."""
-    R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    num_experts, M, K = 8 * R, 64, 4
-    size = epcomm.Buffer.get_low_latency_rdma_size_hint(M, hidden, R, num_experts)
-    buffer = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
-                           ranks_per_node=ranks_per_node)
-    x = torch.zeros(M, hidden, dtype=torch.bfloat16, device=dev)
-    topk = torch.zeros(M, K, dtype=torch.int64, device=dev)
-    weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
-
-    def step():
-        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, num_experts, use_fp8=True)
-        rows = fp8.per_token_cast_back(recv[0], recv[1], torch.float32)
-        scale = ((rank * (num_experts // R) + torch.arange(num_experts // R, device=dev)).float() + 1) / 8
-        expert_out = (rows * scale[:, None, None]).to(torch.bfloat16)
-        return buffer.low_latency_combine(expert_out, topk, weights, handle)[0]
-
-    def load(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
-        x.copy_(xs[rank])
-        topk.copy_(topks[rank])
-        weights.copy_(ws[rank])
-        return xs, topks, ws
-
-    seeds = [0] + [100 + replay for replay in range(replays)]
-    for replay, ((xs, topks, ws), out) in enumerate(cuda_graph_replays(step, load, seeds)):
-        want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=True)
-        torch.testing.assert_close(out.cpu(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"replay {replay}: {m}")
-    return replays
-
-
-def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = "", num_tokens: int = 256):
-    """A normal-mode step (layout, a num_worst_tokens dispatch, a stand-in expert, the combine)
-    captured in one CUDA graph and replayed on fresh inputs; each replay == the torch_dist reference
-    run eagerly on the same inputs. ``variant`` (bench.NORMAL_VARIANTS names, set on every rank)
-    picks the one-node path: "serial-dispatch" is the dispatch in turn, whose count exchange and
-    stage go in one launch (ep_dispatch_notify_stage) that must wait on device epochs only: a wait
-    on the host's notify number would pass at once in a replay."""
-    from epcomm.backends.gpu.normal.one_node.mode import NormalMode
-    from epcomm.tools.bench import use_normal_variants
-    R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    num_experts, k = 8 * R, min(8, 8 * R)
-    fast, reference = _buffers_on_gpu(1 << 28)
-    assert isinstance(fast._backend.normal, NormalMode), fast.backend_name
-    use_normal_variants(fast._backend.normal, [variant] if variant else [])
-    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
-    topk = torch.zeros(num_tokens, k, dtype=torch.int64, device=dev)
-    weights = torch.zeros(num_tokens, k, dtype=torch.float32, device=dev)
-    worst = R * num_tokens
-
-    def step(buffer=fast):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
-                               num_worst_tokens=worst)
-        expert_out = (recv[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
-        return recv, buffer.combine(expert_out, recv[4], topk_weights=recv[2])
-
-    def load(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
-        x.copy_(xs[rank])
-        topk.copy_(topks[rank])
-        weights.copy_(ws[rank])
-
-    seeds = [0] + [200 + replay for replay in range(replays)]
-    for replay, (_, (recv, combined)) in enumerate(cuda_graph_replays(step, load, seeds)):
-        want, want_combined = step(reference)
-        n = int(want[4].num_recv_tokens)
-        what = f"replay {replay} ({variant or 'defaults'})"
-        assert int(recv[4].num_recv_tokens) == n, what
-        assert torch.equal(recv[0][:n], want[0][:n]), f"{what}: recv_x"
-        assert torch.equal(recv[1][:n], want[1][:n]) and torch.equal(recv[2][:n], want[2][:n]), f"{what}: top-k"
-        torch.testing.assert_close(combined[0], want_combined[0], rtol=1e-2, atol=1e-2,
-                                   msg=lambda m: f"{what}: combine {m}")
-    fast.destroy()
-    return replays
-
-
-def gpu_full_dispatch_capture_raises(hidden: int = 512, num_tokens: int = 64):
-    """A full dispatch without num_worst_tokens inside a CUDA graph capture raises EPError naming
-    num_worst_tokens at once (it would wait on the host for counts the capture never computes);
-    the Buffer then dispatches eagerly as before. Returns "raised"."""
-    from epcomm.errors import EPError
-    R, rank = world()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    num_experts, k = 8 * R, min(8, 8 * R)
-    fast, reference = _buffers_on_gpu(1 << 26)
-    xs, topks, ws = make_routing(5, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
-    x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
-
-    def dispatch(buffer, **extra):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, **extra)
-
-    dispatch(fast)  # (compiled outside the capture)
-    torch.cuda.synchronize()
-    graph, raised = torch.cuda.CUDAGraph(), None
-    try:
-        with torch.cuda.graph(graph):
-            dispatch(fast)
-    except EPError as err:
-        raised = err
-    assert raised is not None and "num_worst_tokens" in str(raised), raised
-    got, want = dispatch(fast), dispatch(reference)
-    torch.cuda.synchronize()
-    assert torch.equal(got[0], want[0]) and got[3] == want[3], "the eager dispatch after the refused capture"
-    fast.destroy()
-    return "raised"
-
-
 def gpu_low_latency_dead_rank(hidden: int = 2048, backend=None, ranks_per_node=None):
     """The last rank stops taking part: the others time out once, mask it themselves, and every
     call (that one included) returns correct results for the live ranks; later calls do not wait."""
@@ -665,6 +549,7 @@ def gpu_low_latency_one_launch(hidden: int = 2048):
     try:
         R, _ = world()
         size = epcomm.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, 8 * R)
+        from graph_cases import gpu_low_latency_graph
         return low_latency_sweep(8, 500, hidden, 8, 128, "cuda", size), gpu_low_latency_graph(2, hidden)
     finally:
         del os.environ["EPCOMM_LL_ONE_LAUNCH"]

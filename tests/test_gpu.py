@@ -11,6 +11,7 @@ import torch
 import ep_cases
 import epcomm
 import failure_cases
+import graph_cases
 import recovery_cases
 import training_cases
 from epcomm.testing import WorkerPool
@@ -103,7 +104,7 @@ def test_nvshmem_virtual_nodes_against_reference(world_size, ranks_per_node):
             n = pool.run(ep_cases.low_latency_sweep, cases, 400, hidden, 8, 128, "cuda", size, False, "nvshmem",
                          ranks_per_node, timeout_s=600)
             assert n == [cases] * world_size
-        assert pool.run(ep_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", ranks_per_node,
+        assert pool.run(graph_cases.gpu_low_latency_graph, 4, 2048, "nvshmem", ranks_per_node,
                         timeout_s=300) == [4] * world_size
         # last: the dead rank leaves the pool's ranks out of step
         assert pool.run(ep_cases.gpu_low_latency_dead_rank, 2048, "nvshmem", ranks_per_node,
@@ -135,18 +136,18 @@ def test_low_latency_against_reference(gpu_pool):
 
 
 def test_low_latency_cuda_graph(gpu_pool):
-    assert gpu_pool.run(ep_cases.gpu_low_latency_graph, timeout_s=300) == [4] * gpu_pool.world_size
+    assert gpu_pool.run(graph_cases.gpu_low_latency_graph, timeout_s=300) == [4] * gpu_pool.world_size
 
 
 @pytest.mark.parametrize("variant", ["", "serial-dispatch"])
 def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
     """Layout, a num_worst_tokens dispatch and the combine replayed from one CUDA graph match the
     reference; serial-dispatch: the dispatch in turn, its count exchange and stage in one launch."""
-    assert gpu_pool.run(ep_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
+    assert gpu_pool.run(graph_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
 
 
 def test_a_full_dispatch_captured_in_a_cuda_graph_raises(gpu_pool):
-    assert gpu_pool.run(ep_cases.gpu_full_dispatch_capture_raises, timeout_s=120) == ["raised"] * gpu_pool.world_size
+    assert gpu_pool.run(graph_cases.gpu_full_dispatch_capture_raises, timeout_s=120) == ["raised"] * gpu_pool.world_size
 
 
 def test_low_latency_handle_of_another_buffer_raises(gpu_pool):

@@ -28,6 +28,7 @@ import bed_choices
 import ep_cases
 import epcomm
 import failure_cases
+import graph_cases
 import lifetime_cases
 import recovery_cases
 import training_cases
@@ -168,14 +169,14 @@ def test_low_latency_sweep(shared_pool):
 
 
 def test_low_latency_cuda_graph(shared_pool):
-    assert _all(shared_pool, ep_cases.gpu_low_latency_graph, 4, 2048, BACKEND, shared_pool.per_node) == \
+    assert _all(shared_pool, graph_cases.gpu_low_latency_graph, 4, 2048, BACKEND, shared_pool.per_node) == \
         [4] * shared_pool.world_size
 
 
 @pytest.mark.skipif(BACKEND != "nvlink", reason="the one-node normal mode's paths (the nvlink backend)")
 @pytest.mark.parametrize("variant", ["", "serial-dispatch"])
 def test_num_worst_tokens_step_in_a_cuda_graph(shared_pool, variant):
-    assert _all(shared_pool, ep_cases.gpu_normal_worst_graph, 4, 2048, variant) == [4] * shared_pool.world_size
+    assert _all(shared_pool, graph_cases.gpu_normal_worst_graph, 4, 2048, variant) == [4] * shared_pool.world_size
 
 
 # ------------------------------------------------------------------ training
