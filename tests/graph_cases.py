@@ -47,12 +47,15 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
 
 
 def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = "", num_tokens: int = 256):
-    """A normal-mode step (layout, a num_worst_tokens dispatch, a stand-in expert, the combine)
-    captured in one CUDA graph and replayed on fresh inputs; each replay == the torch_dist reference
-    run eagerly on the same inputs. ``variant`` (bench.NORMAL_VARIANTS names, set on every rank)
-    picks the one-node path: "serial-dispatch" is the dispatch in turn, whose count exchange and
-    stage go in one launch (ep_dispatch_notify_stage) that must wait on device epochs only: a wait
-    on the host's notify number would pass at once in a replay."""
+    """A normal-mode step (layout, two num_worst_tokens dispatches of the same tokens with no combine
+    between them, a stand-in expert, the combine) captured in one CUDA graph and replayed on fresh
+    inputs: ``replays`` replays each checked against the torch_dist reference run eagerly on the
+    same inputs, then as many queued back to back, the last checked. ``variant``
+    (bench.NORMAL_VARIANTS names, set on every rank) picks the one-node path: "serial-dispatch" is
+    the dispatch in turn, whose count exchange and stage go in one launch (ep_dispatch_notify_stage)
+    that must wait on device epochs only (a wait on the host's notify number would pass at once in
+    a replay), and whose release to the stage must follow its reads of the count rows that the
+    next dispatch's count exchange writes again."""
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     from epcomm.tools.bench import use_normal_variants
     R, rank = world()
@@ -68,11 +71,11 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
 
     def step(buffer=fast):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
-                               num_worst_tokens=worst)
-        expert_out = (recv[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
-        return recv, buffer.combine(expert_out, recv[4], topk_weights=recv[2])
+        first, second = (buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                         num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                                         num_worst_tokens=worst) for _ in range(2))
+        expert_out = (second[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
+        return first, second, buffer.combine(expert_out, second[4], topk_weights=second[2])
 
     def load(seed):
         xs, topks, ws = make_routing(seed, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
@@ -80,16 +83,23 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
         topk.copy_(topks[rank])
         weights.copy_(ws[rank])
 
-    seeds = [0] + [200 + replay for replay in range(replays)]
-    for replay, (_, (recv, combined)) in enumerate(cuda_graph_replays(step, load, seeds)):
-        want, want_combined = step(reference)
+    def check(outputs, what):
+        want, _, want_combined = step(reference)
         n = int(want[4].num_recv_tokens)
-        what = f"replay {replay} ({variant or 'defaults'})"
-        assert int(recv[4].num_recv_tokens) == n, what
-        assert torch.equal(recv[0][:n], want[0][:n]), f"{what}: recv_x"
-        assert torch.equal(recv[1][:n], want[1][:n]) and torch.equal(recv[2][:n], want[2][:n]), f"{what}: top-k"
-        torch.testing.assert_close(combined[0], want_combined[0], rtol=1e-2, atol=1e-2,
+        for recv in outputs[:2]:
+            assert int(recv[4].num_recv_tokens) == n, what
+            assert torch.equal(recv[0][:n], want[0][:n]), f"{what}: recv_x"
+            assert torch.equal(recv[1][:n], want[1][:n]) and torch.equal(recv[2][:n], want[2][:n]), f"{what}: top-k"
+        torch.testing.assert_close(outputs[2][0], want_combined[0], rtol=1e-2, atol=1e-2,
                                    msg=lambda m: f"{what}: combine {m}")
+
+    what = variant or "defaults"
+    seeds = [0] + [200 + replay for replay in range(replays)]
+    for replay, (_, outputs) in enumerate(cuda_graph_replays(step, load, seeds)):
+        check(outputs, f"replay {replay} ({what})")
+    seeds = [0] + [300 + replay for replay in range(replays)]
+    for _, outputs in cuda_graph_replays(step, load, seeds, back_to_back=True):
+        check(outputs, f"{replays} replays back to back ({what})")
     fast.destroy()
     return replays
 

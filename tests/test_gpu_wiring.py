@@ -24,7 +24,7 @@ def _wired(cls, low_latency=True):
                                   needs_resync=True, generation=7)
     backend.seat, backend.device = types.SimpleNamespace(board=board), "cuda:0"
     backend.normal = _Recorder(calls, "normal")
-    backend.normal.written = False
+    backend.normal.written = backend.normal.host_epochs = False
     backend.low_latency = _Recorder(calls, "low_latency") if low_latency else None
     return backend, calls
 
@@ -57,26 +57,51 @@ def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name, m
         ("low_latency", "check_combine"), ("board", "raise_pending"), ("board", "resync")]
 
 
-@pytest.mark.parametrize("backend_name", ["nvlink", "nvshmem"])
-def test_a_full_dispatch_captured_in_a_cuda_graph_raises_before_any_launch(backend_name, monkeypatch):
-    """A full dispatch waits on the host for its counts; under a CUDA graph capture that wait would
-    end in a timeout. Without num_worst_tokens it raises EPError (not EPInputError, whose abort
-    would be captured) before its mode sees it; with num_worst_tokens or a handle it goes on."""
+@pytest.mark.parametrize("host_epochs", [False, True])
+def test_inside_a_capture_the_checks_ask_the_mode_to_refuse_first(monkeypatch, host_epochs):
+    """Inside a CUDA graph capture GpuBackend.check_dispatch hands the call to the mode's
+    refuse_capture before its checks (and before anything is launched); check_combine does so for
+    a mode whose epochs live on the host (two-level). Outside a capture neither asks."""
     from epcomm.backends.gpu import wiring
     from epcomm.backends.nvlink.backend import NVLinkBackend
-    from epcomm.backends.nvshmem.backend import NvshmemBackend
+    backend, calls = _wired(NVLinkBackend)
+    backend.normal.host_epochs = host_epochs
+    for capturing in (True, False):
+        monkeypatch.setattr(wiring, "stream_capturing", lambda: capturing)
+        calls.clear()
+        backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0, capturing=None))
+        backend.check_combine("x", "handle", "w", ())
+        refused = ["refuse_capture"] if capturing else []
+        assert [method for _, method, _ in calls] == \
+            refused + ["check_dispatch"] + (refused if host_epochs else []) + ["check_combine"]
+
+
+def test_the_one_node_mode_refuses_only_a_captured_full_dispatch_without_num_worst_tokens():
+    """A full dispatch waits on the host for its counts, which a capture never computes: EPError
+    naming num_worst_tokens (not EPInputError, whose abort would be captured); with
+    num_worst_tokens or a handle the dispatch replays (tests/graph_cases.py on a GPU)."""
+    from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     from epcomm.errors import EPError, EPInputError
-    backend, calls = _wired(NVLinkBackend if backend_name == "nvlink" else NvshmemBackend)
-    monkeypatch.setattr(wiring, "stream_capturing", lambda: True)
+    mode = object.__new__(NormalMode)
     with pytest.raises(EPError, match="num_worst_tokens") as raised:
-        backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0))
-    assert not isinstance(raised.value, EPInputError) and calls == []
-    backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=64))
-    backend.check_dispatch(types.SimpleNamespace(handle="handle", num_worst_tokens=0))
-    assert [method for _, method, _ in calls] == ["check_dispatch", "check_dispatch"]
-    monkeypatch.setattr(wiring, "stream_capturing", lambda: False)
-    backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0))
-    assert len(calls) == 3
+        mode.refuse_capture(types.SimpleNamespace(handle=None, num_worst_tokens=0))
+    assert not isinstance(raised.value, EPInputError) and not mode.host_epochs
+    mode.refuse_capture(types.SimpleNamespace(handle=None, num_worst_tokens=64))
+    mode.refuse_capture(types.SimpleNamespace(handle="handle", num_worst_tokens=0))
+
+
+def test_the_two_level_mode_refuses_every_captured_call():
+    """Its step barrier counts epochs on the host and even its num_worst_tokens dispatch waits
+    there: no dispatch or combine of it replays, so inside a capture each raises EPError."""
+    from epcomm.backends.gpu.normal.two_level.mode import TwoLevelMode
+    from epcomm.errors import EPError, EPInputError
+    mode = object.__new__(TwoLevelMode)
+    mode.backend_name = "nvshmem"
+    assert mode.host_epochs
+    for args in (types.SimpleNamespace(handle=None, num_worst_tokens=64), None):
+        with pytest.raises(EPError, match="nvshmem backend.*cannot be captured") as raised:
+            mode.refuse_capture(args)
+        assert not isinstance(raised.value, EPInputError)
 
 
 def test_the_nvshmem_backend_without_a_low_latency_workspace_says_so():

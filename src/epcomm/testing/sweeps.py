@@ -384,9 +384,11 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
     return checked
 
 
-def cuda_graph_replays(step, load, seeds, group=None):
+def cuda_graph_replays(step, load, seeds, group=None, back_to_back: bool = False):
     """Capture ``step()`` in a CUDA graph and replay it on new inputs; yields ``(load(seed), out)``
     per seed, after the replay finished (``out``: what ``step`` returned during the capture).
+    ``back_to_back``: the replays of ``seeds[1:]`` (each after its inputs' copies, in stream order)
+    are queued without waiting between them, and only the last is yielded, once it finished.
 
     ``load(seed)`` copies a seed's inputs into the tensors ``step`` reads (and returns what the
     caller checks against). ``step`` runs once on a side stream first (warm-up outside the capture,
@@ -403,9 +405,11 @@ def cuda_graph_replays(step, load, seeds, group=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for seed in seeds[1:]:
+    for index, seed in enumerate(seeds[1:], 2):
         loaded = load(seed)
         graph.replay()
+        if back_to_back and index < len(seeds):
+            continue
         torch.cuda.synchronize()
         yield loaded, out
 

@@ -33,7 +33,8 @@ Where nothing the decision guards meets the other warps, the vote may be the war
 (``warp_all``, ``warp_any``; ``WARP`` below): the overlapped pull's warps run their items apart.
 
 Epochs. Every flag set (normal mode, low-latency combine) has a device-side epoch counter: the
-signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program. All
+signalling kernel computes ``epoch = counter + 1`` and stores it back in its last program (the
+count exchange and stage in one launch, one_node/notify.py, store only the stage's, the later). All
 ranks make the same sequence of calls, so their counters agree; a wait compares ``>=`` because a
 peer can run at most one call ahead (it cannot start call n+2 before this rank signals n+1).
 Counters live in device memory, not on the host, so launches replay correctly in CUDA graphs.

@@ -4,7 +4,6 @@ resync) and the calls handed on to the normal mode (``self.normal``: one_node.No
 two_level.TwoLevelMode) and the low-latency mode (:meth:`GpuBackend._low_latency`)."""
 from __future__ import annotations
 
-from ...errors import EPError
 from ..base import Backend, DispatchArgs, DispatchResult
 from .launch import stream_capturing
 from .shared_grids import GridCaps, grid_caps, sharing
@@ -53,22 +52,23 @@ class GpuBackend(Backend):
 
     # ------------------------------------------------------------------ normal mode
     def check_dispatch(self, args: DispatchArgs) -> None:
-        """The mode's limits (EPInputError); EPError where a full dispatch without num_worst_tokens
-        is being captured into a CUDA graph: it waits on the host for the counts, which a capture
-        never runs (the wait would end in a timeout naming no real cause). Raised before anything is
+        """The mode's limits (EPInputError). Inside a CUDA graph capture, first the mode's
+        ``refuse_capture``: EPError where the call would wait on the host, which a capture never
+        runs (the wait would end in a timeout naming no real cause). Raised before anything is
         launched, and not as an EPInputError, whose abort would go into the graph: every rank that
-        captures the same step raises it alike."""
-        capturing = args.capturing = stream_capturing()  # (asked once a call: the mode's call-board tag reads it)
-        if capturing and args.handle is None and not args.num_worst_tokens:
-            raise EPError("a full dispatch (no handle) waits on the host for the receive counts, so it cannot be "
-                          "captured in a CUDA graph: pass num_worst_tokens (outputs padded to it, no host wait), "
-                          "or capture a cached dispatch (handle=...)")
+        captures the same step raises it alike. The capture state is asked once a call and kept in
+        ``args`` (the one-node mode's call-board tag reads it)."""
+        capturing = args.capturing = stream_capturing()
+        if capturing:
+            self.normal.refuse_capture(args)
         self.normal.check_dispatch(args)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.normal.dispatch(args)
 
     def check_combine(self, x, handle, topk_weights, bias) -> None:
+        if self.normal.host_epochs and stream_capturing():  # (a mode whose every call counts on the host)
+            self.normal.refuse_capture(None)
         self.normal.check_combine(x, handle, topk_weights, bias)
 
     def combine(self, x, handle, topk_weights, bias, config):

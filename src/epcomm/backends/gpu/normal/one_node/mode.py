@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .....errors import EPInputError
+from .....errors import EPError, EPInputError
 from .....handle import DispatchHandle
 from .....expert_major import ExpertMajor
 from ....base import DispatchArgs, DispatchResult
@@ -147,6 +147,16 @@ class NormalMode(KernelChoices):
         if plan is None:
             plan = self._dispatch_plans[key] = self._dispatch_plan(*key)
         return plan
+
+    host_epochs = False  # (its epochs live on the device: its combine and a dispatch without a host wait replay)
+
+    def refuse_capture(self, args: DispatchArgs) -> None:
+        """A dispatch inside a CUDA graph capture (GpuBackend.check_dispatch): EPError for a full one
+        without num_worst_tokens, which waits on the host for the receive counts."""
+        if args.handle is None and not args.num_worst_tokens:
+            raise EPError("a full dispatch (no handle) waits on the host for the receive counts, so it cannot be "
+                          "captured in a CUDA graph: pass num_worst_tokens (outputs padded to it, no host wait), "
+                          "or capture a cached dispatch (handle=...)")
 
     def check_dispatch(self, args: DispatchArgs) -> None:
         """This backend's limits (row sizes, buffer capacity, a handle of this backend): EPInputError."""

@@ -107,15 +107,7 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
                fp1, epoch, agreement, num_ranks)
     # -- the last program to arrive: prefix matrix, receive sizes, table, then the mailbox release
     if arrive(state_ptr + sync.ARRIVE_NOTIFY, num_ranks):
-        if WITH_STAGE:
-            # RELEASE -> this launch's stage programs (gpu scope: the same GPU), at once: the arrival
-            # (acq_rel) acquired every notify program's wait for its peer, which is all the stage
-            # needs; the prefix, the table and the mailbox below are the host's and the pull's. The
-            # epoch, not the host's number, so that a CUDA graph's replay waits as the first run
-            # did. EPOCH_NORMAL is left to the stage's last arrival (e + 1): the stage programs read
-            # it as the wait's base, so no program of this launch may change it before they all did.
-            tl.atomic_xchg(state_ptr + sync.NOTIFIED, epoch, sem="release", scope="gpu")
-        else:
+        if not WITH_STAGE:  # (with the stage, its last arrival stores e + 1: its programs read e - 1 until then)
             tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
         counts = (tl.load(normal_bases_ptr + rank) + half_offset).to(tl.pointer_type(tl.int32))
         src = tl.arange(0, R_P2)
@@ -145,6 +137,15 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
                 tl.store(table_ptr + (num_ranks + 1) * num_local + local, first - total + aligned,
                          mask=local < num_local)
                 group_start += tl.sum(tl.where(local < num_local, aligned, 0), axis=0)
+        if WITH_STAGE:
+            # RELEASE -> this launch's stage programs (gpu scope: the same GPU), before the mailbox's
+            # system-scope release: the arrival (acq_rel) acquired every notify program's wait for
+            # its peer, which the stage's stores need, and this program has read the count rows of
+            # half e % 2 above, which the stage's signal of e + 1 needs (a peer's pull ends on it,
+            # and that peer's next notify, e + 2, writes its row into this half at once). The
+            # epoch, not the host's number, so that a CUDA graph's replay waits as its first run did.
+            tl.debug_barrier()  # every thread's reads of the count rows precede the release
+            tl.atomic_xchg(state_ptr + sync.NOTIFIED, epoch, sem="release", scope="gpu")
         tl.store(notify + 1, num_recv.to(tl.int64))
         tl.store(notify + 2, max_tokens.to(tl.int64))
         tl.debug_barrier()  # all mailbox words precede the sequence number
@@ -162,8 +163,8 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 #
 #   e - 1 = EPOCH_NORMAL (the previous call's last epoch; the notify takes e, the stage e + 1)
 #   programs p < R:  ep_notify_dispatch's program p (the outline above), but the last to arrive
-#                    RELEASEs NOTIFIED = e (gpu scope) as it arrives, before the prefix, the table
-#                    and the mailbox, and leaves EPOCH_NORMAL to the stage's last arrival
+#                    RELEASEs NOTIFIED = e (gpu scope) once it has read the count rows, before the
+#                    mailbox, and leaves EPOCH_NORMAL to the stage's last arrival
 #   the others:      read e - 1, ACQUIRE NOTIFIED >= e, then the stage of epoch e + 1
 #
 # Why the stage waits. It writes into its workspace half of epoch e + 1, the half the previous full
@@ -171,9 +172,11 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # which each does after its previous pull (stream order); the notify programs acquire those
 # signals. In turn, stream order put the stage after them; here the chain is: peer's pull -> its
 # RELEASE of e -> a notify program's ACQUIRE -> the arrival (acq_rel) -> the last program's RELEASE
-# of NOTIFIED -> the stage programs' ACQUIRE -> their stores. The stage needs nothing else of the
-# notify (the prefix and the table are the pull's, the mailbox the host's), so it starts while the
-# last notify program writes them. The
+# of NOTIFIED -> the stage programs' ACQUIRE -> their stores. The release also waits until the last
+# notify program has read this rank's count rows (half e % 2): the stage's signal of e + 1 lets a
+# peer end its pull and start its next notify (e + 2), which writes its row into that half at once.
+# The stage needs nothing else (the mailbox is the host's), so it starts while the last notify
+# program writes the mailbox and releases it at system scope. The
 # stage's own release of e + 1 into the peers' flags then follows every notify program's release of
 # e there, so the flag words only grow. The stage programs spin while the notify programs wait for
 # the peers: the notify programs have the lowest ids, so they are placed first, and the host takes
@@ -185,7 +188,9 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # words waited on are device epochs, not the host's notify number (``sequence``): a CUDA graph's
 # replay of a num_worst_tokens dispatch (nothing waits on the host there) waits as its first run
 # did. Before this launch's release NOTIFIED is below e: an earlier launch released its own e',
-# and its stage then took e' + 1 <= e - 1.
+# and its stage then took e' + 1 <= e - 1. (On a failure path, a stage that never arrived leaves
+# EPOCH_NORMAL at e - 1; that holds because a timeout is sticky and a resync or a new Buffer zeroes
+# the state words.)
 @triton.jit
 def ep_dispatch_notify_stage(
         # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the

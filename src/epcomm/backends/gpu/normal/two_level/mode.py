@@ -8,7 +8,7 @@ from typing import Tuple
 
 import torch
 
-from .....errors import EPInputError
+from .....errors import EPError, EPInputError
 from .....handle import DispatchHandle
 from ....base import DispatchArgs, DispatchResult
 from ... import agreement
@@ -179,6 +179,14 @@ class TwoLevelMode:
         state: TwoLevelState = args.handle.backend_state
         return self._dispatch_plan(x.shape[1] * x.element_size(), num_scales, 0, state.num_experts, state.num_channels,
                                    True)
+
+    host_epochs = True  # (its step barrier counts epochs on the host: no call of it replays in a CUDA graph)
+
+    def refuse_capture(self, args=None) -> None:
+        """A dispatch or combine inside a CUDA graph capture (GpuBackend's checks): EPError, always."""
+        raise EPError(f"the {self.backend_name} backend's normal mode across nodes counts its epochs on the host "
+                      "and waits there for counts, so its dispatch and combine cannot be captured in a CUDA graph "
+                      "(its low-latency calls can)")
 
     def check_dispatch(self, args: DispatchArgs) -> None:
         """Row sizes, the workspace's token capacity, a handle of this backend: EPInputError."""
