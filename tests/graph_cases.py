@@ -94,6 +94,11 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
                                    msg=lambda m: f"{what}: combine {m}")
 
     what = variant or "defaults"
+    if variant == "serial-dispatch":  # the single launch was taken (one that did not fit would go apart, silently)
+        load(0)
+        step()
+        plans = fast._backend.normal._dispatch_plans.values()
+        assert any(plan.notify_stage for plan in plans) and not any(plan.stage_lists for plan in plans), what
     seeds = [0] + [200 + replay for replay in range(replays)]
     for replay, (_, outputs) in enumerate(cuda_graph_replays(step, load, seeds)):
         check(outputs, f"replay {replay} ({what})")
