@@ -47,15 +47,15 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
 
 
 def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = "", num_tokens: int = 256):
-    """A normal-mode step (layout, two num_worst_tokens dispatches of the same tokens with no combine
-    between them, a stand-in expert, the combine) captured in one CUDA graph and replayed on fresh
-    inputs: ``replays`` replays each checked against the torch_dist reference run eagerly on the
-    same inputs, then as many queued back to back, the last checked. ``variant``
-    (bench.NORMAL_VARIANTS names, set on every rank) picks the one-node path: "serial-dispatch" is
-    the dispatch in turn, whose count exchange and stage go in one launch (ep_dispatch_notify_stage)
-    that must wait on device epochs only (a wait on the host's notify number would pass at once in
-    a replay), and whose release to the stage must follow its reads of the count rows that the
-    next dispatch's count exchange writes again."""
+    """A normal-mode step captured in one CUDA graph: two num_worst_tokens dispatches of different
+    tokens and routings with no combine between them, a cached dispatch of the first's handle, a
+    stand-in expert on the second's rows and its combine. ``replays`` replays on fresh inputs, each
+    checked against the torch_dist reference run eagerly on the same inputs; then as many queued
+    back to back (inputs staged on the device first, so nothing waits between them), the last
+    checked. ``variant`` (bench.NORMAL_VARIANTS names, set on every rank) picks the one-node path:
+    "serial-dispatch" is the dispatch in turn, whose count exchange and stage go in one launch
+    (ep_dispatch_notify_stage) that must wait on device epochs only: a wait on the host's notify
+    number would pass at once in a replay."""
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     from epcomm.tools.bench import use_normal_variants
     R, rank = world()
@@ -64,33 +64,44 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
     fast, reference = _buffers_on_gpu(1 << 28)
     assert isinstance(fast._backend.normal, NormalMode), fast.backend_name
     use_normal_variants(fast._backend.normal, [variant] if variant else [])
-    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
-    topk = torch.zeros(num_tokens, k, dtype=torch.int64, device=dev)
-    weights = torch.zeros(num_tokens, k, dtype=torch.float32, device=dev)
+    inputs = [(torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=dev),
+               torch.zeros(num_tokens, k, dtype=torch.int64, device=dev),
+               torch.zeros(num_tokens, k, dtype=torch.float32, device=dev)) for _ in range(2)]
     worst = R * num_tokens
 
-    def step(buffer=fast):
+    def dispatch(buffer, x, topk, weights):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
-        first, second = (buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                         num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
-                                         num_worst_tokens=worst) for _ in range(2))
-        expert_out = (second[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
-        return first, second, buffer.combine(expert_out, second[4], topk_weights=second[2])
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                               num_worst_tokens=worst)
 
-    def load(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
-        x.copy_(xs[rank])
-        topk.copy_(topks[rank])
-        weights.copy_(ws[rank])
+    def step(buffer=fast):
+        first, second = (dispatch(buffer, *tensors) for tensors in inputs)
+        cached = buffer.dispatch(inputs[0][0], handle=first[4])
+        expert_out = (second[0].float() * (rank + 1) * 0.5).to(torch.bfloat16)
+        return first, second, cached, buffer.combine(expert_out, second[4], topk_weights=second[2])
+
+    def staged(seed):  # both dispatches' inputs of a seed, on the device
+        return [tuple(t[rank].to(dev) for t in make_routing(seed + 1000 * i, "uniform", R, num_experts, k, num_tokens,
+                                                             hidden, fixed_tokens=num_tokens)) for i in range(2)]
+
+    def load(seed, ready=None):
+        for tensors, values in zip(inputs, (ready or {}).get(seed) or staged(seed)):
+            for tensor, value in zip(tensors, values):
+                tensor.copy_(value)  # (device to device: in stream order, nothing waits)
 
     def check(outputs, what):
-        want, _, want_combined = step(reference)
-        n = int(want[4].num_recv_tokens)
-        for recv in outputs[:2]:
-            assert int(recv[4].num_recv_tokens) == n, what
-            assert torch.equal(recv[0][:n], want[0][:n]), f"{what}: recv_x"
-            assert torch.equal(recv[1][:n], want[1][:n]) and torch.equal(recv[2][:n], want[2][:n]), f"{what}: top-k"
-        torch.testing.assert_close(outputs[2][0], want_combined[0], rtol=1e-2, atol=1e-2,
+        want = step(reference)
+        for index in (0, 1):
+            got, expected = outputs[index], want[index]
+            n = int(expected[4].num_recv_tokens)
+            assert int(got[4].num_recv_tokens) == n, what
+            assert torch.equal(got[0][:n], expected[0][:n]), f"{what}: recv_x of dispatch {index}"
+            assert torch.equal(got[1][:n], expected[1][:n]) and torch.equal(got[2][:n], expected[2][:n]), \
+                f"{what}: top-k of dispatch {index}"
+        n = int(want[0][4].num_recv_tokens)
+        assert torch.equal(outputs[2][0][:n], want[0][0][:n]), f"{what}: the cached dispatch"
+        torch.testing.assert_close(outputs[3][0], want[3][0], rtol=1e-2, atol=1e-2,
                                    msg=lambda m: f"{what}: combine {m}")
 
     what = variant or "defaults"
@@ -103,7 +114,8 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
     for replay, (_, outputs) in enumerate(cuda_graph_replays(step, load, seeds)):
         check(outputs, f"replay {replay} ({what})")
     seeds = [0] + [300 + replay for replay in range(replays)]
-    for _, outputs in cuda_graph_replays(step, load, seeds, back_to_back=True):
+    ready = {seed: staged(seed) for seed in seeds}
+    for _, outputs in cuda_graph_replays(step, lambda seed: load(seed, ready), seeds, back_to_back=True):
         check(outputs, f"{replays} replays back to back ({what})")
     fast.destroy()
     return replays

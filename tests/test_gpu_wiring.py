@@ -30,19 +30,15 @@ def _wired(cls, low_latency=True):
 
 
 @pytest.mark.parametrize("backend_name", ["nvlink", "nvshmem"])
-def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name, monkeypatch):
-    from epcomm.backends.gpu import wiring
+def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name):
     from epcomm.backends.nvlink.backend import NVLinkBackend
     from epcomm.backends.nvshmem.backend import NvshmemBackend
     cls = NVLinkBackend if backend_name == "nvlink" else NvshmemBackend
     assert not cls.__abstractmethods__
     backend, calls = _wired(cls)
-    monkeypatch.setattr(wiring, "stream_capturing", lambda: False)
     assert backend.dispatch("args") == ("normal", "dispatch")
     assert backend.combine("x", "handle", "w", (), "config") == ("normal", "combine")
-    dispatch_args = types.SimpleNamespace(handle="handle", num_worst_tokens=0, capturing=None)
-    backend.check_dispatch(dispatch_args)
-    assert dispatch_args.capturing is False  # (the answer kept for the mode's call-board tag: asked once a call)
+    backend.check_dispatch("args")
     backend.check_combine("x", "handle", "w", ())
     assert backend.low_latency_dispatch("ll") == ("low_latency", "dispatch")
     assert backend.low_latency_combine("ll") == ("low_latency", "combine")
@@ -58,10 +54,10 @@ def test_a_gpu_backend_hands_each_call_to_its_mode_and_the_board(backend_name, m
 
 
 @pytest.mark.parametrize("host_epochs", [False, True])
-def test_inside_a_capture_the_checks_ask_the_mode_to_refuse_first(monkeypatch, host_epochs):
-    """Inside a CUDA graph capture GpuBackend.check_dispatch hands the call to the mode's
-    refuse_capture before its checks (and before anything is launched); check_combine does so for
-    a mode whose epochs live on the host (two-level). Outside a capture neither asks."""
+def test_a_captured_call_goes_to_the_mode_to_be_refused(monkeypatch, host_epochs):
+    """GpuBackend.refuse_capture: a dispatch asks whether the stream is being captured (the answer
+    returned, for DispatchArgs.capturing) and, captured, hands the call to its mode's
+    refuse_capture; a combine asks only for a mode whose epochs live on the host (two-level)."""
     from epcomm.backends.gpu import wiring
     from epcomm.backends.nvlink.backend import NVLinkBackend
     backend, calls = _wired(NVLinkBackend)
@@ -69,38 +65,39 @@ def test_inside_a_capture_the_checks_ask_the_mode_to_refuse_first(monkeypatch, h
     for capturing in (True, False):
         monkeypatch.setattr(wiring, "stream_capturing", lambda: capturing)
         calls.clear()
-        backend.check_dispatch(types.SimpleNamespace(handle=None, num_worst_tokens=0, capturing=None))
-        backend.check_combine("x", "handle", "w", ())
-        refused = ["refuse_capture"] if capturing else []
-        assert [method for _, method, _ in calls] == \
-            refused + ["check_dispatch"] + (refused if host_epochs else []) + ["check_combine"]
+        assert backend.refuse_capture("dispatch", None, 0) is capturing
+        assert backend.refuse_capture("combine") is (capturing if host_epochs else None)
+        refused = [("refuse_capture", ("dispatch", None, 0))] + \
+            ([("refuse_capture", ("combine", None, 0))] if host_epochs else []) if capturing else []
+        assert [(method, args) for _, method, args in calls] == refused
 
 
 def test_the_one_node_mode_refuses_only_a_captured_full_dispatch_without_num_worst_tokens():
     """A full dispatch waits on the host for its counts, which a capture never computes: EPError
     naming num_worst_tokens (not EPInputError, whose abort would be captured); with
-    num_worst_tokens or a handle the dispatch replays (tests/graph_cases.py on a GPU)."""
+    num_worst_tokens, a handle, or a combine the call replays (tests/graph_cases.py on a GPU)."""
     from epcomm.backends.gpu.normal.one_node.mode import NormalMode
     from epcomm.errors import EPError, EPInputError
     mode = object.__new__(NormalMode)
     with pytest.raises(EPError, match="num_worst_tokens") as raised:
-        mode.refuse_capture(types.SimpleNamespace(handle=None, num_worst_tokens=0))
+        mode.refuse_capture("dispatch", None, 0)
     assert not isinstance(raised.value, EPInputError) and not mode.host_epochs
-    mode.refuse_capture(types.SimpleNamespace(handle=None, num_worst_tokens=64))
-    mode.refuse_capture(types.SimpleNamespace(handle="handle", num_worst_tokens=0))
+    mode.refuse_capture("dispatch", None, 64)
+    mode.refuse_capture("dispatch", "handle", 0)
+    mode.refuse_capture("combine", None, 0)
 
 
 def test_the_two_level_mode_refuses_every_captured_call():
-    """Its step barrier counts epochs on the host and even its num_worst_tokens dispatch waits
-    there: no dispatch or combine of it replays, so inside a capture each raises EPError."""
+    """Its step barrier counts epochs on the host and even its num_worst_tokens dispatch reads the
+    counts there: no dispatch or combine of it replays, so inside a capture each raises EPError."""
     from epcomm.backends.gpu.normal.two_level.mode import TwoLevelMode
     from epcomm.errors import EPError, EPInputError
     mode = object.__new__(TwoLevelMode)
     mode.backend_name = "nvshmem"
     assert mode.host_epochs
-    for args in (types.SimpleNamespace(handle=None, num_worst_tokens=64), None):
-        with pytest.raises(EPError, match="nvshmem backend.*cannot be captured") as raised:
-            mode.refuse_capture(args)
+    for kind, handle, worst in (("dispatch", None, 64), ("dispatch", "handle", 0), ("combine", None, 0)):
+        with pytest.raises(EPError, match=f"a {kind} of the nvshmem backend.*cannot be captured") as raised:
+            mode.refuse_capture(kind, handle, worst)
         assert not isinstance(raised.value, EPInputError)
 
 

@@ -406,3 +406,24 @@ def test_loading_side_rows_first_costs_no_more_stack_than_after(spec, constexprs
     assert stack(True) <= stack(False)
     if spec is N.PULL and not constexprs["HAS_SCALES"]:
         assert stack(True) == 0
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_the_single_launch_releases_its_stage_after_the_count_rows_are_read(expert_major):
+    """ep_dispatch_notify_stage's last notify program releases NOTIFIED to the stage programs (the
+    kernel's one gpu-scope exchange) right after a CTA barrier, and loads nothing between that
+    release and the mailbox's system-scope release: every read of this rank's count rows comes
+    first. Once the stage signals, a peer's next count exchange may write those rows again
+    (notify.py); released before the reads (the first form of 2026-11-29b), they could be read torn."""
+    import re
+    ptx = N.NOTIFY_STAGE.compile(dict(HAS_SCALES=False, HAS_TOPK=True, WRITE_LISTS=True, LIST_BLOCK=1024, L_P2=128,
+                                      PUSHED_LISTS=True, ALIGNED=True, EXPERT_MAJOR=expert_major, POSITION_TOKENS=128,
+                                      E_P2=256, POSITION_SUB=16, BLOCK=256, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8,
+                                      R_P2=8), 16, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    code = [line.strip() for line in ptx.splitlines()]
+    memory = [re.sub(r"^@%p\d+\s+", "", line) for line in code
+              if re.match(r"^(@%p\d+\s+)?(ld|st|atom|red|bar|fence|membar)\.", line)]
+    (release,) = [i for i, line in enumerate(memory) if line.startswith("atom.global.gpu.release.exch")]
+    assert memory[release - 1].startswith("bar.sync"), memory[release - 3:release + 1]
+    mailbox = next(i for i in range(release, len(memory)) if memory[i].startswith("st.release.sys"))
+    assert not [line for line in memory[release:mailbox] if line.startswith("ld.")], memory[release:mailbox + 1]

@@ -185,10 +185,10 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
 
 
 @pytest.mark.parametrize("capturing", [None, False, True])
-def test_the_call_board_tag_gets_the_capture_answer_check_dispatch_kept(monkeypatch, capturing):
-    """GpuBackend.check_dispatch asks whether the stream is being captured and keeps the answer in
-    the arguments; the dispatch hands it to its call-board tag, which then asks no more (None: not
-    asked, the tag asks)."""
+def test_the_call_board_tag_gets_the_capture_answer_the_buffer_kept(monkeypatch, capturing):
+    """Buffer.dispatch asks its backend (Backend.refuse_capture) whether the stream is being
+    captured and keeps the answer in the arguments; the dispatch hands it to its call-board tag,
+    which then asks no more (None: not asked, the tag asks)."""
     launches, asked = [], []
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(400, 60)))
     mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda capturing=None: asked.append(capturing) or 0)

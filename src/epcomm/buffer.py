@@ -442,6 +442,7 @@ class Buffer(RankMasking, LowLatencyCalls):
             ``recv_topk_idx`` holds local expert ids (``-1`` elsewhere; weights 0 there).
             In cached mode the top-k outputs and the list are ``None``.
         """
+        capturing = None if self._destroyed else self._backend.refuse_capture("dispatch", handle, num_worst_tokens)
         self._start_call("dispatch")
         try:
             # Shape checks run in full once per distinct argument shape (checks.ShapeCache); the
@@ -478,7 +479,8 @@ class Buffer(RankMasking, LowLatencyCalls):
                 raise EPInputError("expert_major", "needs topk_idx/topk_weights and num_worst_tokens=0")
             args = DispatchArgs(x if payload is None else payload.x, handle, num_tokens_per_rank, is_token_in_rank,
                                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                expert_major or (handle is not None and handle.expert_major is not None))
+                                expert_major or (handle is not None and handle.expert_major is not None),
+                                capturing=capturing)
             self._backend.check_dispatch(args)
         except EPInputError as err:
             self._backend.agree("dispatch", None, err)  # every rank raises, not only this one
@@ -603,6 +605,8 @@ class Buffer(RankMasking, LowLatencyCalls):
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
+        if not self._destroyed:
+            self._backend.refuse_capture("combine")
         self._start_call("combine")
         try:
             checks.check_dispatch_handle(handle, self.group_size)

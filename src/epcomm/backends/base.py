@@ -35,7 +35,7 @@ class DispatchArgs:
     config: Config
     expert_major: bool = False  # rows grouped by local expert (expert_major.py), full or cached
     plan: object = None  # what the backend's check_dispatch worked out for this call (its own type)
-    capturing: Optional[bool] = None  # whether the stream is being captured, where check_dispatch asked (None: not)
+    capturing: Optional[bool] = None  # whether the stream is being captured, where Backend.refuse_capture asked
 
 
 @dataclass(slots=True)
@@ -112,6 +112,13 @@ class Backend(abc.ABC):
         (the weighted sum of each row's entries, float32); the mirror of :meth:`expand_expert_major`."""
         from .. import expert_major
         return expert_major.fold(y, mapping)
+
+    def refuse_capture(self, kind: str, handle=None, num_worst_tokens: int = 0) -> Optional[bool]:
+        """Buffer calls it first in a normal-mode ``kind`` call ("dispatch", "combine"): inside a
+        CUDA graph capture, EPError for a call this backend could not replay (before anything else
+        of the call runs: a resync, an abort or a stand-in would be captured, not run). Returns
+        whether the stream is being captured, where asked (None: not asked; this backend asks nothing)."""
+        return None
 
     def raise_pending(self) -> None:
         """Raise errors kernels reported since the last call (backends without any: nothing)."""

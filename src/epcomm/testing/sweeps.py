@@ -388,7 +388,8 @@ def cuda_graph_replays(step, load, seeds, group=None, back_to_back: bool = False
     """Capture ``step()`` in a CUDA graph and replay it on new inputs; yields ``(load(seed), out)``
     per seed, after the replay finished (``out``: what ``step`` returned during the capture).
     ``back_to_back``: the replays of ``seeds[1:]`` (each after its inputs' copies, in stream order)
-    are queued without waiting between them, and only the last is yielded, once it finished.
+    are queued without waiting between them, and only the last is yielded, once it finished; for
+    that ``load`` must not wait either (copies from the device, not from pageable host memory).
 
     ``load(seed)`` copies a seed's inputs into the tensors ``step`` reads (and returns what the
     caller checks against). ``step`` runs once on a side stream first (warm-up outside the capture,

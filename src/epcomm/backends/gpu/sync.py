@@ -111,7 +111,7 @@ INDEX_GATHERED = tl.constexpr(26)  # the epoch of the last pull in turn whose pr
 # index, or minus the epoch of one whose program found the call failed (one_node/receive_index.py; after the
 # doorbell's DOORBELL_WORDS words 18..25, which a doorbell's wait reads whole)
 NOTIFIED = tl.constexpr(27)  # the epoch of the last count exchange of ep_dispatch_notify_stage (one_node/notify.py),
-# released by its last notify program, as it arrives, to the launch's stage programs
+# released by its last notify program to the launch's stage programs once it has read the count rows
 NUM_STATE_WORDS = 28
 
 # The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses

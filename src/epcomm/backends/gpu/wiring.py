@@ -51,24 +51,27 @@ class GpuBackend(Backend):
         self.seat.board.resync(self.device)
 
     # ------------------------------------------------------------------ normal mode
-    def check_dispatch(self, args: DispatchArgs) -> None:
-        """The mode's limits (EPInputError). Inside a CUDA graph capture, first the mode's
-        ``refuse_capture``: EPError where the call would wait on the host, which a capture never
-        runs (the wait would end in a timeout naming no real cause). Raised before anything is
-        launched, and not as an EPInputError, whose abort would go into the graph: every rank that
-        captures the same step raises it alike. The capture state is asked once a call and kept in
-        ``args`` (the one-node mode's call-board tag reads it)."""
-        capturing = args.capturing = stream_capturing()
+    def refuse_capture(self, kind: str, handle=None, num_worst_tokens: int = 0):
+        """(Backend.refuse_capture.) A dispatch asks whether the stream is being captured (once a
+        call: the one-node mode's call-board tag reads the answer from DispatchArgs), a combine only
+        where the mode's epochs live on the host; a captured call goes to the mode's
+        ``refuse_capture``: EPError where it would wait on the host, which a capture never runs
+        (the wait would end in a timeout naming no real cause). Not an EPInputError, whose abort
+        would go into the graph: every rank that captures the same step raises it alike."""
+        if kind == "combine" and not self.normal.host_epochs:
+            return None
+        capturing = stream_capturing()
         if capturing:
-            self.normal.refuse_capture(args)
+            self.normal.refuse_capture(kind, handle, num_worst_tokens)
+        return capturing
+
+    def check_dispatch(self, args: DispatchArgs) -> None:
         self.normal.check_dispatch(args)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.normal.dispatch(args)
 
     def check_combine(self, x, handle, topk_weights, bias) -> None:
-        if self.normal.host_epochs and stream_capturing():  # (a mode whose every call counts on the host)
-            self.normal.refuse_capture(None)
         self.normal.check_combine(x, handle, topk_weights, bias)
 
     def combine(self, x, handle, topk_weights, bias, config):

@@ -150,10 +150,10 @@ class NormalMode(KernelChoices):
 
     host_epochs = False  # (its epochs live on the device: its combine and a dispatch without a host wait replay)
 
-    def refuse_capture(self, args: DispatchArgs) -> None:
-        """A dispatch inside a CUDA graph capture (GpuBackend.check_dispatch): EPError for a full one
+    def refuse_capture(self, kind: str, handle, num_worst_tokens: int) -> None:
+        """A call inside a CUDA graph capture (GpuBackend.refuse_capture): EPError for a full dispatch
         without num_worst_tokens, which waits on the host for the receive counts."""
-        if args.handle is None and not args.num_worst_tokens:
+        if kind == "dispatch" and handle is None and not num_worst_tokens:
             raise EPError("a full dispatch (no handle) waits on the host for the receive counts, so it cannot be "
                           "captured in a CUDA graph: pass num_worst_tokens (outputs padded to it, no host wait), "
                           "or capture a cached dispatch (handle=...)")

@@ -68,7 +68,7 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
             R_P2: tl.constexpr, BLOCK: tl.constexpr, WITH_STAGE: tl.constexpr):
     """Program ``peer`` of the count exchange (the outline above); WITH_STAGE: the first R programs
     of ep_dispatch_notify_stage, whose last program also RELEASEs NOTIFIED to the stage programs after them
-    (on arriving) and leaves EPOCH_NORMAL to the stage."""
+    (once it has read the count rows) and leaves EPOCH_NORMAL to the stage."""
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
@@ -189,8 +189,9 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # replay of a num_worst_tokens dispatch (nothing waits on the host there) waits as its first run
 # did. Before this launch's release NOTIFIED is below e: an earlier launch released its own e',
 # and its stage then took e' + 1 <= e - 1. (On a failure path, a stage that never arrived leaves
-# EPOCH_NORMAL at e - 1; that holds because a timeout is sticky and a resync or a new Buffer zeroes
-# the state words.)
+# EPOCH_NORMAL at e - 1, and the next launch would take e again and pass its wait at once. Eagerly
+# a timeout is sticky, and a resync or a new Buffer zeroes the state words; between the replays of
+# a CUDA graph nothing on the host looks, as for every kernel a graph replays after a failure.)
 @triton.jit
 def ep_dispatch_notify_stage(
         # ep_dispatch_stage's parameters (stage.py: the stage's tensors, sizes, workspace and the

@@ -182,11 +182,11 @@ class TwoLevelMode:
 
     host_epochs = True  # (its step barrier counts epochs on the host: no call of it replays in a CUDA graph)
 
-    def refuse_capture(self, args=None) -> None:
-        """A dispatch or combine inside a CUDA graph capture (GpuBackend's checks): EPError, always."""
-        raise EPError(f"the {self.backend_name} backend's normal mode across nodes counts its epochs on the host "
-                      "and waits there for counts, so its dispatch and combine cannot be captured in a CUDA graph "
-                      "(its low-latency calls can)")
+    def refuse_capture(self, kind: str, handle=None, num_worst_tokens: int = 0) -> None:
+        """A dispatch or combine inside a CUDA graph capture (GpuBackend.refuse_capture): EPError, always."""
+        raise EPError(f"a {kind} of the {self.backend_name} backend's normal mode cannot be captured in a CUDA graph: "
+                      "its step barrier counts epochs on the host, and its dispatch reads the counts there "
+                      "(its low-latency calls can be captured)")
 
     def check_dispatch(self, args: DispatchArgs) -> None:
         """Row sizes, the workspace's token capacity, a handle of this backend: EPInputError."""
