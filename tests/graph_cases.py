@@ -121,34 +121,48 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
     return replays
 
 
-def gpu_full_dispatch_capture_raises(hidden: int = 512, num_tokens: int = 64):
-    """A full dispatch without num_worst_tokens inside a CUDA graph capture raises EPError naming
-    num_worst_tokens at once (it would wait on the host for counts the capture never computes);
-    the Buffer then dispatches eagerly as before. Returns "raised"."""
+def gpu_captured_calls_refused(ranks_per_node: int = 0, hidden: int = 512, num_tokens: int = 64):
+    """Normal-mode calls that would wait on the host, made inside a CUDA graph capture, raise EPError
+    at once, before anything else of the call runs (Backend.refuse_capture): on nvlink
+    (``ranks_per_node`` 0) a full dispatch without num_worst_tokens, the message naming it; on
+    nvshmem (virtual nodes of ``ranks_per_node`` ranks; host-side epochs) every dispatch and
+    combine, num_worst_tokens or not. The Buffer then dispatches and combines eagerly as before,
+    equal to the reference. Returns "raised"."""
     from epcomm.errors import EPError
     R, rank = world()
     dev = torch.device("cuda", torch.cuda.current_device())
     num_experts, k = 8 * R, min(8, 8 * R)
-    fast, reference = _buffers_on_gpu(1 << 26)
+    fast, reference = _buffers_on_gpu(1 << 26, ranks_per_node, num_tokens, hidden)
     xs, topks, ws = make_routing(5, "uniform", R, num_experts, k, num_tokens, hidden, fixed_tokens=num_tokens)
     x, topk, w = xs[rank].to(dev), topks[rank].to(dev), ws[rank].to(dev)
+    layouts = {}
 
     def dispatch(buffer, **extra):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        if buffer not in layouts:  # (outside any capture)
+            layouts[buffer] = buffer.get_dispatch_layout(topk, num_experts)
+        per_rank, _, per_expert, in_rank, _ = layouts[buffer]
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, **extra)
 
-    dispatch(fast)  # (compiled outside the capture)
+    first = dispatch(fast)  # (compiled outside the capture; its handle for the combine below)
     torch.cuda.synchronize()
-    graph, raised = torch.cuda.CUDAGraph(), None
-    try:
-        with torch.cuda.graph(graph):
-            dispatch(fast)
-    except EPError as err:
-        raised = err
-    assert raised is not None and "num_worst_tokens" in str(raised), raised
+    refused = [("num_worst_tokens", lambda: dispatch(fast))]
+    if ranks_per_node:
+        refused = [("cannot be captured", call) for call in (
+            lambda: dispatch(fast), lambda: dispatch(fast, num_worst_tokens=R * num_tokens),
+            lambda: fast.combine(first[0], first[4]))]
+    for text, call in refused:
+        raised = None
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                call()
+        except EPError as err:
+            raised = err
+        assert raised is not None and text in str(raised), raised
     got, want = dispatch(fast), dispatch(reference)
+    combined, want_combined = fast.combine(got[0], got[4])[0], reference.combine(want[0], want[4])[0]
     torch.cuda.synchronize()
-    assert torch.equal(got[0], want[0]) and got[3] == want[3], "the eager dispatch after the refused capture"
+    assert torch.equal(got[0], want[0]) and got[3] == want[3], "the eager dispatch after the refused captures"
+    torch.testing.assert_close(combined, want_combined, rtol=1e-2, atol=1e-2)
     fast.destroy()
     return "raised"

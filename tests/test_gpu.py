@@ -147,7 +147,7 @@ def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
 
 
 def test_a_full_dispatch_captured_in_a_cuda_graph_raises(gpu_pool):
-    assert gpu_pool.run(graph_cases.gpu_full_dispatch_capture_raises, timeout_s=120) == ["raised"] * gpu_pool.world_size
+    assert gpu_pool.run(graph_cases.gpu_captured_calls_refused, timeout_s=120) == ["raised"] * gpu_pool.world_size
 
 
 def test_low_latency_handle_of_another_buffer_raises(gpu_pool):

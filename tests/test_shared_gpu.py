@@ -179,6 +179,13 @@ def test_num_worst_tokens_step_in_a_cuda_graph(shared_pool, variant):
     assert _all(shared_pool, graph_cases.gpu_normal_worst_graph, 4, 2048, variant) == [4] * shared_pool.world_size
 
 
+def test_captured_normal_calls_that_wait_on_the_host_are_refused(shared_pool):
+    """nvlink: a full dispatch without num_worst_tokens; nvshmem (host-side epochs): every
+    normal-mode dispatch and combine (graph_cases.gpu_captured_calls_refused)."""
+    per_node = shared_pool.per_node if BACKEND == "nvshmem" else 0
+    assert _all(shared_pool, graph_cases.gpu_captured_calls_refused, per_node) == ["raised"] * shared_pool.world_size
+
+
 # ------------------------------------------------------------------ training
 def test_autograd_and_moe_layer_match_dense(shared_pool):
     errors = _all(shared_pool, training_cases.autograd_against_dense, 3, 256, "cuda")
