@@ -389,7 +389,7 @@ def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
     ready results (its own cost shown apart), value checks off as on the GPU fast path. µs per call,
     the least of ``rounds`` timeit runs of ``number`` calls."""
     import epcomm
-    from epcomm.backends.base import DispatchArgs, DispatchResult
+    from epcomm.backends.base import Backend, DispatchArgs, DispatchResult
     from epcomm.fp8 import per_token_cast_to_fp8
     from epcomm.handle import DispatchHandle
     T, H, K, E = tokens, 7168, 8, 256
@@ -404,17 +404,8 @@ def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
     prefix, src_idx = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
     recv_topk, recv_w = torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
 
-    class Stub:  # what Buffer reads of a backend; dispatch builds a handle and a result as the GPU's does
-        needs_resync, resync_generation, agrees, native_expert_major, max_num_sms = False, 0, False, True, 0
-
-        def raise_pending(self):
-            pass
-
-        def agree(self, *args):
-            pass
-
-        def check_dispatch(self, args):
-            pass
+    class Stub(Backend):  # the base's defaults for what Buffer asks; dispatch builds a handle and a result
+        native_expert_major = True
 
         def dispatch(self, args):
             full = args.handle is None
@@ -424,7 +415,9 @@ def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
 
         def dispatch_layout(self, topk_idx, num_experts, ranks_per_node):
             return per_rank, None, per_expert, in_rank
-    stub = buf._backend = Stub()
+
+        combine = low_latency_dispatch = low_latency_combine = None  # (not timed here)
+    stub = buf._backend = Stub(buf.group, buf.device)
     buf._check_values = False
     cfg = epcomm.Config(24, 8, 256)
     handle = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
