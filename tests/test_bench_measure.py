@@ -66,3 +66,41 @@ def test_every_column_is_measured_before_any_columns_kernels_are_profiled():
     assert events == [("measure", "epcomm"), ("measure", "deep_ep"), ("measure", "nccl"),
                       ("profile", "epcomm"), ("profile", "deep_ep")]
     assert kernels == {"epcomm": ["epcomm"], "deep_ep": ["deep_ep"]}
+
+
+class _WorstBuffer:
+    """Records each dispatch's keywords; returns (recv_x, ...) with recv_x a marker of the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def dispatch(self, x, **kwargs):
+        self.calls.append(kwargs)
+        return (f"rows of call {len(self.calls)}", None, None, None, None, None)
+
+
+def test_the_num_worst_rows_dispatch_eagerly_and_replay_one_captured_graph():
+    """``epcomm bench normal``'s num_worst_tokens rows: the full dispatch's own keywords plus
+    num_worst_tokens, eagerly and as one CUDA graph of that call, replayed once before its rows
+    are checked (a graph's output holds what its last replay wrote)."""
+    buffer, replays = _WorstBuffer(), []
+    graph = types.SimpleNamespace(replay=lambda: replays.append(1))
+
+    def capture(fn):
+        return graph, fn()
+    calls, received, failure = bench._num_worst_calls(buffer, "x", {"topk_idx": "t", "config": "c"}, 4096,
+                                                      capture=capture)
+    assert failure is None and list(calls) == [bench.WORST_EAGER, bench.WORST_GRAPH]
+    assert buffer.calls == [{"num_worst_tokens": 4096, "topk_idx": "t", "config": "c"}] * 2
+    assert received == {bench.WORST_EAGER: "rows of call 1", bench.WORST_GRAPH: "rows of call 2"}
+    assert replays == [1] and calls[bench.WORST_GRAPH] is graph.replay
+
+
+def test_a_capture_that_raises_leaves_the_eager_row_and_names_the_error():
+    def capture(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    calls, received, failure = bench._num_worst_calls(_WorstBuffer(), "x", {}, 8, capture=capture)
+    assert list(calls) == [bench.WORST_EAGER] and list(received) == [bench.WORST_EAGER]
+    assert failure == "RuntimeError: operation not permitted when stream is capturing"
+    no_graph = bench._num_worst_calls(_WorstBuffer(), "x", {}, 8, graph=False, capture=capture)
+    assert list(no_graph[0]) == [bench.WORST_EAGER] and no_graph[2] is None

@@ -10,7 +10,8 @@ import epcomm
 from epcomm.tools import bench
 from epcomm.tools.args import counted
 
-NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--variants", "--peer-configs")
+NORMAL_ONLY = ("--sms", "--extra-tokens", "--send-parts", "--p2p", "--variants", "--peer-configs",
+               "--no-worst-tokens")
 
 
 def test_version_prints_the_package_version():
@@ -145,3 +146,10 @@ def test_bench_normal_can_run_deep_ep_on_its_own_recommended_configs():
     result = {"world": 2, "device": "GPU", "backend": "nvlink", "peer": "deep_ep", "settings": settings,
               "points": [point]}
     assert "deep_ep: its recommended configs" in bench.normal_table(result).splitlines()[0]
+
+
+def test_bench_normal_runs_the_num_worst_rows_unless_told_not_to():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["normal"]).no_worst_tokens is False and bench.NormalBenchSettings().worst_tokens
+    assert parser.parse_args(["normal", "--no-worst-tokens"]).no_worst_tokens is True

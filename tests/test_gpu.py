@@ -146,6 +146,20 @@ def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
     assert gpu_pool.run(graph_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
 
 
+def test_bench_normal_measures_and_checks_every_row(gpu_pool):
+    """``epcomm bench normal``'s rank function on a small batch, epcomm beside NCCL: every check of
+    the point passes (the rows equal NCCL's; the num_worst_tokens rows, eager and from one CUDA
+    graph, equal the full dispatch's), and every row has its figures."""
+    from epcomm.tools import bench
+    settings = bench.NormalBenchSettings(tokens=256, hidden=2048, extra_tokens=[], reps=3, num_nvl_bytes=1 << 28)
+    for result in gpu_pool.run(bench.bench_normal_rank, settings, timeout_s=300):
+        point = result["points"][0]
+        assert point["ok"] and all(point["checks"].values()), point["checks"]
+        calls = [row["call"] for row in point["rows"]]
+        assert bench.WORST_EAGER in calls and bench.WORST_GRAPH in calls, calls
+        assert all(row["epcomm"]["gpu"] > 0 for row in point["rows"])
+
+
 def test_a_full_dispatch_captured_in_a_cuda_graph_raises(gpu_pool):
     assert gpu_pool.run(graph_cases.gpu_captured_calls_refused, timeout_s=120) == ["raised"] * gpu_pool.world_size
 

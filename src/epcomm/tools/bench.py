@@ -74,6 +74,13 @@ class NormalBenchSettings:
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
     # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py)
     variants: List[str] = field(default_factory=list)
+    # the full dispatch with num_worst_tokens = R x T too (no host wait), eagerly and as one CUDA
+    # graph's replay: how an engine that captures its step (prefill, training) makes the call
+    worst_tokens: bool = True
+
+
+# The num_worst_tokens rows (the call's name, short for the table's first column)
+WORST_EAGER, WORST_GRAPH = "dispatch, num_worst", "dispatch, num_worst, graph"
 
 
 def _inter_node_rows(buffer, handle, in_rank) -> Dict[str, int]:
@@ -101,7 +108,8 @@ def _peer_configs(peer, how: str, sms: int, num_ranks: int):
 def _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx, topk_weights, num_experts,
                   extensions: bool = False):
     """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API):
-    the dispatches on ``config``, the combine on ``combine_config``."""
+    the dispatches on ``config``, the combine on ``combine_config``. Returns ``(calls, recv_x,
+    is_token_in_rank, handle, dispatch_args)``: the full BF16 dispatch's outputs and keywords."""
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     dispatch_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                          topk_idx=topk_idx, topk_weights=topk_weights, config=config)
@@ -120,7 +128,27 @@ def _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx, topk_weigh
         calls["dispatch, full, BF16, expert-major"] = lambda: buffer.dispatch(x, expert_major=True, **dispatch_args)
         calls["dispatch, cached, BF16, expert-major"] = lambda: buffer.dispatch(x, handle=em_handle, config=config)
         calls["combine, BF16, expert-major"] = lambda: buffer.combine(em_rows, em_handle, config=config)
-    return calls, recv_x, in_rank, handle
+    return calls, recv_x, in_rank, handle, dispatch_args
+
+
+def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool = True, capture=None):
+    """The full dispatch with ``num_worst_tokens`` (collective, as every bench call): ``(calls, received,
+    failure)``. ``calls``: WORST_EAGER, and WORST_GRAPH (one CUDA graph's replay) where ``graph`` and
+    the capture worked; ``received``: each form's recv_x, [num_worst, H] bf16 (its first rows the
+    received ones); ``failure``: the capture's exception as text, or None. A capture that raises does
+    so alike on every rank (the same call, the same check), so the ranks' barriers still pair up."""
+    def worst():
+        return buffer.dispatch(x, num_worst_tokens=num_worst, **dispatch_args)
+    calls, received = {WORST_EAGER: worst}, {WORST_EAGER: worst()[0]}
+    if not graph:
+        return calls, received, None
+    try:
+        replay, out = (capture or _capture)(worst)
+    except Exception as exc:  # reported in the checks, not hidden
+        return calls, received, f"{type(exc).__name__}: {str(exc)[:120]}"
+    replay.replay()
+    calls[WORST_GRAPH], received[WORST_GRAPH] = replay.replay, out[0]
+    return calls, received, None
 
 
 def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor,
@@ -140,8 +168,9 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     inter_node = None
     for name, (buffer, configs) in buffers.items():
         config, combine_config = configs(sms)
-        calls, recv_x, in_rank, handle = _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx,
-                                                       topk_weights, settings.num_experts, extensions=name == "epcomm")
+        calls, recv_x, in_rank, handle, dispatch_args = _normal_calls(
+            buffer, config, combine_config, x, x_fp8, topk_idx, topk_weights, settings.num_experts,
+            extensions=name == "epcomm")
         if name == "epcomm":
             epcomm_recv = recv_x
             if buffer.num_nodes > 1 and buffer.backend_name == "nvshmem":
@@ -155,6 +184,15 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
                                                                     rtol=1e-2, atol=1e-2))
         else:
             checks[f"epcomm == {name} (dispatch)"] = bool(torch.equal(recv_x, epcomm_recv))
+        if settings.worst_tokens:  # (a two-level Buffer refuses a captured call by design: no graph row)
+            worst_calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, dist.get_world_size() * tokens,
+                                                              graph=getattr(buffer, "backend_name", "") != "nvshmem")
+            calls.update(worst_calls)
+            n = epcomm_recv.shape[0]
+            for call, rows in received.items():
+                checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(torch.equal(rows[:n], epcomm_recv))
+            if failure is not None:
+                checks[f"{name} graph capture ({failure})"] = False
         for call, fn in calls.items():
             results.setdefault(call, {"call": call})[name] = measure(fn, settings.reps, flush)
     baseline = NCCLBaseline(x, buffers["epcomm"][0].get_dispatch_layout(topk_idx, settings.num_experts)[3])
@@ -514,6 +552,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "larger ones staged during the count wait as by default), notify-apart (a full "
                                  "dispatch's count exchange and its stage as two launches, the default before "
                                  "2026-11-29); join several with + for one table")
+        parser.add_argument("--no-worst-tokens", action="store_true",
+                            help="leave out the full dispatch with num_worst_tokens = ranks x tokens (no host wait), "
+                                 "eager and as one CUDA graph's replay, for every library")
         parser.add_argument("--p2p", type=switch_list, default="",
                             help="nvshmem (--ranks-per-node): p2p settings crossed with --send-parts, each a table "
                                  "of its own at --tokens (1: rows stored straight into a peer mapped here, 0: staged "
@@ -556,7 +597,8 @@ def run(args: argparse.Namespace) -> int:
                                    more_sms=list(args.sms[1:]),
                                    extra_tokens=list(args.extra_tokens), peer=args.peer, peer_configs=args.peer_configs,
                                    ranks_per_node=args.ranks_per_node, send_parts=list(args.send_parts),
-                                   p2p=list(args.p2p), variants=list(args.variants))
+                                   p2p=list(args.p2p), variants=list(args.variants),
+                                   worst_tokens=not args.no_worst_tokens)
     if args.variants and args.ranks_per_node:
         print("--variants are the one-node kernels' (the nvlink backend); leave out --ranks-per-node", file=sys.stderr)
         return 2
