@@ -387,13 +387,21 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, f
 def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
     """The Buffer front end alone on the CPU: a one-rank gloo group, a stub backend that returns
     ready results (its own cost shown apart), value checks off as on the GPU fast path. µs per call,
-    the least of ``rounds`` timeit runs of ``number`` calls."""
+    the least of ``rounds`` timeit runs of ``number`` calls. The group is gone on return."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _cpu_front_rows(tokens, rounds, number)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_front_rows(tokens: int, rounds: int, number: int) -> str:
+    """:func:`_cpu_front`'s table, in the one-rank group it made."""
     import epcomm
     from epcomm.backends.base import Backend, DispatchArgs, DispatchResult
     from epcomm.fp8 import per_token_cast_to_fp8
     from epcomm.handle import DispatchHandle
     T, H, K, E = tokens, 7168, 8, 256
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     buf = epcomm.Buffer(dist.group.WORLD, device="cpu")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
@@ -416,7 +424,9 @@ def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
         def dispatch_layout(self, topk_idx, num_experts, ranks_per_node):
             return per_rank, None, per_expert, in_rank
 
-        combine = low_latency_dispatch = low_latency_combine = None  # (not timed here)
+        def combine(self, *args, **kwargs):
+            raise NotImplementedError("the CPU front-end profile times dispatch only")
+        low_latency_dispatch = low_latency_combine = combine
     stub = buf._backend = Stub(buf.group, buf.device)
     buf._check_values = False
     cfg = epcomm.Config(24, 8, 256)
@@ -446,7 +456,6 @@ def _cpu_front(tokens: int, rounds: int = 30, number: int = 4000) -> str:
     for name, fn in rows.items():
         fn()
         report.append(f"  {name:<36} {min(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6:6.2f}")
-    dist.destroy_process_group()
     return "\n".join(report)
 
 

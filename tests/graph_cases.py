@@ -109,11 +109,16 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
         load(0)
         step()
         mode = fast._backend.normal
-        single = any(plan.notify_stage for plan in mode._dispatch_plans.values())
-        apart = any(plan.stage_lists for plan in mode._dispatch_plans.values())
-        # On a GPU of its own always the single launch; where ranks share one, the grid caps decide
-        # (4 ranks on an H200: it fits; 8: it does not, and the notify goes apart), the same every call.
-        assert single != apart and (single or mode.shares_gpu), (what, single, apart)
+        full_plans = [plan for plan in mode._dispatch_plans.values() if plan.notify_stage or plan.stage_lists]
+        single = any(plan.notify_stage for plan in full_plans)
+        apart = any(plan.stage_lists for plan in full_plans)
+        # The launch NormalMode's rule picks for this batch: on a GPU of its own always the single
+        # one; where ranks share a GPU, the grid caps decide (4 ranks on an H200: it fits; 8: not).
+        num_sms = fast._resolve_config(None, epcomm.Buffer.get_dispatch_config).num_sms
+        rows = min(num_tokens, full_plans[0].round_tokens)
+        stage_programs = max(1, min(num_sms * mode.stage_programs_per_sm, -(-rows // full_plans[0].block_r))) + R
+        expected = mode.notify_stage_fits(stage_programs, num_sms)
+        assert len(full_plans) == 1 and single != apart and single == expected, (what, single, apart, expected)
         what += " (one launch)" if single else " (notify apart: the shared GPU's grid caps)"
     seeds = [0] + [200 + replay for replay in range(replays)]
     for replay, (_, outputs) in enumerate(cuda_graph_replays(step, load, seeds)):

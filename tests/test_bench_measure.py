@@ -104,3 +104,53 @@ def test_a_capture_that_raises_leaves_the_eager_row_and_names_the_error():
     assert failure == "RuntimeError: operation not permitted when stream is capturing"
     no_graph = bench._num_worst_calls(_WorstBuffer(), "x", {}, 8, graph=False, capture=capture)
     assert list(no_graph[0]) == [bench.WORST_EAGER] and no_graph[2] is None
+
+
+def test_a_library_without_num_worst_tokens_gets_no_rows_and_a_named_failure():
+    def refuse(x, **kwargs):
+        raise TypeError("dispatch() got an unexpected keyword argument 'num_worst_tokens'")
+    older = types.SimpleNamespace(dispatch=refuse)
+    calls, received, failure = bench._num_worst_calls(older, "x", {}, 8)
+    assert calls == {} and received == {} and failure.startswith("TypeError: dispatch() got an unexpected")
+
+
+class _Capture:
+    """Stand-ins for torch.cuda's streams and graphs; ``fail`` makes the capture raise."""
+
+    def __init__(self, monkeypatch, fail):
+        import contextlib
+        cuda = bench.torch.cuda
+
+        @contextlib.contextmanager
+        def graph(g):
+            yield
+            if fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+        stream = types.SimpleNamespace(wait_stream=lambda other: None)
+        for attr, value in (("Stream", lambda: stream), ("stream", lambda s: contextlib.nullcontext()),
+                            ("current_stream", lambda: stream), ("synchronize", lambda: None),
+                            ("CUDAGraph", lambda: "graph"), ("graph", graph)):
+            monkeypatch.setattr(cuda, attr, value)
+        monkeypatch.setattr(bench, "dist", types.SimpleNamespace(barrier=lambda: None))
+
+
+def test_a_capture_failing_on_any_rank_raises_on_every_rank_after_they_agree(monkeypatch):
+    """bench._capture: every rank reaches the agreement (one all-reduce) whether its capture worked
+    or not, then raises where any rank's failed, so no rank replays a graph its peers lack and the
+    ranks' later calls still pair up."""
+    import pytest
+    agreed = []
+
+    def on_every_rank(flag, peers_ok=True):
+        agreed.append(flag)
+        return flag and peers_ok
+    _Capture(monkeypatch, fail=False)
+    monkeypatch.setattr(bench, "_on_every_rank", on_every_rank)
+    assert bench._capture(lambda: "out") == ("graph", "out") and agreed == [True]
+    monkeypatch.setattr(bench, "_on_every_rank", lambda flag: on_every_rank(flag, peers_ok=False))
+    with pytest.raises(RuntimeError, match="failed on another rank"):  # this rank's worked, a peer's did not
+        bench._capture(lambda: "out")
+    _Capture(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="not permitted"):  # its own error, after the agreement
+        bench._capture(lambda: "out")
+    assert agreed == [True, True, False]

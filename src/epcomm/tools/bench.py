@@ -135,11 +135,16 @@ def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool
     """The full dispatch with ``num_worst_tokens`` (collective, as every bench call): ``(calls, received,
     failure)``. ``calls``: WORST_EAGER, and WORST_GRAPH (one CUDA graph's replay) where ``graph`` and
     the capture worked; ``received``: each form's recv_x, [num_worst, H] bf16 (its first rows the
-    received ones); ``failure``: the capture's exception as text, or None. A capture that raises does
-    so alike on every rank (the same call, the same check), so the ranks' barriers still pair up."""
+    received ones); ``failure``: the exception of the first call (a library without num_worst_tokens:
+    no rows) or of the capture, as text, or None. Where a capture fails on
+    any rank, every rank leaves the graph out (``_capture`` agrees across ranks)."""
     def worst():
         return buffer.dispatch(x, num_worst_tokens=num_worst, **dispatch_args)
-    calls, received = {WORST_EAGER: worst}, {WORST_EAGER: worst()[0]}
+    try:
+        received = {WORST_EAGER: worst()[0]}
+    except TypeError as exc:  # a library without num_worst_tokens (before any exchange: alike on every rank)
+        return {}, {}, f"{type(exc).__name__}: {str(exc)[:120]}"
+    calls = {WORST_EAGER: worst}
     if not graph:
         return calls, received, None
     try:
@@ -149,6 +154,23 @@ def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool
     replay.replay()
     calls[WORST_GRAPH], received[WORST_GRAPH] = replay.replay, out[0]
     return calls, received, None
+
+
+def _measure_num_worst(name: str, buffer, x, dispatch_args: Dict, num_worst: int, full_rows: torch.Tensor,
+                       results: Dict, checks: Dict, reps: int, flush: torch.Tensor) -> None:
+    """The num_worst_tokens rows of library ``name`` (:func:`_num_worst_calls`) measured into
+    ``results``, each form's received rows checked against ``full_rows`` (epcomm's full dispatch)
+    into ``checks``; the graph and the outputs are dropped on return. (A two-level Buffer refuses a
+    captured call by design: no graph row there.)"""
+    calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, num_worst,
+                                                graph=getattr(buffer, "backend_name", "") != "nvshmem")
+    n = full_rows.shape[0]
+    for call, rows in received.items():
+        checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(torch.equal(rows[:n], full_rows))
+    if failure is not None:
+        checks[f"{name} num_worst_tokens " + ("graph capture" if calls else "call") + f" ({failure})"] = False
+    for call, fn in calls.items():
+        results.setdefault(call, {"call": call})[name] = measure(fn, reps, flush)
 
 
 def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor,
@@ -184,22 +206,18 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
                                                                     rtol=1e-2, atol=1e-2))
         else:
             checks[f"epcomm == {name} (dispatch)"] = bool(torch.equal(recv_x, epcomm_recv))
-        if settings.worst_tokens:  # (a two-level Buffer refuses a captured call by design: no graph row)
-            worst_calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, dist.get_world_size() * tokens,
-                                                              graph=getattr(buffer, "backend_name", "") != "nvshmem")
-            calls.update(worst_calls)
-            n = epcomm_recv.shape[0]
-            for call, rows in received.items():
-                checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(torch.equal(rows[:n], epcomm_recv))
-            if failure is not None:
-                checks[f"{name} graph capture ({failure})"] = False
         for call, fn in calls.items():
             results.setdefault(call, {"call": call})[name] = measure(fn, settings.reps, flush)
+        del calls
+        if settings.worst_tokens:  # after the rows above: its graph and outputs live only while measured
+            _measure_num_worst(name, buffer, x, dispatch_args, dist.get_world_size() * tokens, epcomm_recv,
+                               results, checks, settings.reps, flush)
     baseline = NCCLBaseline(x, buffers["epcomm"][0].get_dispatch_layout(topk_idx, settings.num_experts)[3])
     base_recv = baseline.dispatch()
     results["dispatch, full, BF16"]["nccl"] = measure(baseline.dispatch, settings.reps, flush)
     results["combine, BF16"]["nccl"] = measure(lambda: baseline.combine(base_recv), settings.reps, flush)
-    ok = torch.tensor([int(all(v for k, v in checks.items() if "nccl" in k))], device=dev)
+    # epcomm's own checks decide (beside NCCL, beside the peer, its num_worst_tokens rows); the peer's do not
+    ok = torch.tensor([int(all(v for k, v in checks.items() if k.startswith("epcomm")))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     point = {"tokens": tokens, "sms": sms, "recv_tokens": int(epcomm_recv.shape[0]), "rows": list(results.values()),
              "checks": checks, "ok": bool(ok.item())}
@@ -289,7 +307,10 @@ def _ll_expert_out(recv):
 
 
 def _capture(fn):
-    """A CUDA graph of ``fn`` (warmed up on a side stream first), and its output."""
+    """A CUDA graph of ``fn`` (warmed up on a side stream first), and its output. Collective: the
+    ranks agree whether every capture worked (an all-reduce after it, reached whatever happened),
+    and where one failed every rank raises (its own error, or a RuntimeError naming none), so no
+    rank replays a graph whose peers have none and the ranks' later calls still pair up."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -298,12 +319,26 @@ def _capture(fn):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out, error = torch.cuda.CUDAGraph(), None, None
+    try:
+        with torch.cuda.graph(graph):
+            out = fn()
+    except Exception as exc:  # (this rank's own; raised below, after the ranks agreed)
+        error = exc
     torch.cuda.synchronize()
-    dist.barrier()
+    captured = _on_every_rank(error is None)
+    if error is not None:
+        raise error
+    if not captured:
+        raise RuntimeError("the capture failed on another rank")
     return graph, out
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (collective: an all-reduce of one int on this GPU)."""
+    value = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def _kernel_times(fn, repeats: int = 5):

@@ -400,16 +400,22 @@ class NormalMode(KernelChoices):
             self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
             self.trace_address)
 
+    def notify_stage_fits(self, stage_programs: int, num_sms: int) -> bool:
+        """Whether a full dispatch's count exchange goes in one launch with its round-0 stage of
+        ``stage_programs`` programs (copy, position and list programs) on ``num_sms``: where
+        ``notify_with_stage`` is set, always on a GPU of its own; where ranks share one, when its R
+        notify programs and the stage's, which all wait, are at most the 4 x num_sms waiting programs
+        that shared_grids.py counts per rank."""
+        return self.notify_with_stage and (not self.shares_gpu or self.R + stage_programs <= 4 * num_sms)
+
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
                write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0,
                notify: tuple = ()) -> bool:
         """Launch the stage of tokens [lo, hi); ``write_lists``: a full dispatch's round 0, which also
         writes the token lists and ``list_index`` (the address of the handle's [T, R] int32).
         ``notify``: ep_dispatch_notify_stage's own arguments (after the stage's, from prefix_ptr on): launch
-        the count exchange with it (notify.py) where ``notify_with_stage`` is set and the launch fits,
-        else launch nothing. Returns whether it launched. Fits: on a GPU of its own always; where
-        ranks share a GPU, where its R notify and its stage programs, which all wait, are at most the
-        4 x num_sms waiting programs that shared_grids.py counts per rank."""
+        the count exchange with it (notify.py) where :meth:`notify_stage_fits`, else launch nothing.
+        Returns whether it launched."""
         num_tokens = x.shape[0]
         rows = max(0, min(hi, num_tokens) - lo)
         programs = max(1, min(args.config.num_sms * self.stage_programs_per_sm, cdiv(rows, plan.block_r)))
@@ -426,7 +432,7 @@ class NormalMode(KernelChoices):
             in_rank, per_rank, per_expert, programs = args.is_token_in_rank.data_ptr(), \
                 args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), programs + self.R
             if notify:
-                if not self.notify_with_stage or (self.shares_gpu and self.R + programs > 4 * args.config.num_sms):
+                if not self.notify_stage_fits(programs, args.config.num_sms):
                     return False
                 kernel, programs = plan.notify_stage[aligned, p2(num_local), e_p2, sub], programs + self.R
             else:
