@@ -5,7 +5,8 @@
 #   RANKS=4 PARTS="normal low-latency" scripts/speed_run.sh
 #
 # Parts (each under its own time limit, so a hang costs one part, not the call):
-#   normal       epcomm bench normal at T=4096 and 512 beside DeepEP, and VARIANTS (a comma list of
+#   normal       epcomm bench normal at T=4096 and 512 beside DeepEP (each point with the full dispatch
+#                with num_worst_tokens too, eager and as one CUDA graph's replay), and VARIANTS (a comma list of
 #                bench.NORMAL_VARIANTS, joined by + for one point; default all, the newest experiments
 #                first, so a part cut by its limit keeps those; VARIANTS= for none) at T=4096, each a
 #                table of its own

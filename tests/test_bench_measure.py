@@ -69,14 +69,14 @@ def test_every_column_is_measured_before_any_columns_kernels_are_profiled():
 
 
 class _WorstBuffer:
-    """Records each dispatch's keywords; returns (recv_x, ...) with recv_x a marker of the call."""
+    """Records each dispatch's keywords; returns DeepEP's six outputs, recv_x a marker of the call."""
 
     def __init__(self):
         self.calls = []
 
     def dispatch(self, x, **kwargs):
         self.calls.append(kwargs)
-        return (f"rows of call {len(self.calls)}", None, None, None, None, None)
+        return (f"rows of call {len(self.calls)}", "top-k ids", "weights", None, None, None)
 
 
 def test_the_num_worst_rows_dispatch_eagerly_and_replay_one_captured_graph():
@@ -92,7 +92,8 @@ def test_the_num_worst_rows_dispatch_eagerly_and_replay_one_captured_graph():
                                                       capture=capture)
     assert failure is None and list(calls) == [bench.WORST_EAGER, bench.WORST_GRAPH]
     assert buffer.calls == [{"num_worst_tokens": 4096, "topk_idx": "t", "config": "c"}] * 2
-    assert received == {bench.WORST_EAGER: "rows of call 1", bench.WORST_GRAPH: "rows of call 2"}
+    assert received == {bench.WORST_EAGER: ("rows of call 1", "top-k ids", "weights"),
+                        bench.WORST_GRAPH: ("rows of call 2", "top-k ids", "weights")}
     assert replays == [1] and calls[bench.WORST_GRAPH] is graph.replay
 
 
@@ -154,3 +155,23 @@ def test_a_capture_failing_on_any_rank_raises_on_every_rank_after_they_agree(mon
     with pytest.raises(RuntimeError, match="not permitted"):  # its own error, after the agreement
         bench._capture(lambda: "out")
     assert agreed == [True, True, False]
+
+
+def test_the_num_worst_check_compares_rows_and_top_k_with_the_full_dispatch(monkeypatch):
+    """A num_worst_tokens form passes its check only where its first rows equal epcomm's full
+    dispatch and its top-k ids and weights equal the library's own full dispatch's."""
+    import torch
+    full = (torch.arange(6.).view(3, 2), torch.tensor([[0], [1], [-1]]), torch.tensor([[.5], [.25], [0.]]))
+    padded = [torch.cat([t, torch.full_like(t[:1], 7)]) for t in full]  # one padding row past the received
+    for wrong, passes in ((None, True), (1, False), (2, False)):
+        outputs = [t.clone() for t in padded]
+        if wrong is not None:
+            outputs[wrong][0] += 1
+        # (a two-level Buffer's: no graph row, so no capture on this CPU)
+        buffer = types.SimpleNamespace(dispatch=lambda x, **kwargs: (*outputs, None, None, None),
+                                       backend_name="nvshmem")
+        monkeypatch.setattr(bench, "measure", lambda fn, reps, flush: {"host": 1, "gpu": 1, "synced": 1})
+        results, checks = {}, {}
+        bench._measure_num_worst("epcomm", buffer, "x", {}, 4, full[0], full, results, checks, 3, None)
+        assert checks == {"epcomm num_worst == full": passes}, (wrong, checks)
+        assert list(results) == [bench.WORST_EAGER] and results[bench.WORST_EAGER]["epcomm"]["gpu"] == 1

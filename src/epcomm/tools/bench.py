@@ -108,12 +108,14 @@ def _peer_configs(peer, how: str, sms: int, num_ranks: int):
 def _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx, topk_weights, num_experts,
                   extensions: bool = False):
     """The five calls of the table, as closures over one buffer (epcomm or DeepEP: same API):
-    the dispatches on ``config``, the combine on ``combine_config``. Returns ``(calls, recv_x,
-    is_token_in_rank, handle, dispatch_args)``: the full BF16 dispatch's outputs and keywords."""
+    the dispatches on ``config``, the combine on ``combine_config``. Returns ``(calls, full,
+    is_token_in_rank, handle, dispatch_args)``: the full BF16 dispatch's outputs (``full``: recv_x,
+    recv_topk_idx, recv_topk_weights) and keywords."""
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     dispatch_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                          topk_idx=topk_idx, topk_weights=topk_weights, config=config)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **dispatch_args)
+    full = buffer.dispatch(x, **dispatch_args)
+    recv_x, handle = full[0], full[4]
     fp8_handle = buffer.dispatch(x_fp8, **dispatch_args)[4]
     expert_out = recv_x
     calls = {
@@ -128,20 +130,20 @@ def _normal_calls(buffer, config, combine_config, x, x_fp8, topk_idx, topk_weigh
         calls["dispatch, full, BF16, expert-major"] = lambda: buffer.dispatch(x, expert_major=True, **dispatch_args)
         calls["dispatch, cached, BF16, expert-major"] = lambda: buffer.dispatch(x, handle=em_handle, config=config)
         calls["combine, BF16, expert-major"] = lambda: buffer.combine(em_rows, em_handle, config=config)
-    return calls, recv_x, in_rank, handle, dispatch_args
+    return calls, full[:3], in_rank, handle, dispatch_args
 
 
 def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool = True, capture=None):
     """The full dispatch with ``num_worst_tokens`` (collective, as every bench call): ``(calls, received,
     failure)``. ``calls``: WORST_EAGER, and WORST_GRAPH (one CUDA graph's replay) where ``graph`` and
-    the capture worked; ``received``: each form's recv_x, [num_worst, H] bf16 (its first rows the
-    received ones); ``failure``: the exception of the first call (a library without num_worst_tokens:
+    the capture worked; ``received``: each form's (recv_x, recv_topk_idx, recv_topk_weights), num_worst
+    rows each (the first ones received); ``failure``: the exception of the first call (a library without num_worst_tokens:
     no rows) or of the capture, as text, or None. Where a capture fails on
     any rank, every rank leaves the graph out (``_capture`` agrees across ranks)."""
     def worst():
         return buffer.dispatch(x, num_worst_tokens=num_worst, **dispatch_args)
     try:
-        received = {WORST_EAGER: worst()[0]}
+        received = {WORST_EAGER: worst()[:3]}
     except TypeError as exc:  # a library without num_worst_tokens (before any exchange: alike on every rank)
         return {}, {}, f"{type(exc).__name__}: {str(exc)[:120]}"
     calls = {WORST_EAGER: worst}
@@ -152,21 +154,24 @@ def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool
     except Exception as exc:  # reported in the checks, not hidden
         return calls, received, f"{type(exc).__name__}: {str(exc)[:120]}"
     replay.replay()
-    calls[WORST_GRAPH], received[WORST_GRAPH] = replay.replay, out[0]
+    calls[WORST_GRAPH], received[WORST_GRAPH] = replay.replay, out[:3]
     return calls, received, None
 
 
 def _measure_num_worst(name: str, buffer, x, dispatch_args: Dict, num_worst: int, full_rows: torch.Tensor,
-                       results: Dict, checks: Dict, reps: int, flush: torch.Tensor) -> None:
+                       own_full: tuple, results: Dict, checks: Dict, reps: int, flush: torch.Tensor) -> None:
     """The num_worst_tokens rows of library ``name`` (:func:`_num_worst_calls`) measured into
-    ``results``, each form's received rows checked against ``full_rows`` (epcomm's full dispatch)
-    into ``checks``; the graph and the outputs are dropped on return. (A two-level Buffer refuses a
-    captured call by design: no graph row there.)"""
+    ``results``; into ``checks``, each form's received rows against ``full_rows`` (epcomm's full
+    dispatch) and its top-k ids and weights against ``own_full``'s (this library's full dispatch:
+    recv_x, recv_topk_idx, recv_topk_weights). The graph and the outputs are dropped on return. (A
+    two-level Buffer refuses a captured call by design: no graph row there.)"""
     calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, num_worst,
                                                 graph=getattr(buffer, "backend_name", "") != "nvshmem")
     n = full_rows.shape[0]
-    for call, rows in received.items():
-        checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(torch.equal(rows[:n], full_rows))
+    for call, (rows, topk_idx, topk_weights) in received.items():
+        checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(
+            torch.equal(rows[:n], full_rows) and torch.equal(topk_idx[:n], own_full[1]) and
+            torch.equal(topk_weights[:n], own_full[2]))
     if failure is not None:
         checks[f"{name} num_worst_tokens " + ("graph capture" if calls else "call") + f" ({failure})"] = False
     for call, fn in calls.items():
@@ -190,9 +195,10 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
     inter_node = None
     for name, (buffer, configs) in buffers.items():
         config, combine_config = configs(sms)
-        calls, recv_x, in_rank, handle, dispatch_args = _normal_calls(
+        calls, full, in_rank, handle, dispatch_args = _normal_calls(
             buffer, config, combine_config, x, x_fp8, topk_idx, topk_weights, settings.num_experts,
             extensions=name == "epcomm")
+        recv_x = full[0]
         if name == "epcomm":
             epcomm_recv = recv_x
             if buffer.num_nodes > 1 and buffer.backend_name == "nvshmem":
@@ -210,7 +216,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
             results.setdefault(call, {"call": call})[name] = measure(fn, settings.reps, flush)
         del calls
         if settings.worst_tokens:  # after the rows above: its graph and outputs live only while measured
-            _measure_num_worst(name, buffer, x, dispatch_args, dist.get_world_size() * tokens, epcomm_recv,
+            _measure_num_worst(name, buffer, x, dispatch_args, dist.get_world_size() * tokens, epcomm_recv, full,
                                results, checks, settings.reps, flush)
     baseline = NCCLBaseline(x, buffers["epcomm"][0].get_dispatch_layout(topk_idx, settings.num_experts)[3])
     base_recv = baseline.dispatch()
