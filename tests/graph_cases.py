@@ -112,8 +112,8 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
         full_plans = [plan for plan in mode._dispatch_plans.values() if plan.notify_stage or plan.stage_lists]
         single = any(plan.notify_stage for plan in full_plans)
         apart = any(plan.stage_lists for plan in full_plans)
-        # The launch NormalMode's rule picks for this batch: on a GPU of its own always the single
-        # one; where ranks share a GPU, the grid caps decide (4 ranks on an H200: it fits; 8: not).
+        # The launch NormalMode's rule picks for this batch (its waiting programs within 4 x num_sms:
+        # on one H200, 1 rank and 4 ranks sharing it fit; 8 sharing it do not).
         num_sms = fast._resolve_config(None, epcomm.Buffer.get_dispatch_config).num_sms
         rows = min(num_tokens, full_plans[0].round_tokens)
         stage_programs = max(1, min(num_sms * mode.stage_programs_per_sm, -(-rows // full_plans[0].block_r))) + R

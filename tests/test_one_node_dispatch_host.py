@@ -57,7 +57,6 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
     mode.b = types.SimpleNamespace(mailbox=mailbox, timeout_ns=1, timeout_s=1.0)
     mode.R, mode.R_P2, mode.rank, mode.device, mode.dev_index = R, R, RANK, torch.device("cpu"), 0
     mode.expert_major_programs = 132
-    mode.shares_gpu = False
     mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0, lists_offset=0,
                                     list_cap=0, counts_offset=0)
     mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
@@ -474,25 +473,26 @@ def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch
         assert not tensors, f"{name} got tensors at arguments {tensors}"
 
 
-@pytest.mark.parametrize("shares_gpu, num_sms, num_tokens, together", [
-    (True, 6, 50, True), (True, 2, 50, False),
-    (True, 4, 64, True), (True, 4, 65, False),  # (the bound: 4 + 4 + 8 copies = 16 = 4 x num_sms; 9 copies: 17)
-    (False, 2, 150, True)])  # (a GPU of its own: any grid, its programs wait for nobody else's)
-def test_ranks_sharing_a_gpu_launch_notify_and_stage_together_only_where_their_waiting_programs_fit(
-        monkeypatch, shares_gpu, num_sms, num_tokens, together):
+@pytest.mark.parametrize("num_sms, num_tokens, together", [
+    (6, 50, True), (2, 50, False),
+    (4, 64, True), (4, 65, False),  # (the bound: 4 + 4 + 8 copies = 16 = 4 x num_sms; 9 copies: 17)
+    (2, 150, False)])
+def test_notify_and_stage_launch_together_only_where_their_waiting_programs_fit(
+        monkeypatch, num_sms, num_tokens, together):
     """In ep_dispatch_notify_stage every program waits (the notify's for the peers, the stage's for the
-    notify): where ranks share a GPU it goes only where its grid is within the 4 x num_sms waiting
-    programs shared_grids.py counts per rank (R notify + R list + copy programs); a rank whose
-    peers' programs could not find room would wait out the timeout. Elsewhere two launches."""
+    notify): it goes only where its grid (R notify + R list + copy programs) is within 4 x num_sms.
+    Where ranks share a GPU that is the waiting programs shared_grids.py counts per rank (a rank
+    whose peers' programs found no room would wait out the timeout); on a GPU of its own it keeps
+    the wait's spinning programs off the SMs a compute stream beside the call uses (a review: at
+    R = 8 the expert-major stage's position programs alone would hold every SM). Else two launches."""
     launches = []
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.shares_gpu = shares_gpu
     mode.stage_programs_per_sm = 4
     call = _args(num_tokens)
     call.config.num_sms = num_sms
     mode.dispatch(call)
     copies = min(4 * num_sms, -(-min(num_tokens, ROUND_TOKENS) // BLOCK_R))
-    assert (not shares_gpu or R + R + copies <= 4 * num_sms) == together
+    assert (R + R + copies <= 4 * num_sms) == together
     if together:
         assert [(name, grid) for name, grid, _ in launches][:1] == [("notify+stage", R + R + copies)]
     else:
@@ -508,7 +508,6 @@ def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, exp
     mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
     plan = dataclasses.replace(mode._dispatch_plan_of(None), expert_major=expert_major)
     mode._dispatch_plan_of = lambda args: plan
-    mode.shares_gpu = True
     call = _args(50)
     call.config.num_sms = 4
     mode.dispatch(call)

@@ -61,7 +61,8 @@ PULL_PROGRAMS_PER_SM = 3
 # The stage in turn (a full dispatch's, before its pull) copies on this many times num_sms programs:
 # local copies at a rate per program. Each kernel alone on one H200 (T=4096, H=7168, Config(24)):
 # 62.1 µs on num_sms, 40.2 on 2 x num_sms (H100: 65.4, 49.0; 4 x num_sms 49.5): performance-log,
-# 2026-11-28c. The stage waits for nothing, so no grid cap limits it.
+# 2026-11-28c. The stage in turn waits for nothing, so no grid cap limits it (in one launch with the
+# count exchange its programs wait for it: NormalMode.notify_stage_fits bounds that grid).
 STAGE_PROGRAMS_PER_SM = 2
 # A full dispatch's stage stores each token list into its receiver's workspace, so the pull reads its
 # entries locally (receive_index.list_of). Same run on 2 H200s (T=4096, H=7168, Config(24)): the full
@@ -146,8 +147,8 @@ class KernelChoices:
         before 2026-11-28d). Every rank of the group must set the same.""")
     notify_with_stage = Choice(
         """A full dispatch's count exchange and its stage in turn go as one launch (notify.py,
-        ep_dispatch_notify_stage; where ranks share a GPU, only where its waiting programs fit the
-        grid caps; its waits are on device epochs, so a captured num_worst_tokens dispatch replays
+        ep_dispatch_notify_stage; only where its waiting programs are within 4 x num_sms,
+        NormalMode.notify_stage_fits; its waits are on device epochs, so a captured num_worst_tokens dispatch replays
         correctly too): one launch less on the host's path, which sets a small batch's pace. Same
         run on 2 H200s, T=512 (2026-11-29, when the stage still waited for the host's notify
         number): the full dispatch took 115 µs host against 137 with two launches (DeepEP V1

@@ -50,7 +50,6 @@ class NormalMode(KernelChoices):
         # of ranks sharing a GPU (gpu/shared_grids.py; its arithmetic counts num_sms programs each)
         self.expert_major_programs = getattr(backend, "max_num_sms", 0) or \
             torch.cuda.get_device_properties(backend.device).multi_processor_count
-        self.shares_gpu = bool(getattr(backend, "max_num_sms", 0))  # ranks share this GPU: grids are capped
         # persistent tensors go to the launcher as plain addresses
         self.bases = ws.bases.data_ptr()
         self.state = backend.state.data_ptr()
@@ -403,10 +402,15 @@ class NormalMode(KernelChoices):
     def notify_stage_fits(self, stage_programs: int, num_sms: int) -> bool:
         """Whether a full dispatch's count exchange goes in one launch with its round-0 stage of
         ``stage_programs`` programs (copy, position and list programs) on ``num_sms``: where
-        ``notify_with_stage`` is set, always on a GPU of its own; where ranks share one, when its R
-        notify programs and the stage's, which all wait, are at most the 4 x num_sms waiting programs
-        that shared_grids.py counts per rank."""
-        return self.notify_with_stage and (not self.shares_gpu or self.R + stage_programs <= 4 * num_sms)
+        ``notify_with_stage`` is set and its R notify programs and the stage's, which all wait (the
+        stage's for the notify, the notify's for the peers), are at most 4 x num_sms. That is the
+        most waiting programs shared_grids.py counts per rank where ranks share a GPU. On a GPU of
+        its own it keeps the wait's spinning programs within what the one-node kernels' waiting
+        grids use (the pull in turn 3 x num_sms, the combine 4 x num_sms), so a compute stream
+        beside the call keeps the rest of the SMs. An expert-major batch's position programs
+        (one per 32 tokens) take it past that at T=4096, and then the notify goes apart, as before
+        2026-11-29."""
+        return self.notify_with_stage and self.R + stage_programs <= 4 * num_sms
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
                write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0,
