@@ -13,6 +13,7 @@ import epcomm
 import failure_cases
 import graph_cases
 import recovery_cases
+import single_launch_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -144,6 +145,13 @@ def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
     """Layout, a num_worst_tokens dispatch and the combine replayed from one CUDA graph match the
     reference; serial-dispatch: the dispatch in turn, its count exchange and stage in one launch."""
     assert gpu_pool.run(graph_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
+
+
+def test_the_count_exchange_and_stage_in_one_launch_match_the_reference(gpu_pool):
+    """ep_dispatch_notify_stage on small batches of four routings, rows, top-k, handles and combine
+    against the reference (single_launch_cases.py): at 8 GPUs, the R = 8 form users run."""
+    assert gpu_pool.run(single_launch_cases.gpu_single_launch_small_batches, timeout_s=300) == \
+        [4] * gpu_pool.world_size
 
 
 def test_bench_normal_measures_and_checks_every_row(gpu_pool):

@@ -499,6 +499,20 @@ def test_notify_and_stage_launch_together_only_where_their_waiting_programs_fit(
         assert [(name, grid) for name, grid, _ in launches][:2] == [("notify", R), ("stage", R + copies)]
 
 
+def test_a_raised_waiting_bound_takes_the_single_launch_where_the_default_would_not(monkeypatch):
+    """NormalMode.waiting_programs_per_sm (WAITING_PROGRAMS_PER_SM by default) is the bound the fit
+    rule applies: the shared-GPU bed raises it to run the single launch at 8 ranks."""
+    for per_sm, first in ((4, "notify"), (5, "notify+stage")):  # (4 + 4 + 9 copies = 17: > 16, <= 20)
+        launches = []
+        mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+        mode.stage_programs_per_sm = 4
+        mode.waiting_programs_per_sm = per_sm
+        call = _args(65)
+        call.config.num_sms = 4
+        mode.dispatch(call)
+        assert launches[0][0] == first
+
+
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, expert_major):
     """The expert-major stage runs position programs beside its list and copy programs, and they

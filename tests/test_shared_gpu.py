@@ -31,6 +31,7 @@ import failure_cases
 import graph_cases
 import lifetime_cases
 import recovery_cases
+import single_launch_cases
 import training_cases
 from epcomm.testing import WorkerPool
 
@@ -177,6 +178,14 @@ def test_low_latency_cuda_graph(shared_pool):
 @pytest.mark.parametrize("variant", ["", "serial-dispatch"])
 def test_num_worst_tokens_step_in_a_cuda_graph(shared_pool, variant):
     assert _all(shared_pool, graph_cases.gpu_normal_worst_graph, 4, 2048, variant) == [4] * shared_pool.world_size
+
+
+@pytest.mark.skipif(BACKEND != "nvlink", reason="the one-node normal mode's paths (the nvlink backend)")
+def test_the_count_exchange_and_stage_in_one_launch_at_every_group_size(shared_pool):
+    """The single launch against the reference where the bed's grid caps would refuse it at 8 ranks
+    (num_sms 4: 8 notify + 8 list + 1 copy = 17 waiting programs > 16): the bound raised to 5 x
+    num_sms, with small batches (single_launch_cases.py); its prefix at R_P2 = 8, 16 warps."""
+    assert _all(shared_pool, single_launch_cases.gpu_single_launch_small_batches, 5) == [4] * shared_pool.world_size
 
 
 def test_captured_normal_calls_that_wait_on_the_host_are_refused(shared_pool):

@@ -64,6 +64,11 @@ PULL_PROGRAMS_PER_SM = 3
 # 2026-11-28c. The stage in turn waits for nothing, so no grid cap limits it (in one launch with the
 # count exchange its programs wait for it: NormalMode.notify_stage_fits bounds that grid).
 STAGE_PROGRAMS_PER_SM = 2
+# ep_dispatch_notify_stage (the count exchange and the stage in turn in one launch) goes only where its
+# programs, which all wait, are at most this many times num_sms (NormalMode.notify_stage_fits): the
+# waiting programs gpu/shared_grids.py counts per rank where ranks share a GPU; on a GPU of its own,
+# what the other waiting grids use (the pull in turn 3 x, the combine 4 x num_sms).
+WAITING_PROGRAMS_PER_SM = 4
 # A full dispatch's stage stores each token list into its receiver's workspace, so the pull reads its
 # entries locally (receive_index.list_of). Same run on 2 H200s (T=4096, H=7168, Config(24)): the full
 # dispatch took 241 µs GPU / 301 synced against 263 / 414 with the lists left at their sources, and

@@ -14,7 +14,7 @@ from ... import agreement
 from ...copy import COPY_WARPS, copy_block_shape, for_word_copies, is_aligned
 from ...launch import Specialisations, cdiv, current_stream, p2
 from ...workspace import FP_NORMAL
-from .choices import KernelChoices
+from .choices import WAITING_PROGRAMS_PER_SM, KernelChoices
 from .combine import PUSH, PUSH_REDUCE, REDUCE
 from .dispatch import PULL, STAGE_PULL
 from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
@@ -148,6 +148,9 @@ class NormalMode(KernelChoices):
         return plan
 
     host_epochs = False  # (its epochs live on the device: its combine and a dispatch without a host wait replay)
+    # notify_stage_fits' bound on the single launch's waiting programs, per num_sms (a bed test raises
+    # it on its Buffer so that 8 ranks sharing one GPU take that launch with a small batch)
+    waiting_programs_per_sm = WAITING_PROGRAMS_PER_SM
 
     def refuse_capture(self, kind: str, handle, num_worst_tokens: int) -> None:
         """A call inside a CUDA graph capture (GpuBackend.refuse_capture): EPError for a full dispatch
@@ -403,14 +406,15 @@ class NormalMode(KernelChoices):
         """Whether a full dispatch's count exchange goes in one launch with its round-0 stage of
         ``stage_programs`` programs (copy, position and list programs) on ``num_sms``: where
         ``notify_with_stage`` is set and its R notify programs and the stage's, which all wait (the
-        stage's for the notify, the notify's for the peers), are at most 4 x num_sms. That is the
+        stage's for the notify, the notify's for the peers), are at most WAITING_PROGRAMS_PER_SM (4)
+        x num_sms. That is the
         most waiting programs shared_grids.py counts per rank where ranks share a GPU. On a GPU of
         its own it keeps the wait's spinning programs within what the one-node kernels' waiting
         grids use (the pull in turn 3 x num_sms, the combine 4 x num_sms), so a compute stream
         beside the call keeps the rest of the SMs. An expert-major batch's position programs
         (one per 32 tokens) take it past that at T=4096, and then the notify goes apart, as before
         2026-11-29."""
-        return self.notify_with_stage and self.R + stage_programs <= 4 * num_sms
+        return self.notify_with_stage and self.R + stage_programs <= self.waiting_programs_per_sm * num_sms
 
     def _stage(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, lo: int, hi: int,
                write_lists: bool, stream: int, fp0: int, fp1: int, tag: int, list_index: int = 0,
