@@ -137,9 +137,9 @@ def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool
     """The full dispatch with ``num_worst_tokens`` (collective, as every bench call): ``(calls, received,
     failure)``. ``calls``: WORST_EAGER, and WORST_GRAPH (one CUDA graph's replay) where ``graph`` and
     the capture worked; ``received``: each form's (recv_x, recv_topk_idx, recv_topk_weights), num_worst
-    rows each (the first ones received); ``failure``: the exception of the first call (a library without num_worst_tokens:
-    no rows) or of the capture, as text, or None. Where a capture fails on
-    any rank, every rank leaves the graph out (``_capture`` agrees across ranks)."""
+    rows each (the first ones received); ``failure``: as text, the exception of the first call (a
+    library without num_worst_tokens: no rows) or of the capture, else None. Where a capture fails
+    on any rank, every rank leaves the graph out (``_capture`` agrees across ranks)."""
     def worst():
         return buffer.dispatch(x, num_worst_tokens=num_worst, **dispatch_args)
     try:
