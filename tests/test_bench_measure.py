@@ -172,6 +172,28 @@ def test_the_num_worst_check_compares_rows_and_top_k_with_the_full_dispatch(monk
                                        backend_name="nvshmem")
         monkeypatch.setattr(bench, "measure", lambda fn, reps, flush: {"host": 1, "gpu": 1, "synced": 1})
         results, checks = {}, {}
-        bench._measure_num_worst("epcomm", buffer, "x", {}, 4, full[0], full, results, checks, 3, None)
+        bench._measure_num_worst("epcomm", buffer, "x", {}, 4, full[0], full, results, checks, 3, None, set())
         assert checks == {"epcomm num_worst == full": passes}, (wrong, checks)
         assert list(results) == [bench.WORST_EAGER] and results[bench.WORST_EAGER]["epcomm"]["gpu"] == 1
+
+
+def test_a_library_whose_capture_failed_is_not_captured_again_in_the_run(monkeypatch):
+    """A failed capture may leave a library's state behind: the run's later points time that
+    library's eager num_worst_tokens row only."""
+    captures = []
+
+    def capture(fn):
+        captures.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(bench, "_capture", capture)
+    monkeypatch.setattr(bench, "measure", lambda fn, reps, flush: {"host": 1, "gpu": 1, "synced": 1})
+    import torch
+    full = (torch.zeros(2, 2), torch.zeros(2, 1), torch.zeros(2, 1))
+    buffer = types.SimpleNamespace(dispatch=lambda x, **kwargs: (*full, None, None, None))
+    no_graph = set()
+    for point in range(2):
+        results, checks = {}, {}
+        bench._measure_num_worst("deep_ep", buffer, "x", {}, 2, full[0], full, results, checks, 3, None, no_graph)
+        assert list(results) == [bench.WORST_EAGER] and checks["deep_ep num_worst == full"]
+        assert any("graph capture" in name for name in checks) == (point == 0)
+    assert captures == [1] and no_graph == {"deep_ep"}

@@ -159,14 +159,17 @@ def _num_worst_calls(buffer, x, dispatch_args: Dict, num_worst: int, graph: bool
 
 
 def _measure_num_worst(name: str, buffer, x, dispatch_args: Dict, num_worst: int, full_rows: torch.Tensor,
-                       own_full: tuple, results: Dict, checks: Dict, reps: int, flush: torch.Tensor) -> None:
+                       own_full: tuple, results: Dict, checks: Dict, reps: int, flush: torch.Tensor,
+                       no_graph: set) -> None:
     """The num_worst_tokens rows of library ``name`` (:func:`_num_worst_calls`) measured into
     ``results``; into ``checks``, each form's received rows against ``full_rows`` (epcomm's full
     dispatch) and its top-k ids and weights against ``own_full``'s (this library's full dispatch:
     recv_x, recv_topk_idx, recv_topk_weights). The graph and the outputs are dropped on return. (A
-    two-level Buffer refuses a captured call by design: no graph row there.)"""
-    calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, num_worst,
-                                                graph=getattr(buffer, "backend_name", "") != "nvshmem")
+    two-level Buffer refuses a captured call by design: no graph row there.) ``no_graph``: the
+    libraries whose capture failed at an earlier point of the run, not captured again (a failed
+    capture may leave a library's state behind); a failure here adds ``name``."""
+    graph = getattr(buffer, "backend_name", "") != "nvshmem" and name not in no_graph
+    calls, received, failure = _num_worst_calls(buffer, x, dispatch_args, num_worst, graph=graph)
     n = full_rows.shape[0]
     for call, (rows, topk_idx, topk_weights) in received.items():
         checks[f"{name} {call.split(', ', 1)[1]} == full"] = bool(
@@ -174,12 +177,15 @@ def _measure_num_worst(name: str, buffer, x, dispatch_args: Dict, num_worst: int
             torch.equal(topk_weights[:n], own_full[2]))
     if failure is not None:
         checks[f"{name} num_worst_tokens " + ("graph capture" if calls else "call") + f" ({failure})"] = False
+        no_graph.add(name)
     for call, fn in calls.items():
         results.setdefault(call, {"call": call})[name] = measure(fn, reps, flush)
 
 
 def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dict, flush: torch.Tensor,
-                        sms: int) -> Dict:
+                        sms: int, no_graph: Optional[set] = None) -> Dict:
+    """One table: every call of every library at ``tokens`` per rank on ``sms``, checked;
+    ``no_graph``: the run's libraries whose num_worst_tokens capture failed (_measure_num_worst)."""
     from ..fp8 import per_token_cast_to_fp8
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -217,7 +223,7 @@ def _bench_normal_point(settings: NormalBenchSettings, tokens: int, buffers: Dic
         del calls
         if settings.worst_tokens:  # after the rows above: its graph and outputs live only while measured
             _measure_num_worst(name, buffer, x, dispatch_args, dist.get_world_size() * tokens, epcomm_recv, full,
-                               results, checks, settings.reps, flush)
+                               results, checks, settings.reps, flush, set() if no_graph is None else no_graph)
     baseline = NCCLBaseline(x, buffers["epcomm"][0].get_dispatch_layout(topk_idx, settings.num_experts)[3])
     base_recv = baseline.dispatch()
     results["dispatch, full, BF16"]["nccl"] = measure(baseline.dispatch, settings.reps, flush)
@@ -262,6 +268,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
               "device": torch.cuda.get_device_name(dev), "peer": settings.peer if peer is not None else None,
               "settings": asdict(settings)}
     started = time.time()
+    no_graph: set = set()  # libraries whose num_worst_tokens capture failed: not captured again this run
     normal = getattr(buffers["epcomm"][0]._backend, "normal", None)  # (the nvshmem backend's TwoLevelMode)
     default_transport = (getattr(normal, "send_parts", None), getattr(normal, "p2p", None))
     runs = [(tokens, settings.sms, default_transport, None) for tokens in [settings.tokens] + [
@@ -281,8 +288,8 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
             print(f"[normal] T={tokens} num_sms={sms}" + (f" send_parts={parts} p2p={p2p}" if parts else "") +
                   (f" {variant}" if variant else "") + f" ({time.time() - started:.0f} s)", file=sys.stderr,
                   flush=True)
-        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms), send_parts=parts, p2p=p2p,
-                           variant=variant))
+        points.append(dict(_bench_normal_point(settings, tokens, buffers, flush, sms, no_graph), send_parts=parts,
+                           p2p=p2p, variant=variant))
         if dist.get_rank() == 0:  # each table as it is measured: a later point that fails loses none of it
             print(normal_table(dict(result, points=points[-1:])), file=sys.stderr, flush=True)
     buffers["epcomm"][0].destroy()
