@@ -19,7 +19,8 @@ from epcomm import fp8
 from epcomm.errors import EPInputError
 from epcomm.testing import reference_combine, reference_dispatch, reference_low_latency_combine, \
     reference_low_latency_dispatch
-from epcomm.testing.sweeps import _ll_rows, _to_cpu, cuda_graph_replays, expert_fn, make_routing, rank_fn, world
+from epcomm.testing.sweeps import (_ll_rows, _to_cpu, cuda_graph_replays, expert_fn, make_routing, rank_fn,
+                                    routing_loader, world)
 
 
 def _deep_ep():
@@ -359,13 +360,7 @@ def vllm_low_latency_graph(replays: int = 3, hidden: int = 2048, num_max_tokens:
                                                 return_recv_hook=True, out=out)
         hook()
 
-    def load(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
-        x.copy_(xs[rank])
-        topk.copy_(topks[rank])
-        weights.copy_(ws[rank])
-        return xs, topks, ws
-
+    load = routing_loader((x, topk, weights), num_experts, K, M, hidden)
     seeds = [0] + [900 + replay for replay in range(replays)]
     for replay, ((xs, topks, ws), _) in enumerate(cuda_graph_replays(step, load, seeds, cpu_group)):
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, True, True)

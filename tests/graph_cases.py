@@ -9,7 +9,7 @@ import torch.distributed as dist
 import epcomm
 from epcomm import fp8
 from epcomm.testing import reference_low_latency_combine
-from epcomm.testing.sweeps import _buffers_on_gpu, cuda_graph_replays, expert_fn, make_routing, world
+from epcomm.testing.sweeps import _buffers_on_gpu, cuda_graph_replays, expert_fn, make_routing, routing_loader, world
 
 
 def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ranks_per_node=None):
@@ -32,13 +32,7 @@ def gpu_low_latency_graph(replays: int = 4, hidden: int = 2048, backend=None, ra
         expert_out = (rows * scale[:, None, None]).to(torch.bfloat16)
         return buffer.low_latency_combine(expert_out, topk, weights, handle)[0]
 
-    def load(seed):
-        xs, topks, ws = make_routing(seed, "uniform", R, num_experts, K, M, hidden, fixed_tokens=M)
-        x.copy_(xs[rank])
-        topk.copy_(topks[rank])
-        weights.copy_(ws[rank])
-        return xs, topks, ws
-
+    load = routing_loader((x, topk, weights), num_experts, K, M, hidden)
     seeds = [0] + [100 + replay for replay in range(replays)]
     for replay, ((xs, topks, ws), out) in enumerate(cuda_graph_replays(step, load, seeds)):
         want = reference_low_latency_combine(xs[rank], topks[rank], ws[rank], expert_fn, use_fp8=True)
@@ -105,7 +99,7 @@ def gpu_normal_worst_graph(replays: int = 4, hidden: int = 2048, variant: str = 
                                    msg=lambda m: f"{what}: combine {m}")
 
     what = variant or "defaults"
-    if variant == "serial-dispatch":  # which launch the dispatch in turn took (one that did not fit goes apart, silently)
+    if variant == "serial-dispatch":  # the launch the dispatch in turn took (one that does not fit goes apart)
         load(0)
         step()
         mode = fast._backend.normal

@@ -384,6 +384,20 @@ def gpu_normal_against_reference(configs, num_nvl_bytes: int = 1 << 30, repeats:
     return checked
 
 
+def routing_loader(inputs, num_experts: int, num_topk: int, num_tokens: int, hidden: int):
+    """A :func:`cuda_graph_replays` ``load``: ``load(seed)`` copies this rank's part of the seed's
+    uniform routing (:func:`make_routing`, ``num_tokens`` on every rank) into ``inputs`` (the
+    captured x, topk_idx and topk_weights) and returns every rank's ``(xs, topk_idxs, weights)``."""
+    R, rank = world()
+
+    def load(seed):
+        routing = make_routing(seed, "uniform", R, num_experts, num_topk, num_tokens, hidden, fixed_tokens=num_tokens)
+        for tensor, values in zip(inputs, routing):
+            tensor.copy_(values[rank])
+        return routing
+    return load
+
+
 def cuda_graph_replays(step, load, seeds, group=None, back_to_back: bool = False):
     """Capture ``step()`` in a CUDA graph and replay it on new inputs; yields ``(load(seed), out)``
     per seed, after the replay finished (``out``: what ``step`` returned during the capture).

@@ -4,7 +4,7 @@ Launches per call (one cross-rank barrier per launch pair, halves alternate by b
 
     get_dispatch_layout   ep_dispatch_layout                          1 launch
     dispatch (full)       ep_dispatch_notify_stage ; [host polls the mailbox] ; ep_dispatch_pull
-                          (notify_with_stage off, or a grid past 4 x num_sms waiting programs, notify_stage_fits:
+                          (notify_with_stage off, or past 4 x num_sms waiting programs, notify_stage_fits:
                           ep_notify_dispatch ; ep_dispatch_stage ; ...; doorbell_dispatch:
                           ep_notify_dispatch ; ep_dispatch, its pull waiting for the doorbell ; [host
                           polls, allocates, rings]; num_worst_tokens: ep_notify_dispatch ; ep_dispatch,

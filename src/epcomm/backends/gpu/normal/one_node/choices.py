@@ -153,8 +153,8 @@ class KernelChoices:
     notify_with_stage = Choice(
         """A full dispatch's count exchange and its stage in turn go as one launch (notify.py,
         ep_dispatch_notify_stage; only where its waiting programs are within 4 x num_sms,
-        NormalMode.notify_stage_fits; its waits are on device epochs, so a captured num_worst_tokens dispatch replays
-        correctly too): one launch less on the host's path, which sets a small batch's pace. Same
+        NormalMode.notify_stage_fits; its waits are on device epochs, so a captured num_worst_tokens
+        dispatch replays correctly too): one launch less on the host's path, which sets a small batch's pace. Same
         run on 2 H200s, T=512 (2026-11-29, when the stage still waited for the host's notify
         number): the full dispatch took 115 µs host against 137 with two launches (DeepEP V1
         85-89; performance-log). False: two launches (bench --variants notify-apart, the default
