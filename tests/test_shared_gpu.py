@@ -188,6 +188,16 @@ def test_the_count_exchange_and_stage_in_one_launch_at_every_group_size(shared_p
     assert _all(shared_pool, single_launch_cases.gpu_single_launch_small_batches, 5) == [4] * shared_pool.world_size
 
 
+def test_expert_major_layout_at_every_group_size(shared_pool):
+    """dispatch(expert_major=True) at DeepEP's routing width (top-8 of about 256 experts) with
+    batches up to 1024 tokens: the position programs, the group-start table and the fold at every
+    group size of the bed (R = 6 and 8 included), bf16 and FP8, against the reference and the torch
+    re-layout of a plain dispatch (training_cases.py)."""
+    R = shared_pool.world_size
+    assert _all(shared_pool, training_cases.expert_major_against_reference, 4, 2048, "cuda", fp8=True,
+                experts_per_rank=256 // R, num_topk=8, max_tokens=1024) == [4] * R
+
+
 def test_captured_normal_calls_that_wait_on_the_host_are_refused(shared_pool):
     """nvlink: a full dispatch without num_worst_tokens; nvshmem (host-side epochs): every
     normal-mode dispatch and combine (graph_cases.gpu_captured_calls_refused)."""
