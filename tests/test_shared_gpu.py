@@ -198,6 +198,21 @@ def test_expert_major_layout_at_every_group_size(shared_pool):
                 experts_per_rank=256 // R, num_topk=8, max_tokens=1024) == [4] * R
 
 
+def test_the_bench_point_beside_deep_ep(shared_pool):
+    """``epcomm bench normal --peer deep_ep``'s rank function on one small point, both libraries on
+    the bed (peer_cases.py): every check passes, DeepEP's num_worst_tokens rows (eager and one CUDA
+    graph's replay) among them, so a multi-GPU lease finds the peer's paths working. Skipped
+    where DeepEP itself is not importable (``use_peer`` in scripts/gpu_env.sh)."""
+    import peer_cases
+    results = _all(shared_pool, peer_cases.bench_point_beside_the_peer)
+    if any(isinstance(result, str) for result in results):
+        pytest.skip(f"DeepEP V1 is not importable in the workers: {results[0]}")
+    for rank, result in enumerate(results):
+        assert result["ok"] and all(result["checks"].values()), (rank, result["checks"])
+    from epcomm.tools.bench import WORST_GRAPH
+    assert WORST_GRAPH in results[0]["peer_calls"], results[0]["peer_calls"]
+
+
 def test_captured_normal_calls_that_wait_on_the_host_are_refused(shared_pool):
     """nvlink: a full dispatch without num_worst_tokens; nvshmem (host-side epochs): every
     normal-mode dispatch and combine (graph_cases.gpu_captured_calls_refused)."""

@@ -182,3 +182,22 @@ def test_programs_per_sm_from_registers_warps_and_shared_memory():
     assert tool.programs_per_sm(48, 4, 1024) == 10  # ep_notify_dispatch
     assert tool.programs_per_sm(8, 1, 0) == 32  # the per-SM program limit
     assert tool.programs_per_sm(32, 4, 100 * 1024) == 2  # shared memory bounds it
+
+
+def test_the_peer_case_looks_past_epcomms_own_deep_ep_and_puts_it_back(tmp_path, monkeypatch):
+    """peer_cases.deep_ep_itself: inside, ``import deep_ep`` finds DeepEP (here a stand-in on the
+    path), not compat/'s package that conftest.py puts first; after, the engine tests' import gets
+    compat/'s again, the same module object."""
+    import sys
+    import deep_ep as compat_module
+    import peer_cases
+    stand_in = tmp_path / "deep_ep"
+    stand_in.mkdir()
+    (stand_in / "__init__.py").write_text("__version__ = '1.2.1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "compat", "deep_ep"))
+    with peer_cases.deep_ep_itself() as peer:
+        assert not isinstance(peer, str) and peer.__version__ == "1.2.1", peer
+        assert sys.modules["deep_ep"] is peer
+    import deep_ep
+    assert deep_ep is compat_module and "epcomm" in deep_ep.__version__
