@@ -27,7 +27,7 @@ case "$part" in
   # the nvlink backend at one node of 8 (its workspace in NVSHMEM's mapping: ranks share the GPU);
   # with fewer programs per rank than nvshmem (docs/notes/multinode-log.md, finding 14)
   nvlink)    shapes="8x8"; backend=nvlink
-             tests="peer_loads or internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips or stage_in_one_launch or expert_major" ;;
+             tests="peer_loads or internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips or stage_in_one_launch or expert_major or beside_deep_ep" ;;
   nvlink-faults) shapes="8x8"; backend=nvlink
              tests="engines or dropped or fuzz or out_of_range or failure_contract or raised_everywhere or random_sequence or skips_a_call or timeout or dead_rank" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
@@ -44,9 +44,10 @@ if [ -n "${DRY_RUN:-}" ]; then echo "$what"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
 export EPCOMM_STACK_DUMP_S="${EPCOMM_STACK_DUMP_S:-200}"
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the checkout on the path, NVLink multicast off, $OUT; DeepEP V1 where its wheel was carried into
+# .peers/ (the bench point beside it: tests/peer_cases.py; skipped without it)
+source scripts/gpu_env.sh
+use_peer
 export NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 EPCOMM_SHARED_GPU=1 EPCOMM_SHARED_GPU_SHAPES="$shapes" \
   EPCOMM_SHARED_GPU_BACKEND="$backend" EPCOMM_SHARED_GPU_VARIANT="${VARIANT:-}"
 mps="/tmp/epcomm-mps-$$"
