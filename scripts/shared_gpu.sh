@@ -27,7 +27,7 @@ case "$part" in
   # the nvlink backend at one node of 8 (its workspace in NVSHMEM's mapping: ranks share the GPU);
   # with fewer programs per rank than nvshmem (docs/notes/multinode-log.md, finding 14)
   nvlink)    shapes="8x8"; backend=nvlink
-             tests="peer_loads or internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips or stage_in_one_launch or expert_major or beside_deep_ep" ;;
+             tests="peer_loads or internode or routings or rounds or low_latency_sweep or graph or autograd or round_trips or stage_in_one_launch or expert_major or beside_deep_ep or handles_equal_deep_eps" ;;
   nvlink-faults) shapes="8x8"; backend=nvlink
              tests="engines or dropped or fuzz or out_of_range or failure_contract or raised_everywhere or random_sequence or skips_a_call or timeout or dead_rank" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;

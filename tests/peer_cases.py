@@ -9,6 +9,8 @@ import contextlib
 import os
 import sys
 
+import torch
+
 NO_PEER = "no peer"
 
 
@@ -57,3 +59,94 @@ def bench_point_beside_the_peer(tokens: int = 256, hidden: int = 2048, sms: int 
     point = result["points"][0]
     return {"ok": point["ok"], "checks": point["checks"],
             "peer_calls": sorted(row["call"] for row in point["rows"] if "deep_ep" in row)}
+
+
+# DeepEP's one-node handle fields epcomm fills (handle.py); [2], recv_channel_prefix_matrix, is
+# DeepEP's receiver-side bookkeeping of its channels, which epcomm's kernels do not have: None.
+COMPARED_FIELDS = {0: "rank_prefix_matrix", 1: "channel_prefix_matrix", 3: "recv_src_idx", 4: "is_token_in_rank",
+                   5: "send_head"}
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    if not isinstance(a, torch.Tensor):  # (the per-expert counts)
+        return a == b
+    if hasattr(a, "dtype") and a.dtype.is_floating_point and a.element_size() == 1:  # FP8: bit for bit
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+
+
+def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, hidden: int = 2048,
+                                        num_topk: int = 8, experts_per_rank: int = 32, sms: int = 8,
+                                        against_compat: bool = False):
+    """epcomm's and DeepEP's one-node normal mode on the same batches, output by output:
+    get_dispatch_layout's four tensors; the full dispatch's rows (bf16, FP8 values and scales on
+    odd cases), top-k ids and weights, per-expert counts (expert_alignment 1, 4, 128 in turn) and
+    the handle's DeepEP fields (:data:`COMPARED_FIELDS`, read right after the dispatch: DeepEP's
+    combine rewrites its send_head); a cached dispatch's rows; the combine's rows and weights
+    (within bf16 rounding: the two sum in other orders). Every batch has other sizes and some
+    top-k entries -1. Returns ``{check: [cases where it differed]}``, or NO_PEER and why.
+    ``against_compat``: compare with compat/'s ``deep_ep`` (epcomm under DeepEP's API) on CPU
+    ranks instead: the CPU test of this case's own code."""
+    import torch.distributed as dist
+
+    import epcomm
+    from epcomm.fp8 import per_token_cast_to_fp8
+    from epcomm.tools.measure import random_batch
+    if against_compat:
+        import deep_ep as compat  # (first on the tests' path: conftest.py)
+    with contextlib.nullcontext(compat) if against_compat else deep_ep_itself() as peer:
+        if not against_compat and (isinstance(peer, str) or "epcomm" in str(getattr(peer, "__version__", ""))):
+            return f"{NO_PEER} ({peer})"
+        R, rank = dist.get_world_size(), dist.get_rank()
+        dev = torch.device("cpu") if against_compat else torch.device("cuda", torch.cuda.current_device())
+        num_experts = experts_per_rank * R
+        ours = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 28)
+        hint = peer.Config(sms, 8, 256).get_nvl_buffer_size_hint(hidden * 2, R)
+        theirs = peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 28))
+        buffers = {"epcomm": (ours, epcomm.Config(sms, 8, 256)), "deep_ep": (theirs, peer.Config(sms, 8, 256))}
+        differed = {}
+
+        def check(name: str, case: int, same: bool) -> None:
+            differed.setdefault(name, [])
+            if not same:
+                differed[name].append(case)
+
+        for case in range(num_cases):
+            num_tokens = max(0, tokens - 53 * case + 7 * rank)  # (other sizes per rank and case; case 5: few)
+            x, topk_idx, topk_weights = random_batch(num_tokens, hidden, num_topk, num_experts, 1000 * case + rank, dev)
+            topk_idx[torch.rand(topk_idx.shape, device=dev) < 0.1] = -1  # some entries routed nowhere
+            payload = per_token_cast_to_fp8(x) if case % 2 else x
+            got = {}
+            for name, (buffer, config) in buffers.items():
+                layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+                per_rank, _, per_expert, in_rank, _ = layout
+                recv, recv_topk, recv_weights, counts, handle, _ = buffer.dispatch(
+                    payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=(1, 4, 128)[case % 3],
+                    config=config)
+                fields = {index: handle[index].clone() for index in COMPARED_FIELDS}  # (before any combine)
+                cached = buffer.dispatch(payload, handle=handle, config=config)[0]
+                recv_x = recv[0] if isinstance(recv, tuple) else recv
+                expert_out = (recv_x.float() * 0.5).to(torch.bfloat16) if case % 2 else recv_x
+                combined, combined_weights, _ = buffer.combine(expert_out, handle, topk_weights=recv_weights,
+                                                               config=config)
+                got[name] = dict(layout=(layout[0], layout[2], layout[3]), recv=recv, recv_topk=recv_topk,
+                                 recv_weights=recv_weights, counts=list(counts), fields=fields, cached=cached,
+                                 combined=combined, combined_weights=combined_weights)
+            a, b = got["epcomm"], got["deep_ep"]
+            for key in ("layout", "recv", "recv_topk", "recv_weights", "counts", "cached"):
+                check(key, case, _same(a[key], b[key]))
+            for index, field in COMPARED_FIELDS.items():
+                check(f"handle[{index}] {field}", case, _same(a["fields"][index], b["fields"][index]))
+            check("combine", case, bool(torch.allclose(a["combined"].float(), b["combined"].float(), rtol=2e-2,
+                                                       atol=2e-2)))
+            check("combine's weights", case, bool(torch.allclose(a["combined_weights"], b["combined_weights"])))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        ours.destroy()
+        return differed

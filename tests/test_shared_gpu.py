@@ -215,6 +215,22 @@ def test_the_bench_point_beside_deep_ep(shared_pool):
     assert WORST_GRAPH in results[0]["peer_calls"], results[0]["peer_calls"]
 
 
+def test_outputs_and_handles_equal_deep_eps(shared_pool):
+    """epcomm's one-node normal mode beside DeepEP V1 on the same batches (peer_cases.py): the
+    layout, the dispatch's rows, top-k, counts and the handle's DeepEP fields that engines may read
+    (all but recv_channel_prefix_matrix, DeepEP's receiver-side channel bookkeeping) are equal, and
+    the combine agrees within bf16 rounding. Skipped where DeepEP itself is not importable."""
+    if shared_pool.world_size not in (2, 4, 8) or shared_pool.per_node != shared_pool.world_size:
+        pytest.skip("DeepEP's one-node kernels take 2, 4 or 8 ranks")
+    import peer_cases
+    results = _all(shared_pool, peer_cases.outputs_and_handles_beside_the_peer)
+    if any(isinstance(result, str) for result in results):
+        pytest.skip(f"DeepEP V1 is not importable in the workers: {results[0]}")
+    for rank, differed in enumerate(results):
+        assert len(differed) == 8 + len(peer_cases.COMPARED_FIELDS), (rank, sorted(differed))  # every check ran
+        assert not any(differed.values()), (rank, {check: cases for check, cases in differed.items() if cases})
+
+
 def test_captured_normal_calls_that_wait_on_the_host_are_refused(shared_pool):
     """nvlink: a full dispatch without num_worst_tokens; nvshmem (host-side epochs): every
     normal-mode dispatch and combine (graph_cases.gpu_captured_calls_refused)."""

@@ -201,3 +201,16 @@ def test_the_peer_case_looks_past_epcomms_own_deep_ep_and_puts_it_back(tmp_path,
         assert sys.modules["deep_ep"] is peer
     import deep_ep
     assert deep_ep is compat_module and "epcomm" in deep_ep.__version__
+
+
+def test_the_case_beside_deep_ep_compares_every_output_on_cpu_ranks():
+    """peer_cases.outputs_and_handles_beside_the_peer's own code (FP8 and bf16 cases, alignments,
+    handle fields, cached dispatch, combine), run against compat/'s deep_ep on 4 CPU ranks: every
+    check runs and none differs (the GPU bed runs it against DeepEP itself)."""
+    import peer_cases
+    from epcomm.testing import WorkerPool
+    with WorkerPool(4) as pool:
+        results = pool.run(peer_cases.outputs_and_handles_beside_the_peer, 3, 40, 256, 4, 4, 8, True, timeout_s=300)
+    for rank, differed in enumerate(results):
+        assert len(differed) == 8 + len(peer_cases.COMPARED_FIELDS), (rank, sorted(differed))
+        assert not any(differed.values()), (rank, differed)
