@@ -183,6 +183,15 @@ def config_capped_for_a_shared_gpu():
     config = buffer._resolve_config(epcomm.Config(24, 6, 256), epcomm.Buffer.get_dispatch_config)
     seen["rest kept"] = (config.nvl_chunked_send_tokens, config.nvl_chunked_recv_tokens) == (6, 256)
     seen["round trip"] = _normal_round(buffer, 40)
+    # The handle's DeepEP channel fields follow the Config asked for, not the capped one that runs
+    # (found beside DeepEP on the bed: 8 ranks on one GPU gave C = 2 where DeepEP had 4).
+    R, rank = world()
+    xs, topks, ws = make_routing(41, "uniform", R, 4 * R, 2, M, HIDDEN, fixed_tokens=M)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topks[rank], 4 * R)
+    handle = buffer.dispatch(xs[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=topks[rank], topk_weights=ws[rank],
+                             config=epcomm.Config(24, 8, 256))[4]
+    seen["handle's channels"] = (handle.num_channels, tuple(handle[1].shape), tuple(handle[5].shape))
     return seen
 
 

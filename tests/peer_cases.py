@@ -1,10 +1,12 @@
 """epcomm beside DeepEP V1 with every rank on one GPU (the shared-GPU bed): the bench's paths for
-the peer, run before a multi-GPU lease spends its minutes on them. Correctness only: the ranks
-share the GPU's SMs, so the figures mean nothing.
+the peer and the outputs and handles of both libraries on the same batches, run before a
+multi-GPU lease spends its minutes on them. Correctness only: the ranks share the GPU's SMs, so
+the figures mean nothing.
 
-DeepEP itself must be importable in the workers (``source scripts/gpu_env.sh; use_peer`` before
-``scripts/shared_gpu.sh``); epcomm's own ``deep_ep`` package (compat/, first on the tests' path:
-conftest.py) does not count."""
+DeepEP itself must be importable in the workers: ``scripts/shared_gpu.sh`` installs the wheel
+carried into .peers/ (gpu_env.sh's ``use_peer``, which also sets ``EPCOMM_PEER_CARRIED=1``: then a
+DeepEP that does not import is a failure, not a skip). epcomm's own ``deep_ep`` package (compat/,
+first on the tests' path: conftest.py) does not count."""
 import contextlib
 import os
 import sys
@@ -12,24 +14,31 @@ import sys
 import torch
 
 NO_PEER = "no peer"
+# where conftest.py puts compat/'s package on the path
+COMPAT_PATH = os.path.normpath(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat",
+                                            "deep_ep"))
 
 
 def _is_deep_ep(name: str) -> bool:
     return name == "deep_ep" or name.startswith("deep_ep.")
 
 
+def peer_required() -> bool:
+    """Whether a DeepEP wheel was carried and installed for this run (gpu_env.sh, use_peer)."""
+    return os.environ.get("EPCOMM_PEER_CARRIED") == "1"
+
+
 @contextlib.contextmanager
 def deep_ep_itself():
     """While inside, ``import deep_ep`` gives DeepEP itself, not compat/'s package; yields the
-    module, or an ImportError's text. The modules and the path as they were are back after, so the
-    engine tests in the same worker still import compat/'s."""
+    module, or an ImportError's text. The modules and the path as they were are back after (also
+    after an exception inside), so the engine tests in the same worker still import compat/'s."""
     saved_path = list(sys.path)
     saved = {name: module for name, module in sys.modules.items() if _is_deep_ep(name)}
-    compat = os.path.join("compat", "deep_ep")
-    for name in saved:
-        del sys.modules[name]
-    sys.path[:] = [entry for entry in sys.path if not os.path.normpath(entry).endswith(compat)]
     try:
+        for name in saved:
+            del sys.modules[name]
+        sys.path[:] = [entry for entry in sys.path if os.path.normpath(os.path.abspath(entry)) != COMPAT_PATH]
         try:
             import deep_ep
             found = deep_ep
@@ -43,6 +52,15 @@ def deep_ep_itself():
         sys.path[:] = saved_path
 
 
+def _no_peer(peer) -> str:
+    """Why ``peer`` is not DeepEP itself, or "" where it is."""
+    if isinstance(peer, str):
+        return f"{NO_PEER} ({peer})"
+    if "epcomm" in str(getattr(peer, "__version__", "")):
+        return f"{NO_PEER} (the deep_ep found is epcomm's own package)"
+    return ""
+
+
 def bench_point_beside_the_peer(tokens: int = 256, hidden: int = 2048, sms: int = 8):
     """``epcomm bench normal``'s rank function with ``--peer deep_ep`` on one small point:
     ``{"ok", "checks", "peer_calls"}`` (the point's checks: epcomm's rows against NCCL's baseline,
@@ -51,8 +69,8 @@ def bench_point_beside_the_peer(tokens: int = 256, hidden: int = 2048, sms: int 
     (DeepEP's kernels wait for all their programs at once: every rank's must fit the one GPU)."""
     from epcomm.tools import bench
     with deep_ep_itself() as peer:
-        if isinstance(peer, str) or "epcomm" in str(getattr(peer, "__version__", "")):
-            return f"{NO_PEER} ({peer})"
+        if _no_peer(peer):
+            return _no_peer(peer)
         settings = bench.NormalBenchSettings(tokens=tokens, hidden=hidden, sms=sms, extra_tokens=[], reps=2,
                                              num_nvl_bytes=1 << 28, peer="deep_ep")
         result = bench.bench_normal_rank(settings)
@@ -63,8 +81,17 @@ def bench_point_beside_the_peer(tokens: int = 256, hidden: int = 2048, sms: int 
 
 # DeepEP's one-node handle fields epcomm fills (handle.py); [2], recv_channel_prefix_matrix, is
 # DeepEP's receiver-side bookkeeping of its channels, which epcomm's kernels do not have: None.
-COMPARED_FIELDS = {0: "rank_prefix_matrix", 1: "channel_prefix_matrix", 3: "recv_src_idx", 4: "is_token_in_rank",
-                   5: "send_head"}
+# Of [0], rank_prefix_matrix, the column of the rank that holds it: where DeepEP's count exchange
+# wrote only the counts each rank receives, its other columns hold what the buffer held before.
+COMPARED_FIELDS = {0: "rank_prefix_matrix[:, rank]", 1: "channel_prefix_matrix", 3: "recv_src_idx",
+                   4: "is_token_in_rank", 5: "send_head"}
+
+
+def _shown(value):
+    """A small part of an output for a report: a tensor's shape, dtype and first rows."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), str(value.dtype), value[:4].tolist())
+    return repr(value)[:200]
 
 
 def _same(a, b) -> bool:
@@ -88,7 +115,10 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
     the handle's DeepEP fields (:data:`COMPARED_FIELDS`, read right after the dispatch: DeepEP's
     combine rewrites its send_head); a cached dispatch's rows; the combine's rows and weights
     (within bf16 rounding: the two sum in other orders). Every batch has other sizes and some
-    top-k entries -1. Returns ``{check: [cases where it differed]}``, or NO_PEER and why.
+    top-k entries -1. Returns ``{"differed": {check: [cases where it differed]}, "details":
+    {check: (ours, DeepEP's) at its first difference, shown small}}`` (the details also show
+    rank_prefix_matrix whole where it differs off this rank's column: information, not a check),
+    or NO_PEER and why.
     ``against_compat``: compare with compat/'s ``deep_ep`` (epcomm under DeepEP's API) on CPU
     ranks instead: the CPU test of this case's own code."""
     import torch.distributed as dist
@@ -99,8 +129,8 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
     if against_compat:
         import deep_ep as compat  # (first on the tests' path: conftest.py)
     with contextlib.nullcontext(compat) if against_compat else deep_ep_itself() as peer:
-        if not against_compat and (isinstance(peer, str) or "epcomm" in str(getattr(peer, "__version__", ""))):
-            return f"{NO_PEER} ({peer})"
+        if not against_compat and _no_peer(peer):
+            return _no_peer(peer)
         R, rank = dist.get_world_size(), dist.get_rank()
         dev = torch.device("cpu") if against_compat else torch.device("cuda", torch.cuda.current_device())
         num_experts = experts_per_rank * R
@@ -108,12 +138,13 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
         hint = peer.Config(sms, 8, 256).get_nvl_buffer_size_hint(hidden * 2, R)
         theirs = peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 28))
         buffers = {"epcomm": (ours, epcomm.Config(sms, 8, 256)), "deep_ep": (theirs, peer.Config(sms, 8, 256))}
-        differed = {}
+        differed, details = {}, {}
 
-        def check(name: str, case: int, same: bool) -> None:
+        def check(name: str, case: int, same: bool, ours=None, theirs=None) -> None:
             differed.setdefault(name, [])
             if not same:
                 differed[name].append(case)
+                details.setdefault(name, (case, _shown(ours), _shown(theirs)))
 
         for case in range(num_cases):
             num_tokens = max(0, tokens - 53 * case + 7 * rank)  # (other sizes per rank and case; case 5: few)
@@ -129,6 +160,8 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
                     topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=(1, 4, 128)[case % 3],
                     config=config)
                 fields = {index: handle[index].clone() for index in COMPARED_FIELDS}  # (before any combine)
+                fields["whole"] = fields[0]
+                fields[0] = fields[0][:, rank]
                 cached = buffer.dispatch(payload, handle=handle, config=config)[0]
                 recv_x = recv[0] if isinstance(recv, tuple) else recv
                 expert_out = (recv_x.float() * 0.5).to(torch.bfloat16) if case % 2 else recv_x
@@ -139,9 +172,13 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
                                  combined=combined, combined_weights=combined_weights)
             a, b = got["epcomm"], got["deep_ep"]
             for key in ("layout", "recv", "recv_topk", "recv_weights", "counts", "cached"):
-                check(key, case, _same(a[key], b[key]))
+                check(key, case, _same(a[key], b[key]), a[key], b[key])
             for index, field in COMPARED_FIELDS.items():
-                check(f"handle[{index}] {field}", case, _same(a["fields"][index], b["fields"][index]))
+                ours_field, their_field = a["fields"][index], b["fields"][index]
+                check(f"handle[{index}] {field}", case, _same(ours_field, their_field), ours_field, their_field)
+            if not _same(a["fields"]["whole"], b["fields"]["whole"]):
+                details.setdefault("rank_prefix_matrix whole (information)",
+                                   (case, _shown(a["fields"]["whole"]), _shown(b["fields"]["whole"])))
             check("combine", case, bool(torch.allclose(a["combined"].float(), b["combined"].float(), rtol=2e-2,
                                                        atol=2e-2)))
             check("combine's weights", case, bool(torch.allclose(a["combined_weights"], b["combined_weights"])))
@@ -149,4 +186,4 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
             torch.cuda.synchronize()
         dist.barrier()
         ours.destroy()
-        return differed
+        return {"differed": differed, "details": details}

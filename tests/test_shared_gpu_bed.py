@@ -194,13 +194,24 @@ def test_the_peer_case_looks_past_epcomms_own_deep_ep_and_puts_it_back(tmp_path,
     stand_in = tmp_path / "deep_ep"
     stand_in.mkdir()
     (stand_in / "__init__.py").write_text("__version__ = '1.2.1'\n")
+    (stand_in / "buffer.py").write_text("WHOSE = 'deep_ep'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "compat", "deep_ep"))
+    import deep_ep.buffer as compat_buffer
     with peer_cases.deep_ep_itself() as peer:
         assert not isinstance(peer, str) and peer.__version__ == "1.2.1", peer
-        assert sys.modules["deep_ep"] is peer
+        assert sys.modules["deep_ep"] is peer and peer_cases._no_peer(peer) == ""
+        import deep_ep.buffer
+        assert deep_ep.buffer.WHOSE == "deep_ep"
     import deep_ep
-    assert deep_ep is compat_module and "epcomm" in deep_ep.__version__
+    import deep_ep.buffer
+    assert deep_ep is compat_module and "epcomm" in deep_ep.__version__ and deep_ep.buffer is compat_buffer
+    assert peer_cases._no_peer(deep_ep).startswith(peer_cases.NO_PEER)
+    with pytest.raises(RuntimeError):  # an error inside: the path and the modules come back all the same
+        with peer_cases.deep_ep_itself():
+            raise RuntimeError("inside")
+    import deep_ep
+    assert deep_ep is compat_module and sys.modules["deep_ep.buffer"] is compat_buffer
 
 
 def test_the_case_beside_deep_ep_compares_every_output_on_cpu_ranks():
@@ -211,6 +222,7 @@ def test_the_case_beside_deep_ep_compares_every_output_on_cpu_ranks():
     from epcomm.testing import WorkerPool
     with WorkerPool(4) as pool:
         results = pool.run(peer_cases.outputs_and_handles_beside_the_peer, 3, 40, 256, 4, 4, 8, True, timeout_s=300)
-    for rank, differed in enumerate(results):
+    for rank, result in enumerate(results):
+        differed = result["differed"]
         assert len(differed) == 8 + len(peer_cases.COMPARED_FIELDS), (rank, sorted(differed))
-        assert not any(differed.values()), (rank, differed)
+        assert not any(differed.values()) and not result["details"], (rank, result)

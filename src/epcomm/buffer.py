@@ -463,7 +463,10 @@ class Buffer(RankMasking, LowLatencyCalls):
                 is_fp8 = False
             else:
                 num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device)
-            config = self._resolve_config(config, Buffer.get_dispatch_config)
+            # The handle's DeepEP channel fields follow the Config the caller asked for (DeepEP's
+            # channels), not the one capped where ranks share a GPU (the grids that run).
+            asked = config if config is not None else Buffer.get_dispatch_config(self.group_size)
+            config = self._resolve_config(asked, Buffer.get_dispatch_config)
             if not checked:  # (with the value checks in their place: the first failing check names the argument)
                 self._check_dispatch_arguments(num_tokens, handle is None, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                                is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
@@ -493,15 +496,16 @@ class Buffer(RankMasking, LowLatencyCalls):
                                               None if handle is not None else num_tokens_per_expert.numel()),
                                              ("num_worst_tokens", num_worst_tokens > 0)))
         if previous_event is None and not async_finish:  # on the caller's stream: no scope to enter (events.py)
-            return self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, config) + \
+            return self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, asked) + \
                 (EventOverlap(None),)
         with self._stream_scope(previous_event, async_finish, ((x,) if payload is None else payload.tensors) +
                                 (topk_idx, topk_weights, is_token_in_rank)) as scope:
-            outputs = self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, config)
+            outputs = self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, asked)
             scope.keep(*outputs[:3])
         return outputs + (scope.event_overlap(),)
 
-    def _dispatch_outputs(self, result, payload, handle: Optional[DispatchHandle], expert_major, config: Config) -> tuple:
+    def _dispatch_outputs(self, result, payload, handle: Optional[DispatchHandle], expert_major,
+                          asked_config: Config) -> tuple:
         """The backend's DispatchResult as :meth:`dispatch` returns it, less the event: FP8 scales in
         the caller's format, the handle laid out as DeepEP's, the expert-major rows where the backend
         does not build them."""
@@ -509,7 +513,8 @@ class Buffer(RankMasking, LowLatencyCalls):
         if payload is not None:
             recv_x = payload.restore(recv_x)  # the caller's scale dtype and width, row-major
         counts = result.num_recv_tokens_per_expert_list
-        out_handle = result.handle.laid_out(self.rank, self.ranks_per_node, config.num_sms // 2)  # DeepEP's fields
+        # DeepEP's fields, on the channels of the Config the caller asked for
+        out_handle = result.handle.laid_out(self.rank, self.ranks_per_node, asked_config.num_sms // 2)
         if not self._backend.native_expert_major:  # re-laid here from the plain rows
             if expert_major:
                 mapping = expert_major_layout.plan(recv_topk_idx, recv_topk_weights, counts)
