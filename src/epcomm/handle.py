@@ -79,7 +79,8 @@ class DispatchHandle(Sequence):
       (int32 source node, int32 bit of this rank within its node), ``[8]`` send_rdma_head ``[T, N]``,
       ``[9]`` None.
 
-    ``C`` is the dispatch's ``config.num_sms // 2``. Attributes (epcomm's; constructor order):
+    ``C`` is the dispatch's ``config.num_sms // 2``, of the Config the caller gave (DeepEP's channels,
+    also where epcomm caps the grids of ranks sharing a GPU). Attributes (epcomm's; constructor order):
 
     Args:
         rank_prefix_matrix: ``[R, R]`` int32; ``[i][j]`` = tokens ranks ``0..i`` send to rank ``j``.
