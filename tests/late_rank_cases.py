@@ -192,6 +192,9 @@ def config_capped_for_a_shared_gpu():
                              num_tokens_per_expert=per_expert, topk_idx=topks[rank], topk_weights=ws[rank],
                              config=epcomm.Config(24, 8, 256))[4]
     seen["handle's channels"] = (handle.num_channels, tuple(handle[1].shape), tuple(handle[5].shape))
+    handle = buffer.dispatch(xs[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=topks[rank], topk_weights=ws[rank])[4]
+    seen["default's channels"] = handle.num_channels == epcomm.Buffer.get_dispatch_config(R).num_sms // 2
     return seen
 
 

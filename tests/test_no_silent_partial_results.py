@@ -70,7 +70,8 @@ def test_the_buffer_caps_every_config_at_the_backends_max_num_sms(pools):
     caps every Config it resolves, a given one or the default; a smaller explicit value wins."""
     seen = pools.get(1).run(late_rank_cases.config_capped_for_a_shared_gpu, timeout_s=120)[0]
     assert seen == {"no cap": 24, "given 24": 4, "given 2": 2, "default": 4, "rest kept": True,
-                    "round trip": True, "handle's channels": (12, (1, 12), (late_rank_cases.M, 1))}, seen
+                    "round trip": True, "handle's channels": (12, (1, 12), (late_rank_cases.M, 1)),
+                    "default's channels": True}, seen
 
 
 def _processes(target, world_size: int, args: tuple, needed) -> dict:

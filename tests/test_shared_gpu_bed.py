@@ -226,3 +226,17 @@ def test_the_case_beside_deep_ep_compares_every_output_on_cpu_ranks():
         differed = result["differed"]
         assert len(differed) == 8 + len(peer_cases.COMPARED_FIELDS), (rank, sorted(differed))
         assert not any(differed.values()) and not result["details"], (rank, result)
+
+
+def test_the_peer_case_tells_outputs_apart():
+    """peer_cases._same, the comparison under the case beside DeepEP: a differing value, shape or
+    dtype anywhere in a tuple or list is a difference; FP8 bit for bit; counts as ints; None only
+    against None."""
+    import peer_cases
+    same = peer_cases._same
+    a = torch.arange(6, dtype=torch.int32).view(2, 3)
+    assert same(a, a.clone()) and same((a, [1, 2]), (a.clone(), [1, 2])) and same(None, None)
+    assert not same(a, a + (a == 5).int()) and not same(a, a.view(3, 2)) and not same(a, a.long())
+    assert not same((a, [1, 2]), (a, [1, 3])) and not same(a, None) and not same([a], [a, a])
+    fp8 = torch.tensor([0.5, -0.0], dtype=torch.float8_e4m3fn)
+    assert same(fp8, fp8.clone()) and not same(fp8, torch.tensor([0.5, 0.0], dtype=torch.float8_e4m3fn))
