@@ -155,7 +155,7 @@ def _dispatch_failing_at(monkeypatch, launches, where):
     if where == "an allocation":
         def no_memory(*args, **kwargs):
             raise torch.cuda.OutOfMemoryError("no memory")
-        monkeypatch.setattr(mode, "_outputs", no_memory)
+        monkeypatch.setattr(M, "dispatch_outputs", no_memory)
     with pytest.raises((EPTimeoutError, torch.cuda.OutOfMemoryError)):
         mode.dispatch(_args(50))
     return mailbox
@@ -529,3 +529,67 @@ def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, exp
     assert R + R + copies <= 4 * 4 < R + R + copies + positions or not expert_major  # (the case this test needs)
     names = [name for name, _, _ in launches]
     assert names[:2] == (["notify", "stage"] if expert_major else ["notify+stage", "pull"])
+
+
+def _early_dispatch(mode, launches, mailbox, num_rows):
+    """A full dispatch receiving ``num_rows`` rows: ``(recv_x, recv_topk, handle, the recv_x address the
+    pull in turn got)``."""
+    mailbox.counts = (num_rows, 60)
+    launches.clear()
+    result = mode.dispatch(_args(50))
+    pull_args = next((args for name, _, args in launches if name == "pull"), None)  # (the doorbell's: none)
+    # (the pull's arguments: 1, stream, prefix, src_idx, recv_x, ...)
+    return result.recv_x, result.recv_topk_idx, result.handle, pull_args and pull_args[4]
+
+
+def test_early_outputs_are_views_of_an_allocation_made_before_the_count_wait(monkeypatch):
+    """NormalMode.early_outputs (outputs.py): from a plan's second call on, the outputs are
+    allocated before the wait at the most rows of its last RECENT_CALLS calls, and returned as views
+    of their first rows, the pull writing at their start; a batch receiving more allocates after
+    the wait; off by default (exact allocations, no rows kept)."""
+    from epcomm.backends.gpu.normal.one_node import outputs
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 40)
+    plan = mode._dispatch_plan_of(None)
+    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and plan.recent_rows == []  # off: as before
+    mode.early_outputs = True
+    mode._dispatch_plan_of = lambda args: plan  # (the choice dropped the plans; the harness keeps its own)
+    recv_x, _, _, address = _early_dispatch(mode, launches, mailbox, 40)  # no rows kept yet: after the wait
+    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and plan.recent_rows == [40]
+    recv_x, recv_topk, handle, address = _early_dispatch(mode, launches, mailbox, 30)  # 40 allocated early
+    assert recv_x.shape == (30, HIDDEN) and recv_topk.shape == (30, K) and handle.recv_src_idx.shape == (30,)
+    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and address == recv_x.data_ptr()
+    assert recv_topk.untyped_storage().nbytes() == 40 * K * 8 and handle.recv_src_idx.untyped_storage().nbytes() == 160
+    recv_x, _, _, address = _early_dispatch(mode, launches, mailbox, 45)  # more than 40: after the wait
+    assert recv_x.untyped_storage().nbytes() == 45 * HIDDEN * 2 and address == recv_x.data_ptr()
+    for rows in (10,) * outputs.RECENT_CALLS:  # the 45 leaves the plan's last calls
+        _early_dispatch(mode, launches, mailbox, rows)
+    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 10)
+    assert plan.recent_rows == [10] * outputs.RECENT_CALLS and recv_x.untyped_storage().nbytes() == 10 * HIDDEN * 2
+
+
+def test_early_outputs_stay_within_their_byte_bound_and_the_plain_full_dispatch(monkeypatch):
+    """No early allocation past EARLY_OUTPUT_BYTES, for num_worst_tokens (its sizes are known) or
+    the doorbell (it allocates for its ring)."""
+    from epcomm.backends.gpu.normal.one_node import outputs
+    launches = []
+    mailbox = _Mailbox(counts=(40, 60))
+    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
+    plan = mode._dispatch_plan_of(None)
+    mode.early_outputs = True
+    mode._dispatch_plan_of = lambda args: plan
+    plan.recent_rows[:] = [40]
+    monkeypatch.setattr(outputs, "EARLY_OUTPUT_BYTES", 40 * (HIDDEN * 2 + 12 * K + 4) - 1)
+    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
+    assert recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
+    monkeypatch.setattr(outputs, "EARLY_OUTPUT_BYTES", 40 * (HIDDEN * 2 + 12 * K + 4))
+    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
+    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2
+    worst = mode.dispatch(_args(50, num_worst_tokens=200))
+    assert worst.recv_x.untyped_storage().nbytes() == 200 * HIDDEN * 2
+    mode.doorbell_dispatch = True
+    mode._dispatch_plan_of = lambda args: plan
+    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
+    assert recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2

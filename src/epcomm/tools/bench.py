@@ -72,7 +72,9 @@ class NormalBenchSettings:
     # "pulled-lists" (each list left in its source's workspace and read from there remotely, the default
     # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS), "small-one-launch"
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
-    # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py)
+    # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py),
+    # "notify-apart" (the count exchange and the stage as two launches: choices.py, notify_with_stage),
+    # "early-outputs" (a small full dispatch's outputs allocated before its count wait: outputs.py)
     variants: List[str] = field(default_factory=list)
     # the full dispatch with num_worst_tokens = R x T too (no host wait), eagerly and as one CUDA
     # graph's replay: how an engine that captures its step (prefill, training) makes the call
@@ -493,7 +495,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists", "small-one-launch", "notify-apart")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch", "notify-apart", "early-outputs")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -527,6 +529,7 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
     normal.notify_with_stage = "notify-apart" not in variants
+    normal.early_outputs = "early-outputs" in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),

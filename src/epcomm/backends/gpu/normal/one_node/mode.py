@@ -21,6 +21,7 @@ from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
 from .stage import STAGE
 from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BLOCK, NOTIFY_BOUND, NOTIFY_STAGE
+from .outputs import EarlyOutputs, dispatch_outputs, remember_rows
 from .plans import CombinePlan, DispatchPlan, PullState
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
@@ -194,7 +195,8 @@ class NormalMode(KernelChoices):
         num_sms = args.config.num_sms
         if expert_major:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
-        received = None  # the outputs, where the doorbell needed them before the launches below
+        received = None  # the outputs, where they were allocated before the launches below
+        pulling = False  # the doorbell's launch pulls already (it got the outputs' addresses)
         one_launch_pulls = num_sms  # pull programs of a one-launch dispatch (full_one_launch: x pull_programs_per_sm)
 
         if cached:
@@ -264,16 +266,25 @@ class NormalMode(KernelChoices):
                 elif not overlapped and not after_wait:
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
+            # early_outputs: allocated while the count exchange runs, views taken after it (outputs.py)
+            early = EarlyOutputs.allocate(plan, x, is_fp8, prefix, dev) if self.early_outputs and not (
+                worst or doorbell or expert_major) else None
             rung = not doorbell
             try:
                 if worst:
                     num_rows, max_tokens, counts = args.num_worst_tokens, -1, None
                 else:
                     num_rows, max_tokens, counts = mailbox.wait_notify(sequence, rank, b.timeout_s)
-                src_idx = prefix.new_empty(num_rows)
+                    if self.early_outputs:
+                        remember_rows(plan, num_rows)
+                taken = None if early is None else early.take(num_rows)
+                if taken is not None:
+                    src_idx, received = taken
+                else:
+                    src_idx = prefix.new_empty(num_rows)
                 if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
-                    received = self._outputs(plan, x, is_fp8, num_rows, None)
-                    rung = overlapped = True  # (ring writes the tag before it may raise: no cancel after it)
+                    received = dispatch_outputs(plan, x, is_fp8, num_rows, None, dev)
+                    rung = overlapped = pulling = True  # (ring writes the tag before it may raise: no cancel after it)
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
             finally:
                 if not rung:  # the launch's pull programs stand down: the host pulls in turn below, or raised
@@ -296,13 +307,13 @@ class NormalMode(KernelChoices):
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
         if received is None:
-            received = self._outputs(plan, x, is_fp8, num_rows, mapping)
-            if overlapped:  # (rung above: the doorbell's launch is already pulling)
-                prefix_address, _, src_idx_address, _, _, in_rank, list_index = state.addresses
-                self._dispatch_overlapped(plan, args, x, x_aligned, scales,
-                                          (prefix_address, src_idx_address, in_rank, list_index), received[4],
-                                          num_rows, stream, fp0, fp1, tag,
-                                          max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))))
+            received = dispatch_outputs(plan, x, is_fp8, num_rows, mapping, dev)
+        if overlapped and not pulling:
+            prefix_address, _, src_idx_address, _, _, in_rank, list_index = state.addresses
+            self._dispatch_overlapped(plan, args, x, x_aligned, scales,
+                                      (prefix_address, src_idx_address, in_rank, list_index), received[4],
+                                      num_rows, stream, fp0, fp1, tag,
+                                      max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))))
         recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
             num_rounds = 0
@@ -332,29 +343,6 @@ class NormalMode(KernelChoices):
         num_recv_tokens = num_rows if max_tokens >= 0 else index_info[num_tokens * R]
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
         return DispatchResult(recv, recv_topk, recv_weights, counts_list, handle)
-
-    def _outputs(self, plan: DispatchPlan, x: torch.Tensor, is_fp8: bool, num_rows: int, mapping):
-        """A dispatch's outputs: ``(recv_x, recv_scales, recv_topk, recv_weights, addresses)`` —
-        [M, H] like x, [M, S] float32 (FP8, else None), [N, K] int64 / float32 (a full dispatch with
-        top-k; expert-major: the mapping's [M] per-row expert and weight; else None), and the
-        addresses the pull writes them at (recv_x's for those it does not write). M: the rows,
-        ``num_rows`` or the expert-major mapping's."""
-        dev = self.device
-        out_rows = mapping.num_rows if mapping is not None else num_rows
-        recv_x = x.new_empty((out_rows, x.shape[1]))  # (new_empty: dispatch says why)
-        recv_x_address = recv_x.data_ptr()
-        recv_scales = torch.empty((out_rows, plan.num_scales), dtype=torch.float32, device=dev) if is_fp8 else None
-        if mapping is not None:
-            recv_topk, recv_weights = mapping.row_experts, mapping.row_weights
-        elif plan.num_topk:
-            recv_topk = x.new_empty((num_rows, plan.num_topk), dtype=torch.int64)
-            recv_weights = x.new_empty((num_rows, plan.num_topk), dtype=torch.float32)
-        else:
-            recv_topk = recv_weights = None
-        return recv_x, recv_scales, recv_topk, recv_weights, (
-            recv_x_address, recv_scales.data_ptr() if is_fp8 else recv_x_address,
-            recv_topk.data_ptr() if plan.num_topk else recv_x_address,
-            recv_weights.data_ptr() if plan.num_topk else recv_x_address)
 
     def _one_launch(self, plan: DispatchPlan, max_tokens: int) -> bool:
         """Whether a dispatch runs as one launch (ep_dispatch): overlapped, one round (``max_tokens``,

@@ -1,7 +1,7 @@
 """What normal mode's host keeps per shape (plans) and per dispatch (PullState, in the handle)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
@@ -57,6 +57,8 @@ class DispatchPlan:
     stage_fixed: tuple
     pull_fixed: tuple
     overlapped_fixed: tuple  # ep_dispatch's, up to its sequence argument
+    # the rows the plan's last full dispatches received, newest last (outputs.py: early_outputs)
+    recent_rows: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
