@@ -571,8 +571,8 @@ def test_early_outputs_are_views_of_an_allocation_made_before_the_count_wait(mon
 
 
 def test_early_outputs_stay_within_their_byte_bound_and_the_plain_full_dispatch(monkeypatch):
-    """No early allocation past EARLY_OUTPUT_BYTES, for num_worst_tokens (its sizes are known) or
-    the doorbell (it allocates for its ring)."""
+    """No early allocation past EARLY_OUTPUT_BYTES, for num_worst_tokens (its sizes are known),
+    expert-major rows (sized by the mapping) or the doorbell (it allocates for its ring)."""
     from epcomm.backends.gpu.normal.one_node import outputs
     launches = []
     mailbox = _Mailbox(counts=(40, 60))
@@ -587,9 +587,16 @@ def test_early_outputs_stay_within_their_byte_bound_and_the_plain_full_dispatch(
     monkeypatch.setattr(outputs, "EARLY_OUTPUT_BYTES", 40 * (HIDDEN * 2 + 12 * K + 4))
     recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
     assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2
-    worst = mode.dispatch(_args(50, num_worst_tokens=200))
-    assert worst.recv_x.untyped_storage().nbytes() == 200 * HIDDEN * 2
+    worst = mode.dispatch(_args(50, num_worst_tokens=30))  # (within the 40 rows kept: not taken all the same)
+    assert worst.recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
+    assert worst.handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4
+    expert_major = dataclasses.replace(plan, expert_major=True)
+    expert_major.recent_rows[:] = [40]
+    mode._dispatch_plan_of = lambda args: expert_major  # (its rows sized by the mapping)
+    _, _, handle, _ = _early_dispatch(mode, launches, mailbox, 30)
+    assert handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4
     mode.doorbell_dispatch = True
     mode._dispatch_plan_of = lambda args: plan
-    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
+    recv_x, _, handle, _ = _early_dispatch(mode, launches, mailbox, 30)
     assert recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
+    assert handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4

@@ -266,11 +266,13 @@ class NormalMode(KernelChoices):
                 elif not overlapped and not after_wait:
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
-            # early_outputs: allocated while the count exchange runs, views taken after it (outputs.py)
-            early = EarlyOutputs.allocate(plan, x, is_fp8, prefix, dev) if self.early_outputs and not (
-                worst or doorbell or expert_major) else None
             rung = not doorbell
             try:
+                # early_outputs: allocated while the count exchange runs, views taken after it
+                # (outputs.py). Not with num_worst_tokens (sizes known, nothing to overlap), the
+                # doorbell (it allocates for its ring) or expert-major rows (sized by the mapping).
+                early = EarlyOutputs.allocate(plan, x, is_fp8, prefix, dev) if self.early_outputs and not (
+                    worst or doorbell or expert_major) else None
                 if worst:
                     num_rows, max_tokens, counts = args.num_worst_tokens, -1, None
                 else:

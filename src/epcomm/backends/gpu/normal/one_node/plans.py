@@ -28,7 +28,8 @@ class PullState:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Everything about a dispatch that depends only on its shape (cached per shape)."""
+    """Everything about a dispatch that depends only on its shape (cached per shape), and the rows
+    its last calls received (``recent_rows``)."""
 
     x_words: int
     num_scales: int
@@ -57,8 +58,9 @@ class DispatchPlan:
     stage_fixed: tuple
     pull_fixed: tuple
     overlapped_fixed: tuple  # ep_dispatch's, up to its sequence argument
-    # the rows the plan's last full dispatches received, newest last (outputs.py: early_outputs)
-    recent_rows: list = field(default_factory=list)
+    # The one part that is not the shape's: the rows the plan's last full dispatches received,
+    # newest last (outputs.py, early_outputs); not compared, so plans of a shape still compare equal.
+    recent_rows: list = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
