@@ -198,6 +198,11 @@ def test_expert_major_layout_at_every_group_size(shared_pool):
                 experts_per_rank=256 // R, num_topk=8, max_tokens=1024) == [4] * R
 
 
+def _skip_where_deep_ep_cannot_run(pool) -> None:
+    if pool.world_size not in (2, 4, 8) or pool.per_node != pool.world_size:
+        pytest.skip("DeepEP's one-node kernels take 2, 4 or 8 ranks")
+
+
 def _skip_without_the_peer(results) -> None:
     """Skip where the workers found no DeepEP, unless a wheel was carried for this run
     (peer_cases.peer_required): then a DeepEP that does not import fails the test."""
@@ -213,8 +218,7 @@ def test_the_bench_point_beside_deep_ep(shared_pool):
     the bed (peer_cases.py): every check passes, DeepEP's num_worst_tokens rows (eager and one CUDA
     graph's replay) among them, so a multi-GPU lease finds the peer's paths working. Skipped
     where DeepEP itself is not importable (``use_peer`` in scripts/gpu_env.sh)."""
-    if shared_pool.world_size not in (2, 4, 8) or shared_pool.per_node != shared_pool.world_size:
-        pytest.skip("DeepEP's one-node kernels take 2, 4 or 8 ranks")
+    _skip_where_deep_ep_cannot_run(shared_pool)
     if VARIANT:  # (the bench sets the defaults for its point: it would run them under the variant's name)
         pytest.skip("the bench's point runs epcomm's defaults, not a variant")
     import peer_cases
@@ -231,8 +235,7 @@ def test_outputs_and_handles_equal_deep_eps(shared_pool):
     layout, the dispatch's rows, top-k, counts and the handle's DeepEP fields that engines may read
     (all but recv_channel_prefix_matrix, DeepEP's receiver-side channel bookkeeping) are equal, and
     the combine agrees within bf16 rounding. Skipped where DeepEP itself is not importable."""
-    if shared_pool.world_size not in (2, 4, 8) or shared_pool.per_node != shared_pool.world_size:
-        pytest.skip("DeepEP's one-node kernels take 2, 4 or 8 ranks")
+    _skip_where_deep_ep_cannot_run(shared_pool)
     import peer_cases
     results = _all(shared_pool, peer_cases.outputs_and_handles_beside_the_peer)
     _skip_without_the_peer(results)
