@@ -17,7 +17,10 @@ interpreter tell apart.
 
 Run on a machine with 2+ GPUs (``--ranks 1``: one rank alone, its chain without peers' waits):
 ``python3 scripts/ll_host_split.py [--ranks 2] [--tokens 128]
-[--round-trips 40] [--batches 5] [--peer deep_ep]``. (Pinning each rank's main thread to one core
+[--round-trips 40] [--batches 5] [--peer deep_ep]``. On one GPU, ``--shared-gpu`` puts every rank
+on it (under CUDA MPS: ``SCRIPT="python3 scripts/ll_host_split.py --shared-gpu --ranks 2 --peer
+deep_ep" scripts/shared_gpu.sh script``): the host columns stand, since each rank's host is its
+own process on its own core, but the GPU column is the ranks' shared SMs, not speed. (Pinning each rank's main thread to one core
 made it worse: threads made later inherit the core, and calls then stall for a 4 ms time slice.)
 """
 import argparse
@@ -188,15 +191,19 @@ def main() -> int:
     parser.add_argument("--round-trips", type=int, default=40)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--peer", default="", help="deep_ep: its whole calls stamped too")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on GPU 0 (CUDA MPS running: scripts/shared_gpu.sh script)")
     args = parser.parse_args()
-    world = args.ranks or torch.cuda.device_count()
-    if world < 1 or torch.cuda.device_count() < world or args.round_trips < 2 or args.batches < 1:
-        print(f"ll_host_split.py needs {max(world, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1",
+    world = args.ranks or (2 if args.shared_gpu else torch.cuda.device_count())
+    gpus_needed = 1 if args.shared_gpu else world
+    if world < 1 or torch.cuda.device_count() < gpus_needed or args.round_trips < 2 or args.batches < 1:
+        print(f"ll_host_split.py needs {max(gpus_needed, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1",
               file=sys.stderr)
         return 2
     from epcomm.testing import run_distributed
+    from epcomm.testing.launcher import SHARED_GPU
     per_rank = run_distributed(rank_main, world, args.tokens, args.round_trips, args.batches, args.peer,
-                               backend="nccl", timeout_s=300)[0]
+                               backend=SHARED_GPU if args.shared_gpu else "nccl", timeout_s=300)[0]
     _report(per_rank, args.tokens, args.round_trips, args.batches)
     return 0
 

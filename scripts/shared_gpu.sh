@@ -7,6 +7,7 @@
 #   SHAPES=16x8 TESTS="internode" scripts/shared_gpu.sh custom
 #   SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence      (a preset at other shapes)
 #   VARIANT=tile-reduce scripts/shared_gpu.sh nvlink           (one-node variants, a comma list: bench --variants)
+#   SCRIPT="python3 scripts/ll_host_split.py --shared-gpu" scripts/shared_gpu.sh script   (a tool on the bed)
 #
 # Starts the MPS daemon in fresh folders, runs pytest in its own process group with a hard limit,
 # and always stops MPS and kills every rank (also after a failure or a hang), so the next run
@@ -31,8 +32,10 @@ case "$part" in
   nvlink-faults) shapes="8x8"; backend=nvlink
              tests="engines or dropped or fuzz or out_of_range or failure_contract or raised_everywhere or random_sequence or skips_a_call or timeout or dead_rank" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
+  # a tool's command under the same MPS daemon, limit and clean-up (its ranks on GPU 0: --shared-gpu)
+  script)    shapes="-"; tests="-"; command="${SCRIPT:?SCRIPT=a command whose ranks share GPU 0}" ;;
   *) echo "shared_gpu.sh: unknown part '$part' (scale, scale16x2, small, graphs, fuzz, faults, sequence, engines," \
-          "nvlink, nvlink-faults, custom)" >&2; exit 2 ;;
+          "nvlink, nvlink-faults, custom, script)" >&2; exit 2 ;;
 esac
 shapes="${SHAPES:-$shapes}"  # a preset's tests at other shapes: SHAPES=16x8 STEPS=300 scripts/shared_gpu.sh sequence
 backend="${BACKEND:-$backend}"
@@ -40,6 +43,7 @@ if [ -n "${VARIANT:-}" ] && [ "$backend" != nvlink ]; then  # (nvshmem would run
   echo "shared_gpu.sh: VARIANT=$VARIANT is a one-node normal-mode variant: it needs the nvlink backend" >&2; exit 2
 fi
 what="shared-gpu part=$part backend=$backend${VARIANT:+ variant=$VARIANT} shapes=$shapes tests=[$tests]"
+[ "$part" = script ] && what="shared-gpu part=script command=[$command]"
 if [ -n "${DRY_RUN:-}" ]; then echo "$what"; exit 0; fi  # (what would run)
 limit_s="${LIMIT_S:-540}"
 # a job still running after this long prints every rank's Python stack (a hang shows where it waits)
@@ -65,11 +69,15 @@ trap stop EXIT
 nvidia-cuda-mps-control -d || { echo "shared_gpu.sh: could not start CUDA MPS" >&2; exit 1; }
 echo "$what limit=${limit_s}s"
 started=$(date +%s)
-setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
-  tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &
+if [ "$part" = script ]; then
+  setsid timeout -k 10 "$limit_s" bash -c "$command" >"$OUT/shared_gpu_$part.log" 2>&1 &
+else
+  setsid timeout -k 10 "$limit_s" python3 -m pytest -q -s -rA --durations=0 -p no:cacheprovider \
+    tests/test_shared_gpu.py -k "$tests" >"$OUT/shared_gpu_$part.log" 2>&1 &
+fi
 tests_pgid=$!
 wait "$tests_pgid"; rc=$?
-tests_pgid_done=$tests_pgid
 echo "--- shared-gpu $part: rc=$rc in $(( $(date +%s) - started )) s (124: hit the ${limit_s} s limit)"
+if [ "$part" = script ]; then tail -n 60 "$OUT/shared_gpu_$part.log"; exit "$rc"; fi
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^R=|passed|failed|median ms" "$OUT/shared_gpu_$part.log" | cut -c1-400 | tail -40
 exit "$rc"

@@ -97,6 +97,24 @@ def test_bench_needs_gpus(monkeypatch):
     assert bench.main(["low-latency"]) == 2
 
 
+def test_bench_on_one_shared_gpu_needs_one_gpu_and_refuses_deep_eps_low_latency(monkeypatch, capsys, tmp_path):
+    """--shared-gpu runs its ranks on GPU 0 (the bed's host-time comparison): one GPU is enough
+    for it and not without it; DeepEP's low-latency kernels cannot run there (no NIC's QPs)."""
+    import torch
+    from epcomm.tools import bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench.main(["normal"]) == 2 and "at least 2 CUDA GPUs" in capsys.readouterr().err
+    assert bench.main(["low-latency", "--shared-gpu", "--peer", "deep_ep"]) == 2
+    assert "IBGDA" in capsys.readouterr().err
+    ran = []
+    monkeypatch.setattr("epcomm.testing.run_distributed", lambda fn, world, *a, backend, **k: ran.append(
+        (world, backend)) or [{"ok": True}])
+    monkeypatch.setattr(bench, "low_latency_table", lambda result: "table")
+    assert bench.main(["low-latency", "--shared-gpu", "--out", str(tmp_path)]) == 0
+    assert ran == [(2, "shared-gpu")] and "share GPU 0" in capsys.readouterr().out
+
+
 def test_cli_check_on_cpu_ranks():
     run = subprocess.run([sys.executable, "-m", "epcomm", "check", "--ranks", "4", "--cases", "6"],
                          capture_output=True, text=True, env=ENV, timeout=300)

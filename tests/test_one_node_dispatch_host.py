@@ -531,7 +531,7 @@ def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, exp
     assert names[:2] == (["notify", "stage"] if expert_major else ["notify+stage", "pull"])
 
 
-def _early_dispatch(mode, launches, mailbox, num_rows):
+def _full_dispatch_receiving(mode, launches, mailbox, num_rows):
     """A full dispatch receiving ``num_rows`` rows: ``(recv_x, recv_topk, handle, the recv_x address the
     pull in turn got)``."""
     mailbox.counts = (num_rows, 60)
@@ -542,61 +542,16 @@ def _early_dispatch(mode, launches, mailbox, num_rows):
     return result.recv_x, result.recv_topk_idx, result.handle, pull_args and pull_args[4]
 
 
-def test_early_outputs_are_views_of_an_allocation_made_before_the_count_wait(monkeypatch):
-    """NormalMode.early_outputs (outputs.py): from a plan's second call on, the outputs are
-    allocated before the wait at the most rows of its last RECENT_CALLS calls, and returned as views
-    of their first rows, the pull writing at their start; a batch receiving more allocates after
-    the wait; off by default (exact allocations, no rows kept)."""
-    from epcomm.backends.gpu.normal.one_node import outputs
+def test_a_full_dispatchs_outputs_hold_exactly_its_rows_and_the_pull_writes_them(monkeypatch):
+    """A full dispatch allocates its outputs after the count wait at the rows it receives (no
+    larger allocation kept behind a view: 2026-11-29e measured allocating before the wait slower),
+    and the pull in turn writes recv_x where it starts."""
     launches = []
     mailbox = _Mailbox(counts=(40, 60))
     mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
-    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 40)
-    plan = mode._dispatch_plan_of(None)
-    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and plan.recent_rows == []  # off: as before
-    mode.early_outputs = True
-    mode._dispatch_plan_of = lambda args: plan  # (the choice dropped the plans; the harness keeps its own)
-    recv_x, _, _, address = _early_dispatch(mode, launches, mailbox, 40)  # no rows kept yet: after the wait
-    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and plan.recent_rows == [40]
-    recv_x, recv_topk, handle, address = _early_dispatch(mode, launches, mailbox, 30)  # 40 allocated early
-    assert recv_x.shape == (30, HIDDEN) and recv_topk.shape == (30, K) and handle.recv_src_idx.shape == (30,)
-    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2 and address == recv_x.data_ptr()
-    assert recv_topk.untyped_storage().nbytes() == 40 * K * 8 and handle.recv_src_idx.untyped_storage().nbytes() == 160
-    recv_x, _, _, address = _early_dispatch(mode, launches, mailbox, 45)  # more than 40: after the wait
-    assert recv_x.untyped_storage().nbytes() == 45 * HIDDEN * 2 and address == recv_x.data_ptr()
-    for rows in (10,) * outputs.RECENT_CALLS:  # the 45 leaves the plan's last calls
-        _early_dispatch(mode, launches, mailbox, rows)
-    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 10)
-    assert plan.recent_rows == [10] * outputs.RECENT_CALLS and recv_x.untyped_storage().nbytes() == 10 * HIDDEN * 2
-
-
-def test_early_outputs_stay_within_their_byte_bound_and_the_plain_full_dispatch(monkeypatch):
-    """No early allocation past EARLY_OUTPUT_BYTES, for num_worst_tokens (its sizes are known),
-    expert-major rows (sized by the mapping) or the doorbell (it allocates for its ring)."""
-    from epcomm.backends.gpu.normal.one_node import outputs
-    launches = []
-    mailbox = _Mailbox(counts=(40, 60))
-    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
-    plan = mode._dispatch_plan_of(None)
-    mode.early_outputs = True
-    mode._dispatch_plan_of = lambda args: plan
-    plan.recent_rows[:] = [40]
-    monkeypatch.setattr(outputs, "EARLY_OUTPUT_BYTES", 40 * (HIDDEN * 2 + 12 * K + 4) - 1)
-    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
-    assert recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
-    monkeypatch.setattr(outputs, "EARLY_OUTPUT_BYTES", 40 * (HIDDEN * 2 + 12 * K + 4))
-    recv_x, _, _, _ = _early_dispatch(mode, launches, mailbox, 30)
-    assert recv_x.untyped_storage().nbytes() == 40 * HIDDEN * 2
-    worst = mode.dispatch(_args(50, num_worst_tokens=30))  # (within the 40 rows kept: not taken all the same)
-    assert worst.recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
-    assert worst.handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4
-    expert_major = dataclasses.replace(plan, expert_major=True)
-    expert_major.recent_rows[:] = [40]
-    mode._dispatch_plan_of = lambda args: expert_major  # (its rows sized by the mapping)
-    _, _, handle, _ = _early_dispatch(mode, launches, mailbox, 30)
-    assert handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4
-    mode.doorbell_dispatch = True
-    mode._dispatch_plan_of = lambda args: plan
-    recv_x, _, handle, _ = _early_dispatch(mode, launches, mailbox, 30)
-    assert recv_x.untyped_storage().nbytes() == 30 * HIDDEN * 2
-    assert handle.recv_src_idx.untyped_storage().nbytes() == 30 * 4
+    for rows in (40, 30, 45):
+        recv_x, recv_topk, handle, address = _full_dispatch_receiving(mode, launches, mailbox, rows)
+        assert recv_x.shape == (rows, HIDDEN) and recv_topk.shape == (rows, K) and handle.recv_src_idx.shape == (rows,)
+        assert recv_x.untyped_storage().nbytes() == rows * HIDDEN * 2 and address == recv_x.data_ptr()
+        assert recv_topk.untyped_storage().nbytes() == rows * K * 8
+        assert handle.recv_src_idx.untyped_storage().nbytes() == rows * 4

@@ -118,6 +118,18 @@ def test_shapes_override_a_preset_and_an_unknown_part_is_refused():
     assert rc == 2 and "unknown part" in out
 
 
+def test_the_script_part_runs_a_tool_under_the_beds_mps_and_needs_its_command():
+    """SCRIPT="python3 scripts/ll_host_split.py --shared-gpu" scripts/shared_gpu.sh script: a tool's
+    ranks on the bed (host-time comparisons beside DeepEP on one GPU), no pytest selection."""
+    command = "python3 scripts/ll_host_split.py --shared-gpu --ranks 2"
+    rc, out = _dry_run("script", SCRIPT=command)
+    assert rc == 0 and f"part=script command=[{command}]" in out, out
+    env = {k: v for k, v in os.environ.items() if k != "SCRIPT"}
+    done = subprocess.run(["bash", SCRIPT, "script"], env=dict(env, DRY_RUN="1"), capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode != 0 and "SCRIPT=" in done.stderr
+
+
 def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(monkeypatch):
     """VARIANT=tile-reduce scripts/shared_gpu.sh nvlink runs the bed's tests on an experiment's
     kernels: each worker sets, through bed_choices, every NormalMode it makes from then on as

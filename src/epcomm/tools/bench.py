@@ -73,8 +73,7 @@ class NormalBenchSettings:
     # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS), "small-one-launch"
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
     # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py),
-    # "notify-apart" (the count exchange and the stage as two launches: choices.py, notify_with_stage),
-    # "early-outputs" (a small full dispatch's outputs allocated before its count wait: outputs.py)
+    # "notify-apart" (the count exchange and the stage as two launches: choices.py, notify_with_stage)
     variants: List[str] = field(default_factory=list)
     # the full dispatch with num_worst_tokens = R x T too (no host wait), eagerly and as one CUDA
     # graph's replay: how an engine that captures its step (prefill, training) makes the call
@@ -495,7 +494,7 @@ NORMAL_VARIANTS = ("rank-order", "pipelined-pull", "serial-combine", "serial-dis
                    "tile-reduce", "reduce-warps-apart", "single-push",
                    "side-loads-after", "gathered-index", "full-one-launch", "pull-1x", "pull-2x", "pull-3x",
                    "pull-4x", "stage-1x", "stage-2x", "stage-3x", "stage-4x",
-                   "pulled-lists", "small-one-launch", "notify-apart", "early-outputs")  # NormalBenchSettings.variants
+                   "pulled-lists", "small-one-launch", "notify-apart")  # NormalBenchSettings.variants
 
 
 def normal_variants(text: str) -> List[str]:
@@ -529,7 +528,6 @@ def use_normal_variants(normal, variants: Sequence[str]) -> None:
     normal.one_launch_tokens = choices.SMALL_ONE_LAUNCH_TOKENS if "small-one-launch" in variants else 0
     normal.pushed_lists = "pulled-lists" not in variants
     normal.notify_with_stage = "notify-apart" not in variants
-    normal.early_outputs = "early-outputs" in variants
     normal.stage_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"stage-{n}x" in variants),
                                         choices.STAGE_PROGRAMS_PER_SM)
     normal.pull_programs_per_sm = next((n for n in (1, 2, 3, 4) if f"pull-{n}x" in variants),
@@ -577,6 +575,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "recommended (its own get_dispatch_config / get_combine_config for the group's "
                                  "size, on the same --sms)")
     parser.add_argument("--ranks", type=non_negative_int, default=0, help="ranks to use (0: all GPUs)")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on GPU 0 under CUDA MPS (scripts/shared_gpu.sh script; --ranks, default 2): "
+                             "the host column compares libraries, gpu and synced are shared SMs', not speed")
     if normal:
         parser.add_argument("--send-parts", type=token_list, default="",
                             help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own "
@@ -622,11 +623,19 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; prints the table, returns the exit code."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print("epcomm bench needs at least 2 CUDA GPUs", file=sys.stderr)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < (1 if args.shared_gpu else 2):
+        print("epcomm bench needs at least 2 CUDA GPUs (1 with --shared-gpu)", file=sys.stderr)
+        return 2
+    if args.shared_gpu and args.mode == "low-latency" and args.peer:
+        # (2026-11-29e: its kernels assert on their QPs without a NIC, and the process dies)
+        print("--shared-gpu: DeepEP's low-latency kernels need IBGDA's QPs, a NIC per GPU", file=sys.stderr)
         return 2
     from ..testing import run_distributed
-    world = args.ranks or torch.cuda.device_count()
+    from ..testing.launcher import SHARED_GPU
+    world = args.ranks or (2 if args.shared_gpu else torch.cuda.device_count())
+    backend = SHARED_GPU if args.shared_gpu else "nccl"
+    if args.shared_gpu:
+        print(f"# {world} ranks share GPU 0 (--shared-gpu): compare the host column; gpu and synced are not speed")
     os.makedirs(args.out, exist_ok=True)
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
@@ -636,7 +645,7 @@ def run(args: argparse.Namespace) -> int:
             print("--two-launch is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
                   file=sys.stderr)
             return 2
-        result = run_distributed(bench_low_latency_rank, world, settings, backend="nccl", timeout_s=900)[0]
+        result = run_distributed(bench_low_latency_rank, world, settings, backend=backend, timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)
         print(low_latency_table(result))
@@ -656,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.send_parts or args.p2p) and not args.ranks_per_node:
         print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)
         return 2
-    result = with_every_rank(run_distributed(bench_normal_rank, world, settings, backend="nccl", timeout_s=1800))
+    result = with_every_rank(run_distributed(bench_normal_rank, world, settings, backend=backend, timeout_s=1800))
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot_normal(result, os.path.join(args.out, "bench_normal.png"))

@@ -102,7 +102,7 @@ class KernelChoices:
             doorbell_dispatch=False, rank_loop_reduce=True, reduce_warps_apart=False, side_loads_first=True,
             gathered_index=False, full_one_launch=False, one_launch_tokens=0, pull_programs_per_sm=PULL_PROGRAMS_PER_SM,
             stage_programs_per_sm=STAGE_PROGRAMS_PER_SM, pushed_lists=PUSHED_LISTS, notify_with_stage=True,
-            combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM), early_outputs=False)
+            combine_split=(PUSH_PROGRAMS_PER_SM, REDUCE_PROGRAMS_PER_SM))
 
     def _choice_changed(self) -> None:
         self._dispatch_plans.clear()
@@ -184,14 +184,6 @@ class KernelChoices:
         """The dispatch's stage and pull in one launch, the pull starting on each block of rows as it
         is staged (dispatch.py, ep_dispatch); False: in turn, a barrier between them (bench
         --variants serial-dispatch). Every rank of the group must set the same.""")
-    early_outputs = Choice(
-        """An experiment for the next lease (bench --variants early-outputs): a plain full dispatch
-        allocates its outputs before the host's count wait, at the most rows its plan received in
-        its last calls, and returns views of their first rows after the wait (outputs.py): the
-        allocations, the largest part of the host's path from the wait to the pull's launch, overlap
-        the count exchange. Only where they take at most EARLY_OUTPUT_BYTES (small batches, whose
-        host time sets their pace); a returned tensor then holds a larger allocation than its rows.
-        Each rank may choose alone (the kernels and their arguments are the same).""")
     doorbell_dispatch = Choice(
         """A full dispatch in one launch too, launched before the host's count wait with its pull
         waiting for the doorbell (bench --variants doorbell-dispatch; mailbox.py, ring). Off by

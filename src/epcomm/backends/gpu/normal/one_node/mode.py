@@ -21,7 +21,7 @@ from .expert_major_rows import POSITION_ELEMENTS, POSITION_TOKENS
 from .stage import STAGE
 from ..layout_kernel import LayoutKernel
 from .notify import NOTIFY_BLOCK, NOTIFY_BOUND, NOTIFY_STAGE
-from .outputs import EarlyOutputs, dispatch_outputs, remember_rows
+from .outputs import dispatch_outputs
 from .plans import CombinePlan, DispatchPlan, PullState
 
 # The expert-major pull and fold store (read) each row once per local entry of its token — about
@@ -195,7 +195,7 @@ class NormalMode(KernelChoices):
         num_sms = args.config.num_sms
         if expert_major:
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
-        received = None  # the outputs, where they were allocated before the launches below
+        received = None  # the outputs, where the doorbell needed them before the launches below
         pulling = False  # the doorbell's launch pulls already (it got the outputs' addresses)
         one_launch_pulls = num_sms  # pull programs of a one-launch dispatch (full_one_launch: x pull_programs_per_sm)
 
@@ -268,22 +268,11 @@ class NormalMode(KernelChoices):
                                 list_index)
             rung = not doorbell
             try:
-                # early_outputs: allocated while the count exchange runs, views taken after it
-                # (outputs.py). Not with num_worst_tokens (sizes known, nothing to overlap), the
-                # doorbell (it allocates for its ring) or expert-major rows (sized by the mapping).
-                early = EarlyOutputs.allocate(plan, x, is_fp8, prefix, dev) if self.early_outputs and not (
-                    worst or doorbell or expert_major) else None
                 if worst:
                     num_rows, max_tokens, counts = args.num_worst_tokens, -1, None
                 else:
                     num_rows, max_tokens, counts = mailbox.wait_notify(sequence, rank, b.timeout_s)
-                    if self.early_outputs:
-                        remember_rows(plan, num_rows)
-                taken = None if early is None else early.take(num_rows)
-                if taken is not None:
-                    src_idx, received = taken
-                else:
-                    src_idx = prefix.new_empty(num_rows)
+                src_idx = prefix.new_empty(num_rows)
                 if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
                     received = dispatch_outputs(plan, x, is_fp8, num_rows, None, dev)
                     rung = overlapped = pulling = True  # (ring writes the tag before it may raise: no cancel after it)

@@ -1,7 +1,7 @@
 """What normal mode's host keeps per shape (plans) and per dispatch (PullState, in the handle)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -28,8 +28,7 @@ class PullState:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Everything about a dispatch that depends only on its shape (cached per shape), and the rows
-    its last calls received (``recent_rows``)."""
+    """Everything about a dispatch that depends only on its shape (cached per shape)."""
 
     x_words: int
     num_scales: int
@@ -58,9 +57,6 @@ class DispatchPlan:
     stage_fixed: tuple
     pull_fixed: tuple
     overlapped_fixed: tuple  # ep_dispatch's, up to its sequence argument
-    # The one part that is not the shape's: the rows the plan's last full dispatches received,
-    # newest last (outputs.py, early_outputs); not compared, so plans of a shape still compare equal.
-    recent_rows: list = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
