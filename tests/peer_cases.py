@@ -125,7 +125,7 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
 
     import epcomm
     from epcomm.fp8 import per_token_cast_to_fp8
-    from epcomm.tools.measure import random_batch
+    from epcomm.tools.measure import peer_buffer, random_batch, release_peer_buffers
     if against_compat:
         import deep_ep as compat  # (first on the tests' path: conftest.py)
     with contextlib.nullcontext(compat) if against_compat else deep_ep_itself() as peer:
@@ -136,7 +136,7 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
         num_experts = experts_per_rank * R
         ours = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 28)
         hint = peer.Config(sms, 8, 256).get_nvl_buffer_size_hint(hidden * 2, R)
-        theirs = peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 28))
+        theirs = peer_buffer(peer, dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 28))
         buffers = {"epcomm": (ours, epcomm.Config(sms, 8, 256)), "deep_ep": (theirs, peer.Config(sms, 8, 256))}
         differed, details = {}, {}
 
@@ -188,4 +188,5 @@ def outputs_and_handles_beside_the_peer(num_cases: int = 6, tokens: int = 300, h
             torch.cuda.synchronize()
         dist.barrier()
         ours.destroy()
+        release_peer_buffers(theirs)
         return {"differed": differed, "details": details}

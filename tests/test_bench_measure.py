@@ -197,3 +197,24 @@ def test_a_library_whose_capture_failed_is_not_captured_again_in_the_run(monkeyp
         assert list(results) == [bench.WORST_EAGER] and checks["deep_ep num_worst == full"]
         assert any("graph capture" in name for name in checks) == (point == 0)
     assert captures == [1] and no_graph == {"deep_ep"}
+
+
+def test_the_peers_buffers_are_destroyed_explicitly_after_a_barrier(monkeypatch):
+    """DeepEP's Buffer is made with explicitly_destroy (its destructor's release may hang Python's
+    exception handling) and destroyed after a barrier, every rank done with its kernels."""
+    events = []
+
+    class PeerBuffer:
+        def __init__(self, group, **kwargs):
+            self.kwargs = kwargs
+
+        def destroy(self):
+            events.append(("destroy", self))
+    monkeypatch.setattr(measure, "dist", types.SimpleNamespace(barrier=lambda: events.append("barrier")))
+    peer = types.SimpleNamespace(Buffer=PeerBuffer)
+    first = measure.peer_buffer(peer, None, num_nvl_bytes=1 << 20)
+    second = measure.peer_buffer(peer, None, low_latency_mode=True)
+    assert first.kwargs == {"explicitly_destroy": True, "num_nvl_bytes": 1 << 20}
+    assert second.kwargs["explicitly_destroy"] and second.kwargs["low_latency_mode"]
+    measure.release_peer_buffers(first, second)
+    assert events == ["barrier", ("destroy", first), ("destroy", second)]

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .bench_tables import low_latency_table, normal_table, plot_normal, with_every_rank
-from .measure import NCCLBaseline, load_peer, measure, measure_decode_loop, random_batch
+from .measure import (NCCLBaseline, load_peer, measure, measure_decode_loop, peer_buffer, random_batch,
+                      release_peer_buffers)
 
 
 # ---------------------------------------------------------------------- normal mode
@@ -262,7 +263,7 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
         configs = lambda sms: _peer_configs(peer, settings.peer_configs, sms, R)  # noqa: E731
         hint = max(config.get_nvl_buffer_size_hint(settings.hidden * 2, R)
                    for sms in [settings.sms] + settings.more_sms for config in configs(sms))
-        buffers[settings.peer] = (peer.Buffer(dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), configs)
+        buffers[settings.peer] = (peer_buffer(peer, dist.group.WORLD, num_nvl_bytes=max(hint, 1 << 30)), configs)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     points = []
     result = {"world": dist.get_world_size(), "backend": buffers["epcomm"][0].backend_name,
@@ -294,6 +295,8 @@ def bench_normal_rank(settings: NormalBenchSettings) -> Dict:
         if dist.get_rank() == 0:  # each table as it is measured: a later point that fails loses none of it
             print(normal_table(dict(result, points=points[-1:])), file=sys.stderr, flush=True)
     buffers["epcomm"][0].destroy()
+    if peer is not None:
+        release_peer_buffers(buffers[settings.peer][0])
     return dict(result, points=points)
 
 
@@ -417,7 +420,7 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
                                                          tuning=epcomm.Tuning(ll_one_launch=False))
     peer = load_peer(settings.peer) if not settings.ranks_per_node else None
     if peer is not None:
-        buffers[settings.peer] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
+        buffers[settings.peer] = peer_buffer(peer, dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
                                              num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(T, H, R, E))
     reference = epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, backend="torch_dist")
     x, topk_idx, topk_weights = random_batch(T, H, K, E, settings.seed * 7919 + rank, dev)
@@ -472,6 +475,8 @@ def bench_low_latency_rank(settings: LowLatencyBenchSettings) -> Dict:
     kernels = profiled_last(columns, _kernel_times, then=measure_nccl)
     ok = torch.tensor([int(all(v for k, v in checks.items() if k.startswith("epcomm")))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if peer is not None:
+        release_peer_buffers(buffers[settings.peer])
     second = settings.peer if peer is not None else "nvlink" if "nvlink" in buffers else None
     return {"world": R, "backend": buffers["epcomm"].backend_name, "device": torch.cuda.get_device_name(dev),
             "peer": second, "settings": asdict(settings), "rows": list(rows.values()), "checks": checks,

@@ -107,6 +107,23 @@ def load_peer(name: Optional[str]):
         return None
 
 
+def peer_buffer(peer, group, **kwargs):
+    """The peer library's Buffer on ``group``, made to be released by :func:`release_peer_buffers`
+    (``explicitly_destroy``): DeepEP warns that releasing it in its destructor may hang Python's
+    exception handling."""
+    return peer.Buffer(group, explicitly_destroy=True, **kwargs)
+
+
+def release_peer_buffers(*buffers) -> None:
+    """Collective: after a barrier (every rank done with the peer's kernels), destroy each buffer
+    :func:`peer_buffer` made. Call it on the success path only: DeepEP's release waits for every
+    rank, and after an error on one rank the others would wait for it; there the process's exit
+    releases them."""
+    dist.barrier()
+    for buffer in buffers:
+        buffer.destroy()
+
+
 class NCCLBaseline:
     """Count exchange with all_to_all_single + permute + all_to_all_single; combine mirrors it and
     sums with ``index_add_`` (the baseline DeepEP's comparisons use)."""
