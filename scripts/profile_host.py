@@ -367,9 +367,18 @@ def profile_rank(tokens: int, full_only: bool = False, split_calls: int = 400, f
         report.append(f"  {name:<22} {full:6.1f} {full - backend:6.1f} {backend:8.1f} {backend - launches:6.1f} "
                       f"{launches:9.1f} {count:2d}")
     report += full_report
+
+    def worst():  # no host wait (sizes known): the eager form of what an engine captures for a small batch
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                            topk_idx=topk, topk_weights=w, num_worst_tokens=R * T, config=cfg)
+    worst()
+    plain = _plain_us({"full": full_dispatch, "num_worst": worst, "cached": calls["dispatch cached bf16"][0]})
+    report.append("\nuninstrumented, interleaved (back to back, least of bursts / after a sync, median), µs: " +
+                  ", ".join(f"{name} {b2b:.1f} / {synced:.1f}" for name, (b2b, synced) in plain.items()))
     if functions:
         report.append(f"\nown time by function, cProfile over {functions} calls (µs per call, calls per call):")
-        for name, (fn, _) in dict(calls, **{"dispatch full bf16": (full_dispatch, "dispatch")}).items():
+        for name, (fn, _) in dict(calls, **{"dispatch full bf16": (full_dispatch, "dispatch"),
+                                            "dispatch num_worst bf16": (worst, "dispatch")}).items():
             report.append(f"  {name}")
             try:
                 report += _function_costs(fn, functions)

@@ -130,6 +130,17 @@ def test_the_script_part_runs_a_tool_under_the_beds_mps_and_needs_its_command():
     assert done.returncode != 0 and "SCRIPT=" in done.stderr
 
 
+def test_the_host_part_runs_the_bench_at_each_group_size_beside_deep_ep_where_carried():
+    """scripts/shared_gpu.sh host: ``epcomm bench normal --shared-gpu`` on the nvlink backend at each
+    of RANKS (default 2, 4, 8; Config(8) past 4 ranks, where DeepEP's programs must all fit one GPU),
+    with --peer deep_ep only where use_peer found the wheel."""
+    rc, out = _dry_run("host")
+    assert rc == 0 and "for R in 2 4 8;" in out and "--shared-gpu" in out and "EPCOMM_BACKEND=nvlink" in out, out
+    assert "${EPCOMM_PEER_CARRIED:+--peer deep_ep}" in out and "--tokens 512 " in out
+    rc, out = _dry_run("host", RANKS="2 4", TOKENS="256")
+    assert rc == 0 and "for R in 2 4;" in out and "--tokens 256 " in out
+
+
 def test_the_bed_runs_a_one_node_variant_in_every_normal_mode_its_workers_make(monkeypatch):
     """VARIANT=tile-reduce scripts/shared_gpu.sh nvlink runs the bed's tests on an experiment's
     kernels: each worker sets, through bed_choices, every NormalMode it makes from then on as
