@@ -18,10 +18,12 @@ interpreter tell apart.
 Run on a machine with 2+ GPUs (``--ranks 1``: one rank alone, its chain without peers' waits):
 ``python3 scripts/ll_host_split.py [--ranks 2] [--tokens 128]
 [--round-trips 40] [--batches 5] [--peer deep_ep]``. On one GPU, ``--shared-gpu`` puts every rank
-on it (under CUDA MPS: ``SCRIPT="python3 scripts/ll_host_split.py --shared-gpu --ranks 2 --peer
-deep_ep" scripts/shared_gpu.sh script``): the host columns stand, since each rank's host is its
-own process on its own core, but the GPU column is the ranks' shared SMs, not speed. (Pinning each rank's main thread to one core
-made it worse: threads made later inherit the core, and calls then stall for a 4 ms time slice.)
+on it, epcomm on the nvlink backend (under CUDA MPS: ``SCRIPT="python3 scripts/ll_host_split.py
+--shared-gpu" scripts/shared_gpu.sh script``). The host columns stand, since each rank's host is
+its own process on its own core; the GPU column is the ranks' shared SMs, not speed. DeepEP's
+low-latency kernels need a NIC's queue pairs, so ``--peer`` is refused there. (Pinning each
+rank's main thread to one core made it worse: threads made later inherit the core, and calls then
+stall for a 4 ms time slice.)
 """
 import argparse
 import os
@@ -132,20 +134,21 @@ def _measure(calls_of, stamps, patched, round_trips: int, batches: int):
     return rows
 
 
-def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
+def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str, backend=None):
+    """Every rank's rows (rank order). ``backend``: epcomm's Buffer's (None: its automatic choice)."""
     import epcomm
     from epcomm.backends.gpu.launch import BoundKernel
     from epcomm.fp8 import per_token_cast_back
-    from epcomm.tools.measure import load_peer, random_batch
+    from epcomm.tools.measure import load_peer, peer_buffer, random_batch, release_peer_buffers
     R = dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     H, K, E = 7168, 8, 256
     x, topk, weights = random_batch(tokens, H, K, E, 11 + dist.get_rank(), dev)
-    libraries = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True,
+    libraries = {"epcomm": epcomm.Buffer(dist.group.WORLD, low_latency_mode=True, backend=backend,
                                          num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(tokens, H, R, E))}
     peer = load_peer(peer_name)  # (None, with the reason printed, where it is not importable)
     if peer is not None:
-        libraries[peer_name] = peer.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
+        libraries[peer_name] = peer_buffer(peer, dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // R,
                                            num_rdma_bytes=peer.Buffer.get_low_latency_rdma_size_hint(tokens, H, R, E))
     stamps = _Stamps()
     from epcomm.backends.gpu.low_latency.mode import LowLatencyMode
@@ -162,6 +165,9 @@ def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
         }
         _split(calls_of[name], None, 5, 1)  # (warm: every kind compiled and bound)
     rows = _measure(calls_of, stamps, patched, round_trips, batches)
+    rows["epcomm"]["backend"] = libraries["epcomm"].backend_name
+    if peer is not None:
+        release_peer_buffers(libraries[peer_name])
     gathered = [None] * R
     dist.all_gather_object(gathered, rows)
     return gathered
@@ -169,7 +175,8 @@ def rank_main(tokens: int, round_trips: int, batches: int, peer_name: str):
 
 def _report(per_rank, tokens: int, round_trips: int, batches: int) -> None:
     """Print every rank's rows (rank_main's results, rank order)."""
-    print(f"# {len(per_rank)} ranks, T={tokens}, {batches} batches of {round_trips} round trips back to back; "
+    print(f"# {len(per_rank)} ranks, epcomm on {per_rank[0]['epcomm']['backend']}, T={tokens}, "
+          f"{batches} batches of {round_trips} round trips back to back; "
           "host µs per call: median / p90 / max; slow: calls over 1.5 x the median, each part's mean excess; "
           "a call without * timed whole (every library twice, in turn), with * epcomm's parts stamped after")
     print(f"{'library':8s} {'rank':>4s} {'call':11s} " + " ".join(f"{p:>17s}" for p in PARTS) + "   slow  excess "
@@ -186,7 +193,8 @@ def _report(per_rank, tokens: int, round_trips: int, batches: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=0, help="ranks, one per GPU (default: every GPU)")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="ranks, one per GPU (default: every GPU; with --shared-gpu, 2)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--round-trips", type=int, default=40)
     parser.add_argument("--batches", type=int, default=5)
@@ -196,6 +204,9 @@ def main() -> int:
     args = parser.parse_args()
     world = args.ranks or (2 if args.shared_gpu else torch.cuda.device_count())
     gpus_needed = 1 if args.shared_gpu else world
+    if args.shared_gpu and args.peer:  # (2026-11-29e: its kernels assert on their QPs, and the process dies)
+        print("--shared-gpu: DeepEP's low-latency kernels need IBGDA's queue pairs, a NIC per GPU", file=sys.stderr)
+        return 2
     if world < 1 or torch.cuda.device_count() < gpus_needed or args.round_trips < 2 or args.batches < 1:
         print(f"ll_host_split.py needs {max(gpus_needed, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1",
               file=sys.stderr)
@@ -203,6 +214,7 @@ def main() -> int:
     from epcomm.testing import run_distributed
     from epcomm.testing.launcher import SHARED_GPU
     per_rank = run_distributed(rank_main, world, args.tokens, args.round_trips, args.batches, args.peer,
+                               "nvlink" if args.shared_gpu else None,
                                backend=SHARED_GPU if args.shared_gpu else "nccl", timeout_s=300)[0]
     _report(per_rank, args.tokens, args.round_trips, args.batches)
     return 0

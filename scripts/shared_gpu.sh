@@ -33,7 +33,8 @@ case "$part" in
   nvlink-faults) shapes="8x8"; backend=nvlink
              tests="engines or dropped or fuzz or out_of_range or failure_contract or raised_everywhere or random_sequence or skips_a_call or timeout or dead_rank" ;;
   custom)    shapes="${SHAPES:?SHAPES=RxK,...}"; tests="${TESTS:?TESTS=a pytest -k expression}" ;;
-  # a tool's command under the same MPS daemon, limit and clean-up (its ranks on GPU 0: --shared-gpu)
+  # a tool's command under the same MPS daemon, limit and clean-up (its ranks on GPU 0: --shared-gpu;
+  # a Buffer's automatic backend there is nvshmem: EPCOMM_BACKEND=nvlink for the one-node kernels)
   script)    shapes="-"; tests="-"; command="${SCRIPT:?SCRIPT=a command whose ranks share GPU 0}" ;;
   # the one-node calls' host time per call beside DeepEP's (where its wheel was carried), same run:
   # a host cost where a call does not wait for the GPU (cached, combine, num_worst eager; the full
@@ -91,9 +92,9 @@ tests_pgid=$!
 wait "$tests_pgid"; rc=$?
 echo "--- shared-gpu $part: rc=$rc in $(( $(date +%s) - started )) s (124: hit the ${limit_s} s limit)"
 if [ "$part" = host ]; then  # every group size's table once (the bench prints each as measured, then again;
-  # its every-rank lines, with "|", stay in the log)
+  # its every-rank lines, with "|", stay in the log), each with its own header and checks
   grep -E "^# epcomm bench|^call |^(dispatch|combine|get_dispatch_layout)[ ,]|^checks|Error" "$OUT/shared_gpu_$part.log" |
-    grep -v "|" | awk '!seen[$0]++'; exit "$rc"
+    grep -v "|" | awk '/^# epcomm bench/ && $0 != table { delete seen; table = $0 } !seen[$0]++'; exit "$rc"
 fi
 if [ -n "$runs_command" ]; then tail -n 60 "$OUT/shared_gpu_$part.log"; exit "$rc"; fi
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^R=|passed|failed|median ms" "$OUT/shared_gpu_$part.log" | cut -c1-400 | tail -40

@@ -103,7 +103,16 @@ def test_the_report_prints_both_passes_and_the_gpu_line_per_library_and_rank(spl
     calls = {"dispatch": lambda carried: backend.method(7), "combine": lambda handle: backend.method(handle)}
     rows = split._measure({"epcomm": calls, "deep_ep": dict(calls)}, split._Stamps(),
                           {(_Backend, "launch"): "launch"}, round_trips=2, batches=1)
+    rows["epcomm"]["backend"] = "nvlink"  # (rank_main adds the Buffer's: on the bed, the automatic one is nvshmem)
     split._report([rows, rows], tokens=128, round_trips=2, batches=1)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 8 * 2 + 2
+    assert len(lines) == 8 * 2 + 2 and "epcomm on nvlink" in lines[0]
     assert sum("dispatch *" in line for line in lines) == 2 and sum("gpu per round trip" in line for line in lines) == 4
+
+
+def test_on_a_shared_gpu_the_peer_is_refused_before_any_rank_starts(split, monkeypatch, capsys):
+    """--shared-gpu --peer deep_ep: DeepEP's low-latency kernels assert without a NIC's queue pairs
+    and the process dies (2026-11-29e), so the script refuses it with that reason."""
+    monkeypatch.setattr(split.sys, "argv", ["ll_host_split.py", "--shared-gpu", "--peer", "deep_ep"])
+    monkeypatch.setattr(split.torch.cuda, "device_count", lambda: 1)
+    assert split.main() == 2 and "queue pairs" in capsys.readouterr().err

@@ -130,10 +130,12 @@ def test_the_script_part_runs_a_tool_under_the_beds_mps_and_needs_its_command():
     assert done.returncode != 0 and "SCRIPT=" in done.stderr
 
 
-def test_the_host_part_runs_the_bench_at_each_group_size_beside_deep_ep_where_carried():
+def test_the_host_part_runs_the_bench_at_each_group_size_beside_deep_ep_where_carried(monkeypatch):
     """scripts/shared_gpu.sh host: ``epcomm bench normal --shared-gpu`` on the nvlink backend at each
     of RANKS (default 2, 4, 8; Config(8) past 4 ranks, where DeepEP's programs must all fit one GPU),
     with --peer deep_ep only where use_peer found the wheel."""
+    for name in ("RANKS", "TOKENS"):  # (names speed_run.sh uses too: the defaults are tested here)
+        monkeypatch.delenv(name, raising=False)
     rc, out = _dry_run("host")
     assert rc == 0 and "for R in 2 4 8;" in out and "--shared-gpu" in out and "EPCOMM_BACKEND=nvlink" in out, out
     assert "${EPCOMM_PEER_CARRIED:+--peer deep_ep}" in out and "--tokens 512 " in out

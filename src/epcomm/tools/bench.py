@@ -579,10 +579,12 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                             help="the peer's chunk sizes: same (Config(sms, 8, 256), as epcomm's) or "
                                  "recommended (its own get_dispatch_config / get_combine_config for the group's "
                                  "size, on the same --sms)")
-    parser.add_argument("--ranks", type=non_negative_int, default=0, help="ranks to use (0: all GPUs)")
+    parser.add_argument("--ranks", type=non_negative_int, default=0,
+                        help="ranks to use (0: all GPUs; with --shared-gpu, 2)")
     parser.add_argument("--shared-gpu", action="store_true",
-                        help="every rank on GPU 0 under CUDA MPS (scripts/shared_gpu.sh script; --ranks, default 2): "
-                             "the host column compares libraries, gpu and synced are shared SMs', not speed")
+                        help="every rank on GPU 0 under CUDA MPS (scripts/shared_gpu.sh host): the host column "
+                             "compares libraries, gpu and synced are shared SMs', not speed; EPCOMM_BACKEND=nvlink "
+                             "for the one-node kernels (the automatic choice there is nvshmem)")
     if normal:
         parser.add_argument("--send-parts", type=token_list, default="",
                             help="nvshmem (--ranks-per-node): further send_parts settings, each a table of its own "
@@ -639,8 +641,6 @@ def run(args: argparse.Namespace) -> int:
     from ..testing.launcher import SHARED_GPU
     world = args.ranks or (2 if args.shared_gpu else torch.cuda.device_count())
     backend = SHARED_GPU if args.shared_gpu else "nccl"
-    if args.shared_gpu:
-        print(f"# {world} ranks share GPU 0 (--shared-gpu): compare the host column; gpu and synced are not speed")
     os.makedirs(args.out, exist_ok=True)
     if args.mode == "low-latency":
         settings = LowLatencyBenchSettings(tokens=args.tokens or 128, hidden=args.hidden, reps=max(args.reps, 20),
@@ -650,6 +650,7 @@ def run(args: argparse.Namespace) -> int:
             print("--two-launch is the one-node kernels' (the nvlink backend); leave out --ranks-per-node",
                   file=sys.stderr)
             return 2
+        _say_shared(args.shared_gpu, world)
         result = run_distributed(bench_low_latency_rank, world, settings, backend=backend, timeout_s=900)[0]
         with open(os.path.join(args.out, "bench_low_latency.json"), "w") as f:
             json.dump(result, f, indent=1)
@@ -670,12 +671,18 @@ def run(args: argparse.Namespace) -> int:
     if (args.send_parts or args.p2p) and not args.ranks_per_node:
         print("--send-parts and --p2p need --ranks-per-node (the nvshmem backend)", file=sys.stderr)
         return 2
+    _say_shared(args.shared_gpu, world)
     result = with_every_rank(run_distributed(bench_normal_rank, world, settings, backend=backend, timeout_s=1800))
     with open(os.path.join(args.out, "bench_normal.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot_normal(result, os.path.join(args.out, "bench_normal.png"))
     print(normal_table(result))
     return 0 if all(p["ok"] for p in result["points"]) else 1
+
+
+def _say_shared(shared_gpu: bool, world: int) -> None:
+    if shared_gpu:
+        print(f"# {world} ranks share GPU 0 (--shared-gpu): compare the host column; gpu and synced are not speed")
 
 
 def main(argv=None) -> int:

@@ -117,8 +117,8 @@ def peer_buffer(peer, group, **kwargs):
 def release_peer_buffers(*buffers) -> None:
     """Collective: after a barrier (every rank done with the peer's kernels), destroy each buffer
     :func:`peer_buffer` made. Call it on the success path only: DeepEP's release waits for every
-    rank, and after an error on one rank the others would wait for it; there the process's exit
-    releases them."""
+    rank, and after an error on one rank the others would wait for it. There the buffers stay until
+    the worker process exits (DeepEP then warns of the leak: a warning, not a hang)."""
     dist.barrier()
     for buffer in buffers:
         buffer.destroy()
