@@ -59,6 +59,8 @@ def _check_expert_counts(per_expert, per_expert_ptr, dest, num_local, state_ptr,
     experts = tl.arange(0, L_P2)
     given = tl.load(per_expert_ptr + dest * num_local + experts, mask=experts < num_local, other=0)
     if tl.max((given != per_expert).to(tl.int32), axis=0) != 0:
+        # RELEASE (acq_rel, and this program's arrival after it): the abort code -> the stage's last
+        # arriver, which reads COUNT_ERROR and posts the fingerprint again with it
         tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_EXPERT)
 
 
@@ -112,7 +114,7 @@ def _stage(pid, num_programs, epoch,
                 if HAS_TOPK:
                     per_expert += _expert_entries(topk_ptr, tokens, num_tokens, num_topk, pid, num_local, K_P2, L_P2,
                                                   LIST_BLOCK)
-            if running != tl.load(per_rank_ptr + pid):
+            if running != tl.load(per_rank_ptr + pid):  # RELEASE: as in _check_expert_counts, to the last arriver
                 tl.atomic_max(state_ptr + sync.COUNT_ERROR, agreement.ABORT_NUM_TOKENS_PER_RANK)
             if HAS_TOPK:
                 _check_expert_counts(per_expert, per_expert_ptr, pid, num_local, state_ptr, L_P2)

@@ -89,6 +89,7 @@ def ml_combine_push(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/syn
             tl.store((slot + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :],
                      tl.load(weights_ptr + rows[:, None] * num_topk + k[None, :], mask=mk), mask=mk)
     tl.debug_barrier()  # every thread's slot stores precede the release
+    # RELEASE: this program's slots (area row, j) -> forwarder's ml_combine_forward, which acquires flags [m][c][*]
     store_release_sys(base + flags_offset + ((m * SIGNAL_STRIDE + c) * ranks_per_node + j).to(tl.int64) * 8, epoch)
 
 
@@ -178,6 +179,7 @@ def ml_combine_forward(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/
                     acc_w += tl.load(slot.to(tl.pointer_type(tl.float32))[:, None] + k[None, :], mask=take, other=0.0)
                 tl.store((out_rows + weights_at).to(tl.pointer_type(tl.float32))[:, None] + k[None, :], acc_w, mask=mk)
         tl.debug_barrier()  # every thread's partial rows precede the release / the put
+        # RELEASE: the partial rows -> home s's ml_combine_reduce, which acquires signal [node][c]
         hand_off(home_area + (node * home_cap).to(tl.int64) * row_bytes,
                   partials + block_start.to(tl.int64) * row_bytes, row_bytes, lo, hi, part_lo, part_hi, direct, shift,
                   home_signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8, epoch, s, parts,

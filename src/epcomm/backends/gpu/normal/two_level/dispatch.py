@@ -170,6 +170,7 @@ def ml_notify_dispatch(
     if call_failed(failed_ptr, epoch):  # this call's step barrier found another call or a late rank
         return
     p = peer_after(tl.program_id(0), rank, num_ranks)  # every rank once, from the one after this one
+    # RELEASE: this rank's count row -> rank p's notify, which acquires signal [rank] = epoch (set after the row lands)
     far_deliver(table + (rank * meta_len).to(tl.int64) * 4, my_row_ptr, (meta_len * 4).to(tl.int64),
                     signals + rank * 8, epoch, p, peer_bases_ptr, rank, REMOTE)
     peers = tl.arange(0, R_P2)
@@ -299,6 +300,7 @@ def ml_dispatch_send(failed_ptr: "*i64",  # int64 state word CALL_FAILED (gpu/sy
                  tl.load(masks_ptr + tokens * (num_ranks // ranks_per_node) + n, mask=live, other=0), mask=live)
         tl.store(node_row_ptr + tokens * (num_ranks // ranks_per_node) + n, rows, mask=live)
     tl.debug_barrier()  # every thread's row stores precede the release / the put
+    # RELEASE: the packed rows -> the forwarder's ml_dispatch_forward, which acquires signal [node][c]
     hand_off(recv_area + block_start.to(tl.int64) * row_bytes, send_area + (n * send_cap).to(tl.int64) * row_bytes,
               row_bytes, lo, hi, slice_lo, slice_hi, direct, shift, signals + (node * SIGNAL_STRIDE + c).to(tl.int64) * 8,
               epoch, forwarder, parts, part_counters_ptr + c * (num_ranks // ranks_per_node) + n, peer_bases_ptr, rank,
