@@ -204,8 +204,9 @@ def main() -> int:
     args = parser.parse_args()
     world = args.ranks or (2 if args.shared_gpu else torch.cuda.device_count())
     gpus_needed = 1 if args.shared_gpu else world
-    if args.shared_gpu and args.peer:  # (2026-11-29e: its kernels assert on their QPs, and the process dies)
-        print("--shared-gpu: DeepEP's low-latency kernels need IBGDA's queue pairs, a NIC per GPU", file=sys.stderr)
+    if args.shared_gpu and args.peer:
+        from epcomm.tools.measure import NO_PEER_LOW_LATENCY_ON_SHARED_GPU
+        print(NO_PEER_LOW_LATENCY_ON_SHARED_GPU, file=sys.stderr)
         return 2
     if world < 1 or torch.cuda.device_count() < gpus_needed or args.round_trips < 2 or args.batches < 1:
         print(f"ll_host_split.py needs {max(gpus_needed, 1)} CUDA GPUs, --round-trips >= 2 and --batches >= 1",

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .bench_tables import low_latency_table, normal_table, plot_normal, with_every_rank
-from .measure import (NCCLBaseline, load_peer, measure, measure_decode_loop, peer_buffer, random_batch,
-                      release_peer_buffers)
+from .measure import (NO_PEER_LOW_LATENCY_ON_SHARED_GPU, NCCLBaseline, load_peer, measure, measure_decode_loop,
+                      peer_buffer, random_batch, release_peer_buffers)
 
 
 # ---------------------------------------------------------------------- normal mode
@@ -634,8 +634,7 @@ def run(args: argparse.Namespace) -> int:
         print("epcomm bench needs at least 2 CUDA GPUs (1 with --shared-gpu)", file=sys.stderr)
         return 2
     if args.shared_gpu and args.mode == "low-latency" and args.peer:
-        # (2026-11-29e: its kernels assert on their QPs without a NIC, and the process dies)
-        print("--shared-gpu: DeepEP's low-latency kernels need IBGDA's QPs, a NIC per GPU", file=sys.stderr)
+        print(NO_PEER_LOW_LATENCY_ON_SHARED_GPU, file=sys.stderr)
         return 2
     from ..testing import run_distributed
     from ..testing.launcher import SHARED_GPU

@@ -107,6 +107,11 @@ def load_peer(name: Optional[str]):
         return None
 
 
+# Why ranks sharing one GPU cannot run DeepEP's low-latency kernels (bench, scripts/ll_host_split.py):
+# 2026-11-29e, they assert on their queue pairs without a NIC, and the process dies.
+NO_PEER_LOW_LATENCY_ON_SHARED_GPU = "--shared-gpu: DeepEP's low-latency kernels need IBGDA's queue pairs, a NIC per GPU"
+
+
 def peer_buffer(peer, group, **kwargs):
     """The peer library's Buffer on ``group``, made to be released by :func:`release_peer_buffers`
     (``explicitly_destroy``): DeepEP warns that releasing it in its destructor may hang Python's
