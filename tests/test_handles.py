@@ -74,6 +74,23 @@ def test_a_handle_keeps_its_first_layout_and_replace_keeps_it():
     assert len(_handle()) == 6  # not laid out yet: one node
 
 
+def test_a_count_given_as_a_callable_is_made_on_the_first_read_and_kept():
+    """A backend that has the received count only on the device (num_worst_tokens) gives a
+    callable: the 0-dim view is made when num_recv_tokens is read (host time per call saved), once."""
+    words, made = torch.tensor([7, 40], dtype=torch.int32), []
+
+    def count():
+        made.append(1)
+        return words.select(0, 1)
+    handle = DispatchHandle(torch.zeros(2, 2, dtype=torch.int32), torch.arange(4, dtype=torch.int32),
+                            torch.zeros(3, 2, dtype=torch.bool), count, 4)
+    assert made == []
+    assert handle.num_recv_tokens.dim() == 0 and int(handle.num_recv_tokens) == 40 and made == [1]
+    words[1] = 9  # (a view: it reads what the kernels wrote)
+    assert int(handle.num_recv_tokens) == 9 and made == [1]
+    assert handle._replace(expert_major="m").num_recv_tokens is handle.num_recv_tokens
+
+
 def test_low_latency_handle_is_deep_eps_five_tuple_with_the_state_as_an_attribute():
     src_info, layout = torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int64)
     handle = LowLatencyHandle(src_info, layout, 4, 256, 8, "state")

@@ -183,6 +183,35 @@ def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monk
     assert result.recv_x.shape == (80, HIDDEN)
 
 
+@pytest.mark.parametrize("num_worst_tokens", [0, 80])
+def test_the_handles_int32_words_come_from_one_allocation_at_16_byte_boundaries(monkeypatch, num_worst_tokens):
+    """rank_prefix_matrix (and, with num_worst_tokens, recv_src_idx: its size is known before the
+    launch) are views of the notify's allocation (PullState.index_words) after the list index and
+    recv_info, from 16-byte boundaries: one allocation instead of three on the host's path. The
+    notify's prefix and recv_info arguments are their addresses; num_recv_tokens is recv_info's
+    first word, made on the first read."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
+    num_tokens = 50
+    handle = mode.dispatch(_args(num_tokens, num_worst_tokens=num_worst_tokens)).handle
+    words = handle.backend_state.index_words
+    base, prefix, src_idx = words.data_ptr(), handle.rank_prefix_matrix, handle.recv_src_idx
+    assert words.dtype == torch.int32 and prefix.shape == (R, R) and prefix.is_contiguous()
+    prefix_at = (prefix.data_ptr() - base) // 4
+    assert prefix.data_ptr() % 16 == 0 and prefix_at >= num_tokens * R + 2
+    (_, _, notify), = [launch for launch in launches if launch[0].startswith("notify")]
+    assert prefix.data_ptr() in notify and base + 4 * num_tokens * R in notify  # (prefix_ptr, recv_info_ptr)
+    if num_worst_tokens:
+        assert src_idx.shape == (num_worst_tokens,) and src_idx.untyped_storage().data_ptr() == base
+        assert src_idx.data_ptr() % 16 == 0 and (src_idx.data_ptr() - base) // 4 >= prefix_at + R * R
+        assert words.numel() == (src_idx.data_ptr() - base) // 4 + num_worst_tokens
+        words[num_tokens * R] = 33  # (the notify's received count)
+        assert handle.num_recv_tokens.dim() == 0 and int(handle.num_recv_tokens) == 33
+    else:
+        assert src_idx.shape == (40,) and src_idx.untyped_storage().data_ptr() != base
+        assert handle.num_recv_tokens == 40
+
+
 @pytest.mark.parametrize("capturing", [None, False, True])
 def test_the_call_board_tag_gets_the_capture_answer_the_buffer_kept(monkeypatch, capturing):
     """Buffer.dispatch asks its backend (Backend.refuse_capture) whether the stream is being
@@ -383,9 +412,9 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     assert (both["mailbox_address"], both["counts_offset"], both["num_experts"]) == (mailbox.address, 0, E)
     assert (both["expert_alignment"], both["write_table"]) == (3, 0)  # (the plain layout: no table)
     prefix = fused.handle.rank_prefix_matrix.data_ptr()
-    index_info = fused.handle.backend_state.index_info.data_ptr()
+    index_words = fused.handle.backend_state.index_words.data_ptr()
     assert (both["prefix_ptr"], both["table_ptr"]) == (prefix, prefix)  # (no table: prefix's address)
-    assert (both["list_index_ptr"], both["recv_info_ptr"]) == (index_info, index_info + 4 * 50 * R)
+    assert (both["list_index_ptr"], both["recv_info_ptr"]) == (index_words, index_words + 4 * 50 * R)
     assert named["pull"]["trace_ptr"] == 4096 and named["pull"]["num_rows"] == 40
     # the one launch (DispatchPlan.overlapped_fixed), here after the count wait (full_one_launch)
     from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL

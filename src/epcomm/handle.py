@@ -88,7 +88,9 @@ class DispatchHandle(Sequence):
             source rank (``-1`` for padding rows when ``num_worst_tokens`` was used).
         is_token_in_rank: ``[T, R]`` bool, the sender-side routing this dispatch used.
         num_recv_tokens: rows actually received (an int, or a 0-dim int tensor on the device when
-            no host synchronisation was allowed).
+            no host synchronisation was allowed). A backend may give a callable instead, which
+            makes that tensor on the first read (a view costs ~1.5 µs of host time on every call
+            that returns a handle, and few callers read it).
         num_recv_rows: rows of ``recv_x`` (``num_worst_tokens`` when padding was asked for).
         backend_state: backend-private data (queue offsets, etc.); ``None`` for ``torch_dist``.
         expert_major: the row mapping when dispatched with ``expert_major=True`` (see
@@ -97,7 +99,7 @@ class DispatchHandle(Sequence):
             :meth:`laid_out`); until then one node of ``R`` ranks and one channel.
     """
 
-    __slots__ = ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank", "num_recv_tokens", "num_recv_rows",
+    __slots__ = ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank", "_num_recv_tokens", "num_recv_rows",
                  "backend_state", "expert_major", "rank", "ranks_per_node", "num_channels", "_derived")
     _fields = ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank", "num_recv_tokens", "num_recv_rows",
                "backend_state", "expert_major")
@@ -109,7 +111,7 @@ class DispatchHandle(Sequence):
         self.rank_prefix_matrix = rank_prefix_matrix
         self.recv_src_idx = recv_src_idx
         self.is_token_in_rank = is_token_in_rank
-        self.num_recv_tokens = num_recv_tokens
+        self._num_recv_tokens = num_recv_tokens
         self.num_recv_rows = num_recv_rows
         self.backend_state = backend_state
         self.expert_major = expert_major
@@ -117,6 +119,14 @@ class DispatchHandle(Sequence):
         self.ranks_per_node = ranks_per_node
         self.num_channels = num_channels
         self._derived = None  # DeepEP fields computed on first read (_field)
+
+    @property
+    def num_recv_tokens(self) -> Any:
+        """Rows actually received: an int, or a 0-dim int tensor on the device (see the class)."""
+        count = self._num_recv_tokens
+        if callable(count):  # (made on the first read, then kept)
+            count = self._num_recv_tokens = count()
+        return count
 
     def laid_out(self, rank: int, ranks_per_node: int, num_channels: int) -> "DispatchHandle":
         """Record where this handle was made (Buffer calls it on every dispatch's handle): it is

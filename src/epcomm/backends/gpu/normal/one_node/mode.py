@@ -2,6 +2,7 @@
 kernels of each phase are in the sibling modules; the package docstring lists them per call)."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -212,13 +213,18 @@ class NormalMode(KernelChoices):
                 self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, False, stream, fp0, fp1, tag)
         else:
             num_experts = num_local * R
-            # (Allocations on the host's path take new_empty: no device argument to parse, about
-            # 1 µs less each on one H100's host, where this path sets a full dispatch's pace. The
-            # counts are int32 on this device: Buffer checked them.)
-            prefix = args.num_tokens_per_rank.new_empty((R, R))
-            # list_index ([T, R]) and recv_info ([2]) in one allocation: the kernels take addresses.
-            index_info = prefix.new_empty(num_tokens * R + 2)
-            list_index = index_info.data_ptr()
+            worst = args.num_worst_tokens > 0
+            # The notify's outputs and the handle's int32 words in one allocation (new_empty: no
+            # device argument to parse; the counts are int32 on this device, Buffer checked them):
+            # each allocation costs ~4 µs of host time on the GPU hosts, where this path sets a
+            # small batch's pace, a view ~1.5. index_words: list_index ([T, R]), recv_info ([2]),
+            # then from 16-byte boundaries rank_prefix_matrix ([R, R]) and, where its size is
+            # known now (num_worst_tokens), recv_src_idx.
+            prefix_at = (num_tokens * R + 2 + 3) & ~3
+            src_idx_at = prefix_at + ((R * R + 3) & ~3)
+            index_words = args.num_tokens_per_rank.new_empty(src_idx_at + (args.num_worst_tokens if worst else 0))
+            prefix = index_words.as_strided((R, R), (R, 1), prefix_at)
+            list_index = index_words.data_ptr()
             recv_info = list_index + 4 * num_tokens * R
             table = torch.empty((R + 2, num_local), dtype=torch.int32, device=dev) if expert_major else prefix
             prefix_address, in_rank = prefix.data_ptr(), args.is_token_in_rank.data_ptr()
@@ -226,7 +232,7 @@ class NormalMode(KernelChoices):
             sequence = mailbox.next_sequence()
             fp0, fp1 = plan.fingerprint_full
             fp0 |= (num_experts & agreement.EXPERTS_MASK) << agreement.EXPERTS_SHIFT
-            fp1 |= int(args.num_worst_tokens > 0) << agreement.WORST_SHIFT
+            fp1 |= int(worst) << agreement.WORST_SHIFT
             notify_args = (prefix_address, recv_info, table.data_ptr(), num_experts, args.expert_alignment,
                            int(expert_major), ws.counts_offset, mailbox.address, sequence, b.timeout_ns)
             # Round 0 is staged during the host's count wait: in turn (the pull launched after the
@@ -235,7 +241,6 @@ class NormalMode(KernelChoices):
             # host rings after the wait with the outputs' addresses — or with a cancel, when the
             # group needs rounds (mailbox.py, ring). num_worst_tokens: every size is known now, so no
             # wait: one launch after the notify, as a cached dispatch.
-            worst = args.num_worst_tokens > 0
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
@@ -272,7 +277,8 @@ class NormalMode(KernelChoices):
                     num_rows, max_tokens, counts = args.num_worst_tokens, -1, None
                 else:
                     num_rows, max_tokens, counts = mailbox.wait_notify(sequence, rank, b.timeout_s)
-                src_idx = prefix.new_empty(num_rows)
+                src_idx = index_words.as_strided((num_rows,), (1,), src_idx_at) if worst else \
+                    index_words.new_empty(num_rows)
                 if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
                     received = dispatch_outputs(plan, x, is_fp8, num_rows, None, dev)
                     rung = overlapped = pulling = True  # (ring writes the tag before it may raise: no cancel after it)
@@ -287,7 +293,7 @@ class NormalMode(KernelChoices):
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
             counts_list = [] if counts is None else counts[:num_local].tolist()
-            state = PullState(index_info, max_tokens, sequence, table if expert_major else None)
+            state = PullState(index_words, max_tokens, sequence, table if expert_major else None)
             if expert_major:
                 mapping = ExpertMajor(torch.empty((num_rows, num_topk), dtype=torch.int32, device=dev),
                                       torch.empty(sum(counts_list), dtype=torch.int64, device=dev),
@@ -331,7 +337,8 @@ class NormalMode(KernelChoices):
         recv = (recv_x, recv_scales) if is_fp8 else recv_x
         if cached:
             return DispatchResult(recv, None, None, None, handle)
-        num_recv_tokens = num_rows if max_tokens >= 0 else index_info[num_tokens * R]
+        # (num_worst_tokens: recv_info's first word, a 0-dim view made when the handle's field is read)
+        num_recv_tokens = num_rows if max_tokens >= 0 else partial(index_words.select, 0, num_tokens * R)
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
         return DispatchResult(recv, recv_topk, recv_weights, counts_list, handle)
 

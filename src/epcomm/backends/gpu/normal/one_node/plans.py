@@ -13,10 +13,11 @@ from ...launch import Specialisations
 class PullState:
     """What the one-node backend keeps in ``DispatchHandle.backend_state``."""
 
-    # [T * R + 2] int32 device: the list index ([T, R]: each token's index in the list of each rank
-    # it went to; the overlapped combine's reduce finds by it which pushed block holds a token's
-    # row), then recv_info ([2]: rows received, most tokens any rank sends)
-    index_info: torch.Tensor
+    # int32 device words: the list index ([T, R]: each token's index in the list of each rank it
+    # went to; the overlapped combine's reduce finds by it which pushed block holds a token's row),
+    # then recv_info ([2]: rows received, most tokens any rank sends); after them (from 16-byte
+    # boundaries) the handle's rank_prefix_matrix and, with num_worst_tokens, its recv_src_idx
+    index_words: torch.Tensor
     max_tokens: int  # most tokens any rank sends (-1 when unknown: num_worst_tokens, one round)
     sequence: int  # the dispatch's notify sequence number: the same on every rank (fingerprints)
     expert_table: Optional[torch.Tensor] = None  # [R + 2, L] int32 expert-major group table (ep_notify_dispatch)
