@@ -10,8 +10,11 @@ argument expression before and after. Together: each launch binds the same value
 names of the same code, whatever the order of the signature. Exits 1 naming what differs.
 
 A launch is found by its file, enclosing function and its place among that function's
-``.launch(``/``.launch_resident(`` calls (SITES); one starred argument (``*outputs``) stands for
-the parameters it fills, as ``outputs[0]``, ``outputs[1]``, ...
+``.launch(``/``.launch_resident(`` calls (SITES). A starred argument is expanded where its length
+is known: a name the function assigns once to a tuple display (``*notify_args[3:6]`` becomes the
+display's elements, as written), or a length a site states (``{"notify": 0}``: the stage launched
+without the count exchange). At most one starred argument of unknown length (``*outputs``) stands
+for the parameters left, as ``outputs[0]``, ``outputs[1]``, ...
 """
 import ast
 import os
@@ -20,11 +23,14 @@ import sys
 GPU = os.path.join("src", "epcomm", "backends", "gpu")
 ONE_NODE = os.path.join(GPU, "normal", "one_node")
 
-# kernel name -> (the module that defines it, [(host module, function, index of the launch in it)])
+# kernel name -> (the module that defines it, [(host module, function, index of the launch in it[,
+# {starred argument: its length in this kernel's launches}])])
 SITES = {
     "ep_notify_dispatch": (os.path.join(ONE_NODE, "notify.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 0)]),
-    "ep_dispatch_stage": (os.path.join(ONE_NODE, "stage.py"), [(os.path.join(ONE_NODE, "mode.py"), "_stage", 0)]),
-    "ep_dispatch_pull": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 1)]),
+    "ep_dispatch_stage": (os.path.join(ONE_NODE, "stage.py"),
+                          [(os.path.join(ONE_NODE, "mode.py"), "_stage", 0, {"notify": 0})]),
+    "ep_dispatch_pull": (os.path.join(ONE_NODE, "dispatch.py"), [(os.path.join(ONE_NODE, "mode.py"), "dispatch", 1,
+                                                                      {"outputs": 4})]),
     "ep_combine_push": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 0)]),
     "ep_combine_reduce": (os.path.join(ONE_NODE, "combine.py"), [(os.path.join(ONE_NODE, "mode.py"), "combine", 1)]),
 }
@@ -49,18 +55,54 @@ def _launches(function: ast.FunctionDef):
     return sorted(calls, key=lambda node: (node.lineno, node.col_offset))
 
 
-def _binding(call: ast.Call, names):
+def _tuple_displays(function: ast.FunctionDef):
+    """{name: [element sources]} for each name ``function`` assigns exactly once, to a tuple
+    display without starred elements."""
+    assigned = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
+            assigned.setdefault(node.target.id, []).append(None)
+    return {name: [ast.unparse(e) for e in values[0].elts] for name, values in assigned.items()
+            if len(values) == 1 and isinstance(values[0], ast.Tuple)
+            and not any(isinstance(e, ast.Starred) for e in values[0].elts)}
+
+
+def _known_elements(value: ast.expr, displays: dict, lengths: dict):
+    """The element sources a starred ``value`` expands to, where known statically, else None."""
+    source = ast.unparse(value)
+    if source in lengths:
+        return [f"{source}[{j}]" for j in range(lengths[source])]
+    if isinstance(value, ast.Name) and value.id in displays:
+        return displays[value.id]
+    if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in displays \
+            and isinstance(value.slice, ast.Slice) and value.slice.step is None:
+        bounds = [None if b is None else ast.literal_eval(b) for b in (value.slice.lower, value.slice.upper)]
+        return displays[value.value.id][bounds[0]:bounds[1]]
+    return None
+
+
+def _binding(call: ast.Call, names, displays=None, lengths=None):
     """{parameter name: argument source} for one launch (its first three arguments are the grid
-    and the stream)."""
+    and the stream). ``displays``: the enclosing function's tuple displays (:func:`_tuple_displays`);
+    ``lengths``: starred arguments' lengths the site states."""
     args = call.args[3:]
-    starred = [i for i, a in enumerate(args) if isinstance(a, ast.Starred)]
-    if len(starred) > 1:
-        raise SystemExit(f"line {call.lineno}: more than one starred argument")
+    known = [_known_elements(a.value, displays or {}, lengths or {}) if isinstance(a, ast.Starred) else None
+             for a in args]
+    unknown = [i for i, a in enumerate(args) if isinstance(a, ast.Starred) and known[i] is None]
+    if len(unknown) > 1:
+        raise SystemExit(f"line {call.lineno}: {len(unknown)} starred arguments of unknown length "
+                         f"({', '.join(ast.unparse(args[i]) for i in unknown)}): state all but one in SITES")
+    fixed = sum(1 if not isinstance(a, ast.Starred) else len(known[i]) for i, a in enumerate(args) if i not in unknown)
     expanded = []
     for i, arg in enumerate(args):
-        if isinstance(arg, ast.Starred):
-            span = len(names) - (len(args) - 1)
-            expanded += [f"{ast.unparse(arg.value)}[{j}]" for j in range(span)]
+        if i in unknown:
+            expanded += [f"{ast.unparse(arg.value)}[{j}]" for j in range(len(names) - fixed)]
+        elif isinstance(arg, ast.Starred):
+            expanded += known[i]
         else:
             expanded.append(ast.unparse(arg))
     if len(expanded) != len(names):
@@ -81,11 +123,12 @@ def check(before_root: str, after_root: str, sites_by_kernel=None) -> list:
             problems.append(f"{kernel_name}: parameters differ: {before_runtime} {before_constexprs} -> "
                             f"{after_runtime} {after_constexprs}")
             continue
-        for host_file, function, index in sites:
+        for host_file, function, index, *lengths in sites:
             bindings = []
             for root, names in ((before_root, before_runtime), (after_root, after_runtime)):
-                calls = _launches(_functions(os.path.join(root, host_file))[function])
-                bindings.append(_binding(calls[index], names))
+                host = _functions(os.path.join(root, host_file))[function]
+                bindings.append(_binding(_launches(host)[index], names, _tuple_displays(host),
+                                         lengths[0] if lengths else None))
             if bindings[0] != bindings[1]:
                 changed = {n: (bindings[0][n], bindings[1][n]) for n in before_runtime if bindings[0][n] != bindings[1][n]}
                 problems.append(f"{kernel_name} launched in {host_file}:{function}: {changed}")

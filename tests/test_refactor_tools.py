@@ -57,6 +57,41 @@ def test_launch_check_passes_a_reordering_and_names_a_swapped_argument(tmp_path)
     assert "body differs" in " ".join(check(before, changed, sites))
 
 
+STARRED_HOST = '''
+def call(kernel, a, b, count, factor, extra):
+    pair = ({first}, {second})
+    kernel.launch(1, 1, 0, *pair[:1], *extra, *pair[1:], *rest)
+'''
+
+
+def test_launch_check_expands_tuple_displays_and_stated_lengths_and_refuses_two_unknown(tmp_path):
+    """Starred arguments (the one-node launches have several): a tuple display the function assigns
+    once is expanded to its elements, a site states another's length, one left is solved by count;
+    two of unknown length are refused by name."""
+    check = _script("launch_equivalence").check
+
+    def tree(name, first, second, params=ORDERED):
+        root = _tree(str(tmp_path / name), params, 1, "a")
+        with open(os.path.join(root, "host.py"), "w") as out:
+            out.write(STARRED_HOST.format(first=first, second=second))
+        return root
+    sites = {"k": ("kern.py", [("host.py", "call", 0, {"extra": 1})])}
+    before = tree("a", "a", "b")
+    assert check(before, tree("b", "a", "b"), sites) == []
+    swapped, = check(before, tree("c", "b", "a"), sites)  # (pair's elements: in_ptr and n)
+    assert "'in_ptr': ('a', 'b')" in swapped and "'n': ('b', 'a')" in swapped and "out_ptr" not in swapped
+    with pytest.raises(SystemExit, match=r"2 starred arguments of unknown length \(\*extra, \*rest\)"):
+        check(before, before, {"k": ("kern.py", [("host.py", "call", 0)])})
+
+
+def test_the_launch_check_reads_this_trees_launches():
+    """SITES must fit the tree as it stands: the check of the tree against itself passes (it
+    refused the stage's launch, with two starred arguments, from 2026-11-29 to 29f)."""
+    module = _script("launch_equivalence")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    assert module.check(root, root) == []
+
+
 def test_canonical_ptx_is_the_same_for_a_reordering_and_differs_for_a_change(tmp_path):
     pytest.importorskip("triton")
     import sys
