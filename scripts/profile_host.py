@@ -460,6 +460,7 @@ def _cpu_front_rows(tokens: int, rounds: int, number: int) -> str:
                                                             num_tokens_per_expert=per_expert, topk_idx=topk,
                                                             topk_weights=w, config=cfg),
         "dispatch, cached": lambda: buf.dispatch(x, handle=handle, config=cfg),
+        "dispatch, cached, FP8": lambda: buf.dispatch(x8, handle=handle, config=cfg),
         "get_dispatch_layout": lambda: buf.get_dispatch_layout(topk, E),
         "  stub dispatch (in the rows above)": lambda: stub.dispatch(args),
         "  DispatchArgs(...)": lambda: DispatchArgs(x=x, handle=None, num_tokens_per_rank=per_rank,

@@ -148,3 +148,41 @@ def ll_rejected_after_valid_calls(rule: str):
     handle, recv = round_trip()  # still usable
     buffer.low_latency_combine(recv, topk, w, handle)
     return named
+
+
+def fp8_pairs_after_a_checked_call():
+    """FP8 pairs through a full and a cached dispatch, each form after a checked call of its shapes:
+    a float32 pair of the slot's width (fp8.plain_pair) goes to the backend as the caller's tensors
+    (no DispatchPayload) once checked, in any strides and as a list; an int32 pair of the same width
+    (another key) still gets its payload. Returns (payloads made per call, whether every call's rows
+    and scales equal the first's, the received scales' dtypes)."""
+    from epcomm import fp8
+    R, rank = world()
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    x, topk, w = _inputs(R, rank)
+    values, scales = _fp8(x)
+    made, original = [], fp8.dispatch_payload
+
+    def counted(*args, **kwargs):
+        made[-1] += 1
+        return original(*args, **kwargs)
+    fp8.dispatch_payload = counted
+    try:
+        forms = {"first": (values, scales), "checked": (values, scales), "column-major": (values, _non_contiguous(scales)),
+                 "list": [values, scales], "int32": (values, scales.view(torch.int32)),
+                 "int32 checked": (values, scales.view(torch.int32))}
+        received, handle = {}, None
+        for name, pair in forms.items():
+            made.append(0)
+            out = _full(buffer, x, topk, w, x=pair)
+            handle = out[4]
+            made.append(0)
+            cached = buffer.dispatch(pair, handle=handle)
+            received[name] = (out[0], cached[0])
+    finally:
+        fp8.dispatch_payload = original
+    first = received["first"][0]
+    same = all(torch.equal(got[0].view(torch.uint8), first[0].view(torch.uint8)) and
+               torch.equal(got[1].view(torch.int32), first[1].view(torch.int32))
+               for both in received.values() for got in both)
+    return made, same, sorted({str(got[1].dtype) for both in received.values() for got in both})

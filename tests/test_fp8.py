@@ -120,6 +120,23 @@ def test_dispatch_payload_passes_hidden_over_128_scales_as_they_are():
     assert not plain.is_fp8 and plain.x is bf16 and plain.restore(bf16) is bf16
 
 
+def test_a_plain_pair_is_float32_scales_of_the_slots_width_in_any_strides():
+    """fp8.plain_pair: the pairs whose payload's wire is the pair itself (Buffer.dispatch makes no
+    payload for them once their shapes passed)."""
+    from epcomm import checks
+    values = torch.randn(6, 512).to(torch.float8_e4m3fn)
+    words = torch.randint(0, 100, (6, 4), dtype=torch.int32)
+    for layout in ("row-major", "column-major", "tma-aligned"):
+        scales = _scales_in(layout, words).view(torch.float32)
+        assert fp8.plain_pair(checks.fp8_pair_key((values, scales)))
+        payload = fp8.DispatchPayload("x", (values, scales), torch.device("cpu"))
+        restored = payload.restore(payload.x)
+        assert payload.x[0] is values and payload.x[1] is scales and restored[0] is values and restored[1] is scales
+    assert not fp8.plain_pair(checks.fp8_pair_key((values, words)))  # int32: viewed, restored as int32
+    assert not fp8.plain_pair(checks.fp8_pair_key((values, torch.zeros(6, 1))))  # UE8M0's width: padded
+    assert not fp8.plain_pair(checks.fp8_pair_key((values, torch.zeros(6, 5))))  # wider: carried in the values
+
+
 @pytest.mark.parametrize("bad, argument", [
     ((torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.float64)), "x[1]"),
     ((torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.int16)), "x[1]"),

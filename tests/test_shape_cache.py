@@ -13,6 +13,16 @@ def test_rejected_after_a_valid_call(pools, rule):
     assert pools.get(2).run(shape_cache_cases.rejected_after_valid_calls, rule) == [expected, expected]
 
 
+def test_a_checked_plain_fp8_pair_goes_to_the_backend_without_a_payload(pools):
+    """(fp8.plain_pair) float32 scales [T, H/128], in any strides or as a list, need no payload once
+    their shapes passed; the first call of a key and int32 scales (a view as float32) get one. The
+    rows and scales received are the same bits every time, in the caller's dtype."""
+    made, same, dtypes = pools.get(2).run(shape_cache_cases.fp8_pairs_after_a_checked_call)[0]
+    # (full, cached) per form: the first of each key makes one, then the float32 forms none
+    assert made == [1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert same and dtypes == ["torch.float32", "torch.int32"]
+
+
 @pytest.mark.parametrize("rule", sorted(shape_cache_cases.LL_RULES))
 def test_low_latency_rejected_after_a_valid_call(pools, rule):
     expected, _ = shape_cache_cases.LL_RULES[rule]

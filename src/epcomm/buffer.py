@@ -449,7 +449,8 @@ class Buffer(RankMasking, LowLatencyCalls):
             # handle's checks and the value checks run on every call.
             payload = None
             pair = isinstance(x, (tuple, list))  # FP8: scales of any 4-byte dtype, width and strides, as float32 words
-            key = checks.dispatch_key(handle is not None, checks.fp8_pair_key(x) if pair else x,
+            pair_key = checks.fp8_pair_key(x) if pair else None
+            key = checks.dispatch_key(handle is not None, pair_key if pair else x,
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
             try:
@@ -457,7 +458,11 @@ class Buffer(RankMasking, LowLatencyCalls):
             except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
                 checked = False
             if pair:  # (the wire made on every call; the pair's checks once per shape)
-                num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device, checked)
+                if checked and fp8.plain_pair(pair_key):  # (its wire is the pair itself: no payload to make)
+                    x = x if x.__class__ is tuple else tuple(x)
+                    (num_tokens, hidden), is_fp8 = x[0].shape, True
+                else:
+                    num_tokens, hidden, is_fp8, payload = fp8.dispatch_payload("x", x, self.device, checked)
             elif checked:  # a bf16 tensor: the payload is x itself
                 num_tokens, hidden = x.shape
                 is_fp8 = False
@@ -498,8 +503,9 @@ class Buffer(RankMasking, LowLatencyCalls):
         if previous_event is None and not async_finish:  # on the caller's stream: no scope to enter (events.py)
             return self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, asked) + \
                 (EventOverlap(None),)
-        with self._stream_scope(previous_event, async_finish, ((x,) if payload is None else payload.tensors) +
-                                (topk_idx, topk_weights, is_token_in_rank)) as scope:
+        inputs = payload.tensors if payload is not None else x if pair else (x,)  # (a plain pair: x is its tuple)
+        with self._stream_scope(previous_event, async_finish, inputs + (topk_idx, topk_weights, is_token_in_rank)) \
+                as scope:
             outputs = self._dispatch_outputs(self._backend.dispatch(args), payload, handle, expert_major, asked)
             scope.keep(*outputs[:3])
         return outputs + (scope.event_overlap(),)

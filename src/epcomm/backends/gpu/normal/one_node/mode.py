@@ -280,7 +280,7 @@ class NormalMode(KernelChoices):
                 src_idx = index_words.as_strided((num_rows,), (1,), src_idx_at) if worst else \
                     index_words.new_empty(num_rows)
                 if doorbell and self._one_launch(plan, max_tokens):  # go: the GPU pulls from here on
-                    received = dispatch_outputs(plan, x, is_fp8, num_rows, None, dev)
+                    received = dispatch_outputs(plan, x, scales if is_fp8 else None, num_rows, None)
                     rung = overlapped = pulling = True  # (ring writes the tag before it may raise: no cancel after it)
                     mailbox.ring(sequence, rank, b.timeout_s, num_rows, received[4] + (src_idx.data_ptr(),))
             finally:
@@ -304,7 +304,7 @@ class NormalMode(KernelChoices):
         num_rounds = 1 if max_tokens <= round_tokens else cdiv(max_tokens, round_tokens)
 
         if received is None:
-            received = dispatch_outputs(plan, x, is_fp8, num_rows, mapping, dev)
+            received = dispatch_outputs(plan, x, scales if is_fp8 else None, num_rows, mapping)
         if overlapped and not pulling:
             prefix_address, _, src_idx_address, _, _, in_rank, list_index = state.addresses
             self._dispatch_overlapped(plan, args, x, x_aligned, scales,
