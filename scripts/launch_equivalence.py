@@ -55,20 +55,31 @@ def _launches(function: ast.FunctionDef):
     return sorted(calls, key=lambda node: (node.lineno, node.col_offset))
 
 
+def _own_nodes(function: ast.FunctionDef):
+    """The nodes of ``function``'s own scope: its body, not the bodies of functions, lambdas or
+    classes defined in it."""
+    pending = list(function.body)
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+
+
 def _tuple_displays(function: ast.FunctionDef):
-    """{name: [element sources]} for each name ``function`` assigns exactly once, to a tuple
-    display without starred elements."""
-    assigned = {}
-    for node in ast.walk(function):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    assigned.setdefault(target.id, []).append(node.value)
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
-            assigned.setdefault(node.target.id, []).append(None)
-    return {name: [ast.unparse(e) for e in values[0].elts] for name, values in assigned.items()
-            if len(values) == 1 and isinstance(values[0], ast.Tuple)
-            and not any(isinstance(e, ast.Starred) for e in values[0].elts)}
+    """{name: [element sources]} for each name that ``function``'s scope binds exactly once (any
+    binding counts: an assignment, a loop or ``with`` target, an unpacking, ``:=``, a parameter),
+    by a plain assignment of a tuple display without starred elements."""
+    bindings, displays = {}, {}
+    for arg in function.args.args + function.args.kwonlyargs + function.args.posonlyargs:
+        bindings[arg.arg] = bindings.get(arg.arg, 0) + 1
+    for node in _own_nodes(function):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bindings[node.id] = bindings.get(node.id, 0) + 1
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.Tuple) and not any(isinstance(e, ast.Starred) for e in node.value.elts):
+            displays[node.targets[0].id] = [ast.unparse(e) for e in node.value.elts]
+    return {name: elements for name, elements in displays.items() if bindings.get(name) == 1}
 
 
 def _known_elements(value: ast.expr, displays: dict, lengths: dict):
@@ -80,7 +91,10 @@ def _known_elements(value: ast.expr, displays: dict, lengths: dict):
         return displays[value.id]
     if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in displays \
             and isinstance(value.slice, ast.Slice) and value.slice.step is None:
-        bounds = [None if b is None else ast.literal_eval(b) for b in (value.slice.lower, value.slice.upper)]
+        try:
+            bounds = [None if b is None else ast.literal_eval(b) for b in (value.slice.lower, value.slice.upper)]
+        except ValueError:  # (a bound that is not a literal: of unknown length)
+            return None
         return displays[value.value.id][bounds[0]:bounds[1]]
     return None
 

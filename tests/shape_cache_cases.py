@@ -153,7 +153,8 @@ def ll_rejected_after_valid_calls(rule: str):
 def fp8_pairs_after_a_checked_call():
     """FP8 pairs through a full and a cached dispatch, each form after a checked call of its shapes:
     a float32 pair of the slot's width (fp8.plain_pair) goes to the backend as the caller's tensors
-    (no DispatchPayload) once checked, in any strides and as a list; an int32 pair of the same width
+    (no DispatchPayload) once checked, in any strides and as a list (with async_finish: the inputs
+    kept for the communication stream are the pair's); an int32 pair of the same width
     (another key) still gets its payload. Returns (payloads made per call, whether every call's rows
     and scales equal the first's, the received scales' dtypes)."""
     from epcomm import fp8
@@ -173,11 +174,12 @@ def fp8_pairs_after_a_checked_call():
                  "int32 checked": (values, scales.view(torch.int32))}
         received, handle = {}, None
         for name, pair in forms.items():
+            asynchronous = dict(async_finish=True) if name == "list" else {}  # (the inputs' stream bookkeeping)
             made.append(0)
-            out = _full(buffer, x, topk, w, x=pair)
+            out = _full(buffer, x, topk, w, x=pair, **asynchronous)
             handle = out[4]
             made.append(0)
-            cached = buffer.dispatch(pair, handle=handle)
+            cached = buffer.dispatch(pair, handle=handle, **asynchronous)
             received[name] = (out[0], cached[0])
     finally:
         fp8.dispatch_payload = original

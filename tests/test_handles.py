@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import handle_cases
-from epcomm.handle import INTERNODE_FIELDS, INTRANODE_FIELDS, DispatchHandle, LowLatencyHandle, channel_prefix, \
+from epcomm.handle import INTERNODE_FIELDS, INTRANODE_FIELDS, DeviceCount, DispatchHandle, LowLatencyHandle, channel_prefix, \
     channel_slots
 from epcomm.testing.sweeps import assert_same_handle
 
@@ -74,21 +74,27 @@ def test_a_handle_keeps_its_first_layout_and_replace_keeps_it():
     assert len(_handle()) == 6  # not laid out yet: one node
 
 
-def test_a_count_given_as_a_callable_is_made_on_the_first_read_and_kept():
+def test_a_device_count_is_made_on_the_first_read_kept_copied_and_settable():
     """A backend that has the received count only on the device (num_worst_tokens) gives a
-    callable: the 0-dim view is made when num_recv_tokens is read (host time per call saved), once."""
-    words, made = torch.tensor([7, 40], dtype=torch.int32), []
+    DeviceCount: the 0-dim view is made when num_recv_tokens is read (host time per call saved),
+    once. A deep copy made before that read reads its own copy of the words, as one made after it
+    does; the field can still be assigned, as before it was lazy."""
+    words = torch.tensor([7, 40], dtype=torch.int32)
 
-    def count():
-        made.append(1)
-        return words.select(0, 1)
-    handle = DispatchHandle(torch.zeros(2, 2, dtype=torch.int32), torch.arange(4, dtype=torch.int32),
-                            torch.zeros(3, 2, dtype=torch.bool), count, 4)
-    assert made == []
-    assert handle.num_recv_tokens.dim() == 0 and int(handle.num_recv_tokens) == 40 and made == [1]
+    def handle():
+        return DispatchHandle(torch.zeros(2, 2, dtype=torch.int32), torch.arange(4, dtype=torch.int32),
+                              torch.zeros(3, 2, dtype=torch.bool), DeviceCount(words, 1), 4, words)
+    lazy = handle()
+    unread_copy, pickled = copy.deepcopy(lazy), pickle.loads(pickle.dumps(lazy))
+    assert lazy.num_recv_tokens.dim() == 0 and int(lazy.num_recv_tokens) == 40
+    read = lazy.num_recv_tokens
     words[1] = 9  # (a view: it reads what the kernels wrote)
-    assert int(handle.num_recv_tokens) == 9 and made == [1]
-    assert handle._replace(expert_major="m").num_recv_tokens is handle.num_recv_tokens
+    assert lazy.num_recv_tokens is read and int(read) == 9
+    assert int(unread_copy.num_recv_tokens) == 40 and int(pickled.num_recv_tokens) == 40
+    assert unread_copy.num_recv_tokens.data_ptr() == unread_copy.backend_state.data_ptr() + 4  # (its own words)
+    assert lazy._replace(expert_major="m").num_recv_tokens is read
+    lazy.num_recv_tokens = 3
+    assert lazy.num_recv_tokens == 3
 
 
 def test_low_latency_handle_is_deep_eps_five_tuple_with_the_state_as_an_attribute():

@@ -2,6 +2,7 @@
 fingerprint (scripts/ptx_fingerprint.py: the same code whatever the order of the parameters) and
 the launch check (scripts/launch_equivalence.py: each launch binds the same arguments to the same
 names). Each must pass a pure reordering and catch a real change."""
+import ast
 import importlib.util
 import os
 import textwrap
@@ -82,6 +83,13 @@ def test_launch_check_expands_tuple_displays_and_stated_lengths_and_refuses_two_
     assert "'in_ptr': ('a', 'b')" in swapped and "'n': ('b', 'a')" in swapped and "out_ptr" not in swapped
     with pytest.raises(SystemExit, match=r"2 starred arguments of unknown length \(\*extra, \*rest\)"):
         check(before, before, {"k": ("kern.py", [("host.py", "call", 0)])})
+    # a name bound again (a loop here) is not the display; a bound that is not a literal is unknown
+    module = _script("launch_equivalence")
+    rebound = ast.parse("def f(a):\n    pair = (a, a)\n    for pair in []: pass\n    same = (a, 1)\n"
+                        "    def inner():\n        same = ()\n").body[0]
+    assert module._tuple_displays(rebound) == {"same": ["a", "1"]}
+    sliced = ast.parse("pair[:n]", mode="eval").body
+    assert module._known_elements(sliced, {"pair": ["a", "b"]}, {}) is None
 
 
 def test_the_launch_check_reads_this_trees_launches():

@@ -457,7 +457,7 @@ class Buffer(RankMasking, LowLatencyCalls):
                 checked = key in self._checked_dispatches
             except TypeError:  # (an argument with an unhashable attribute: the checks reject it)
                 checked = False
-            if pair:  # (the wire made on every call; the pair's checks once per shape)
+            if pair:  # (the pair's checks once per shape; the wire made on every call, except a plain pair's)
                 if checked and fp8.plain_pair(pair_key):  # (its wire is the pair itself: no payload to make)
                     x = x if x.__class__ is tuple else tuple(x)
                     (num_tokens, hidden), is_fp8 = x[0].shape, True

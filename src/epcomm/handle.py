@@ -61,6 +61,17 @@ def channel_slots(in_dest: torch.Tensor, num_channels: int) -> torch.Tensor:
     return torch.where(in_dest, slots, torch.full_like(slots, -1))
 
 
+class DeviceCount:
+    """A count the kernels write into a device tensor, ``words[index]``, not yet read as a tensor:
+    :attr:`DispatchHandle.num_recv_tokens` makes its 0-dim view on the first read. A plain object
+    (not a closure), so a copy or a pickle of the handle carries its own ``words``."""
+
+    __slots__ = ("words", "index")
+
+    def __init__(self, words: torch.Tensor, index: int):
+        self.words, self.index = words, index
+
+
 class DispatchHandle(Sequence):
     """Layout of one normal-mode dispatch, enough to repeat it (cached mode) or to combine.
 
@@ -88,9 +99,9 @@ class DispatchHandle(Sequence):
             source rank (``-1`` for padding rows when ``num_worst_tokens`` was used).
         is_token_in_rank: ``[T, R]`` bool, the sender-side routing this dispatch used.
         num_recv_tokens: rows actually received (an int, or a 0-dim int tensor on the device when
-            no host synchronisation was allowed). A backend may give a callable instead, which
-            makes that tensor on the first read (a view costs ~1.5 µs of host time on every call
-            that returns a handle, and few callers read it).
+            no host synchronisation was allowed). A backend may give a :class:`DeviceCount`
+            instead, which makes that tensor on the first read (a view costs ~1.5 µs of host time
+            on every call that returns a handle, and few callers read it).
         num_recv_rows: rows of ``recv_x`` (``num_worst_tokens`` when padding was asked for).
         backend_state: backend-private data (queue offsets, etc.); ``None`` for ``torch_dist``.
         expert_major: the row mapping when dispatched with ``expert_major=True`` (see
@@ -124,9 +135,13 @@ class DispatchHandle(Sequence):
     def num_recv_tokens(self) -> Any:
         """Rows actually received: an int, or a 0-dim int tensor on the device (see the class)."""
         count = self._num_recv_tokens
-        if callable(count):  # (made on the first read, then kept)
-            count = self._num_recv_tokens = count()
+        if count.__class__ is DeviceCount:  # (made on the first read, then kept)
+            count = self._num_recv_tokens = count.words.select(0, count.index)
         return count
+
+    @num_recv_tokens.setter
+    def num_recv_tokens(self, count: Any) -> None:
+        self._num_recv_tokens = count
 
     def laid_out(self, rank: int, ranks_per_node: int, num_channels: int) -> "DispatchHandle":
         """Record where this handle was made (Buffer calls it on every dispatch's handle): it is

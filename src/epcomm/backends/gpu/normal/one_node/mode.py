@@ -2,13 +2,12 @@
 kernels of each phase are in the sibling modules; the package docstring lists them per call)."""
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Tuple
 
 import torch
 
 from .....errors import EPError, EPInputError
-from .....handle import DispatchHandle
+from .....handle import DeviceCount, DispatchHandle
 from .....expert_major import ExpertMajor
 from ....base import DispatchArgs, DispatchResult
 from ... import agreement
@@ -338,7 +337,7 @@ class NormalMode(KernelChoices):
         if cached:
             return DispatchResult(recv, None, None, None, handle)
         # (num_worst_tokens: recv_info's first word, a 0-dim view made when the handle's field is read)
-        num_recv_tokens = num_rows if max_tokens >= 0 else partial(index_words.select, 0, num_tokens * R)
+        num_recv_tokens = num_rows if max_tokens >= 0 else DeviceCount(index_words, num_tokens * R)
         handle = DispatchHandle(prefix, src_idx, args.is_token_in_rank, num_recv_tokens, num_rows, state, mapping)
         return DispatchResult(recv, recv_topk, recv_weights, counts_list, handle)
 
