@@ -215,8 +215,8 @@ class NormalMode(KernelChoices):
             worst = args.num_worst_tokens > 0
             # The notify's outputs and the handle's int32 words in one allocation (new_empty: no
             # device argument to parse; the counts are int32 on this device, Buffer checked them):
-            # each allocation costs ~4 µs of host time on the GPU hosts, where this path sets a
-            # small batch's pace, a view ~1.5. index_words: list_index ([T, R]), recv_info ([2]),
+            # each allocation costs 2-4 µs of host time on the GPU hosts, where this path sets a
+            # small batch's pace, a view 1.3-1.5. index_words: list_index ([T, R]), recv_info ([2]),
             # then from 16-byte boundaries rank_prefix_matrix ([R, R]) and, where its size is
             # known now (num_worst_tokens), recv_src_idx.
             prefix_at = (num_tokens * R + 2 + 3) & ~3
