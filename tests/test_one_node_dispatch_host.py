@@ -212,6 +212,36 @@ def test_the_handles_int32_words_come_from_one_allocation_at_16_byte_boundaries(
         assert handle.num_recv_tokens == 40
 
 
+@pytest.mark.parametrize("num_worst_tokens, allocations", [(0, 5), (80, 4)])
+def test_a_full_dispatch_allocates_its_outputs_and_one_block_of_handle_words(monkeypatch, num_worst_tokens,
+                                                                              allocations):
+    """Host time per call (each allocation costs 2-4 µs on the GPU hosts, a view 1.3-1.5): the
+    handle's int32 words and the notify's outputs are one allocation, then recv_x, recv_topk_idx and
+    recv_topk_weights; a full dispatch allocates recv_src_idx after its count wait, a
+    num_worst_tokens one views it in the first. Counted at the dispatcher, so a new allocation on
+    this path fails here, not only in a GPU profile."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+    mailbox = _Mailbox(counts=(40, 60))
+    per_expert = torch.zeros(E // R, dtype=torch.int64).numpy()  # (the stand-in's answer, made outside the count)
+    mailbox.wait_notify = lambda sequence, rank, timeout_s: (40, 60, per_expert)
+    mode = _mode(monkeypatch, [], mailbox, doorbell=False)
+    args = _args(50, num_worst_tokens=num_worst_tokens)
+    with Allocations() as seen:
+        mode.dispatch(args)
+    made = [op for op in seen.ops if op in ("empty", "new_empty", "empty_strided", "new_empty_strided", "zeros",
+                                            "new_zeros", "full", "clone")]
+    assert len(made) == allocations and seen.ops.count("as_strided") == 1 + bool(num_worst_tokens), seen.ops
+
+
 @pytest.mark.parametrize("capturing", [None, False, True])
 def test_the_call_board_tag_gets_the_capture_answer_the_buffer_kept(monkeypatch, capturing):
     """Buffer.dispatch asks its backend (Backend.refuse_capture) whether the stream is being
