@@ -237,7 +237,7 @@ MAX_VARIANTS = 4  # --variants: Buffers on one group beside the defaults' (the c
 
 
 def _variants_report(make_buffer, x, layout, handle_of, cfg, variants) -> list:
-    """Host µs per call of the full and the cached dispatch with each of ``variants`` (one-node
+    """Host µs per call of the full, the num_worst_tokens and the cached dispatch with each of ``variants`` (one-node
     normal-mode variants, bench.NORMAL_VARIANTS, ``+`` joining several) beside the defaults: one
     Buffer each on the same group, their calls interleaved (``_plain_us``), so a shared host's drift
     falls on all alike."""
@@ -255,16 +255,23 @@ def _variants_report(make_buffer, x, layout, handle_of, cfg, variants) -> list:
         def full(buf=buf):
             return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                 num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg)
+        def worst(buf=buf):
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg,
+                                num_worst_tokens=dist.get_world_size() * x.shape[0])
         handle = handle_of(full())
         fns[variant, "full"] = full
+        fns[variant, "worst"] = worst
         fns[variant, "cached"] = lambda buf=buf, handle=handle: buf.dispatch(x, handle=handle, config=cfg)
     plain = _plain_us(fns)
-    report = ["\nfull and cached dispatch per variant, host µs per call, one Buffer each, interleaved "
-              "(back to back, least of bursts / after a sync, median):",
-              f"  {'variant':<34} {'full':>15} {'cached':>15} {'full - cached':>15}"]
+    report = ["\nfull, num_worst_tokens and cached dispatch per variant, host µs per call, one Buffer each, "
+              "interleaved (back to back, least of bursts / after a sync, median):",
+              f"  {'variant':<34} {'full':>15} {'num_worst':>15} {'cached':>15} {'full - cached':>15}"]
     for variant in ["default"] + list(variants):
         (full_b2b, full_synced), (cached_b2b, cached_synced) = plain[variant, "full"], plain[variant, "cached"]
-        report.append(f"  {variant:<34} {full_b2b:6.1f} / {full_synced:6.1f} {cached_b2b:6.1f} / {cached_synced:6.1f} "
+        worst_b2b, worst_synced = plain[variant, "worst"]
+        report.append(f"  {variant:<34} {full_b2b:6.1f} / {full_synced:6.1f} {worst_b2b:6.1f} / {worst_synced:6.1f} "
+                      f"{cached_b2b:6.1f} / {cached_synced:6.1f} "
                       f"{full_b2b - cached_b2b:6.1f} / {full_synced - cached_synced:6.1f}")
     for buf in buffers:
         buf.destroy()

@@ -97,30 +97,33 @@ def _loops_with_a_barrier_and_an_acquire(ptx):
     return _loops_with_a_barrier(ptx, also="ld.acquire")
 
 
-def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False):
+def _pull_ptx(full, scales, block_r, side_first=False, pushed_lists=False, notify=False):
     return N.STAGE_PULL.compile(dict(INDEX=full, WRITE_LISTS=full, HAS_SCALES=scales, HAS_TOPK=full, LIST_BLOCK=1024,
                                      L_P2=128 if full else 1, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
                                      TRACE=False, DOORBELL=False, SIDE_FIRST=side_first, PUSHED_LISTS=pushed_lists,
+                                     NOTIFY=notify, NOTIFY_BLOCK=256,
                                      **dict(COPY, BLOCK_R=block_r, BLOCK_W=16384 // block_r)),
                                 16, target=SM90).asm["ptx"]
 
 
 # (full dispatch, FP8 scales, rows per item): H=7168 in BF16 (8 rows) and FP8 (16); 32 rows, the most
 # that one warp's lanes hold (hidden sizes down to 2048 in BF16)
-@pytest.mark.parametrize("full,scales,block_r,side_first,pushed_lists",
-                         [(True, False, 8, False, False), (False, False, 8, False, False),
-                          (False, True, 16, False, False), (True, False, 32, False, False),
-                          (True, False, 8, True, False), (False, True, 16, True, False), (True, False, 8, True, True)],
+@pytest.mark.parametrize("full,scales,block_r,side_first,pushed_lists,notify",
+                         [(True, False, 8, False, False, False), (False, False, 8, False, False, False),
+                          (False, True, 16, False, False, False), (True, False, 32, False, False, False),
+                          (True, False, 8, True, False, False), (False, True, 16, True, False, False),
+                          (True, False, 8, True, True, False), (True, False, 8, True, True, True)],
                          ids=["full dispatch", "cached dispatch", "cached FP8", "full dispatch, 32 rows",
                               "full dispatch, side loads first", "cached FP8, side loads first",
-                              "full dispatch, lists pushed, count check split"])
+                              "full dispatch, lists pushed, count check split",
+                              "num_worst_tokens, its count exchange in the launch"])
 def test_the_overlapped_pull_runs_its_items_without_meeting_the_other_warps(full, scales, block_r, side_first,
-                                                                           pushed_lists):
+                                                                           pushed_lists, notify):
     """Each warp decides its waits alone (warps.warp_all / warp_any), so the item loop — its waits
     included — must hold no barrier: a warp in a wait while another copies would pair its barrier
     with an unrelated one (a hang, or garbage). A barrier per item cost the cached dispatch ~18 % on
     one H200 (97 against 79 µs): every warp waited for the slowest one's loads."""
-    ptx = _pull_ptx(full, scales, block_r, side_first, pushed_lists)
+    ptx = _pull_ptx(full, scales, block_r, side_first, pushed_lists, notify)
     assert _loops_with_a_barrier_and_an_acquire(ptx) == []
     assert "vote.sync.all.pred" in ptx and "vote.sync.any.pred" in ptx  # the flags, the stage's end; giving up
 
@@ -159,7 +162,8 @@ def test_the_doorbell_answer_is_a_vote():
     not read go must not pull while another does."""
     compiled = N.STAGE_PULL.compile(dict(INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
                                          LIST_BLOCK=1024, L_P2=128, ALIGNED=True, OUT_ALIGNED=True, EVERY_PEER=True,
-                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False, **COPY),
+                                         TRACE=False, DOORBELL=True, SIDE_FIRST=False, PUSHED_LISTS=False,
+                                         NOTIFY=False, NOTIFY_BLOCK=256, **COPY),
                                     16, target=SM90)
     ptx = compiled.asm["ptx"]
     assert ptx.count("bar.red.and.pred") >= 1 and ptx.count("bar.red.or.pred") >= 1  # go; the others' stand-down

@@ -48,7 +48,7 @@ def _cases():
                                  PUSHED_LISTS=index and al,
                                  L_P2=128 if index else 1, ALIGNED=al, OUT_ALIGNED=True, EVERY_PEER=True,
                                  TRACE=al and not fp8, DOORBELL=index and (al or not topk), SIDE_FIRST=fp8 or topk,
-                                 **copy), 16
+                                 NOTIFY=index and not (al or not topk), NOTIFY_BLOCK=256, **copy), 16
     for weights, num_bias, al in itertools.product([False, True], [0, 1, 2], [False, True]):
         for em in ([False, True] if num_bias == 0 and not weights else [False]):
             yield N.PUSH, dict(HAS_WEIGHTS=weights, BLOCK_R=8, BLOCK_W=2048, K_P2=8, R_P2=8, ALIGNED=al,
@@ -383,7 +383,7 @@ def test_pipelined_pull_holds_two_half_tiles_without_spilling():
 
 # The default pulls at H=7168 (mode.py's plans: BF16 rows in [8, 2048]-word tiles, FP8 in [16, 1024]).
 _PULL = dict(EVERY_PEER=True, TRACE=False, ALIGNED=True, K_P2=8, R_P2=8, PUSHED_LISTS=False)
-_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False)
+_ONE_LAUNCH = dict(_PULL, LIST_BLOCK=1024, OUT_ALIGNED=True, DOORBELL=False, NOTIFY=False, NOTIFY_BLOCK=256)
 
 
 @pytest.mark.parametrize("spec,constexprs", [
@@ -408,18 +408,28 @@ def test_loading_side_rows_first_costs_no_more_stack_than_after(spec, constexprs
         assert stack(True) == 0
 
 
-@pytest.mark.parametrize("expert_major", [False, True])
-def test_the_single_launch_releases_its_stage_after_the_count_rows_are_read(expert_major):
+@pytest.mark.parametrize("kernel", ["notify and stage", "notify and stage, expert-major",
+                                    "num_worst_tokens: notify, stage and pull"])
+def test_the_single_launch_releases_its_stage_after_the_count_rows_are_read(kernel):
     """ep_dispatch_notify_stage's last notify program releases NOTIFIED to the stage programs (the
     kernel's one gpu-scope exchange) right after a CTA barrier, and loads nothing between that
     release and the mailbox's system-scope release: every read of this rank's count rows comes
     first. Once the stage signals, a peer's next count exchange may write those rows again
-    (notify.py); released before the reads (the first form of 2026-11-29b), they could be read torn."""
+    (notify.py); released before the reads (the first form of 2026-11-29b), they could be read torn.
+    The same for ep_dispatch with NOTIFY (a num_worst_tokens dispatch in one launch), whose pull
+    programs also wait for NOTIFIED before they read rank_prefix_matrix."""
     import re
-    ptx = N.NOTIFY_STAGE.compile(dict(HAS_SCALES=False, HAS_TOPK=True, WRITE_LISTS=True, LIST_BLOCK=1024, L_P2=128,
-                                      PUSHED_LISTS=True, ALIGNED=True, EXPERT_MAJOR=expert_major, POSITION_TOKENS=128,
-                                      E_P2=256, POSITION_SUB=16, BLOCK=256, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8,
-                                      R_P2=8), 16, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    target = GPUTarget("cuda", 90, 32)
+    if kernel.startswith("num_worst_tokens"):
+        ptx = N.STAGE_PULL.compile(dict(_ONE_LAUNCH, INDEX=True, WRITE_LISTS=True, HAS_SCALES=False, HAS_TOPK=True,
+                                        L_P2=128, BLOCK_R=8, BLOCK_W=2048, S_P2=1, SIDE_FIRST=True, NOTIFY=True,
+                                        PUSHED_LISTS=True), 16, target=target).asm["ptx"]
+    else:
+        ptx = N.NOTIFY_STAGE.compile(dict(HAS_SCALES=False, HAS_TOPK=True, WRITE_LISTS=True, LIST_BLOCK=1024,
+                                          L_P2=128, PUSHED_LISTS=True, ALIGNED=True,
+                                          EXPERT_MAJOR=kernel.endswith("expert-major"), POSITION_TOKENS=128, E_P2=256,
+                                          POSITION_SUB=16, BLOCK=256, BLOCK_R=8, BLOCK_W=2048, S_P2=64, K_P2=8,
+                                          R_P2=8), 16, target=target).asm["ptx"]
     code = [line.strip() for line in ptx.splitlines()]
     memory = [re.sub(r"^@%p\d+\s+", "", line) for line in code
               if re.match(r"^(@%p\d+\s+)?(ld|st|atom|red|bar|fence|membar)\.", line)]

@@ -30,6 +30,19 @@ class _Kernel:
         self.launches.append((self.name, grid, args))
 
 
+class _OverlappedFull(dict):
+    """ep_dispatch's full-dispatch launchers by key (ALIGNED, L_P2, DOORBELL, NOTIFY): named
+    "notify+ep_dispatch" where the count exchange goes in the launch."""
+
+    def __init__(self, launches):
+        super().__init__()
+        self.launches = launches
+
+    def __missing__(self, key):
+        self[key] = _Kernel(self.launches, "notify+ep_dispatch" if key[3] else "ep_dispatch")
+        return self[key]
+
+
 class _Mailbox(HostMailbox):
     """A HostMailbox whose count wait answers at once with ``counts`` (rows here, most tokens any
     rank sends), or raises ``fail``; it records every ring as (tag, words)."""
@@ -72,7 +85,7 @@ def _mode(monkeypatch, launches, mailbox, doorbell=True):
                           expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
                           notify_stage=kernels("notify+stage"),
                           pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
-                          overlapped_full=kernels("ep_dispatch"), overlapped_cached=kernels("ep_dispatch"),
+                          overlapped_full=_OverlappedFull(launches), overlapped_cached=kernels("ep_dispatch"),
                           fingerprint_full=(0, 0), fingerprint_cached=(0, 0),
                           **M.NormalMode._fixed_arguments(mode, (0, 0, 0), 32))
     mode._dispatch_plan_of = lambda args: plan
@@ -173,14 +186,36 @@ def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, wher
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
 
 
-def test_num_worst_tokens_launches_once_after_the_counts_without_a_doorbell(monkeypatch):
+def test_num_worst_tokens_is_one_launch_with_its_count_exchange_and_no_doorbell(monkeypatch):
+    """A num_worst_tokens dispatch waits on nothing on the host, so its count exchange goes in the
+    one launch too (ep_dispatch with NOTIFY: R more programs first; the mailbox's sequence word is
+    the notify's): one launch per call. Where those programs would not fit notify_stage_fits'
+    bound, or with notify_with_stage off (bench --variants notify-apart), the notify goes alone
+    first, as before."""
     launches = []
     mailbox = _Mailbox(counts=None, fail=AssertionError("no count wait with num_worst_tokens"))
     mode = _mode(monkeypatch, launches, mailbox)
     result = mode.dispatch(_args(50, num_worst_tokens=80))
-    assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
-    assert _doorbell_arg(launches[1][2]) == 0 and mailbox.rings == []
+    assert [name for name, _, _ in launches] == ["notify+ep_dispatch"]
+    _, grid, args = launches[0]
+    assert grid == R + (R + min(NUM_SMS, -(-50 // BLOCK_R))) + min(NUM_SMS, -(-80 // BLOCK_R))  # notify, stage, pull
+    assert _doorbell_arg(args) == mailbox.sequence and mailbox.rings == []
     assert result.recv_x.shape == (80, HIDDEN)
+    from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
+    names = [n for n, t in STAGE_PULL.signature.items() if t != "constexpr"]
+    words = dict(zip(names, args[2:]))
+    index_words = result.handle.backend_state.index_words.data_ptr()
+    assert (words["prefix_ptr"], words["recv_info_ptr"]) == (result.handle.rank_prefix_matrix.data_ptr(),
+                                                             index_words + 4 * 50 * R)  # (the notify's outputs)
+    assert (words["num_local"], words["expert_alignment"], words["counts_offset"]) == (E // R, 1, mode.ws.counts_offset)
+    assert words["src_idx_ptr"] == result.handle.recv_src_idx.data_ptr() and words["num_rows"] == 80
+    for choice, value in (("notify_with_stage", False), ("waiting_programs_per_sm", 1)):  # (1: too few for all)
+        with monkeypatch.context() as apart:
+            apart.setattr(mode, choice, value)
+            launches.clear()
+            mode.dispatch(_args(50, num_worst_tokens=80))
+        assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"], choice
+        assert _doorbell_arg(launches[1][2]) == 0
 
 
 @pytest.mark.parametrize("num_worst_tokens", [0, 80])

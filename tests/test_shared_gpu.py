@@ -182,10 +182,11 @@ def test_num_worst_tokens_step_in_a_cuda_graph(shared_pool, variant):
 
 @pytest.mark.skipif(BACKEND != "nvlink", reason="the one-node normal mode's paths (the nvlink backend)")
 def test_the_count_exchange_and_stage_in_one_launch_at_every_group_size(shared_pool):
-    """The single launch against the reference where the bed's grid caps would refuse it at 8 ranks
-    (num_sms 4: 8 notify + 8 list + 1 copy = 17 waiting programs > 16): the bound raised to 5 x
-    num_sms, with small batches (single_launch_cases.py); its prefix at R_P2 = 8, 16 warps."""
-    assert _all(shared_pool, single_launch_cases.gpu_single_launch_small_batches, 5) == [4] * shared_pool.world_size
+    """The single launches against the reference where the bed's grid caps would refuse them at 8
+    ranks (num_sms 4: 8 notify + 8 list + 1 copy = 17 waiting programs > 16; a num_worst_tokens
+    dispatch's whole launch up to 21): the bound raised to 6 x num_sms, with small batches
+    (single_launch_cases.py); their prefix at R_P2 = 8, 16 warps."""
+    assert _all(shared_pool, single_launch_cases.gpu_single_launch_small_batches, 6) == [4] * shared_pool.world_size
 
 
 def test_expert_major_layout_at_every_group_size(shared_pool):

@@ -157,8 +157,11 @@ class KernelChoices:
         dispatch replays correctly too): one launch less on the host's path, which sets a small batch's pace. Same
         run on 2 H200s, T=512 (2026-11-29, when the stage still waited for the host's notify
         number): the full dispatch took 115 µs host against 137 with two launches (DeepEP V1
-        85-89; performance-log). False: two launches (bench --variants notify-apart, the default
-        before 2026-11-29). Each rank may choose alone: the launch signals its peers as the two did.""")
+        85-89; performance-log). A num_worst_tokens dispatch's count exchange goes the same way into
+        its one launch (dispatch.py, ep_dispatch with NOTIFY, within the same bound): the whole
+        dispatch one launch (2026-11-29g). False: the notify alone first (bench --variants
+        notify-apart, the default before 2026-11-29). Each rank may choose alone: the launch signals
+        its peers as the two did.""")
     stage_programs_per_sm = Choice(
         """Copy programs of the stage in turn per Config.num_sms (1 to 4; default
         STAGE_PROGRAMS_PER_SM; bench --variants stage-1x ... stage-4x): the stage is local copies at

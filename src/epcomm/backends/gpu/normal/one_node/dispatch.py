@@ -27,6 +27,7 @@ from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell
 from ...warps import cta_any, store_from_every_warp, vote_all, vote_any
 from .expert_major_rows import pull_expert_major, staged_topk, zero_padding_rows
 from .receive_index import gather_index, list_of
+from .notify import _notify, await_notified
 from .stage import _stage
 from .schedule import advance_round, item_block, source_blocks, trace_item
 
@@ -374,6 +375,14 @@ def ep_dispatch_pull(
 # entries of the list for that receiver are written.
 #
 #   epoch = EPOCH_NORMAL + 1 (read by every program before the pull's last one stores it)
+#   NOTIFY (a num_worst_tokens dispatch: no host wait, so its count exchange goes in too; grid = R
+#       notify programs first, then the rest):
+#       programs p < R:  ep_notify_dispatch's program p (notify.py) with epoch e = EPOCH_NORMAL + 1;
+#                        the last to arrive RELEASEs NOTIFIED = e once it has stored
+#                        rank_prefix_matrix and read the count rows (gpu scope)
+#       the others:      ACQUIRE NOTIFIED >= e (the stage: its half is no longer read by the
+#                        peers' previous pulls, the chain in notify.py; the pull: rank_prefix_matrix
+#                        is there), then as below with epoch e + 1
 #   stage programs:  the stage (stage.py, _stage), with a RELEASE per list (to its receiver) and per block of
 #                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
 #   DOORBELL (a full dispatch launched before the host's count wait; the outputs do not exist yet):
@@ -412,20 +421,25 @@ def ep_dispatch(
         in_rank_ptr: "*i8",  # [T, R] int8: is_token_in_rank (token lists)
         list_index_ptr: "*i32",  # [T, R] int32 (WRITE_LISTS): each token's index in each list it is on
         per_rank_ptr: "*i32", per_expert_ptr: "*i32",  # [R] / [E] int32 the caller's counts (WRITE_LISTS)
-        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here
+        prefix_ptr: "*i32",  # [R, R] int32 rank_prefix_matrix: where each source's rows start here (NOTIFY: out)
+        recv_info_ptr: "*i32",  # out [2] int32 (NOTIFY): rows received, most tokens any rank sends
         src_idx_ptr: "*i32",  # [N] int32 recv_src_idx: written with INDEX, read otherwise
         recv_x_ptr: "*i8",  # [N, x_bytes] bytes
         recv_scales_ptr: "*fp32",  # [N, S] float32
         recv_topk_ptr: "*i64", recv_weights_ptr: "*fp32",  # [N, K] int64 local ids / float32
-        # sizes: one round, this rank's tokens [0, num_tokens), num_rows rows here
+        # sizes: one round, this rank's tokens [0, num_tokens), num_rows rows here; NOTIFY: the
+        # mailbox's per-expert counts padded to expert_alignment (ep_notify_dispatch)
         num_tokens: "i32", x_words: "i32", num_scales: "i32", scale_stride_t: "i64", scale_stride_c: "i64",
-        num_topk: "i32", num_local: "i32", num_rows: "i32", num_stage: "i32",
-        # this rank and the workspaces (offsets are from a workspace half; block flags from a workspace)
+        num_topk: "i32", num_local: "i32", num_rows: "i32", num_stage: "i32", expert_alignment: "i32",
+        # this rank and the workspaces (offsets are from a workspace half; block flags and, NOTIFY,
+        # the count rows from a workspace or its half)
         rank: "i32", num_ranks: "i32", normal_bases_ptr: "*i64", flag_bases_ptr: "*i64", state_ptr: "*i64",
         half_bytes: "i64", lists_offset: "i64", list_cap: "i64", x_offset: "i64", scales_offset: "i64",
         topk_offset: "i64", topk_row_bytes: "i64", block_flags_offset: "i64", block_flag_cap: "i64",
+        counts_offset: "i64",
         # the host: its mailbox (sync.py), the timeout of a wait; DOORBELL: the doorbell's address in
-        # the mailbox and the full dispatch's notify sequence number, which its tag carries
+        # the mailbox; DOORBELL or NOTIFY: the full dispatch's notify sequence number (the doorbell's
+        # tag carries it; NOTIFY: the mailbox's sequence word)
         mailbox_address: "i64", timeout_ns: "i64", doorbell_address: "i64", sequence: "i64",
         # the call's identity: its fingerprint, and its word on the call board (gpu/call_board.py)
         fp_offset: "i64", fp0: "i64", fp1: "i64",
@@ -437,45 +451,76 @@ def ep_dispatch(
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, S_P2: tl.constexpr, K_P2: tl.constexpr,
         R_P2: tl.constexpr, LIST_BLOCK: tl.constexpr, L_P2: tl.constexpr, ALIGNED: tl.constexpr,
         OUT_ALIGNED: tl.constexpr, EVERY_PEER: tl.constexpr, TRACE: tl.constexpr, DOORBELL: tl.constexpr,
-        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr):
+        SIDE_FIRST: tl.constexpr, PUSHED_LISTS: tl.constexpr, NOTIFY: tl.constexpr, NOTIFY_BLOCK: tl.constexpr):
     # ALIGNED: x and its rows are 16-byte aligned; OUT_ALIGNED: rows are a multiple of 16 bytes (copy.py).
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
+    # NOTIFY (a num_worst_tokens dispatch; not with DOORBELL): the count exchange in the first R programs.
     # PUSHED_LISTS (the default: choices.py): where the lists live (receive_index.list_of).
     pid = tl.program_id(0)
-    epoch = tl.load(state_ptr + sync.EPOCH_NORMAL) + 1
-    if pid < num_stage:
-        _stage(pid, num_stage, epoch,
-               x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr, per_expert_ptr,
-               num_tokens, 0, num_tokens, x_words, num_scales, scale_stride_t, scale_stride_c, num_topk, num_local, 0,
-               rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap,
-               x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
-               fp_offset, fp0, fp1, board_bases_ptr, call_tag,
-               HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
-               EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True, PUSHED_LISTS=PUSHED_LISTS)
-    else:
-        if DOORBELL:  # the rows and the outputs the host allocated after its count wait (none: cancel)
-            answer, words = await_doorbell(doorbell_address, sequence, epoch, state_ptr, 2 * timeout_ns,
-                                           pid == num_stage, mailbox_address, rank)
-            word = tl.arange(0, DOORBELL_WORDS)
-            go = answer == RING_GO
-            num_rows = tl.where(go, tl.sum(tl.where(word == 1, words, 0), axis=0), 0).to(tl.int32)
-            recv_x_ptr = ptr_at(tl.sum(tl.where(word == 2, words, 0), axis=0), tl.int8, OUT_ALIGNED)
-            recv_scales_ptr = ptr_at(tl.sum(tl.where(word == 3, words, 0), axis=0), tl.float32, False)
-            recv_topk_ptr = ptr_at(tl.sum(tl.where(word == 4, words, 0), axis=0), tl.int64, False)
-            recv_weights_ptr = ptr_at(tl.sum(tl.where(word == 5, words, 0), axis=0), tl.float32, False)
-            src_idx_ptr = ptr_at(tl.sum(tl.where(word == 6, words, 0), axis=0), tl.int32, False)
-        # (a source's tokens are below the group's most tokens; the host keeps that within one round)
-        _pull(pid - num_stage, tl.num_programs(0) - num_stage, epoch,
-              prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
-              prefix_ptr, prefix_ptr, num_rows, 0, 1 << 30, x_words, num_scales, num_topk, rank * num_local,
-              num_local, 0, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
-              lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset,
-              block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag, trace_ptr,
-              INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
-              EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
-              SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False,
-              PUSHED_LISTS=PUSHED_LISTS)  # (the lists are waited for item by item here)
+    # The previous call's last epoch: read by every program before the pull's last one stores this
+    # call's (it waits for this rank's whole stage; the stage and pull, NOTIFY, for NOTIFIED, which
+    # the notify's last program releases after every notify program arrived).
+    last_epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
+    epoch = last_epoch + 1
+    num_programs = tl.num_programs(0)  # the stage's and the pull's (NOTIFY: after the notify's)
+    staging = 1  # 0: a notify program, or one whose wait for the notify gave up (NOTIFY)
+    if NOTIFY:  # the notify takes last_epoch + 1 (its half's count rows), the stage and pull the next
+        epoch = last_epoch + 2
+        num_programs -= num_ranks
+        if pid < num_ranks:
+            _notify(pid, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, prefix_ptr, num_tokens,
+                    num_local * num_ranks, expert_alignment, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr,
+                    state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1,
+                    board_bases_ptr, call_tag, R_P2, NOTIFY_BLOCK, WITH_STAGE=True)
+            staging = 0
+        else:
+            pid -= num_ranks
+            # ACQUIRE NOTIFIED: the stage writes the half its peers' previous pulls read (the chain
+            # in notify.py's outline: their signals, acquired by the notify programs); the pull
+            # reads rank_prefix_matrix, which the notify's last program stored before its release
+            if await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) != 0:
+                staging = 0  # (reported late, and no verdict will come: a pull program NaNs its share)
+                if pid >= num_stage:
+                    _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales,
+                                  num_topk, pid - num_stage, num_programs - num_stage, HAS_SCALES,
+                                  HAS_TOPK, False, BLOCK_R, BLOCK_W)
+    if staging != 0:
+        if pid < num_stage:
+            _stage(pid, num_stage, epoch,
+                   x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr,
+                   per_expert_ptr, num_tokens, 0, num_tokens, x_words, num_scales, scale_stride_t, scale_stride_c,
+                   num_topk, num_local, 0,
+                   rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes, lists_offset, list_cap,
+                   x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset, block_flag_cap,
+                   fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+                   HAS_SCALES, HAS_TOPK, WRITE_LISTS, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, LIST_BLOCK, L_P2, ALIGNED,
+                   EXPERT_MAJOR=False, POSITION_TOKENS=1, POSITION_SUB=1, E_P2=1, OVERLAP=True,
+                   PUSHED_LISTS=PUSHED_LISTS)
+        else:
+            if DOORBELL:  # the rows and the outputs the host allocated after its count wait (none: cancel)
+                answer, words = await_doorbell(doorbell_address, sequence, epoch, state_ptr, 2 * timeout_ns,
+                                               pid == num_stage, mailbox_address, rank)
+                word = tl.arange(0, DOORBELL_WORDS)
+                go = answer == RING_GO
+                num_rows = tl.where(go, tl.sum(tl.where(word == 1, words, 0), axis=0), 0).to(tl.int32)
+                recv_x_ptr = ptr_at(tl.sum(tl.where(word == 2, words, 0), axis=0), tl.int8, OUT_ALIGNED)
+                recv_scales_ptr = ptr_at(tl.sum(tl.where(word == 3, words, 0), axis=0), tl.float32, False)
+                recv_topk_ptr = ptr_at(tl.sum(tl.where(word == 4, words, 0), axis=0), tl.int64, False)
+                recv_weights_ptr = ptr_at(tl.sum(tl.where(word == 5, words, 0), axis=0), tl.float32, False)
+                src_idx_ptr = ptr_at(tl.sum(tl.where(word == 6, words, 0), axis=0), tl.int32, False)
+            # (a source's tokens are below the group's most tokens; the host keeps that within one round)
+            _pull(pid - num_stage, num_programs - num_stage, epoch,
+                  prefix_ptr, src_idx_ptr, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+                  prefix_ptr, prefix_ptr, num_rows, 0, 1 << 30, x_words, num_scales, num_topk, rank * num_local,
+                  num_local, 0, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
+                  lists_offset, list_cap, x_offset, scales_offset, topk_offset, topk_row_bytes, block_flags_offset,
+                  block_flag_cap, mailbox_address, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
+                  trace_ptr,
+                  INDEX, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, S_P2, K_P2, R_P2, OUT_ALIGNED, EXPERT_MAJOR=False,
+                  EVERY_PEER=EVERY_PEER, TRACE=TRACE, PIPELINE=False, OVERLAP=True,
+                  SIDE_FIRST=SIDE_FIRST, GATHER_INDEX=False,
+                  PUSHED_LISTS=PUSHED_LISTS)  # (the lists are waited for item by item here)
 
 
 STAGE_PULL = KernelSpec(ep_dispatch, aligned_if={"ALIGNED": ["x_ptr"], "OUT_ALIGNED": ["recv_x_ptr"]})

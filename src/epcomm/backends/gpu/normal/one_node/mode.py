@@ -110,11 +110,13 @@ class NormalMode(KernelChoices):
                                       EXPERT_MAJOR=expert_major, **meta, **no_lists,
                                       **dict(schedule, GATHER_INDEX=False)),  # (no index to gather)
                             None if expert_major or pipeline else Specialisations(
-                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL"], COPY_WARPS, INDEX=True, WRITE_LISTS=True,
-                                LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, **meta, **overlapped, **pushed),
+                                STAGE_PULL, ["ALIGNED", "L_P2", "DOORBELL", "NOTIFY"], COPY_WARPS, INDEX=True,
+                                WRITE_LISTS=True, LIST_BLOCK=1024, OUT_ALIGNED=rows_aligned, NOTIFY_BLOCK=NOTIFY_BLOCK,
+                                **meta, **overlapped, **pushed),
                             None if expert_major or pipeline else Specialisations(
                                 STAGE_PULL, ["ALIGNED"], COPY_WARPS, INDEX=False, WRITE_LISTS=False, LIST_BLOCK=1024,
-                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, **meta, **overlapped, **no_lists),
+                                L_P2=1, OUT_ALIGNED=rows_aligned, DOORBELL=False, NOTIFY=False,
+                                NOTIFY_BLOCK=NOTIFY_BLOCK, **meta, **overlapped, **no_lists),
                             # (pushed_lists: ranks that disagree read lists where none were written, so
                             # the full dispatch's fingerprint carries it and they raise instead)
                             agreement.pack(call=agreement.CALL_DISPATCH, pushed_lists=int(self.pushed_lists), **words),
@@ -126,13 +128,14 @@ class NormalMode(KernelChoices):
         (_workspace_words, the lists' offset and capacity, the staging offsets, the top-k row's
         size), then the stage's fingerprint set; the
         pull's host words (the mailbox, the timeout) and fingerprint set; or ep_dispatch's block
-        flags (offset, capacity) and host words (the mailbox, the timeout, the doorbell)."""
+        flags (offset, capacity), the count rows' offset (NOTIFY) and host words (the mailbox, the
+        timeout, the doorbell)."""
         ws, mailbox = self.ws, self.b.mailbox
         workspace = self._workspace_words() + (ws.lists_offset, ws.list_cap, *offsets, topk_row_bytes)
         return dict(stage_fixed=workspace + (self.fingerprints,),
                     pull_fixed=workspace + (mailbox.address, self.b.timeout_ns, self.fingerprints),
-                    overlapped_fixed=workspace + (ws.block_flags_offset, ws.block_flag_cap, mailbox.address,
-                                                  self.b.timeout_ns, mailbox.doorbell_address))
+                    overlapped_fixed=workspace + (ws.block_flags_offset, ws.block_flag_cap, ws.counts_offset,
+                                                  mailbox.address, self.b.timeout_ns, mailbox.doorbell_address))
 
     def _dispatch_plan_of(self, args: DispatchArgs) -> DispatchPlan:
         x = args.x[0] if args.x.__class__ is tuple else args.x
@@ -197,6 +200,7 @@ class NormalMode(KernelChoices):
             num_sms = min(num_sms * EXPERT_MAJOR_SM_FACTOR, max(self.expert_major_programs, num_sms))
         received = None  # the outputs, where the doorbell needed them before the launches below
         pulling = False  # the doorbell's launch pulls already (it got the outputs' addresses)
+        notify_inside = False  # the one launch runs the count exchange too (num_worst_tokens)
         one_launch_pulls = num_sms  # pull programs of a one-launch dispatch (full_one_launch: x pull_programs_per_sm)
 
         if cached:
@@ -242,6 +246,13 @@ class NormalMode(KernelChoices):
             # wait: one launch after the notify, as a cached dispatch.
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
+            # num_worst_tokens: that one launch takes the count exchange too (ep_dispatch with NOTIFY:
+            # the whole dispatch one launch) where all its programs, which all wait, fit as
+            # notify_stage_fits counts them
+            if overlapped:  # (its pull programs as launched below: num_rows is num_worst_tokens)
+                notify_inside = self.notify_stage_fits(
+                    self._overlapped_stage_programs(args, num_tokens, plan) +
+                    min(one_launch_pulls, cdiv(args.num_worst_tokens, plan.block_r)), args.config.num_sms)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
             # full_one_launch: nothing staged before the wait, one launch after it where the group's
             # batches fit one. With one_launch_tokens, a batch above the bound stages now as by
@@ -254,10 +265,10 @@ class NormalMode(KernelChoices):
             # The stage in turn goes with the count exchange in one launch (notify.py, ep_dispatch_notify_stage:
             # one launch less on this path) where _stage finds it fits; else the notify goes alone. (With
             # num_worst_tokens too: a CUDA graph may capture that dispatch, and the launch's waits are on
-            # device epochs, which a replay advances as the first run did.)
-            if doorbell or overlapped or after_wait or not self._stage(
+            # device epochs, which a replay advances as the first run did.) notify_inside: below.
+            if not notify_inside and (doorbell or overlapped or after_wait or not self._stage(
                     plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag, list_index,
-                    notify_args):
+                    notify_args)):
                 NOTIFY_BOUND[self.R_P2].launch(
                     R, 1, stream,
                     args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr(), *notify_args[:3],
@@ -265,8 +276,8 @@ class NormalMode(KernelChoices):
                     *notify_args[6:], self.fingerprints, fp0, fp1, board, tag)
                 if doorbell:
                     self._dispatch_overlapped(plan, args, x, x_aligned, scales,
-                                              (prefix_address, 0, in_rank, list_index), (prefix_address,) * 4, 0,
-                                              stream, fp0, fp1, tag, num_sms, sequence)
+                                              (prefix_address, 0, 0, in_rank, list_index), (prefix_address,) * 4, 0,
+                                              stream, fp0, fp1, tag, num_sms, sequence, doorbell=True)
                 elif not overlapped and not after_wait:
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
@@ -305,11 +316,12 @@ class NormalMode(KernelChoices):
         if received is None:
             received = dispatch_outputs(plan, x, scales if is_fp8 else None, num_rows, mapping)
         if overlapped and not pulling:
-            prefix_address, _, src_idx_address, _, _, in_rank, list_index = state.addresses
+            prefix_address, recv_info, src_idx_address, _, _, in_rank, list_index = state.addresses
             self._dispatch_overlapped(plan, args, x, x_aligned, scales,
-                                      (prefix_address, src_idx_address, in_rank, list_index), received[4],
-                                      num_rows, stream, fp0, fp1, tag,
-                                      max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))))
+                                      (prefix_address, recv_info, src_idx_address, in_rank, list_index),
+                                      received[4], num_rows, stream, fp0, fp1, tag,
+                                      max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))),
+                                      sequence if notify_inside else 0, notify=notify_inside)
         recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
             num_rounds = 0
@@ -353,39 +365,48 @@ class NormalMode(KernelChoices):
 
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
-                             pull_programs: int, sequence: int = 0) -> None:
-        """The dispatch in one launch (dispatch.py, ep_dispatch): the stage's programs (in a full
-        dispatch R list programs; then up to ``num_sms`` copy programs), then ``pull_programs``
-        pull programs (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on
-        each block of rows as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
-        ``handle``: the addresses of rank_prefix_matrix, recv_src_idx, is_token_in_rank and the list
-        index; ``outputs``: recv_x, recv_scales, recv_topk, recv_weights. ``sequence`` (a full
-        dispatch's notify number): launched before the count wait, with ``num_rows``, ``outputs`` and
-        recv_src_idx placeholders that the doorbell of ``sequence`` supplies (mailbox.py, ring)."""
+                             pull_programs: int, sequence: int = 0, doorbell: bool = False,
+                             notify: bool = False) -> None:
+        """The dispatch in one launch (dispatch.py, ep_dispatch): with ``notify`` the count exchange's
+        R programs first (a num_worst_tokens dispatch); the stage's programs (in a full dispatch R
+        list programs; then up to ``num_sms`` copy programs), then ``pull_programs`` pull programs
+        (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on each block of rows
+        as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
+        ``handle``: the addresses of rank_prefix_matrix, recv_info (the notify's, or 0),
+        recv_src_idx, is_token_in_rank and the list index; ``outputs``: recv_x, recv_scales,
+        recv_topk, recv_weights. ``sequence``: a full dispatch's notify number, the mailbox's with
+        ``notify``; with ``doorbell`` the launch goes before the count wait, with ``num_rows``,
+        ``outputs`` and recv_src_idx placeholders that the doorbell of ``sequence`` supplies
+        (mailbox.py, ring)."""
         num_tokens = x.shape[0]
         x_address, scales_address, topk, weights = _input_addresses(plan, args, x, scales)
         aligned = plan.rows_aligned and x_aligned
         cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
-        num_stage = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
-        prefix, src_idx, in_rank, list_index = handle
+        num_stage = self._overlapped_stage_programs(args, num_tokens, plan)
+        prefix, recv_info, src_idx, in_rank, list_index = handle
         if cached:
             kernel = plan.overlapped_cached[aligned]
             per_rank = per_expert = in_rank
         else:
-            kernel = plan.overlapped_full[aligned, p2(num_local), sequence != 0]
+            kernel = plan.overlapped_full[aligned, p2(num_local), doorbell, notify]
             per_rank, per_expert = args.num_tokens_per_rank.data_ptr(), args.num_tokens_per_expert.data_ptr()
-            num_stage += self.R
         kernel.launch(
-            num_stage + pull_programs, 1, stream,
+            (self.R if notify else 0) + num_stage + pull_programs, 1, stream,
             x_address, scales_address, topk, weights, in_rank, list_index,
-            per_rank, per_expert, prefix, src_idx or prefix, *outputs,  # tensors
+            per_rank, per_expert, prefix, recv_info or prefix, src_idx or prefix, *outputs,  # tensors
             num_tokens, plan.x_words, plan.num_scales,  # sizes
             scales.stride(0) if plan.num_scales else 0, scales.stride(1) if plan.num_scales else 0,
-            plan.num_topk, num_local, num_rows, num_stage,
-            *plan.overlapped_fixed, sequence,  # workspace, block flags, host
+            plan.num_topk, num_local, num_rows, num_stage, args.expert_alignment,
+            *plan.overlapped_fixed, sequence,  # workspace, block flags, count rows, host
             self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
             self.trace_address)
+
+    def _overlapped_stage_programs(self, args: DispatchArgs, num_tokens: int, plan: DispatchPlan) -> int:
+        """ep_dispatch's stage programs: a copy program per block of rows, at most num_sms, and in
+        a full dispatch first R list programs."""
+        copies = max(1, min(args.config.num_sms, cdiv(num_tokens, plan.block_r)))
+        return copies if args.handle is not None else copies + self.R
 
     def notify_stage_fits(self, stage_programs: int, num_sms: int) -> bool:
         """Whether a full dispatch's count exchange goes in one launch with its round-0 stage of

@@ -152,6 +152,25 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
         store_release_sys(notify.to(tl.int64), sequence)  # RELEASE -> host
 
 
+
+@triton.jit
+def await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2: tl.constexpr):
+    """The programs after the count exchange in its launch (ep_dispatch_notify_stage's stage, and
+    ep_dispatch's stage and pull with NOTIFY): ACQUIRE NOTIFIED >= ``last_epoch`` + 1, released by
+    the notify's last program (the chain in the outline below). A vote, whose barrier also orders
+    the polling threads' acquire before every thread's loads and stores after it. Returns 1 where
+    it waited past 3 x ``timeout_ns`` (the notify programs never ran: this rank is reported late in
+    the mailbox, and the caller does nothing more), else 0."""
+    lanes = tl.arange(0, R_P2)
+    _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, last_epoch + 1,
+                                        3 * timeout_ns, EPOCH_SHIFT=0)
+    late_here = cta_any(tl.max(late.to(tl.int32), axis=0))
+    if late_here != 0:
+        report_late(lanes == 0, rank + lanes * 0, state_ptr,
+                    mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
+                    MASK_ON_TIMEOUT=False)
+    return late_here
+
 NOTIFY = KernelSpec(ep_notify_dispatch)
 NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 
@@ -222,19 +241,10 @@ def ep_dispatch_notify_stage(
                 half_bytes, counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1,
                 board_bases_ptr, call_tag, R_P2, BLOCK, WITH_STAGE=True)
     else:
-        lanes = tl.arange(0, R_P2)
         # The previous call's last epoch e - 1: stable until this stage's last arrival, which needs
         # this program's arrival first (the notify programs, who read it too, arrived before NOTIFIED).
         last_epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
-        # ACQUIRE: the notify's arrival (the chain above); a vote, whose barrier also orders the
-        # polling threads' acquire before every thread's stores
-        _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, last_epoch + 1,
-                                            3 * timeout_ns, EPOCH_SHIFT=0)
-        if cta_any(tl.max(late.to(tl.int32), axis=0)) != 0:
-            report_late(lanes == 0, rank + lanes * 0, state_ptr,
-                        mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
-                        MASK_ON_TIMEOUT=False)
-        else:
+        if await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) == 0:
             _stage(pid - num_ranks, tl.num_programs(0) - num_ranks, last_epoch + 2,
                    x_ptr, scales_ptr, topk_ptr, weights_ptr, in_rank_ptr, list_index_ptr, per_rank_ptr,
                    per_expert_ptr, num_tokens, token_lo, token_hi, x_words, num_scales, scale_stride_t,
