@@ -12,8 +12,10 @@ import epcomm
 
 def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
     """Every rank makes a full dispatch; then the last rank stops. The others make one more ``call``
-    ("cached dispatch" or "combine"): its wait gives up after ``timeout_s``, every output row is NaN,
-    and their next call raises EPTimeoutError naming the stopped rank."""
+    ("cached dispatch", "combine", or "num_worst_tokens dispatch": on one node its count exchange,
+    stage and pull in one launch, where the count exchange's wait gives up first): its wait gives
+    up after ``timeout_s``, every output row is NaN (padding rows too), and their next call raises
+    EPTimeoutError naming the stopped rank."""
     R, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, timeout=timeout_s)
@@ -31,6 +33,11 @@ def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
         return "absent"
     if call == "cached dispatch":
         out = buffer.dispatch(x, handle=handle)[0]
+    elif call == "num_worst_tokens dispatch":
+        out = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                              num_worst_tokens=R * 64)[0]
+        assert out.shape[0] == R * 64, out.shape
     else:
         out = buffer.combine(recv_x, handle)[0]
     torch.cuda.synchronize()

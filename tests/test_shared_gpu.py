@@ -367,11 +367,12 @@ def test_timeout_names_the_stalled_rank(shared_pool):
     assert _all(shared_pool, ep_cases.gpu_timeout_names_peer, timeout_s=180) == ["raised"] * (R - 1) + ["absent"]
 
 
-@pytest.mark.parametrize("call", ["cached dispatch", "combine"])
+@pytest.mark.parametrize("call", ["cached dispatch", "combine", "num_worst_tokens dispatch"])
 def test_timeout_leaves_nan_rows_in_a_normal_call(shared_pool, call):
-    """A rank stops after a full dispatch: the others' next cached dispatch or combine gives up
-    waiting, returns NaN in every row (no plausible data), and their next call names the rank. (nvlink:
-    the pull's or reduce's wait gives up; nvshmem: the step barrier, and the call's kernels skip.)"""
+    """A rank stops after a full dispatch: the others' next cached dispatch, combine or
+    num_worst_tokens dispatch gives up waiting, returns NaN in every row (no plausible data), and
+    their next call names the rank. (nvlink: the pull's or reduce's wait gives up, a num_worst_tokens
+    dispatch's count exchange first; nvshmem: the step barrier, and the call's kernels skip.)"""
     import normal_nan_cases
     R = shared_pool.world_size
     shared_pool.close()  # fresh ranks: the timeout cases before this one leave the pool out of step
