@@ -15,10 +15,12 @@ def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
     ("cached dispatch", "combine", or "num_worst_tokens dispatch": on one node its count exchange,
     stage and pull in one launch, where the count exchange's wait gives up first): its wait gives
     up after ``timeout_s``, every output row is NaN (padding rows too), and their next call raises
-    EPTimeoutError naming the stopped rank."""
+    EPTimeoutError naming the stopped rank. Returns "nan, then raised" (with " (one launch)" where
+    the num_worst_tokens dispatch took its count exchange into ep_dispatch), or "absent"."""
     R, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, timeout=timeout_s)
+    how = ""
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(64, 256, device=device, generator=g).to(torch.bfloat16)
     topk = torch.randn(64, 8 * R, device=device, generator=g).topk(2, dim=-1).indices
@@ -38,6 +40,10 @@ def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
                               num_worst_tokens=R * 64)[0]
         assert out.shape[0] == R * 64, out.shape
+        plans = getattr(getattr(buffer._backend, "normal", None), "_dispatch_plans", {})
+        if any(notify for plan in plans.values() if plan.overlapped_full is not None
+               for *_, notify in plan.overlapped_full):
+            how = " (one launch)"
     else:
         out = buffer.combine(recv_x, handle)[0]
     torch.cuda.synchronize()
@@ -48,5 +54,5 @@ def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
         torch.cuda.synchronize()
     except epcomm.EPTimeoutError as err:
         assert absent in err.peers, err.peers
-        return "nan, then raised"
+        return "nan, then raised" + how
     return "no error"

@@ -218,6 +218,21 @@ def test_num_worst_tokens_is_one_launch_with_its_count_exchange_and_no_doorbell(
         assert _doorbell_arg(launches[1][2]) == 0
 
 
+@pytest.mark.parametrize("num_tokens, launches_seen", [(32, ["notify+ep_dispatch"]), (40, ["notify", "ep_dispatch"])])
+def test_a_num_worst_tokens_dispatch_takes_its_count_exchange_in_where_all_its_programs_fit(monkeypatch, num_tokens,
+                                                                                             launches_seen):
+    """At the bound: R notify + R list + copy + pull programs, every one of them waiting, at most
+    waiting_programs_per_sm x num_sms (here 3 x 6 = 18: 4 + 4 + 4 + 6 fits, one copy program more
+    does not, and the notify goes apart)."""
+    launches = []
+    mode = _mode(monkeypatch, launches, _Mailbox(counts=None, fail=AssertionError("no count wait")))
+    monkeypatch.setattr(mode, "waiting_programs_per_sm", 3)
+    mode.dispatch(_args(num_tokens, num_worst_tokens=48))
+    assert [name for name, _, _ in launches] == launches_seen
+    if len(launches_seen) == 1:
+        assert launches[0][1] == 3 * NUM_SMS  # (the grid: exactly the bound)
+
+
 @pytest.mark.parametrize("num_worst_tokens", [0, 80])
 def test_the_handles_int32_words_come_from_one_allocation_at_16_byte_boundaries(monkeypatch, num_worst_tokens):
     """rank_prefix_matrix (and, with num_worst_tokens, recv_src_idx: its size is known before the
@@ -438,7 +453,8 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     mailbox = _Mailbox(counts=(40, 60))
     mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
     mode.rank, mode.bases, mode.state, mode.fingerprints, mode.trace_address = RANK, 4096, 8192, 24, 4096
-    mode.ws = types.SimpleNamespace(**dict(vars(mode.ws), normal_half_bytes=1 << 20, lists_offset=512, list_cap=77))
+    mode.ws = types.SimpleNamespace(**dict(vars(mode.ws), normal_half_bytes=1 << 20, lists_offset=512, list_cap=77,
+                                           counts_offset=640, block_flags_offset=1 << 16, block_flag_cap=1029))
     mode.b.timeout_ns = 123_456
     plan = mode._dispatch_plan_of(None)
     plan = dataclasses.replace(plan, offsets=(16, 32, 48), **M.NormalMode._fixed_arguments(mode, (16, 32, 48), 32))
@@ -474,7 +490,7 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     assert {name: both[name] for name in alone if name not in per_call} == \
         {name: value for name, value in alone.items() if name not in per_call}
     assert (both["sequence"], alone["sequence"]) == (1, 2) and both["timeout_ns"] == 123_456
-    assert (both["mailbox_address"], both["counts_offset"], both["num_experts"]) == (mailbox.address, 0, E)
+    assert (both["mailbox_address"], both["counts_offset"], both["num_experts"]) == (mailbox.address, 640, E)
     assert (both["expert_alignment"], both["write_table"]) == (3, 0)  # (the plain layout: no table)
     prefix = fused.handle.rank_prefix_matrix.data_ptr()
     index_words = fused.handle.backend_state.index_words.data_ptr()
@@ -493,10 +509,30 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
     assert (words["half_bytes"], words["lists_offset"], words["list_cap"], words["topk_row_bytes"]) == \
         (1 << 20, 512, 77, 32)
-    assert (words["block_flags_offset"], words["block_flag_cap"]) == (mode.ws.block_flags_offset, mode.ws.block_flag_cap)
+    assert (words["block_flags_offset"], words["block_flag_cap"], words["counts_offset"]) == (1 << 16, 1029, 640)
     assert (words["mailbox_address"], words["timeout_ns"], words["doorbell_address"]) == \
         (mailbox.address, 123_456, mailbox.doorbell_address)
     assert words["sequence"] == 0 and words["fp_offset"] == 24 and words["trace_ptr"] == 4096
+    # the num_worst_tokens dispatch's one launch with its count exchange: the notify's words as
+    # ep_dispatch_notify_stage got them above, by the same names
+    launches.clear()
+    vars(mode).update(full_one_launch=False, notify_with_stage=True)  # (the defaults; the stand-in plan stays)
+    worst = _args(50, num_worst_tokens=96)
+    worst.expert_alignment = 3
+    result = mode.dispatch(worst)
+    (_, grid, args), = [launch for launch in launches if launch[0] == "notify+ep_dispatch"]
+    assert len(args) == 2 + len(names)
+    words = dict(zip(names, args[2:]))
+    assert (words["rank"], words["num_ranks"], words["normal_bases_ptr"], words["state_ptr"]) == (RANK, R, 4096, 8192)
+    assert (words["half_bytes"], words["counts_offset"], words["block_flags_offset"]) == (1 << 20, 640, 1 << 16)
+    assert (words["mailbox_address"], words["timeout_ns"], words["sequence"]) == (mailbox.address, 123_456, 4)
+    assert (words["num_local"], words["expert_alignment"], words["num_rows"], words["num_tokens"]) == (E // R, 3, 96, 50)
+    index_words = result.handle.backend_state.index_words.data_ptr()
+    assert (words["list_index_ptr"], words["recv_info_ptr"]) == (index_words, index_words + 4 * 50 * R)
+    assert (words["prefix_ptr"], words["src_idx_ptr"]) == (result.handle.rank_prefix_matrix.data_ptr(),
+                                                           result.handle.recv_src_idx.data_ptr())
+    assert words["fp_offset"] == 24 and words["trace_ptr"] == 4096
+    assert grid == R + words["num_stage"] + min(NUM_SMS, -(-96 // BLOCK_R)) and words["num_stage"] == R + NUM_SMS
 
 
 class _OrderedMailbox(_Mailbox):

@@ -372,12 +372,14 @@ def test_timeout_leaves_nan_rows_in_a_normal_call(shared_pool, call):
     """A rank stops after a full dispatch: the others' next cached dispatch, combine or
     num_worst_tokens dispatch gives up waiting, returns NaN in every row (no plausible data), and
     their next call names the rank. (nvlink: the pull's or reduce's wait gives up, a num_worst_tokens
-    dispatch's count exchange first; nvshmem: the step barrier, and the call's kernels skip.)"""
+    dispatch's count exchange first, in one launch with them where the bed's grid caps let it: 4
+    ranks sharing the GPU, not 8; nvshmem: the step barrier, and the call's kernels skip.)"""
     import normal_nan_cases
     R = shared_pool.world_size
     shared_pool.close()  # fresh ranks: the timeout cases before this one leave the pool out of step
+    one_launch = call == "num_worst_tokens dispatch" and BACKEND == "nvlink" and R <= 4
     assert _all(shared_pool, normal_nan_cases.missing_rows_are_nan, call, timeout_s=180) == \
-        ["nan, then raised"] * (R - 1) + ["absent"]
+        ["nan, then raised" + (" (one launch)" if one_launch else "")] * (R - 1) + ["absent"]
 
 
 def test_low_latency_dead_rank_is_masked(shared_pool):

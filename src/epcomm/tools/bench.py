@@ -74,7 +74,8 @@ class NormalBenchSettings:
     # before 2026-11-28d: receive_index.py, list_of; choices.py, PUSHED_LISTS), "small-one-launch"
     # (a full dispatch in one launch after its count wait where every rank's batch is at most
     # SMALL_ONE_LAUNCH_TOKENS, larger ones staged during the wait as by default: choices.py),
-    # "notify-apart" (the count exchange and the stage as two launches: choices.py, notify_with_stage)
+    # "notify-apart" (the count exchange launched apart from the stage, and from a num_worst_tokens
+    # dispatch's one launch: choices.py, notify_with_stage)
     variants: List[str] = field(default_factory=list)
     # the full dispatch with num_worst_tokens = R x T too (no host wait), eagerly and as one CUDA
     # graph's replay: how an engine that captures its step (prefill, training) makes the call
@@ -609,8 +610,9 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                                  "token list left at its source, read remotely: the default before 2026-11-28d), "
                                  "small-one-launch (full-one-launch where every rank's batch is at most 1024 tokens, "
                                  "larger ones staged during the count wait as by default), notify-apart (a full "
-                                 "dispatch's count exchange and its stage as two launches, the default before "
-                                 "2026-11-29); join several with + for one table")
+                                 "dispatch's count exchange launched apart from its stage, and from a num_worst_tokens "
+                                 "dispatch's one launch: the default before 2026-11-29); join several with + for one "
+                                 "table")
         parser.add_argument("--no-worst-tokens", action="store_true",
                             help="leave out the full dispatch with num_worst_tokens = ranks x tokens (no host wait), "
                                  "eager and as one CUDA graph's replay, for every library")

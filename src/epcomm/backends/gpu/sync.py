@@ -110,8 +110,9 @@ DOORBELL = tl.constexpr(18)  # (epoch << 2) | the answer to an overlapped dispat
 INDEX_GATHERED = tl.constexpr(26)  # the epoch of the last pull in turn whose programs all gathered its receive
 # index, or minus the epoch of one whose program found the call failed (one_node/receive_index.py; after the
 # doorbell's DOORBELL_WORDS words 18..25, which a doorbell's wait reads whole)
-NOTIFIED = tl.constexpr(27)  # the epoch of the last count exchange of ep_dispatch_notify_stage (one_node/notify.py),
-# released by its last notify program to the launch's stage programs once it has read the count rows
+NOTIFIED = tl.constexpr(27)  # the epoch of the last count exchange of ep_dispatch_notify_stage (one_node/notify.py)
+# or of ep_dispatch with NOTIFY (one_node/dispatch.py), released by its last notify program to the launch's
+# stage programs (and pull programs, which read rank_prefix_matrix) once it has read the count rows
 NUM_STATE_WORDS = 28
 
 # The doorbell (mailbox.py, HostMailbox.ring): word 0 = 2 * sequence + 1 (go: the outputs' addresses

@@ -9,8 +9,8 @@ Launches per call (one cross-rank barrier per launch pair, halves alternate by b
                           ep_notify_dispatch ; ep_dispatch, its pull waiting for the doorbell ; [host
                           polls, allocates, rings])
     dispatch (num_worst)  ep_dispatch with its count exchange (NOTIFY)   1 launch; past notify_stage_fits'
-                          bound or notify_with_stage off: ep_notify_dispatch ; ep_dispatch, or where one
-                          launch does not fit, ep_notify_dispatch ; ep_dispatch_stage ; ...
+                          bound or notify_with_stage off: ep_notify_dispatch ; ep_dispatch; where one
+                          launch does not fit (expert-major): as a full dispatch in turn, without the wait
     dispatch (cached)     ep_dispatch (stage and pull overlapped)     1 launch
                           ep_dispatch_stage ; ep_dispatch_pull        2 launches: several rounds, expert-major
     combine               ep_combine (push and reduce overlapped)     1 launch

@@ -265,9 +265,8 @@ def _pull(pid, num_programs, epoch,
     if OVERLAP:
         if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):
             failed = cta_any(tl.load(state_ptr + sync.GAVE_UP, volatile=True) == epoch) != 0  # (one reading for all)
-            if failed:  # (no second timeout: wait only for this rank's own stage, which reads the epoch)
-                poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,
-                            peers == rank, epoch, timeout_ns, EPOCH_SHIFT=0)
+            if failed:
+                _await_own_stage(my_base, rank, num_ranks, epoch, timeout_ns, R_P2)
             else:
                 # ACQUIRE every source's end of stage and compare fingerprints: the half-reuse chain of
                 # sync.py needs every source's signal (not only the blocks with rows here), and the
@@ -278,6 +277,37 @@ def _pull(pid, num_programs, epoch,
                 _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, expected, x_words, num_scales, num_topk,
                               0, 1, HAS_SCALES, HAS_TOPK, EXPERT_MAJOR, BLOCK_R, BLOCK_W)
             tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
+
+
+@triton.jit
+def _await_own_stage(my_base, rank, num_ranks, epoch, timeout_ns, R_P2: tl.constexpr):
+    """A failed verdict's wait before it stores the epoch: for this rank's own stage to end (its
+    programs read EPOCH_NORMAL first), bounded by ``timeout_ns`` and reporting nothing (the call
+    already failed, reported where it did)."""
+    peers = tl.arange(0, R_P2)
+    poll_epochs((my_base + sync.NORMAL_FLAG_SET * num_ranks * 8).to(tl.pointer_type(tl.int64)) + peers,
+                peers == rank, epoch, timeout_ns, EPOCH_SHIFT=0)
+
+
+@triton.jit
+def _pull_without_notify(program, num_programs, epoch, recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words,
+                         num_scales, num_topk, rank, num_ranks, flag_bases_ptr, state_ptr, timeout_ns,
+                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
+    """A pull program of ep_dispatch with NOTIFY whose wait for NOTIFIED gave up (await_notified
+    reported this rank late): rank_prefix_matrix was never written, so it pulls nothing. It marks
+    the call given up (GAVE_UP = ``epoch``: the pull programs that did get NOTIFIED stop waiting,
+    as after a wait of their own gave up) and arrives as every pull program does, so the last to
+    arrive still gives the verdict (every row NaN, padding included) and stores the epoch: the
+    arrival counter stays whole for the calls queued after this one."""
+    peers = tl.arange(0, R_P2)
+    store_from_every_warp((state_ptr + sync.GAVE_UP + peers * 0).to(tl.int64), tl.zeros([R_P2], tl.int64) + epoch,
+                          peers == 0, WIDE=True)
+    if arrive(state_ptr + sync.ARRIVE_RECEIVE, num_programs):  # (acq_rel: every program's GAVE_UP store first)
+        _await_own_stage(tl.load(flag_bases_ptr + rank), rank, num_ranks, epoch, timeout_ns, R_P2)
+        _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales, num_topk, 0, 1,
+                      HAS_SCALES, HAS_TOPK, False, BLOCK_R, BLOCK_W)
+        tl.store(state_ptr + sync.EPOCH_NORMAL, epoch)
 
 
 @triton.jit
@@ -456,35 +486,39 @@ def ep_dispatch(
     # INDEX and WRITE_LISTS: a full dispatch (the lists are written and read); neither: a cached one.
     # DOORBELL (a full dispatch): num_rows and the outputs' pointers are placeholders, the doorbell's count.
     # NOTIFY (a num_worst_tokens dispatch; not with DOORBELL): the count exchange in the first R programs.
+    tl.static_assert(not (NOTIFY and DOORBELL), "ep_dispatch: NOTIFY and DOORBELL exclude each other")
     # PUSHED_LISTS (the default: choices.py): where the lists live (receive_index.list_of).
+    # pid, num_programs: of the stage's and the pull's programs (NOTIFY: after the notify's R).
+    # (Set under a constexpr branch, not a runtime one: merged values at a runtime branch's end
+    # would stay live in registers through the pull's loop.)
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     # The previous call's last epoch: read by every program before the pull's last one stores this
     # call's (it waits for this rank's whole stage; the stage and pull, NOTIFY, for NOTIFIED, which
     # the notify's last program releases after every notify program arrived).
     last_epoch = tl.load(state_ptr + sync.EPOCH_NORMAL)
     epoch = last_epoch + 1
-    num_programs = tl.num_programs(0)  # the stage's and the pull's (NOTIFY: after the notify's)
     staging = 1  # 0: a notify program, or one whose wait for the notify gave up (NOTIFY)
     if NOTIFY:  # the notify takes last_epoch + 1 (its half's count rows), the stage and pull the next
         epoch = last_epoch + 2
+        pid -= num_ranks
         num_programs -= num_ranks
-        if pid < num_ranks:
-            _notify(pid, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, prefix_ptr, num_tokens,
+        if pid < 0:
+            _notify(pid + num_ranks, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, prefix_ptr, num_tokens,
                     num_local * num_ranks, expert_alignment, 0, rank, num_ranks, normal_bases_ptr, flag_bases_ptr,
                     state_ptr, half_bytes, counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1,
                     board_bases_ptr, call_tag, R_P2, NOTIFY_BLOCK, WITH_STAGE=True)
             staging = 0
-        else:
-            pid -= num_ranks
-            # ACQUIRE NOTIFIED: the stage writes the half its peers' previous pulls read (the chain
-            # in notify.py's outline: their signals, acquired by the notify programs); the pull
-            # reads rank_prefix_matrix, which the notify's last program stored before its release
-            if await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) != 0:
-                staging = 0  # (reported late, and no verdict will come: a pull program NaNs its share)
-                if pid >= num_stage:
-                    _missing_rows(recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words, num_scales,
-                                  num_topk, pid - num_stage, num_programs - num_stage, HAS_SCALES,
-                                  HAS_TOPK, False, BLOCK_R, BLOCK_W)
+        # ACQUIRE NOTIFIED: the stage writes the half its peers' previous pulls read (the chain in
+        # notify.py's outline: their signals, acquired by the notify programs); the pull reads
+        # rank_prefix_matrix, which the notify's last program stored before its release
+        elif await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) != 0:
+            staging = 0  # (reported late)
+            if pid >= num_stage:
+                _pull_without_notify(pid - num_stage, num_programs - num_stage, epoch, recv_x_ptr, recv_scales_ptr,
+                                     recv_weights_ptr, num_rows, x_words, num_scales, num_topk, rank, num_ranks,
+                                     flag_bases_ptr, state_ptr, timeout_ns, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W,
+                                     R_P2)
     if staging != 0:
         if pid < num_stage:
             _stage(pid, num_stage, epoch,

@@ -243,16 +243,17 @@ class NormalMode(KernelChoices):
             # after the wait) in one launch with the pull, whose programs wait for the doorbell the
             # host rings after the wait with the outputs' addresses — or with a cancel, when the
             # group needs rounds (mailbox.py, ring). num_worst_tokens: every size is known now, so no
-            # wait: one launch after the notify, as a cached dispatch.
+            # wait: one launch as a cached dispatch's, with the count exchange in it (below) or after it.
             may_overlap = self.overlapped_dispatch and plan.overlapped_full is not None
             overlapped = worst and may_overlap and self._one_launch(plan, -1)
             # num_worst_tokens: that one launch takes the count exchange too (ep_dispatch with NOTIFY:
             # the whole dispatch one launch) where all its programs, which all wait, fit as
             # notify_stage_fits counts them
-            if overlapped:  # (its pull programs as launched below: num_rows is num_worst_tokens)
+            if overlapped:  # (its programs as launched below: num_rows is num_worst_tokens)
                 notify_inside = self.notify_stage_fits(
                     self._overlapped_stage_programs(args, num_tokens, plan) +
-                    min(one_launch_pulls, cdiv(args.num_worst_tokens, plan.block_r)), args.config.num_sms)
+                    self._overlapped_pull_programs(plan, one_launch_pulls, args.num_worst_tokens),
+                    args.config.num_sms)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
             # full_one_launch: nothing staged before the wait, one launch after it where the group's
             # batches fit one. With one_launch_tokens, a batch above the bound stages now as by
@@ -320,7 +321,7 @@ class NormalMode(KernelChoices):
             self._dispatch_overlapped(plan, args, x, x_aligned, scales,
                                       (prefix_address, recv_info, src_idx_address, in_rank, list_index),
                                       received[4], num_rows, stream, fp0, fp1, tag,
-                                      max(1, min(one_launch_pulls, cdiv(num_rows, plan.block_r))),
+                                      self._overlapped_pull_programs(plan, one_launch_pulls, num_rows),
                                       sequence if notify_inside else 0, notify=notify_inside)
         recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
@@ -371,7 +372,9 @@ class NormalMode(KernelChoices):
         R programs first (a num_worst_tokens dispatch); the stage's programs (in a full dispatch R
         list programs; then up to ``num_sms`` copy programs), then ``pull_programs`` pull programs
         (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on each block of rows
-        as it is staged. Only the pull's wait (shared_grids.py counts 4 x num_sms).
+        as it is staged. Every program waits: with ``notify`` the host took the launch where
+        notify_stage_fits counts them all; else it counts the pull's (at most 4 x num_sms, as
+        shared_grids.py does).
         ``handle``: the addresses of rank_prefix_matrix, recv_info (the notify's, or 0),
         recv_src_idx, is_token_in_rank and the list index; ``outputs``: recv_x, recv_scales,
         recv_topk, recv_weights. ``sequence``: a full dispatch's notify number, the mailbox's with
@@ -402,6 +405,11 @@ class NormalMode(KernelChoices):
             self.fingerprints, fp0, fp1, self.seat.bases_address, tag,  # identity
             self.trace_address)
 
+    @staticmethod
+    def _overlapped_pull_programs(plan: DispatchPlan, most: int, num_rows: int) -> int:
+        """ep_dispatch's pull programs: one per block of rows received, at most ``most``."""
+        return max(1, min(most, cdiv(num_rows, plan.block_r)))
+
     def _overlapped_stage_programs(self, args: DispatchArgs, num_tokens: int, plan: DispatchPlan) -> int:
         """ep_dispatch's stage programs: a copy program per block of rows, at most num_sms, and in
         a full dispatch first R list programs."""
@@ -410,11 +418,11 @@ class NormalMode(KernelChoices):
 
     def notify_stage_fits(self, stage_programs: int, num_sms: int) -> bool:
         """Whether a full dispatch's count exchange goes in one launch with its round-0 stage of
-        ``stage_programs`` programs (copy, position and list programs) on ``num_sms``: where
-        ``notify_with_stage`` is set and its R notify programs and the stage's, which all wait (the
-        stage's for the notify, the notify's for the peers), are at most WAITING_PROGRAMS_PER_SM (4)
-        x num_sms. That is the
-        most waiting programs shared_grids.py counts per rank where ranks share a GPU. On a GPU of
+        ``stage_programs`` programs (copy, position and list programs; in a num_worst_tokens
+        dispatch's whole launch, dispatch.py's ep_dispatch with NOTIFY, the stage's and the pull's)
+        on ``num_sms``: where ``notify_with_stage`` is set and its R notify programs and the
+        others, which all wait (the others for the notify, the notify's for the peers), are at most
+        WAITING_PROGRAMS_PER_SM (4) x num_sms. That is the most waiting programs shared_grids.py counts per rank where ranks share a GPU. On a GPU of
         its own it keeps the wait's spinning programs within what the one-node kernels' waiting
         grids use (the pull in turn 3 x num_sms, the combine 4 x num_sms), so a compute stream
         beside the call keeps the rest of the SMs. An expert-major batch's position programs

@@ -10,8 +10,8 @@ from ... import sync
 from ...agreement import abort_covers, check_rows
 from ...launch import KernelSpec
 from ..layout_kernel import expert_receive_counts
-from ...sync import (arrive, fingerprint_half, fingerprints_settled, mailbox_words, poll_epochs, post_call_to_peers,
-                    post_fingerprint, report_late, store_release_sys, wait_peers)
+from ...sync import (arrive, fingerprint_half, fingerprints_settled, load_acquire_sys, mailbox_words, now_ns,
+                    post_call_to_peers, post_fingerprint, report_late, store_release_sys, wait_peers)
 from ...warps import cta_any
 from .stage import _stage
 
@@ -61,14 +61,17 @@ def ep_notify_dispatch(
             call_tag, R_P2, BLOCK, WITH_STAGE=False)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table_ptr, num_tokens, num_experts,
             expert_alignment, write_table, rank, num_ranks, normal_bases_ptr, flag_bases_ptr, state_ptr, half_bytes,
             counts_offset, mailbox_address, sequence, timeout_ns, fp_offset, fp0, fp1, board_bases_ptr, call_tag,
             R_P2: tl.constexpr, BLOCK: tl.constexpr, WITH_STAGE: tl.constexpr):
     """Program ``peer`` of the count exchange (the outline above); WITH_STAGE: the first R programs
-    of ep_dispatch_notify_stage, whose last program also RELEASEs NOTIFIED to the stage programs after them
-    (once it has read the count rows) and leaves EPOCH_NORMAL to the stage."""
+    of ep_dispatch_notify_stage or of ep_dispatch with NOTIFY, whose last program also RELEASEs
+    NOTIFIED to the programs after them (once it has read the count rows) and leaves EPOCH_NORMAL
+    to them (the stage's last arrival; ep_dispatch's last pull program). A called function, not
+    inlined: inlined, it took registers that ep_dispatch's pull then spilled in its item loop
+    (tests/test_kernels_compile.py, test_the_count_exchange_in_ep_dispatch_leaves_...)."""
     # The expert-major group table, for local expert e: row i < R the first row of source i's
     # entries (group start + entries of lower sources), row R the end of the group's entries, row
     # R + 1 the end of its padding (groups padded to expert_alignment).
@@ -157,15 +160,21 @@ def _notify(peer, per_rank_ptr, per_expert_ptr, prefix_ptr, recv_info_ptr, table
 def await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2: tl.constexpr):
     """The programs after the count exchange in its launch (ep_dispatch_notify_stage's stage, and
     ep_dispatch's stage and pull with NOTIFY): ACQUIRE NOTIFIED >= ``last_epoch`` + 1, released by
-    the notify's last program (the chain in the outline below). A vote, whose barrier also orders
-    the polling threads' acquire before every thread's loads and stores after it. Returns 1 where
-    it waited past 3 x ``timeout_ns`` (the notify programs never ran: this rank is reported late in
-    the mailbox, and the caller does nothing more), else 0."""
-    lanes = tl.arange(0, R_P2)
-    _words, _waited, late = poll_epochs(state_ptr + sync.NOTIFIED + lanes * 0, lanes == 0, last_epoch + 1,
-                                        3 * timeout_ns, EPOCH_SHIFT=0)
-    late_here = cta_any(tl.max(late.to(tl.int32), axis=0))
+    the notify's last program (the chain in the outline below); then a vote, whose barrier also
+    orders the polling threads' acquires before every thread's loads and stores after it. Returns
+    1 where it waited past 3 x ``timeout_ns`` (the notify programs never ran: this rank is
+    reported late in the mailbox, and the caller stages or pulls nothing), else 0.
+    One word, polled by every thread with its own clock: a lean loop (poll_epochs' lanes and
+    checks, inlined here, took registers that ep_dispatch's pull then spilled in its item loop)."""
+    word = (state_ptr + sync.NOTIFIED).to(tl.int64)
+    target = last_epoch + 1
+    deadline = now_ns() + 3 * timeout_ns
+    seen = load_acquire_sys(word)
+    while (seen < target) & (now_ns() < deadline):
+        seen = load_acquire_sys(word)
+    late_here = cta_any((seen < target).to(tl.int32))  # (the threads' clocks may disagree: one verdict)
     if late_here != 0:
+        lanes = tl.arange(0, R_P2)
         report_late(lanes == 0, rank + lanes * 0, state_ptr,
                     mailbox_address.to(tl.pointer_type(tl.int64)) + 1,  # the timeouts (mailbox_words)
                     MASK_ON_TIMEOUT=False)
@@ -201,9 +210,10 @@ NOTIFY_BLOCK = 256  # count-row entries a notify program moves per step (BLOCK)
 # the peers: the notify programs have the lowest ids, so they are placed first, and the host takes
 # this launch only where every rank's waiting programs fit the GPU at once (mode.py: ranks sharing
 # a GPU count them as shared_grids.py does). A stage program that waits past 3 x timeout_ns (the
-# notify programs never ran) stages nothing, does not arrive and reports this rank late; the
-# host's count wait has raised long before (after timeout_s + 1 s: the mailbox's sequence never
-# came either), and a timeout is sticky: the Buffer is made anew, its state words zeroed. The
+# notify programs never ran) stages nothing, does not arrive and reports this rank late; a full
+# dispatch's count wait on the host has raised long before (after timeout_s + 1 s: the mailbox's
+# sequence never came either; a num_worst_tokens dispatch, which has no host wait, raises at the
+# next call), and a timeout is sticky: the Buffer is made anew, its state words zeroed. The
 # words waited on are device epochs, not the host's notify number (``sequence``): a CUDA graph's
 # replay of a num_worst_tokens dispatch (nothing waits on the host there) waits as its first run
 # did. Before this launch's release NOTIFIED is below e: an earlier launch released its own e',

@@ -48,7 +48,8 @@ class DispatchPlan:
     pull_index: object  # BoundKernel: pull + receive index (round 0 of a full dispatch)
     pull: object
     # stage and pull in one launch (dispatch.py, ep_dispatch; one round, plain layout), or None:
-    overlapped_full: Optional[Specialisations]  # (ALIGNED, L_P2, DOORBELL) -> a full dispatch's (lists written, read)
+    # (ALIGNED, L_P2, DOORBELL, NOTIFY) -> a full dispatch's (lists written, read; NOTIFY: with its count exchange)
+    overlapped_full: Optional[Specialisations]
     overlapped_cached: Optional[Specialisations]  # ALIGNED -> a cached dispatch's
     fingerprint_full: Tuple[int, int]  # agreement.py: a full dispatch's words (num_experts, handle added)
     fingerprint_cached: Tuple[int, int]  # a cached dispatch's words (handle added)
