@@ -413,6 +413,11 @@ def ep_dispatch_pull(
 #       the others:      ACQUIRE NOTIFIED >= e (the stage: its half is no longer read by the
 #                        peers' previous pulls, the chain in notify.py; the pull: rank_prefix_matrix
 #                        is there), then as below with epoch e + 1
+#       past 3 x timeout_ns without NOTIFIED (the notify programs never ran; this rank reported
+#       late): a stage program stages nothing and does not arrive, as in ep_dispatch_notify_stage
+#       (the timeout is sticky: the next call raises, a new Buffer zeroes the state words); a pull
+#       program marks the call given up and arrives (_pull_without_notify), so the verdict still
+#       NaNs every row and stores the epoch
 #   stage programs:  the stage (stage.py, _stage), with a RELEASE per list (to its receiver) and per block of
 #                    staged rows (to every rank) into the receivers' block flags (OVERLAP)
 #   DOORBELL (a full dispatch launched before the host's count wait; the outputs do not exist yet):
