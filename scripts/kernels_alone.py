@@ -4,7 +4,7 @@ torch.profiler over ``--calls`` calls of each phase (full dispatch, cached dispa
 
     PYTHONPATH=src python3 scripts/kernels_alone.py [--tokens 4096] [--hidden 7168] [--sms 24] [--calls 20] [--label L]
                                                     [--variants serial-combine,tile-reduce,...] [--lanes 8]
-                                                    [--phases full,cached,combine,low-latency,full-no-topk]
+                                                    [--phases full,cached,combine,low-latency,full-no-topk,worst]
                                                     [--ll-tokens 128]
 
 A regression check of the kernels' per-program rate (issue "every link busy": pull 79, push 78,
@@ -23,6 +23,10 @@ cost, not the links.
 The ``full-no-topk`` phase (not among the defaults) times a full dispatch without top-k: its stage
 writes the lists without the per-expert count check (the top-k rows' histogram) and stages no
 top-k rows, so beside ``full`` it shows what that check costs the stage.
+
+The ``worst`` phase (not among the defaults) times a full dispatch with ``num_worst_tokens`` = T:
+one launch with its count exchange (ep_dispatch with NOTIFY) by default, two with ``--variants
+notify-apart`` (the count exchange, then ep_dispatch): run both for the GPU time of the one launch.
 
 The ``low-latency`` phase (not among the defaults) times a low-latency round trip's kernels at
 ``--ll-tokens`` per rank, top-8 of 256, FP8 dispatch and BF16 combine, on a low-latency Buffer of
@@ -47,14 +51,15 @@ def main() -> int:
                         help="one-node variants, as epcomm bench normal --variants names them (a comma list, "
                              "combined here: e.g. serial-combine,tile-reduce)")
     parser.add_argument("--phases", default="full,cached,combine",
-                        help="the phases timed, of full, cached, combine, low-latency and full-no-topk (a comma list)")
+                        help="the phases timed, of full, cached, combine, low-latency, full-no-topk and worst "
+                             "(a comma list)")
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank of the low-latency phase")
     parser.add_argument("--lanes", type=int, default=1,
                         help="peer lanes the kernels are compiled for (a power of two: 8 = one node's tiles)")
     args = parser.parse_args()
     timed = args.phases.split(",")
-    if not set(timed) <= {"full", "cached", "combine", "low-latency", "full-no-topk"}:
-        parser.error(f"--phases takes full, cached, combine, low-latency and full-no-topk (got {args.phases})")
+    if not set(timed) <= {"full", "cached", "combine", "low-latency", "full-no-topk", "worst"}:
+        parser.error(f"--phases takes full, cached, combine, low-latency, full-no-topk and worst (got {args.phases})")
     import epcomm
     from epcomm.tools.bench import normal_variants, use_normal_variants
     try:
@@ -96,6 +101,12 @@ def main() -> int:
         phases["full-no-topk dispatch"] = lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank,
                                                                   is_token_in_rank=in_rank,
                                                                   num_tokens_per_expert=per_expert, config=config)
+    if "worst" in timed:  # (num_worst_tokens = T: one rank receives its T tokens, no padding)
+        phases["worst dispatch"] = lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                           topk_weights=weights, config=config,
+                                                           num_worst_tokens=args.tokens)
+        assert torch.equal(phases["worst dispatch"]()[0], x), "one rank: num_worst_tokens = T receives the tokens"
     if "low-latency" in timed:
         phases["low-latency round trip"] = _low_latency_round_trip(args, dev, g)
     for phase, call in phases.items():

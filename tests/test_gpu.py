@@ -147,6 +147,15 @@ def test_num_worst_tokens_step_in_a_cuda_graph(gpu_pool, variant):
     assert gpu_pool.run(graph_cases.gpu_normal_worst_graph, 4, 2048, variant, timeout_s=300) == [4] * gpu_pool.world_size
 
 
+def test_a_num_worst_tokens_dispatch_whose_count_exchange_never_ends_is_nan_and_raises(gpu_pool):
+    """ep_dispatch with NOTIFY when NOTIFIED never comes (normal_nan_cases.py): every row NaN, the
+    next call raises EPTimeoutError, a new Buffer works (the path of a launch whose notify programs
+    never ran)."""
+    import normal_nan_cases
+    assert gpu_pool.run(normal_nan_cases.count_exchange_never_released, timeout_s=120) == \
+        ["nan, then raised, then a new Buffer works"] * gpu_pool.world_size
+
+
 def test_the_count_exchange_and_stage_in_one_launch_match_the_reference(gpu_pool):
     """ep_dispatch_notify_stage on small batches of four routings, rows, top-k, handles and combine
     against the reference (single_launch_cases.py): at 8 GPUs, the R = 8 form users run."""
