@@ -290,12 +290,13 @@ def _await_own_stage(my_base, rank, num_ranks, epoch, timeout_ns, R_P2: tl.const
 
 
 @triton.jit
-def _pull_without_notify(program, num_programs, epoch, recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words,
+def _pull_without_notify(num_programs, epoch, recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words,
                          num_scales, num_topk, rank, num_ranks, flag_bases_ptr, state_ptr, timeout_ns,
                          HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
-    """A pull program of ep_dispatch with NOTIFY whose wait for NOTIFIED gave up (await_notified
-    reported this rank late): rank_prefix_matrix was never written, so it pulls nothing. It marks
+    """A pull program (of ``num_programs``) of ep_dispatch with NOTIFY whose wait for NOTIFIED gave
+    up (await_notified reported this rank late): rank_prefix_matrix was never written, so it pulls
+    nothing. It marks
     the call given up (GAVE_UP = ``epoch``: the pull programs that did get NOTIFIED stop waiting,
     as after a wait of their own gave up) and arrives as every pull program does, so the last to
     arrive still gives the verdict (every row NaN, padding included) and stores the epoch: the
@@ -520,7 +521,7 @@ def ep_dispatch(
         elif await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) != 0:
             staging = 0  # (reported late)
             if pid >= num_stage:
-                _pull_without_notify(pid - num_stage, num_programs - num_stage, epoch, recv_x_ptr, recv_scales_ptr,
+                _pull_without_notify(num_programs - num_stage, epoch, recv_x_ptr, recv_scales_ptr,
                                      recv_weights_ptr, num_rows, x_words, num_scales, num_topk, rank, num_ranks,
                                      flag_bases_ptr, state_ptr, timeout_ns, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W,
                                      R_P2)
