@@ -61,11 +61,12 @@ def missing_rows_are_nan(call: str, timeout_s: float = 3.0) -> str:
 def count_exchange_never_released(timeout_s: float = 1.0) -> str:
     """A num_worst_tokens dispatch in one launch with its count exchange (one_node/dispatch.py,
     ep_dispatch with NOTIFY) whose stage and pull programs never see NOTIFIED: every rank's
-    notify arrival counter is set one ahead, so no notify program arrives last and none releases
-    it. The stage and pull programs wait 3 x ``timeout_s``, report this rank late, stage and pull
-    nothing; the pull programs mark the call given up and arrive, so the verdict NaNs every row
-    (padding included). The next call raises EPTimeoutError; a new Buffer then dispatches
-    correctly. (The path a launch whose notify programs never ran would take.) Returns "nan,
+    notify arrival counter is set to -1, so the arrivals read -1 .. R - 2 and none is the last
+    (sync.arrive: R - 1), and none releases it. The stage and pull programs wait 3 x
+    ``timeout_s``, report this rank late, stage and pull nothing; the pull programs set the index
+    outputs to -1 and the received count to 0, mark the call given up and arrive, so the verdict
+    NaNs every row (padding included). The next call raises EPTimeoutError; a new Buffer then
+    dispatches correctly. (The path a launch whose notify programs never ran would take.) Returns "nan,
     then raised, then a new Buffer works", or "apart" where the one launch is not taken."""
     from epcomm.backends.gpu import sync
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -88,11 +89,13 @@ def count_exchange_never_released(timeout_s: float = 1.0) -> str:
                for *_, notify in plan.overlapped_full):
         buffer.destroy()
         return "apart"
-    buffer._backend.state[sync.ARRIVE_NOTIFY] += 1  # (on the stream, before the launch)
-    out = dispatch(buffer)[0]
+    buffer._backend.state[sync.ARRIVE_NOTIFY] = -1  # (on the stream, before the launch; the last arrival reset it)
+    out, recv_topk, _, _, handle, _ = dispatch(buffer)
     torch.cuda.synchronize()
     assert out.shape[0] == R * 64 and bool(torch.isnan(out.float()).all()), \
         f"{int(torch.isnan(out.float()).sum())} of {out.numel()} values NaN"
+    assert int(handle.num_recv_tokens) == 0 and bool((handle.recv_src_idx == -1).all()) and \
+        bool((recv_topk == -1).all()), "the index outputs of a call that gave up: none received, all -1"
     try:
         dispatch(buffer)
         torch.cuda.synchronize()

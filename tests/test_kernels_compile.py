@@ -430,10 +430,11 @@ def _sm90_local_loads(spec, constexprs, num_warps) -> int:
                                    dict(HAS_SCALES=True, BLOCK_R=16, BLOCK_W=1024, S_P2=64)], ids=["bf16", "fp8"])
 def test_the_count_exchange_in_ep_dispatch_leaves_the_pull_its_registers(tiles):
     """ep_dispatch with NOTIFY (a num_worst_tokens dispatch in one launch) at H=7168: about as few
-    spilled registers as without (2026-11-29g: 8 against 6 local loads in BF16, 75 against 70 in
-    FP8). Inlined, the count exchange and poll_epochs' wait for NOTIFIED took the 16-warp
-    program's registers (128 a thread): its pull read back 65 spilled values against 6 in BF16,
-    15-33 in an item loop against 5. So _notify is a called function and the wait a lean loop."""
+    spilled registers as without (2026-11-29g: 8 against 6 local loads in the whole code, the
+    called count exchange included, in BF16; 75 against 70 in FP8). Inlined, the count exchange
+    and poll_epochs' wait for NOTIFIED took the 16-warp program's registers (128 a thread): 65
+    local loads against 6 in BF16, 15-33 of them in the pull's item loop against 5. So _notify
+    is a called function and the wait a lean loop."""
     constexprs = dict(_ONE_LAUNCH, INDEX=True, WRITE_LISTS=True, HAS_TOPK=True, L_P2=32, SIDE_FIRST=True,
                       PUSHED_LISTS=True, **tiles)
     apart = _sm90_local_loads(N.STAGE_PULL, dict(constexprs, NOTIFY=False), 16)

@@ -153,3 +153,15 @@ def test_mailbox_disagreement_asks_for_a_resync_and_clear_forgets_it():
     box.clear()
     assert not box.resync_needed and box.sequence == 0
     box.raise_pending(0, 1.0)  # nothing left
+
+
+def test_fill_value_writes_every_share_and_nothing_past_the_count():
+    """copy.fill_value (-1 into recv_src_idx and the top-k ids of a call whose count exchange never
+    came, one_node/dispatch.py) and fill_nan on top of it, under Triton's interpreter: every
+    element of ``count`` gets the value, whatever the programs' shares, and nothing after it
+    (tests/fill_cases.py)."""
+    import json
+
+    from interpreted import run_cases
+    results = [json.loads(line) for line in run_cases("fill_cases.py").splitlines()]
+    assert len(results) == 4 and all(r["filled"] and r["untouched_after"] for r in results), results

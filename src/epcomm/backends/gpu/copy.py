@@ -135,9 +135,15 @@ def fill_rows(dst, num_rows, row_words, word, program, num_programs, BLOCK_R: tl
 
 @triton.jit
 def fill_nan(ptr, count, program, num_programs, BLOCK: tl.constexpr):
-    """NaN into ``count`` contiguous floating-point elements at ``ptr`` (its element type);
-    ``program`` of ``num_programs`` takes blocks ``program, program + num_programs, ...``."""
+    """NaN into ``count`` contiguous floating-point elements at ``ptr`` (:func:`fill_value`)."""
+    fill_value(ptr, count, float("nan"), program, num_programs, BLOCK)
+
+
+@triton.jit
+def fill_value(ptr, count, value, program, num_programs, BLOCK: tl.constexpr):
+    """``value`` into ``count`` contiguous elements at ``ptr`` (its element type); ``program`` of
+    ``num_programs`` takes blocks ``program, program + num_programs, ...``."""
     offs = tl.arange(0, BLOCK)
     for start in range(program * BLOCK, count, num_programs * BLOCK):
         i = (start + offs).to(tl.int64)
-        tl.store(ptr + i, tl.full([BLOCK], float("nan"), ptr.dtype.element_ty), mask=i < count)
+        tl.store(ptr + i, tl.full([BLOCK], value, ptr.dtype.element_ty), mask=i < count)

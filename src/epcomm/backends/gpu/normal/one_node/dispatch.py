@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ... import sync
-from ...copy import NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, multiple, ptr_at, word_ptr
+from ...copy import (NAN_BF16_WORD, NAN_E4M3_WORD, copy_rows, fill_nan, fill_rows, fill_value, multiple, ptr_at,
+                    word_ptr)
 from ...agreement import acquire_and_agree
 from ...launch import KernelSpec
 from ...sync import (DOORBELL_WORDS, RING_GO, all_landed, arrive, await_doorbell, fingerprint_half, gave_up_here,
@@ -290,17 +291,27 @@ def _await_own_stage(my_base, rank, num_ranks, epoch, timeout_ns, R_P2: tl.const
 
 
 @triton.jit
-def _pull_without_notify(num_programs, epoch, recv_x_ptr, recv_scales_ptr, recv_weights_ptr, num_rows, x_words,
-                         num_scales, num_topk, rank, num_ranks, flag_bases_ptr, state_ptr, timeout_ns,
-                         HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
-    """A pull program (of ``num_programs``) of ep_dispatch with NOTIFY whose wait for NOTIFIED gave
-    up (await_notified reported this rank late): rank_prefix_matrix was never written, so it pulls
-    nothing. It marks
-    the call given up (GAVE_UP = ``epoch``: the pull programs that did get NOTIFIED stop waiting,
-    as after a wait of their own gave up) and arrives as every pull program does, so the last to
-    arrive still gives the verdict (every row NaN, padding included) and stores the epoch: the
-    arrival counter stays whole for the calls queued after this one."""
+def _pull_without_notify(program, num_programs, epoch, recv_x_ptr, recv_scales_ptr, recv_topk_ptr, recv_weights_ptr,
+                         src_idx_ptr, recv_info_ptr, num_rows, x_words, num_scales, num_topk, rank, num_ranks,
+                         flag_bases_ptr, state_ptr, timeout_ns, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, R_P2: tl.constexpr):
+    """Pull program ``program`` of ``num_programs`` of ep_dispatch with NOTIFY whose wait for
+    NOTIFIED gave up (await_notified reported this rank late): rank_prefix_matrix was never
+    written, so it pulls nothing. Its share of the index outputs gets -1 (recv_src_idx, the top-k
+    ids) and recv_info's count 0 (the handle's num_recv_tokens): a caller that indexes by them
+    before its next call raises stays in bounds. It marks the call given up (GAVE_UP =
+    ``epoch``: the pull programs that did get NOTIFIED stop waiting, as after a wait of their own
+    gave up) and arrives as every pull program does, so the last to arrive still gives the verdict
+    (every row NaN, padding included) and stores the epoch: the receive counter stays whole for
+    the calls queued after this one. (A stage program that gave up does not arrive: stage.py's
+    counter is left short where some of its programs got NOTIFIED and others did not, as in
+    ep_dispatch_notify_stage; the timeout is sticky, and only a new Buffer, whose state words are
+    zero, dispatches again.)"""
+    fill_value(src_idx_ptr, num_rows, -1, program, num_programs, 1024)
+    if HAS_TOPK:
+        fill_value(recv_topk_ptr, num_rows * num_topk, -1, program, num_programs, 1024)
+    if program == 0:
+        tl.store(recv_info_ptr, 0)
     peers = tl.arange(0, R_P2)
     store_from_every_warp((state_ptr + sync.GAVE_UP + peers * 0).to(tl.int64), tl.zeros([R_P2], tl.int64) + epoch,
                           peers == 0, WIDE=True)
@@ -521,10 +532,10 @@ def ep_dispatch(
         elif await_notified(state_ptr, last_epoch, timeout_ns, rank, mailbox_address, R_P2) != 0:
             staging = 0  # (reported late)
             if pid >= num_stage:
-                _pull_without_notify(num_programs - num_stage, epoch, recv_x_ptr, recv_scales_ptr,
-                                     recv_weights_ptr, num_rows, x_words, num_scales, num_topk, rank, num_ranks,
-                                     flag_bases_ptr, state_ptr, timeout_ns, HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W,
-                                     R_P2)
+                _pull_without_notify(pid - num_stage, num_programs - num_stage, epoch, recv_x_ptr, recv_scales_ptr,
+                                     recv_topk_ptr, recv_weights_ptr, src_idx_ptr, recv_info_ptr, num_rows, x_words,
+                                     num_scales, num_topk, rank, num_ranks, flag_bases_ptr, state_ptr, timeout_ns,
+                                     HAS_SCALES, HAS_TOPK, BLOCK_R, BLOCK_W, R_P2)
     if staging != 0:
         if pid < num_stage:
             _stage(pid, num_stage, epoch,
