@@ -7,7 +7,6 @@ in turn) or when anything raises between the launch and the ring. Checked with r
 stand-ins for the kernels and a real HostMailbox in unpinned memory, no GPU. Skipped without Triton."""
 import dataclasses
 import types
-from collections import defaultdict
 
 import pytest
 import torch
@@ -15,95 +14,9 @@ import torch
 pytest.importorskip("triton")
 
 from epcomm.backends.gpu.mailbox import HostMailbox  # noqa: E402
-from epcomm.backends.gpu.normal.one_node import mode as M  # noqa: E402
-from epcomm.backends.gpu.sync import DOORBELL_WORDS  # noqa: E402
 from epcomm.errors import EPTimeoutError  # noqa: E402
-
-R, RANK, HIDDEN, K, E, NUM_SMS, BLOCK_R, ROUND_TOKENS = 4, 1, 64, 2, 8, 6, 8, 100
-
-
-class _Kernel:
-    def __init__(self, launches, name):
-        self.launches, self.name = launches, name
-
-    def launch(self, grid, *args):
-        self.launches.append((self.name, grid, args))
-
-
-class _OverlappedFull(dict):
-    """ep_dispatch's full-dispatch launchers by key (ALIGNED, L_P2, DOORBELL, NOTIFY): named
-    "notify+ep_dispatch" where the count exchange goes in the launch."""
-
-    def __init__(self, launches):
-        super().__init__()
-        self.launches = launches
-
-    def __missing__(self, key):
-        self[key] = _Kernel(self.launches, "notify+ep_dispatch" if key[3] else "ep_dispatch")
-        return self[key]
-
-
-class _Mailbox(HostMailbox):
-    """A HostMailbox whose count wait answers at once with ``counts`` (rows here, most tokens any
-    rank sends), or raises ``fail``; it records every ring as (tag, words)."""
-
-    def __init__(self, counts, fail=None):
-        super().__init__(R, E // R, pinned=False)
-        self.counts, self.fail, self.rings = counts, fail, []
-
-    def wait_notify(self, sequence, rank, timeout_s):
-        if self.fail is not None:
-            raise self.fail
-        num_rows, max_tokens = self.counts
-        return num_rows, max_tokens, torch.zeros(E // R, dtype=torch.int64).numpy()
-
-    def ring(self, sequence, rank, timeout_s, num_rows=0, addresses=()):
-        super().ring(sequence, rank, timeout_s, num_rows, addresses)
-        index = self._doorbell
-        self.rings.append((int(self.view[index]), self.view[index + 1:index + DOORBELL_WORDS - 1].tolist()))
-
-
-def _mode(monkeypatch, launches, mailbox, doorbell=True):
-    monkeypatch.setattr(M, "current_stream", lambda index: 0)
-    monkeypatch.setattr(M, "NOTIFY_BOUND", defaultdict(lambda: _Kernel(launches, "notify")))
-    mode = object.__new__(M.NormalMode)
-    mode.b = types.SimpleNamespace(mailbox=mailbox, timeout_ns=1, timeout_s=1.0)
-    mode.R, mode.R_P2, mode.rank, mode.device, mode.dev_index = R, R, RANK, torch.device("cpu"), 0
-    mode.expert_major_programs = 132
-    mode.ws = types.SimpleNamespace(normal_half_bytes=0, block_flag_cap=1024, block_flags_offset=0, lists_offset=0,
-                                    list_cap=0, counts_offset=0)
-    mode.bases = mode.state = mode.fingerprints = mode.trace_address = 0
-    mode.seat = types.SimpleNamespace(bases_address=0, tag=lambda capturing=None: 0)
-    mode._default_choices()
-    vars(mode)["doorbell_dispatch"] = doorbell  # (as the defaults: no plans to drop yet)
-    mode._dispatch_plans, mode._combine_plans = {}, {}  # (a choice set drops them)
-
-    def kernels(name):
-        return defaultdict(lambda: _Kernel(launches, name))
-    plan = M.DispatchPlan(x_words=HIDDEN // 4, num_scales=0, num_topk=K, entry_topk=K, topk_row_bytes=32,
-                          offsets=(0, 0, 0), round_tokens=ROUND_TOKENS, block_r=BLOCK_R, rows_aligned=True,
-                          expert_major=False, stage_lists=kernels("stage"), stage=kernels("stage"),
-                          notify_stage=kernels("notify+stage"),
-                          pull_index=_Kernel(launches, "pull"), pull=_Kernel(launches, "pull"),
-                          overlapped_full=_OverlappedFull(launches), overlapped_cached=kernels("ep_dispatch"),
-                          fingerprint_full=(0, 0), fingerprint_cached=(0, 0),
-                          **M.NormalMode._fixed_arguments(mode, (0, 0, 0), 32))
-    mode._dispatch_plan_of = lambda args: plan
-    return mode
-
-
-def _args(num_tokens, num_worst_tokens=0):
-    return types.SimpleNamespace(
-        x=torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16), handle=None, plan=None,
-        num_tokens_per_rank=torch.zeros(R, dtype=torch.int32), num_tokens_per_expert=torch.zeros(E, dtype=torch.int32),
-        is_token_in_rank=torch.zeros(num_tokens, R, dtype=torch.bool), topk_idx=torch.zeros(num_tokens, K, dtype=torch.int64),
-        topk_weights=torch.zeros(num_tokens, K), expert_alignment=1, num_worst_tokens=num_worst_tokens,
-        config=types.SimpleNamespace(num_sms=NUM_SMS), expert_major=False, capturing=None)
-
-
-def _doorbell_arg(args):
-    """ep_dispatch's sequence argument (0: no doorbell): after the 5 identity words and the trace address."""
-    return args[-7]
+from one_node_stand_ins import (BLOCK_R, DOORBELL_WORDS, E, HIDDEN, K, M, NUM_SMS, R, RANK,  # noqa: E402
+                                ROUND_TOKENS, _args, _doorbell_arg, _Mailbox, _mode, _OrderedMailbox)
 
 
 def test_by_default_a_full_dispatch_stages_before_the_wait_and_pulls_after_it(monkeypatch):
@@ -184,53 +97,6 @@ def test_a_host_error_after_the_launch_rings_cancel_and_raises(monkeypatch, wher
     (tag, _), = mailbox.rings
     assert tag == 2 * 1  # cancel
     assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"]
-
-
-def test_num_worst_tokens_is_one_launch_with_its_count_exchange_and_no_doorbell(monkeypatch):
-    """A num_worst_tokens dispatch waits on nothing on the host, so its count exchange goes in the
-    one launch too (ep_dispatch with NOTIFY: R more programs first; the mailbox's sequence word is
-    the notify's): one launch per call. Where those programs would not fit notify_stage_fits'
-    bound, or with notify_with_stage off (bench --variants notify-apart), the notify goes alone
-    first, as before."""
-    launches = []
-    mailbox = _Mailbox(counts=None, fail=AssertionError("no count wait with num_worst_tokens"))
-    mode = _mode(monkeypatch, launches, mailbox)
-    result = mode.dispatch(_args(50, num_worst_tokens=80))
-    assert [name for name, _, _ in launches] == ["notify+ep_dispatch"]
-    _, grid, args = launches[0]
-    assert grid == R + (R + min(NUM_SMS, -(-50 // BLOCK_R))) + min(NUM_SMS, -(-80 // BLOCK_R))  # notify, stage, pull
-    assert _doorbell_arg(args) == mailbox.sequence and mailbox.rings == []
-    assert result.recv_x.shape == (80, HIDDEN)
-    from epcomm.backends.gpu.normal.one_node.dispatch import STAGE_PULL
-    names = [n for n, t in STAGE_PULL.signature.items() if t != "constexpr"]
-    words = dict(zip(names, args[2:]))
-    index_words = result.handle.backend_state.index_words.data_ptr()
-    assert (words["prefix_ptr"], words["recv_info_ptr"]) == (result.handle.rank_prefix_matrix.data_ptr(),
-                                                             index_words + 4 * 50 * R)  # (the notify's outputs)
-    assert (words["num_local"], words["expert_alignment"], words["counts_offset"]) == (E // R, 1, mode.ws.counts_offset)
-    assert words["src_idx_ptr"] == result.handle.recv_src_idx.data_ptr() and words["num_rows"] == 80
-    for choice, value in (("notify_with_stage", False), ("waiting_programs_per_sm", 1)):  # (1: too few for all)
-        with monkeypatch.context() as apart:
-            apart.setattr(mode, choice, value)
-            launches.clear()
-            mode.dispatch(_args(50, num_worst_tokens=80))
-        assert [name for name, _, _ in launches] == ["notify", "ep_dispatch"], choice
-        assert _doorbell_arg(launches[1][2]) == 0
-
-
-@pytest.mark.parametrize("num_tokens, launches_seen", [(32, ["notify+ep_dispatch"]), (40, ["notify", "ep_dispatch"])])
-def test_a_num_worst_tokens_dispatch_takes_its_count_exchange_in_where_all_its_programs_fit(monkeypatch, num_tokens,
-                                                                                             launches_seen):
-    """At the bound: R notify + R list + copy + pull programs, every one of them waiting, at most
-    waiting_programs_per_sm x num_sms (here 3 x 6 = 18: 4 + 4 + 4 + 6 fits, one copy program more
-    does not, and the notify goes apart)."""
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=None, fail=AssertionError("no count wait")))
-    monkeypatch.setattr(mode, "waiting_programs_per_sm", 3)
-    mode.dispatch(_args(num_tokens, num_worst_tokens=48))
-    assert [name for name, _, _ in launches] == launches_seen
-    if len(launches_seen) == 1:
-        assert launches[0][1] == 3 * NUM_SMS  # (the grid: exactly the bound)
 
 
 @pytest.mark.parametrize("num_worst_tokens", [0, 80])
@@ -350,56 +216,6 @@ def test_full_one_launch_stages_after_the_wait_where_the_group_needs_rounds(monk
     mode.full_one_launch = True
     mode.dispatch(_args(50))
     assert [name for name, _, _ in launches] == ["notify", "stage", "pull", "stage", "pull", "stage", "pull"]
-
-
-@pytest.mark.parametrize("per_sm", [1, 2, 4])
-def test_the_pull_in_turn_runs_pull_programs_per_sm_times_num_sms(monkeypatch, per_sm):
-    launches = []
-    mailbox = _Mailbox(counts=(400, 60))
-    mode = _mode(monkeypatch, launches, mailbox, doorbell=False)
-    mode.pull_programs_per_sm = per_sm
-    mode.dispatch(_args(50))
-    (name, grid, _), = [launch for launch in launches if launch[0] == "pull"]
-    assert grid == per_sm * NUM_SMS  # (400 rows: 50 blocks, more than 4 x num_sms)
-
-
-@pytest.mark.parametrize("per_sm", [1, 3])
-def test_the_stage_in_turn_runs_stage_programs_per_sm_times_num_sms_copy_programs(monkeypatch, per_sm):
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 150)), doorbell=False)
-    mode.stage_programs_per_sm = per_sm
-    mode.dispatch(_args(150))  # (150 tokens: 19 blocks of 8, one round of 100 then 50)
-    stages = [grid for name, grid, _ in launches if name.endswith("stage")]
-    assert stages == [R + R + min(per_sm * NUM_SMS, -(-ROUND_TOKENS // BLOCK_R)),  # (with the R notify programs)
-                      min(per_sm * NUM_SMS, -(-50 // BLOCK_R))]
-
-
-def test_a_full_dispatch_stages_on_r_list_programs_and_stage_programs_per_sm_copy_programs_by_default(monkeypatch):
-    """The default stage in turn: R list programs, then STAGE_PROGRAMS_PER_SM x num_sms copy programs
-    (its copies' rate per program set its pace); in one launch the stage keeps num_sms copy programs
-    beside the pull's."""
-    from epcomm.backends.gpu.normal.one_node import choices
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    assert mode.stage_programs_per_sm == choices.STAGE_PROGRAMS_PER_SM == 2
-    mode.dispatch(_args(100))  # (100 tokens: 13 blocks of 8, more than num_sms)
-    (stage_grid,) = [grid for name, grid, _ in launches if name == "notify+stage"]
-    assert stage_grid == R + R + min(2 * NUM_SMS, -(-100 // BLOCK_R))  # (the R notify programs first)
-    launches.clear()
-    mode.full_one_launch = True
-    mode.dispatch(_args(100))
-    assert launches[1][0] == "ep_dispatch"
-    pull_programs = min(mode.pull_programs_per_sm * NUM_SMS, -(-40 // BLOCK_R))  # (40 rows received)
-    assert launches[1][1] == R + min(NUM_SMS, -(-100 // BLOCK_R)) + pull_programs
-
-
-@pytest.mark.parametrize("per_sm", [0, 5])
-def test_programs_per_sm_outside_1_to_4_are_refused(monkeypatch, per_sm):
-    mode = _mode(monkeypatch, [], _Mailbox(counts=(40, 60)), doorbell=False)
-    with pytest.raises(ValueError, match="1 to 4"):
-        mode.pull_programs_per_sm = per_sm
-    with pytest.raises(ValueError, match="1 to 4"):
-        mode.stage_programs_per_sm = per_sm
 
 
 def test_ranks_that_disagree_on_pushed_lists_raise_naming_it(monkeypatch):
@@ -535,23 +351,13 @@ def test_the_stage_and_pull_arguments_sit_where_their_kernels_name_them(monkeypa
     assert grid == R + words["num_stage"] + min(NUM_SMS, -(-96 // BLOCK_R)) and words["num_stage"] == R + NUM_SMS
 
 
-class _OrderedMailbox(_Mailbox):
-    """A _Mailbox that records its count wait among the launches."""
-
-    def __init__(self, counts, launches):
-        super().__init__(counts)
-        self.launches = launches
-
-    def wait_notify(self, sequence, rank, timeout_s):
-        self.launches.append(("wait", 0, ()))
-        return super().wait_notify(sequence, rank, timeout_s)
-
-
 @pytest.mark.parametrize("num_tokens,max_tokens,launched", [
     (50, 60, ["notify", "wait", "ep_dispatch"]),  # every batch within the bound: one launch
     (50, 61, ["notify", "wait", "stage", "pull"]),  # another rank's is not: in turn, staged after the wait
     (61, 61, ["notify+stage", "wait", "pull"]),  # this one is not: staged during the wait, as by default
 ])
+
+
 def test_one_launch_tokens_splits_full_one_launch_so_every_rank_picks_alike(monkeypatch, num_tokens, max_tokens,
                                                                            launched):
     """NormalMode.one_launch_tokens (bench --variants small-one-launch): a batch above the bound
@@ -589,6 +395,8 @@ def test_every_choice_has_a_default(monkeypatch):
 @pytest.mark.parametrize("doorbell, full_one_launch, num_tokens, counts", [
     (False, False, 50, (40, 60)), (False, False, 150, (40, 150)), (True, False, 50, (40, 60)),
     (False, True, 50, (40, 60))])
+
+
 def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch, doorbell, full_one_launch,
                                                                       num_tokens, counts):
     """A tensor handed to a launch makes Triton's launcher call its data_ptr() and ask the driver
@@ -601,64 +409,6 @@ def test_every_launch_of_a_full_dispatch_takes_pointers_as_addresses(monkeypatch
     for name, _, args in launches:
         tensors = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
         assert not tensors, f"{name} got tensors at arguments {tensors}"
-
-
-@pytest.mark.parametrize("num_sms, num_tokens, together", [
-    (6, 50, True), (2, 50, False),
-    (4, 64, True), (4, 65, False),  # (the bound: 4 + 4 + 8 copies = 16 = 4 x num_sms; 9 copies: 17)
-    (2, 150, False)])
-def test_notify_and_stage_launch_together_only_where_their_waiting_programs_fit(
-        monkeypatch, num_sms, num_tokens, together):
-    """In ep_dispatch_notify_stage every program waits (the notify's for the peers, the stage's for the
-    notify): it goes only where its grid (R notify + R list + copy programs) is within 4 x num_sms.
-    Where ranks share a GPU that is the waiting programs shared_grids.py counts per rank (a rank
-    whose peers' programs found no room would wait out the timeout); on a GPU of its own it keeps
-    the wait's spinning programs off the SMs a compute stream beside the call uses (a review: at
-    R = 8 the expert-major stage's position programs alone would hold every SM). Else two launches."""
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    mode.stage_programs_per_sm = 4
-    call = _args(num_tokens)
-    call.config.num_sms = num_sms
-    mode.dispatch(call)
-    copies = min(4 * num_sms, -(-min(num_tokens, ROUND_TOKENS) // BLOCK_R))
-    assert (R + R + copies <= 4 * num_sms) == together
-    if together:
-        assert [(name, grid) for name, grid, _ in launches][:1] == [("notify+stage", R + R + copies)]
-    else:
-        assert [(name, grid) for name, grid, _ in launches][:2] == [("notify", R), ("stage", R + copies)]
-
-
-def test_a_raised_waiting_bound_takes_the_single_launch_where_the_default_would_not(monkeypatch):
-    """NormalMode.waiting_programs_per_sm (WAITING_PROGRAMS_PER_SM by default) is the bound the fit
-    rule applies: the shared-GPU bed raises it to run the single launch at 8 ranks."""
-    for per_sm, first in ((4, "notify"), (5, "notify+stage")):  # (4 + 4 + 9 copies = 17: > 16, <= 20)
-        launches = []
-        mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-        mode.stage_programs_per_sm = 4
-        mode.waiting_programs_per_sm = per_sm
-        call = _args(65)
-        call.config.num_sms = 4
-        mode.dispatch(call)
-        assert launches[0][0] == first
-
-
-@pytest.mark.parametrize("expert_major", [False, True])
-def test_the_fit_rule_counts_the_expert_major_position_programs(monkeypatch, expert_major):
-    """The expert-major stage runs position programs beside its list and copy programs, and they
-    wait in ep_dispatch_notify_stage too: counted, they take this grid past 4 x num_sms."""
-    from epcomm.backends.gpu.normal.one_node.expert_major_rows import POSITION_TOKENS
-    launches = []
-    mode = _mode(monkeypatch, launches, _Mailbox(counts=(40, 60)), doorbell=False)
-    plan = dataclasses.replace(mode._dispatch_plan_of(None), expert_major=expert_major)
-    mode._dispatch_plan_of = lambda args: plan
-    call = _args(50)
-    call.config.num_sms = 4
-    mode.dispatch(call)
-    copies, positions = min(2 * 4, -(-50 // BLOCK_R)), -(-50 // POSITION_TOKENS) if expert_major else 0
-    assert R + R + copies <= 4 * 4 < R + R + copies + positions or not expert_major  # (the case this test needs)
-    names = [name for name, _, _ in launches]
-    assert names[:2] == (["notify", "stage"] if expert_major else ["notify+stage", "pull"])
 
 
 def _full_dispatch_receiving(mode, launches, mailbox, num_rows):
