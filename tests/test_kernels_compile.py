@@ -352,8 +352,8 @@ def test_spec_types_come_from_the_annotations():
     assert KernelSpec(half_typed, ["*i32", "i32"]).signature == {"x_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
 
 
-def _sm90_resource_usage(spec, constexprs, num_warps) -> str:
-    """cuobjdump's resource line of ``spec`` compiled for sm_90 (skips without Triton's cuobjdump)."""
+def _sm90_cuobjdump(spec, constexprs, num_warps, option: str) -> str:
+    """cuobjdump ``option``'s output for ``spec`` compiled for sm_90 (skips without Triton's cuobjdump)."""
     import os
     import subprocess
     import tempfile
@@ -364,10 +364,14 @@ def _sm90_resource_usage(spec, constexprs, num_warps) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        return subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([cuobjdump, option, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def _sm90_resource_usage(spec, constexprs, num_warps) -> str:
+    """cuobjdump's resource line of ``spec`` compiled for sm_90."""
+    return _sm90_cuobjdump(spec, constexprs, num_warps, "--dump-resource-usage")
 
 
 def test_pipelined_pull_holds_two_half_tiles_without_spilling():
@@ -410,20 +414,7 @@ def test_loading_side_rows_first_costs_no_more_stack_than_after(spec, constexprs
 
 def _sm90_local_loads(spec, constexprs, num_warps) -> int:
     """Local-memory loads (spilled registers read back: ``LDL``) in ``spec``'s sm_90 code."""
-    import os
-    import subprocess
-    import tempfile
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("Triton's cuobjdump is not installed")
-    compiled = spec.compile(constexprs, num_warps, target=GPUTarget("cuda", 90, 32))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return sum(" LDL" in line for line in sass.splitlines())
+    return sum(" LDL" in line for line in _sm90_cuobjdump(spec, constexprs, num_warps, "-sass").splitlines())
 
 
 @pytest.mark.parametrize("tiles", [dict(HAS_SCALES=False, BLOCK_R=8, BLOCK_W=2048, S_P2=1),

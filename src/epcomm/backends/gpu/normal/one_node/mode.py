@@ -201,6 +201,7 @@ class NormalMode(KernelChoices):
         received = None  # the outputs, where the doorbell needed them before the launches below
         pulling = False  # the doorbell's launch pulls already (it got the outputs' addresses)
         notify_inside = False  # the one launch runs the count exchange too (num_worst_tokens)
+        one_launch_grid = None  # its (stage, pull) programs where already counted (num_worst_tokens)
         one_launch_pulls = num_sms  # pull programs of a one-launch dispatch (full_one_launch: x pull_programs_per_sm)
 
         if cached:
@@ -250,10 +251,9 @@ class NormalMode(KernelChoices):
             # the whole dispatch one launch) where all its programs, which all wait, fit as
             # notify_stage_fits counts them
             if overlapped:  # (its programs as launched below: num_rows is num_worst_tokens)
-                notify_inside = self.notify_stage_fits(
-                    self._overlapped_stage_programs(args, num_tokens, plan) +
-                    self._overlapped_pull_programs(plan, one_launch_pulls, args.num_worst_tokens),
-                    args.config.num_sms)
+                one_launch_grid = (self._overlapped_stage_programs(args, num_tokens, plan),
+                                   self._overlapped_pull_programs(plan, one_launch_pulls, args.num_worst_tokens))
+                notify_inside = self.notify_stage_fits(sum(one_launch_grid), args.config.num_sms)
             doorbell = self.doorbell_dispatch and not worst and may_overlap and self._one_launch(plan, num_tokens)
             # full_one_launch: nothing staged before the wait, one launch after it where the group's
             # batches fit one. With one_launch_tokens, a batch above the bound stages now as by
@@ -278,7 +278,9 @@ class NormalMode(KernelChoices):
                 if doorbell:
                     self._dispatch_overlapped(plan, args, x, x_aligned, scales,
                                               (prefix_address, 0, 0, in_rank, list_index), (prefix_address,) * 4, 0,
-                                              stream, fp0, fp1, tag, num_sms, sequence, doorbell=True)
+                                              stream, fp0, fp1, tag,
+                                              (self._overlapped_stage_programs(args, num_tokens, plan), num_sms),
+                                              sequence, doorbell=True)
                 elif not overlapped and not after_wait:
                     self._stage(plan, args, x, x_aligned, scales, 0, round_tokens, True, stream, fp0, fp1, tag,
                                 list_index)
@@ -321,7 +323,9 @@ class NormalMode(KernelChoices):
             self._dispatch_overlapped(plan, args, x, x_aligned, scales,
                                       (prefix_address, recv_info, src_idx_address, in_rank, list_index),
                                       received[4], num_rows, stream, fp0, fp1, tag,
-                                      self._overlapped_pull_programs(plan, one_launch_pulls, num_rows),
+                                      one_launch_grid or (self._overlapped_stage_programs(args, num_tokens, plan),
+                                                          self._overlapped_pull_programs(plan, one_launch_pulls,
+                                                                                         num_rows)),
                                       sequence if notify_inside else 0, notify=notify_inside)
         recv_x, recv_scales, recv_topk, recv_weights, outputs = received
         if overlapped:
@@ -366,13 +370,13 @@ class NormalMode(KernelChoices):
 
     def _dispatch_overlapped(self, plan: DispatchPlan, args: DispatchArgs, x, x_aligned: bool, scales, handle: tuple,
                              outputs: tuple, num_rows: int, stream: int, fp0: int, fp1: int, tag: int,
-                             pull_programs: int, sequence: int = 0, doorbell: bool = False,
+                             grid: Tuple[int, int], sequence: int = 0, doorbell: bool = False,
                              notify: bool = False) -> None:
         """The dispatch in one launch (dispatch.py, ep_dispatch): with ``notify`` the count exchange's
-        R programs first (a num_worst_tokens dispatch); the stage's programs (in a full dispatch R
-        list programs; then up to ``num_sms`` copy programs), then ``pull_programs`` pull programs
-        (at most 4 x num_sms: full_one_launch's pull_programs_per_sm) that start on each block of rows
-        as it is staged. Every program waits: with ``notify`` the host took the launch where
+        R programs first (a num_worst_tokens dispatch); ``grid``: the stage's programs (in a full
+        dispatch R list programs; then up to ``num_sms`` copy programs: _overlapped_stage_programs)
+        and the pull programs after them (at most 4 x num_sms: full_one_launch's
+        pull_programs_per_sm), which start on each block of rows as it is staged. Every program waits: with ``notify`` the host took the launch where
         notify_stage_fits counts them all; else it counts the pull's (at most 4 x num_sms, as
         shared_grids.py does).
         ``handle``: the addresses of rank_prefix_matrix, recv_info (the notify's, or 0),
@@ -386,7 +390,7 @@ class NormalMode(KernelChoices):
         aligned = plan.rows_aligned and x_aligned
         cached = args.handle is not None
         num_local = 0 if cached else args.num_tokens_per_expert.shape[0] // self.R
-        num_stage = self._overlapped_stage_programs(args, num_tokens, plan)
+        num_stage, pull_programs = grid
         prefix, recv_info, src_idx, in_rank, list_index = handle
         if cached:
             kernel = plan.overlapped_cached[aligned]
